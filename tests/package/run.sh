@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs the built rdmakit into a scratch prefix, then builds and runs a consumer against it
+# twice: through find_package(rdmakit) and through pkg-config.
+# Usage: run.sh BUILD_DIR SOURCE_DIR SCRATCH_DIR VERSION
+set -euo pipefail
+build=$1 src=$2 scratch=$3 version=$4
+rm -rf "$scratch"
+prefix=$scratch/prefix
+cmake --install "$build" --prefix "$prefix" > /dev/null
+
+echo "-- find_package(rdmakit)"
+cmake -S "$src" -B "$scratch/cmake" -DCMAKE_PREFIX_PATH="$prefix" > /dev/null
+cmake --build "$scratch/cmake" > /dev/null
+out=$("$scratch/cmake/consumer")
+echo "$out"
+grep -qx "rdmakit $version" <<< "$out"
+grep -q "ibv_reg_mr failed: ENOMEM" <<< "$out"
+
+echo "-- pkg-config rdmakit"
+export PKG_CONFIG_PATH=$prefix/lib/pkgconfig:$prefix/lib/x86_64-linux-gnu/pkgconfig
+[[ "$(pkg-config --modversion rdmakit)" == "$version" ]]
+# shellcheck disable=SC2046  # word splitting of the flags is intended
+c++ -std=c++20 "$src/consumer.cpp" -o "$scratch/consumer-pc" $(pkg-config --cflags --libs --static rdmakit)
+"$scratch/consumer-pc" | grep -qx "rdmakit $version"
+echo "package consumer: ok"

@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Self-tests of lab/rdmakit-lab, one case per invocation (CTest runs each as its own test).
+
+Every case runs the real lab: qemu, the guest kernel, rdma_rxe, and the host's rdma-core tools.
+"""
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+LAB = "lab/rdmakit-lab"
+
+
+def fail(msg):
+    print(f"FAIL: {msg}", flush=True)
+    sys.exit(1)
+
+
+def lab_qemus():
+    """pids of live (non-zombie) qemu processes started by any rdmakit-lab."""
+    pids = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"qemu-system-x86_64") and state != "Z" and \
+                any(a.startswith(b"rdmakit-lab-") for a in argv):
+            pids.add(int(pid))
+    return pids
+
+
+def run_lab(args, timeout=300):
+    """Runs the lab, echoing its output; returns (rc, stdout, stderr, seconds)."""
+    t0 = time.monotonic()
+    p = subprocess.run([LAB, "run", *args], capture_output=True, text=True, timeout=timeout)
+    dt = time.monotonic() - t0
+    sys.stdout.write(p.stdout)
+    sys.stdout.write(p.stderr)
+    print(f"-- lab exited {p.returncode} after {dt:.1f} s", flush=True)
+    return p.returncode, p.stdout, p.stderr, dt
+
+
+def expect_no_qemu_left(before, within=5.0):
+    deadline = time.monotonic() + within
+    while True:
+        left = lab_qemus() - before
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            fail(f"qemu processes outlived the lab: {sorted(left)}")
+        time.sleep(0.1)
+
+
+# Server and client in one guest, over the guest's own rxe0: the server is started first and the
+# client retries until the server listens (it cannot know when that is).
+PINGPONG_CLIENT = ("for i in $(seq 40); do ibv_rc_pingpong -d $RDMAKIT_LAB_DEVICE -g 1 -n 200 {host}"
+                   " && exit 0; sleep 0.25; done; exit 1")
+
+
+def case_devinfo_pingpong_one_vm():
+    script = ("ibv_devinfo -d $RDMAKIT_LAB_DEVICE -v || exit 1; "
+              "ibv_rc_pingpong -d $RDMAKIT_LAB_DEVICE -g 1 -n 200 > server.out 2>&1 & server=$!; "
+              "(" + PINGPONG_CLIENT.format(host="127.0.0.1") + ") || exit 2; "
+              "wait $server || exit 3; cat server.out")
+    rc, out, _, _ = run_lab(["--timeout", "120", "--", "sh", "-c", script])
+    if rc != 0:
+        fail(f"lab exited {rc}")
+    if not re.search(r"state:\s+PORT_ACTIVE", out):
+        fail("ibv_devinfo did not show an ACTIVE port")
+    if not re.search(r"GID\[\s*1\]:\s+::ffff:198\.18\.0\.1, RoCE v2", out):
+        fail("GID 1 is not the RoCE v2 IPv4-mapped address")
+    # Both sides report the transfer: the client's and (from server.out) the server's.
+    if len(re.findall(r"200 iters in [\d.]+ seconds", out)) != 2:
+        fail("expected both pingpong sides to report 200 iterations")
+
+
+def case_pingpong_two_vms():
+    script = ('set -- $RDMAKIT_LAB_IPS; if [ "$RDMAKIT_LAB_INDEX" = 0 ]; then '
+              "exec ibv_rc_pingpong -d $RDMAKIT_LAB_DEVICE -g 1 -n 200; else "
+              + PINGPONG_CLIENT.format(host="$1") + "; fi")
+    rc, out, _, _ = run_lab(["--vms", "2", "--timeout", "120", "--", "sh", "-c", script])
+    if rc != 0:
+        fail(f"lab exited {rc}")
+    for vm, peer in ((0, "198.18.0.2"), (1, "198.18.0.1")):
+        if not re.search(rf"^\[{vm}\]\s+remote address: .*GID ::ffff:{re.escape(peer)}$", out, re.M):
+            fail(f"VM {vm} did not connect to {peer} over RoCE v2")
+        if not re.search(rf"^\[{vm}\] 200 iters in", out, re.M):
+            fail(f"VM {vm} did not complete the transfer")
+
+
+def case_exit_status():
+    rc, _, err, _ = run_lab(["--", "sh", "-c", "echo about to fail; exit 3"])
+    if rc != 3:
+        fail(f"a guest exit status of 3 gave lab status {rc}")
+    if "exited with status 3" not in err:
+        fail("the lab did not report the guest's status")
+    # With two VMs, the failing one's status is the lab's, and the other still finishes.
+    rc, _, _, _ = run_lab(["--vms", "2", "--", "sh", "-c", 'exit $((RDMAKIT_LAB_INDEX * 5))'])
+    if rc != 5:
+        fail(f"VM 1 exiting 5 gave lab status {rc}")
+
+
+def case_timeout():
+    before = lab_qemus()
+    t0 = time.monotonic()
+    p = subprocess.Popen([LAB, "run", "-v", "--timeout", "5", "--", "sleep", "600"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started = None
+    for line in p.stdout:
+        sys.stdout.write(line)
+        if "starting the command" in line:
+            started = time.monotonic()
+    rc = p.wait(timeout=60)
+    end = time.monotonic()
+    print(f"-- lab exited {rc}, {end - t0:.1f} s in all", flush=True)
+    if started is None:
+        fail("the guest never started the command")
+    if rc != 124:
+        fail(f"expected exit status 124 after a timeout, got {rc}")
+    late = end - started - 5
+    print(f"-- killed {late:.2f} s after the 5 s timeout", flush=True)
+    if late > 3:
+        fail(f"killed {late:.1f} s after the timeout (allowed: 3 s)")
+    expect_no_qemu_left(before)
+
+
+def case_boot_timeout():
+    before = lab_qemus()
+    rc, _, err, dt = run_lab(["--boot-timeout", "1", "--", "true"])
+    if rc != 125:
+        fail(f"a guest that cannot boot in time gave status {rc}, expected 125")
+    if "--boot-timeout" not in err:
+        fail("the lab did not say the guest missed its boot deadline")
+    if dt > 15:
+        fail(f"took {dt:.1f} s to give up on a 1 s boot deadline")
+    expect_no_qemu_left(before)
+
+
+def case_panic():
+    before = lab_qemus()
+    # sysrq 'c' crashes the guest kernel on purpose.
+    rc, _, err, _ = run_lab(["--", "sh", "-c", "echo c > /proc/sysrq-trigger; sleep 60"])
+    if rc != 125:
+        fail(f"a guest kernel panic gave status {rc}, expected 125")
+    if "panicked" not in err:
+        fail("the lab did not report the panic")
+    expect_no_qemu_left(before)
+
+
+def _signal_case(sig, expect_rc):
+    before = lab_qemus()
+    p = subprocess.Popen([LAB, "run", "-v", "--vms", "2", "--", "sleep", "600"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in p.stdout:
+        sys.stdout.write(line)
+        if "starting the command" in line:
+            break
+    else:
+        fail("the guests never started the command")
+    if len(lab_qemus() - before) != 2:
+        fail("expected two running qemu processes")
+    p.send_signal(sig)
+    rest, _ = p.communicate(timeout=30)
+    sys.stdout.write(rest)
+    print(f"-- lab exited {p.returncode} after {signal.Signals(sig).name}", flush=True)
+    if expect_rc is not None and p.returncode != expect_rc:
+        fail(f"expected status {expect_rc}, got {p.returncode}")
+    expect_no_qemu_left(before)
+
+
+def case_sigterm():
+    _signal_case(signal.SIGTERM, 128 + signal.SIGTERM)
+
+
+def case_sigkill():
+    # The lab cannot clean up after SIGKILL; the kernel must (PR_SET_PDEATHSIG on each qemu).
+    _signal_case(signal.SIGKILL, -signal.SIGKILL)
+
+
+def main():
+    global LAB
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lab", default=LAB)
+    ap.add_argument("case", choices=[n[5:] for n in globals() if n.startswith("case_")])
+    a = ap.parse_args()
+    LAB = a.lab
+    globals()["case_" + a.case]()
+    print(f"PASS: {a.case}")
+
+
+if __name__ == "__main__":
+    main()
