@@ -1,16 +1,27 @@
 // rdmakit: the command-line front of the library. Each subcommand is a thin layer over the public
 // API: the tool has no private path into the library.
+#include <cstdio>
+#include <functional>
 #include <string>
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
+#include "hello.hpp"
+#include "rdmakit/error.hpp"
 #include "rdmakit/version.hpp"
 
 int main(int argc, char** argv) {
   CLI::App app{"rdmakit: correct, fast and debuggable RDMA between hosts", "rdmakit"};
   app.set_version_flag("-V,--version", std::string(rdmakit::version()));
+  app.require_subcommand(1);
+  std::function<int()> run;
+  rdmakit::tools::add_hello(app, run);
   CLI11_PARSE(app, argc, argv);
-  fmt::print("{}", app.help());
-  return 0;
+  try {
+    return run();
+  } catch (const rdmakit::Error& e) {
+    fmt::print(stderr, "rdmakit: {}\n", e.what());
+    return 1;
+  }
 }

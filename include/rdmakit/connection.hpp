@@ -1,0 +1,200 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "rdmakit/device.hpp"
+#include "rdmakit/memory.hpp"
+#include "rdmakit/wire.hpp"
+
+namespace rdmakit {
+
+/// Everything a connection is built from, passed by value. The defaults detect a dead peer within
+/// about 4 s (500 ms ACK timeout x 7 tries) and never wait forever.
+struct ConnectionConfig {
+  std::string device;       ///< RDMA device; empty: the first one with an ACTIVE port
+  std::uint8_t port = 0;    ///< device port; 0: the device's first ACTIVE port
+  GidSelector gid;          ///< source GID; default: by priority (RoCE v2 IPv4 first)
+  /// Bound on the whole handshake (TCP connect, parameter exchange, QP transitions).
+  std::chrono::milliseconds handshake_timeout{10'000};
+  /// Time to wait for an ACK before retransmitting. 0 is refused (it means forever).
+  std::chrono::milliseconds ack_timeout{500};
+  std::uint8_t retry_count = 6;  ///< retransmissions before RETRY_EXC_ERR (0..7)
+  /// How long a sender backs off when this side has no receive posted (RNR NAK timer).
+  std::chrono::microseconds rnr_timer{1280};
+  std::uint8_t rnr_retry = 6;     ///< RNR retries before RNR_RETRY_EXC_ERR; 7 (forever) is refused
+  std::uint32_t send_depth = 64;  ///< send queue entries (outstanding sends, writes, reads)
+  std::uint32_t recv_depth = 64;  ///< receive queue entries
+  /// What peers may do through this connection's QP (their regions also need the flag).
+  Access remote_access = Access::remote_read | Access::remote_write;
+  /// Where setup diagnostics go (rejected handshakes on a listener, close problems).
+  /// Default: standard error.
+  std::function<void(std::string_view)> log;
+  /// Test seam: sees (and may alter) the peer's decoded parameters before the QP transitions.
+  std::function<void(wire::EndpointInfo&)> testing_alter_peer;
+};
+
+/// What a work request was.
+enum class Opcode : std::uint8_t { send, write, write_with_imm, read, recv };
+[[nodiscard]] const char* to_string(Opcode op) noexcept;
+
+/// One work completion, copied out of the CQ. A failed operation is a completion with a status,
+/// not an exception.
+struct Completion {
+  std::uint64_t wr_id = 0;
+  Opcode opcode = Opcode::send;  ///< from the posted work request (valid for errors too)
+  int status = 0;                ///< ibv_wc_status; 0 is success
+  std::uint32_t vendor_err = 0;
+  std::uint32_t byte_len = 0;    ///< bytes received (recv)
+  bool has_imm = false;
+  std::uint32_t imm = 0;         ///< host byte order
+
+  [[nodiscard]] bool ok() const noexcept { return status == 0; }
+  /// ibv_wc_status_str of the status.
+  [[nodiscard]] const char* status_name() const noexcept;
+  /// Status, vendor error, wr_id, opcode and the likely cause, in one line.
+  [[nodiscard]] std::string describe() const;
+};
+
+/// Why a post was refused. Posts never throw; a refused post changed nothing.
+enum class PostStatus : std::uint8_t {
+  ok,
+  not_ready,      ///< the QP is not in RTS (not connected yet, or closing)
+  out_of_bounds,  ///< the range is outside the remote region or the local slice
+  no_access,      ///< the remote region does not allow this operation
+  too_large,      ///< longer than the port's max message size
+  queue_full,     ///< as many work requests outstanding as the queue holds
+  failed,         ///< ibv_post_* returned an error (see sys_errno)
+};
+struct PostResult {
+  PostStatus status = PostStatus::ok;
+  int sys_errno = 0;
+  [[nodiscard]] bool ok() const noexcept { return status == PostStatus::ok; }
+  [[nodiscard]] std::string describe() const;
+};
+
+enum class WaitStatus : std::uint8_t { completed, timeout, peer_lost };
+struct WaitResult {
+  WaitStatus status = WaitStatus::timeout;
+  Completion completion;  ///< valid when status == completed (and may itself be an error)
+};
+
+/// What the handshake settled, for printing and diagnosis.
+struct ConnectionInfo {
+  std::string device;
+  std::uint8_t port = 0;
+  LinkLayer link_layer = LinkLayer::ethernet;
+  GidEntry local_gid;
+  std::string gid_reason;  ///< why this GID was chosen
+  std::uint32_t path_mtu = 0;
+  std::uint32_t local_mtu = 0, remote_mtu = 0;
+  std::uint32_t max_msg_size = 0;
+  std::string peer_address;  ///< the bootstrap peer, "host:port"
+  wire::EndpointInfo local;
+  wire::EndpointInfo remote;
+};
+
+/// One reliable-connected RDMA connection to one peer, with its TCP control channel.
+/// Move-only. Destroying it closes it: outstanding work completes (or is flushed) first, then
+/// QP, CQs, memory regions, PD and device context are released in that order.
+class Connection {
+ public:
+  /// Called during the handshake, after the QP exists and before parameters are exchanged:
+  /// register memory, advertise() what the peer may access, post receives.
+  using Setup = std::function<void(Connection&)>;
+
+  /// Connects to a listener at "host:port" ("[v6addr]:port" for IPv6). Throws Error on failure,
+  /// including the peer's reason when it rejected us.
+  static Connection connect(const std::string& host_port, const ConnectionConfig& config,
+                            const Setup& setup = {});
+
+  Connection(Connection&&) noexcept;
+  Connection& operator=(Connection&&) noexcept;
+  ~Connection();
+
+  /// Registers caller-owned memory in this connection's protection domain. The memory must
+  /// outlive the connection. Throws Error (with RLIMIT_MEMLOCK advice where that is the cause).
+  const MemoryRegion& register_memory(void* addr, std::size_t length, Access access);
+  /// Allocates page-aligned, zeroed memory owned by the connection and registers it.
+  const MemoryRegion& allocate_memory(std::size_t length, Access access);
+  /// The regions registered or allocated through this connection, in that order.
+  [[nodiscard]] const MemoryRegion& memory(std::size_t index) const;
+  [[nodiscard]] std::size_t memory_count() const noexcept;
+  /// Offers a region to the peer (only from Setup, before the parameters are exchanged).
+  void advertise(const MemoryRegion& region);
+
+  /// The regions the peer advertised to us.
+  [[nodiscard]] const std::vector<RemoteRegion>& remote_regions() const noexcept;
+  [[nodiscard]] const ConnectionInfo& info() const noexcept;
+
+  PostResult post_write(const LocalSlice& src, const RemoteRegion& dst, std::uint64_t offset,
+                        std::uint64_t wr_id) noexcept;
+  PostResult post_write_with_imm(const LocalSlice& src, const RemoteRegion& dst,
+                                 std::uint64_t offset, std::uint32_t imm,
+                                 std::uint64_t wr_id) noexcept;
+  PostResult post_read(const LocalSlice& dst, const RemoteRegion& src, std::uint64_t offset,
+                       std::uint64_t wr_id) noexcept;
+  PostResult post_send(const LocalSlice& src, std::uint64_t wr_id) noexcept;
+  /// Allowed from Setup too, so a receive is ready before the peer can send.
+  PostResult post_recv(const LocalSlice& dst, std::uint64_t wr_id) noexcept;
+
+  /// Copies up to out.size() completions (send and receive side) into `out`; returns how many.
+  std::size_t poll(std::span<Completion> out) noexcept;
+  /// Waits for the next completion until `timeout`; reports peer_lost as soon as the control
+  /// channel says the peer is gone.
+  WaitResult wait(std::chrono::milliseconds timeout) noexcept;
+  /// Work requests posted and not yet completed.
+  [[nodiscard]] std::uint32_t outstanding() const noexcept;
+
+  /// Whether the peer has said BYE or its control channel closed.
+  [[nodiscard]] bool peer_closed() noexcept;
+  /// Waits until the peer says BYE or disconnects; false on timeout.
+  bool wait_peer_close(std::chrono::milliseconds timeout) noexcept;
+  /// Orderly close: tells the peer (BYE), lets outstanding work finish within `timeout`, flushes
+  /// what remains, then releases everything. Idempotent; the destructor does it with 2 s.
+  void close(std::chrono::milliseconds timeout = std::chrono::milliseconds{2000}) noexcept;
+
+  struct Impl;
+
+ private:
+  explicit Connection(std::unique_ptr<Impl> impl) noexcept;
+  // The listener's side of the handshake on an accepted socket (whose ownership it takes).
+  static Connection accept_on(int fd, const std::string& peer, const ConnectionConfig& config,
+                              const Setup& setup);
+  friend class Listener;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Accepts connections on a TCP port. Each client's handshake runs on its own thread with its
+/// own deadline, so a stalled or malicious client delays nobody; rejected handshakes are logged
+/// (config.log) and counted, and the listener keeps serving.
+class Listener {
+ public:
+  /// Listens on "[host]:port" (":port" or "port": all addresses, IPv6 and IPv4; port 0: any free
+  /// port, see port()). Throws Error if it cannot listen.
+  Listener(const std::string& address, ConnectionConfig config, Connection::Setup setup = {});
+  Listener(const Listener&) = delete;
+  Listener& operator=(const Listener&) = delete;
+  /// Stops accepting; waits for running handshakes (each bounded by its deadline).
+  ~Listener();
+
+  [[nodiscard]] std::uint16_t port() const noexcept;
+  /// The next connection whose handshake succeeded, or nullopt after `timeout`.
+  std::optional<Connection> accept(std::chrono::milliseconds timeout);
+  /// Handshakes that failed or were rejected so far.
+  [[nodiscard]] std::size_t rejected() const noexcept;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace rdmakit

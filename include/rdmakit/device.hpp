@@ -1,0 +1,96 @@
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace rdmakit {
+
+/// A 128-bit GID, in network byte order as on the wire.
+using Gid = std::array<std::uint8_t, 16>;
+
+/// Link layer of a port.
+enum class LinkLayer : std::uint8_t { infiniband = 1, ethernet = 2 };
+
+/// What kind of GID a table entry is (ibv_gid_type).
+enum class GidType : std::uint8_t { ib = 0, roce_v1 = 1, roce_v2 = 2 };
+
+/// Address family of a GID's value.
+enum class GidKind : std::uint8_t {
+  ipv4_mapped,     ///< ::ffff:a.b.c.d, the IPv4 address of the netdev
+  ipv6_link_local, ///< fe80::/10, not routable
+  ipv6,            ///< any other (routable) IPv6 address, or an IB GID
+};
+
+/// One valid entry of a port's GID table.
+struct GidEntry {
+  std::uint32_t index = 0;
+  GidType type = GidType::ib;
+  Gid gid{};
+  std::string netdev;  ///< the netdev it belongs to (RoCE), empty on IB
+
+  [[nodiscard]] GidKind kind() const noexcept;
+  /// "::ffff:198.18.0.1" or "fe80::5054:ff:fe4c:ab01".
+  [[nodiscard]] std::string address() const;
+};
+
+/// Attributes of one port of a device.
+struct PortInfo {
+  std::uint8_t number = 1;
+  bool active = false;             ///< IBV_PORT_ACTIVE
+  std::string state;               ///< "ACTIVE", "DOWN", ...
+  LinkLayer link_layer = LinkLayer::infiniband;
+  std::uint32_t active_mtu = 0;    ///< bytes (256..4096)
+  std::uint32_t max_mtu = 0;       ///< bytes
+  std::uint16_t lid = 0;
+  std::uint32_t max_msg_size = 0;
+  std::vector<GidEntry> gids;      ///< valid entries only, by index
+};
+
+/// One RDMA device and its ports.
+struct DeviceInfo {
+  std::string name;                ///< "mlx5_0", "rxe0"
+  std::uint64_t node_guid = 0;     ///< host byte order
+  std::vector<PortInfo> ports;
+};
+
+/// Enumerates every RDMA device with its ports and GID tables. Throws Error when the verbs
+/// library cannot list devices; an empty result means there are none.
+[[nodiscard]] std::vector<DeviceInfo> list_devices();
+
+/// Picks a device by name, or when `name` is empty the first one with an ACTIVE port. Throws
+/// Error naming the available devices (and their port states) when none fits.
+[[nodiscard]] const DeviceInfo& pick_device(const std::vector<DeviceInfo>& devices,
+                                            const std::string& name);
+
+/// Picks a port: `number` if non-zero (it must exist), else the device's first ACTIVE port.
+[[nodiscard]] const PortInfo& pick_port(const DeviceInfo& device, std::uint8_t number);
+
+/// How to choose the source GID. By default the highest-priority entry wins: RoCE v2 with an
+/// IPv4 address first, then routable RoCE v2 IPv6, then RoCE v1 (IPv4, then IPv6), then
+/// link-local entries, then IB GIDs; lower index first within a rank.
+struct GidSelector {
+  std::optional<std::uint32_t> index;  ///< use exactly this table index
+  std::string address;                 ///< or the entry whose address is this IPv4/IPv6 address
+
+  /// Parses "3" (an index) or an IP address ("198.18.0.1", "fe80::1"); empty means automatic.
+  static GidSelector parse(const std::string& text);
+};
+
+/// Chooses a GID from a port's table following `selector`, with the reason for the choice.
+/// Throws Error when the selector matches nothing or the table has no usable entry.
+struct GidChoice {
+  GidEntry entry;
+  std::string reason;
+};
+[[nodiscard]] GidChoice choose_gid(std::span<const GidEntry> table, const GidSelector& selector);
+
+/// "IB", "RoCE v1", "RoCE v2".
+[[nodiscard]] const char* to_string(GidType type) noexcept;
+/// "InfiniBand", "Ethernet".
+[[nodiscard]] const char* to_string(LinkLayer layer) noexcept;
+
+}  // namespace rdmakit

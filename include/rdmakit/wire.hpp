@@ -1,0 +1,85 @@
+#pragma once
+// The bootstrap wire format, version 1. Every message is a 12-byte header followed by a payload;
+// every field has a fixed width and network byte order, and the decoder checks each one. No C
+// struct is ever copied onto the socket.
+//
+//   header:  magic u32 "RDKT" | version u16 | type u16 | payload length u32
+//   HELLO:   qpn u32 | psn u32 | lid u16 | link layer u8 | gid type u8 | gid [16] |
+//            gid index u32 | mtu u16 (bytes) | max_rd_atomic u8 | max_dest_rd_atomic u8 |
+//            region count u16 | reserved u16 (0) | regions: addr u64, length u64, rkey u32,
+//            access u32 (each 24 bytes)
+//   READY, BYE: empty.   REJECT: a UTF-8 reason.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "rdmakit/device.hpp"
+#include "rdmakit/memory.hpp"
+
+namespace rdmakit::wire {
+
+inline constexpr std::uint32_t kMagic = 0x52444b54;  // "RDKT"
+inline constexpr std::uint16_t kVersion = 1;
+inline constexpr std::size_t kHeaderSize = 12;
+inline constexpr std::size_t kHelloFixedSize = 40;
+inline constexpr std::size_t kRegionSize = 24;
+/// Most regions one HELLO may advertise; more is refused as absurd.
+inline constexpr std::size_t kMaxRegions = 1024;
+/// Largest payload accepted; checked from the header before any payload is read.
+inline constexpr std::size_t kMaxPayload = kHelloFixedSize + kMaxRegions * kRegionSize;
+
+enum class MessageType : std::uint16_t {
+  hello = 1,   ///< connection parameters (EndpointInfo)
+  ready = 2,   ///< the sender's QP is in RTS: the peer may post
+  bye = 3,     ///< orderly close: the sender will post nothing more
+  reject = 4,  ///< the sender refuses the connection; the payload says why
+};
+
+struct Header {
+  MessageType type = MessageType::hello;
+  std::uint32_t length = 0;
+};
+
+/// What one side of a connection tells the other.
+struct EndpointInfo {
+  std::uint32_t qpn = 0;  ///< 24 bits, non-zero
+  std::uint32_t psn = 0;  ///< 24 bits
+  std::uint16_t lid = 0;
+  LinkLayer link_layer = LinkLayer::ethernet;
+  GidType gid_type = GidType::roce_v2;
+  Gid gid{};
+  std::uint32_t gid_index = 0;  ///< informational: the sender's own table index
+  std::uint32_t mtu = 0;        ///< the sender port's active MTU in bytes
+  std::uint8_t max_rd_atomic = 0;       ///< READs/atomics the sender will have in flight
+  std::uint8_t max_dest_rd_atomic = 0;  ///< incoming READs/atomics the sender can serve
+  std::vector<RemoteRegion> regions;
+  friend bool operator==(const EndpointInfo&, const EndpointInfo&) = default;
+};
+
+/// The 12-byte header of a message of `type` with `length` payload bytes.
+[[nodiscard]] std::vector<std::uint8_t> encode_header(MessageType type, std::uint32_t length);
+/// A whole HELLO message (header and payload). Throws Error if `info` is not encodable.
+[[nodiscard]] std::vector<std::uint8_t> encode_hello(const EndpointInfo& info);
+/// A whole REJECT message; the reason is cut to 512 bytes.
+[[nodiscard]] std::vector<std::uint8_t> encode_reject(std::string_view reason);
+
+/// Validates and decodes a header: magic, version, known type, payload length within limits.
+/// Throws Error saying what was wrong.
+[[nodiscard]] Header decode_header(std::span<const std::uint8_t> bytes);
+/// Validates and decodes a HELLO payload (every field). Throws Error saying what was wrong.
+[[nodiscard]] EndpointInfo decode_hello(std::span<const std::uint8_t> payload);
+/// Decodes a REJECT payload (any bytes; non-printable ones are escaped).
+[[nodiscard]] std::string decode_reject(std::span<const std::uint8_t> payload);
+
+/// Throws Error if the two sides cannot talk: InfiniBand with Ethernet, RoCE v1 with v2, IB
+/// without a LID.
+void check_compatible(const EndpointInfo& local, const EndpointInfo& remote);
+
+/// "HELLO", "READY", ...
+[[nodiscard]] const char* to_string(MessageType type) noexcept;
+
+}  // namespace rdmakit::wire

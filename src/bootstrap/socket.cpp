@@ -1,0 +1,312 @@
+#include "bootstrap/socket.hpp"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
+
+#include <fmt/format.h>
+
+#include "rdmakit/error.hpp"
+
+namespace rdmakit::detail {
+namespace {
+
+int remaining_ms(Deadline deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  return left.count() <= 0 ? 0 : static_cast<int>(std::min<long long>(left.count(), 1 << 30));
+}
+
+// Waits for `events` on fd until the deadline; throws ETIMEDOUT naming `what` when it passes.
+void wait_for(int fd, short events, Deadline deadline, const char* what) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    const int rc = ::poll(&p, 1, remaining_ms(deadline));
+    if (rc > 0) return;
+    if (rc == 0) {
+      throw Error(what, ETIMEDOUT, "the deadline passed",
+                  "the peer is unreachable, too slow, or not speaking the rdmakit protocol");
+    }
+    if (errno != EINTR) throw Error("poll", errno, what);
+  }
+}
+
+void set_nonblocking(int fd) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
+    throw Error("fcntl(O_NONBLOCK)", errno, "bootstrap socket");
+  }
+}
+
+std::string sockaddr_text(const sockaddr* sa) {
+  char host[INET6_ADDRSTRLEN] = {};
+  if (sa->sa_family == AF_INET) {
+    auto* in = reinterpret_cast<const sockaddr_in*>(sa);
+    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
+    return fmt::format("{}:{}", host, ntohs(in->sin_port));
+  }
+  if (sa->sa_family == AF_INET6) {
+    auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
+    if (IN6_IS_ADDR_V4MAPPED(&in6->sin6_addr)) {  // an IPv4 client of a dual-stack listener
+      ::inet_ntop(AF_INET, &in6->sin6_addr.s6_addr[12], host, sizeof host);
+      return fmt::format("{}:{}", host, ntohs(in6->sin6_port));
+    }
+    ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
+    return fmt::format("[{}]:{}", host, ntohs(in6->sin6_port));
+  }
+  return "?";
+}
+
+}  // namespace
+
+Fd& Fd::operator=(Fd&& o) noexcept {
+  if (this != &o) {
+    reset();
+    fd_ = std::exchange(o.fd_, -1);
+  }
+  return *this;
+}
+
+Fd::~Fd() { reset(); }
+
+void Fd::reset() noexcept {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+std::string HostPort::to_string() const {
+  return host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port)
+                                             : fmt::format("{}:{}", host, port);
+}
+
+HostPort parse_host_port(const std::string& text, std::uint16_t default_port) {
+  HostPort hp{"", default_port};
+  std::string port_text;
+  if (!text.empty() && text.front() == '[') {
+    const auto close = text.find(']');
+    if (close == std::string::npos) throw Error("parse address", EINVAL, fmt::format("'{}': missing ']'", text));
+    hp.host = text.substr(1, close - 1);
+    if (close + 1 < text.size()) {
+      if (text[close + 1] != ':') throw Error("parse address", EINVAL, fmt::format("'{}': expected ':' after ']'", text));
+      port_text = text.substr(close + 2);
+    }
+  } else if (const auto colon = text.rfind(':'); colon == std::string::npos) {
+    // A bare number is a port, anything else a host.
+    if (!text.empty() && text.find_first_not_of("0123456789") == std::string::npos) {
+      port_text = text;
+    } else {
+      hp.host = text;
+    }
+  } else if (text.find(':') != colon) {
+    hp.host = text;  // a bare IPv6 address without a port
+  } else {
+    hp.host = text.substr(0, colon);
+    port_text = text.substr(colon + 1);
+  }
+  if (!port_text.empty()) {
+    unsigned value = 0;
+    const auto [end, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), value);
+    if (ec != std::errc{} || end != port_text.data() + port_text.size() || value == 0 || value > 65535) {
+      throw Error("parse address", EINVAL, fmt::format("'{}': port must be 1..65535", text));
+    }
+    hp.port = static_cast<std::uint16_t>(value);
+  }
+  return hp;
+}
+
+Fd tcp_connect(const HostPort& to, Deadline deadline) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const std::string port = std::to_string(to.port);
+  if (const int rc = ::getaddrinfo(to.host.empty() ? "localhost" : to.host.c_str(), port.c_str(),
+                                   &hints, &res);
+      rc != 0) {
+    throw Error("getaddrinfo", 0, fmt::format("{}: {}", to.to_string(), ::gai_strerror(rc)),
+                "check the host name");
+  }
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(res, &::freeaddrinfo);
+  int last_errno = 0;
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    Fd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
+    if (!fd) {
+      last_errno = errno;
+      continue;
+    }
+    set_nonblocking(fd.get());
+    if (::connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
+      if (errno != EINPROGRESS) {
+        last_errno = errno;
+        continue;
+      }
+      pollfd p{fd.get(), POLLOUT, 0};
+      int rc;
+      while ((rc = ::poll(&p, 1, remaining_ms(deadline))) < 0 && errno == EINTR) {
+      }
+      if (rc == 0) {
+        last_errno = ETIMEDOUT;
+        continue;
+      }
+      int err = 0;
+      socklen_t len = sizeof err;
+      ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+      if (err != 0) {
+        last_errno = err;
+        continue;
+      }
+    }
+    int one = 1;  // small control messages must not wait for Nagle
+    ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    return fd;
+  }
+  const char* hint = last_errno == ECONNREFUSED ? "is the server running and listening on that port?"
+                     : last_errno == ETIMEDOUT  ? "is the host reachable (routing, firewall)?"
+                                                : "";
+  throw Error("connect", last_errno, fmt::format("to {}", to.to_string()), hint);
+}
+
+Fd tcp_listen(const HostPort& at, int backlog) {
+  addrinfo hints{};
+  hints.ai_family = at.host.empty() ? AF_INET6 : AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const std::string port = std::to_string(at.port);
+  if (const int rc = ::getaddrinfo(at.host.empty() ? nullptr : at.host.c_str(), port.c_str(),
+                                   &hints, &res);
+      rc != 0) {
+    throw Error("getaddrinfo", 0, fmt::format("{}: {}", at.to_string(), ::gai_strerror(rc)));
+  }
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(res, &::freeaddrinfo);
+  int last_errno = 0;
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    Fd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
+    if (!fd) {
+      last_errno = errno;
+      continue;
+    }
+    int one = 1, zero = 0;
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (ai->ai_family == AF_INET6) {
+      // Any-address IPv6 also takes IPv4 clients (as ::ffff:a.b.c.d).
+      ::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+    }
+    if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(fd.get(), backlog) != 0) {
+      last_errno = errno;
+      continue;
+    }
+    set_nonblocking(fd.get());
+    return fd;
+  }
+  throw Error("listen", last_errno, fmt::format("on {}", at.to_string()),
+              last_errno == EADDRINUSE ? "another process listens on that port; choose another"
+                                       : "");
+}
+
+Fd tcp_accept(int listen_fd, std::chrono::milliseconds timeout, std::string* peer) {
+  if (!wait_readable(listen_fd, timeout)) return {};
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  Fd fd(::accept4(listen_fd, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC | SOCK_NONBLOCK));
+  if (!fd) {
+    // Transient: the client gave up between poll and accept, or we are out of descriptors
+    // (the caller retries later rather than dying).
+    return {};
+  }
+  int one = 1;
+  ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  if (peer != nullptr) *peer = sockaddr_text(reinterpret_cast<sockaddr*>(&ss));
+  return fd;
+}
+
+std::uint16_t local_port(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) throw Error("getsockname", errno, "");
+  return ss.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
+                                  : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+}
+
+std::string peer_address(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
+  return sockaddr_text(reinterpret_cast<sockaddr*>(&ss));
+}
+
+void send_all(int fd, std::span<const std::uint8_t> bytes, Deadline deadline) {
+  while (!bytes.empty()) {
+    const ssize_t n = ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+    if (n > 0) {
+      bytes = bytes.subspan(static_cast<size_t>(n));
+    } else if (errno == EAGAIN || errno == EINTR) {
+      wait_for(fd, POLLOUT, deadline, "bootstrap send");
+    } else {
+      throw Error("bootstrap send", errno, peer_address(fd),
+                  errno == EPIPE || errno == ECONNRESET ? "the peer closed the connection" : "");
+    }
+  }
+}
+
+void recv_exact(int fd, std::span<std::uint8_t> bytes, Deadline deadline) {
+  const size_t want = bytes.size();
+  while (!bytes.empty()) {
+    const ssize_t n = ::recv(fd, bytes.data(), bytes.size(), 0);
+    if (n > 0) {
+      bytes = bytes.subspan(static_cast<size_t>(n));
+    } else if (n == 0) {
+      throw Error("bootstrap receive", ECONNRESET,
+                  fmt::format("{} closed the connection after {} of {} bytes", peer_address(fd),
+                              want - bytes.size(), want),
+                  "the peer exited or rejected this connection; see its log");
+    } else if (errno == EAGAIN || errno == EINTR) {
+      wait_for(fd, POLLIN, deadline, "bootstrap receive");
+    } else {
+      throw Error("bootstrap receive", errno, peer_address(fd));
+    }
+  }
+}
+
+Message recv_message(int fd, Deadline deadline) {
+  std::uint8_t head[wire::kHeaderSize];
+  recv_exact(fd, head, deadline);
+  Message m{wire::decode_header(head), {}};
+  m.payload.resize(m.header.length);
+  recv_exact(fd, m.payload, deadline);
+  return m;
+}
+
+long recv_nonblocking(int fd, std::span<std::uint8_t> buf) noexcept {
+  for (;;) {
+    const ssize_t n = ::recv(fd, buf.data(), buf.size(), MSG_DONTWAIT);
+    if (n > 0) return static_cast<long>(n);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return kRecvWouldBlock;
+    return kRecvClosed;
+  }
+}
+
+bool peer_closed(int fd) noexcept {
+  std::uint8_t b;
+  const ssize_t n = ::recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+bool wait_readable(int fd, std::chrono::milliseconds timeout) noexcept {
+  pollfd p{fd, POLLIN, 0};
+  int rc;
+  while ((rc = ::poll(&p, 1, static_cast<int>(timeout.count()))) < 0 && errno == EINTR) {
+  }
+  return rc > 0;
+}
+
+}  // namespace rdmakit::detail

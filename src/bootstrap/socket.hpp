@@ -1,0 +1,80 @@
+#pragma once
+// TCP for the bootstrap and control channel. Every operation takes a deadline: nothing here can
+// block past it, whatever the peer does (stalls, trickles bytes, never answers).
+
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "rdmakit/wire.hpp"
+
+namespace rdmakit::detail {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+inline Deadline deadline_in(std::chrono::milliseconds d) { return Clock::now() + d; }
+
+/// An owned file descriptor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) noexcept : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept;
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd();
+  [[nodiscard]] int get() const noexcept { return fd_; }
+  [[nodiscard]] explicit operator bool() const noexcept { return fd_ >= 0; }
+  void reset() noexcept;
+  /// Gives up ownership without closing.
+  [[nodiscard]] int release() noexcept { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_ = -1;
+};
+
+/// "host:port", "[v6]:port", ":port" or "port" (an empty host: any address when listening).
+struct HostPort {
+  std::string host;
+  std::uint16_t port = 0;
+  [[nodiscard]] std::string to_string() const;
+};
+HostPort parse_host_port(const std::string& text, std::uint16_t default_port);
+
+/// Connects to any address of `to` (IPv4 or IPv6), each attempt bounded by the deadline.
+Fd tcp_connect(const HostPort& to, Deadline deadline);
+/// Listens on `at` (an empty host listens on all IPv6 and IPv4 addresses). Non-blocking fd.
+Fd tcp_listen(const HostPort& at, int backlog);
+/// Accepts one connection if one is waiting within `timeout`, else returns an empty Fd.
+Fd tcp_accept(int listen_fd, std::chrono::milliseconds timeout, std::string* peer);
+std::uint16_t local_port(int fd);
+std::string peer_address(int fd);
+
+void send_all(int fd, std::span<const std::uint8_t> bytes, Deadline deadline);
+void recv_exact(int fd, std::span<std::uint8_t> bytes, Deadline deadline);
+
+/// One framed message: header validated, payload length checked before it is read.
+struct Message {
+  wire::Header header;
+  std::vector<std::uint8_t> payload;
+};
+Message recv_message(int fd, Deadline deadline);
+
+/// Reads what is there without blocking: the byte count, kRecvWouldBlock when nothing is, or
+/// kRecvClosed on EOF or a socket error (the peer is gone either way).
+inline constexpr long kRecvWouldBlock = -1;
+inline constexpr long kRecvClosed = 0;
+long recv_nonblocking(int fd, std::span<std::uint8_t> buf) noexcept;
+
+/// Whether the peer closed the connection (EOF or reset) as far as can be seen right now,
+/// without consuming data. A pending message is not a close.
+bool peer_closed(int fd) noexcept;
+/// Waits up to `timeout` for `fd` to become readable (data, EOF or error).
+bool wait_readable(int fd, std::chrono::milliseconds timeout) noexcept;
+
+}  // namespace rdmakit::detail

@@ -1,0 +1,244 @@
+#include "rdmakit/wire.hpp"
+
+#include <cerrno>
+
+#include <fmt/format.h>
+
+#include "rdmakit/error.hpp"
+
+namespace rdmakit::wire {
+namespace {
+
+constexpr std::uint32_t kQpnLimit = 1u << 24;
+constexpr std::uint32_t kAccessMask = 0xf;
+
+class Writer {
+ public:
+  explicit Writer(std::size_t reserve) { buf_.reserve(reserve); }
+  void u8(std::uint8_t v) { buf_.push_back(v); }
+  void u16(std::uint16_t v) { big_endian(v, 2); }
+  void u32(std::uint32_t v) { big_endian(v, 4); }
+  void u64(std::uint64_t v) { big_endian(v, 8); }
+  void bytes(std::span<const std::uint8_t> b) { buf_.insert(buf_.end(), b.begin(), b.end()); }
+  std::vector<std::uint8_t> take() { return std::move(buf_); }
+
+ private:
+  void big_endian(std::uint64_t v, int n) {
+    for (int i = n - 1; i >= 0; --i) buf_.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+  }
+  std::vector<std::uint8_t> buf_;
+};
+
+// Reads fixed-width big-endian fields; the caller checks the total length up front, so reads
+// never run past the end.
+class Reader {
+ public:
+  explicit Reader(std::span<const std::uint8_t> b) : b_(b) {}
+  std::uint8_t u8() { return b_[pos_++]; }
+  std::uint16_t u16() { return static_cast<std::uint16_t>(big_endian(2)); }
+  std::uint32_t u32() { return static_cast<std::uint32_t>(big_endian(4)); }
+  std::uint64_t u64() { return big_endian(8); }
+  void bytes(std::span<std::uint8_t> out) {
+    for (auto& o : out) o = b_[pos_++];
+  }
+
+ private:
+  std::uint64_t big_endian(int n) {
+    std::uint64_t v = 0;
+    for (int i = 0; i < n; ++i) v = (v << 8) | b_[pos_++];
+    return v;
+  }
+  std::span<const std::uint8_t> b_;
+  std::size_t pos_ = 0;
+};
+
+[[noreturn]] void reject(std::string detail, std::string hint = {}) {
+  throw Error("bootstrap decode", EBADMSG, std::move(detail), std::move(hint));
+}
+
+bool valid_mtu(std::uint32_t mtu) {
+  return mtu == 256 || mtu == 512 || mtu == 1024 || mtu == 2048 || mtu == 4096;
+}
+
+}  // namespace
+
+const char* to_string(MessageType type) noexcept {
+  switch (type) {
+    case MessageType::hello: return "HELLO";
+    case MessageType::ready: return "READY";
+    case MessageType::bye: return "BYE";
+    case MessageType::reject: return "REJECT";
+  }
+  return "?";
+}
+
+std::vector<std::uint8_t> encode_header(MessageType type, std::uint32_t length) {
+  Writer w(kHeaderSize);
+  w.u32(kMagic);
+  w.u16(kVersion);
+  w.u16(static_cast<std::uint16_t>(type));
+  w.u32(length);
+  return w.take();
+}
+
+std::vector<std::uint8_t> encode_hello(const EndpointInfo& info) {
+  if (info.qpn == 0 || info.qpn >= kQpnLimit || info.psn >= kQpnLimit) {
+    throw Error("bootstrap encode", EINVAL,
+                fmt::format("QPN {:#x} / PSN {:#x} do not fit in 24 bits", info.qpn, info.psn));
+  }
+  if (info.regions.size() > kMaxRegions) {
+    throw Error("bootstrap encode", E2BIG,
+                fmt::format("{} regions advertised; at most {}", info.regions.size(), kMaxRegions));
+  }
+  const auto payload = static_cast<std::uint32_t>(kHelloFixedSize + info.regions.size() * kRegionSize);
+  Writer w(kHeaderSize + payload);
+  w.bytes(encode_header(MessageType::hello, payload));
+  w.u32(info.qpn);
+  w.u32(info.psn);
+  w.u16(info.lid);
+  w.u8(static_cast<std::uint8_t>(info.link_layer));
+  w.u8(static_cast<std::uint8_t>(info.gid_type));
+  w.bytes(info.gid);
+  w.u32(info.gid_index);
+  w.u16(static_cast<std::uint16_t>(info.mtu));
+  w.u8(info.max_rd_atomic);
+  w.u8(info.max_dest_rd_atomic);
+  w.u16(static_cast<std::uint16_t>(info.regions.size()));
+  w.u16(0);
+  for (const auto& r : info.regions) {
+    w.u64(r.addr);
+    w.u64(r.length);
+    w.u32(r.rkey);
+    w.u32(static_cast<std::uint32_t>(r.access));
+  }
+  return w.take();
+}
+
+std::vector<std::uint8_t> encode_reject(std::string_view reason) {
+  reason = reason.substr(0, 512);
+  Writer w(kHeaderSize + reason.size());
+  w.bytes(encode_header(MessageType::reject, static_cast<std::uint32_t>(reason.size())));
+  w.bytes({reinterpret_cast<const std::uint8_t*>(reason.data()), reason.size()});
+  return w.take();
+}
+
+Header decode_header(std::span<const std::uint8_t> bytes) {
+  if (bytes.size() < kHeaderSize) {
+    reject(fmt::format("truncated header: {} of {} bytes", bytes.size(), kHeaderSize));
+  }
+  Reader r(bytes);
+  const std::uint32_t magic = r.u32();
+  if (magic != kMagic) {
+    reject(fmt::format("bad magic {:#010x} (expected {:#010x}, \"RDKT\")", magic, kMagic),
+           "the peer is not an rdmakit endpoint, or the port belongs to another service");
+  }
+  const std::uint16_t version = r.u16();
+  if (version != kVersion) {
+    reject(fmt::format("protocol version mismatch: peer speaks {}, this side speaks {}", version,
+                       kVersion),
+           "run the same rdmakit protocol version on both hosts");
+  }
+  const std::uint16_t type = r.u16();
+  if (type < 1 || type > 4) reject(fmt::format("unknown message type {}", type));
+  Header h{static_cast<MessageType>(type), r.u32()};
+  if (h.length > kMaxPayload) {
+    reject(fmt::format("oversized {} message: {} bytes (at most {})", to_string(h.type), h.length,
+                       kMaxPayload));
+  }
+  return h;
+}
+
+EndpointInfo decode_hello(std::span<const std::uint8_t> payload) {
+  if (payload.size() < kHelloFixedSize) {
+    reject(fmt::format("truncated HELLO: {} bytes, at least {} needed", payload.size(),
+                       kHelloFixedSize));
+  }
+  Reader r(payload);
+  EndpointInfo info;
+  info.qpn = r.u32();
+  if (info.qpn == 0 || info.qpn >= kQpnLimit) {
+    reject(fmt::format("QPN {:#x} out of range (1..0xffffff)", info.qpn),
+           "the peer sent a corrupt or misaligned QPN");
+  }
+  info.psn = r.u32();
+  if (info.psn >= kQpnLimit) reject(fmt::format("PSN {:#x} does not fit in 24 bits", info.psn));
+  info.lid = r.u16();
+  const std::uint8_t link = r.u8();
+  if (link != 1 && link != 2) reject(fmt::format("unknown link layer {}", link));
+  info.link_layer = static_cast<LinkLayer>(link);
+  const std::uint8_t gid_type = r.u8();
+  if (gid_type > 2) reject(fmt::format("unknown GID type {}", gid_type));
+  info.gid_type = static_cast<GidType>(gid_type);
+  r.bytes(info.gid);
+  info.gid_index = r.u32();
+  info.mtu = r.u16();
+  if (!valid_mtu(info.mtu)) reject(fmt::format("invalid MTU {} (256, 512, 1024, 2048 or 4096)", info.mtu));
+  info.max_rd_atomic = r.u8();
+  info.max_dest_rd_atomic = r.u8();
+  const std::uint16_t count = r.u16();
+  if (count > kMaxRegions) {
+    reject(fmt::format("absurd region count {} (at most {})", count, kMaxRegions));
+  }
+  if (const std::uint16_t reserved = r.u16(); reserved != 0) {
+    reject(fmt::format("reserved field is {:#x}, must be 0", reserved));
+  }
+  const std::size_t want = kHelloFixedSize + std::size_t{count} * kRegionSize;
+  if (payload.size() < want) {
+    reject(fmt::format("truncated HELLO: {} regions need {} bytes, got {}", count, want,
+                       payload.size()));
+  }
+  if (payload.size() > want) {
+    reject(fmt::format("HELLO has {} trailing bytes after {} regions", payload.size() - want, count));
+  }
+  info.regions.reserve(count);
+  for (std::uint16_t i = 0; i < count; ++i) {
+    RemoteRegion reg;
+    reg.addr = r.u64();
+    reg.length = r.u64();
+    reg.rkey = r.u32();
+    const std::uint32_t access = r.u32();
+    if (reg.addr + reg.length < reg.addr) {
+      reject(fmt::format("region {}: address {:#x} + length {:#x} overflows", i, reg.addr, reg.length));
+    }
+    if ((access & ~kAccessMask) != 0) {
+      reject(fmt::format("region {}: unknown access bits {:#x}", i, access & ~kAccessMask));
+    }
+    reg.access = static_cast<Access>(access);
+    info.regions.push_back(reg);
+  }
+  return info;
+}
+
+std::string decode_reject(std::span<const std::uint8_t> payload) {
+  std::string s;
+  for (std::uint8_t c : payload) {
+    if (c >= 0x20 && c < 0x7f) {
+      s += static_cast<char>(c);
+    } else {
+      s += fmt::format("\\x{:02x}", c);
+    }
+  }
+  return s;
+}
+
+void check_compatible(const EndpointInfo& local, const EndpointInfo& remote) {
+  if (local.link_layer != remote.link_layer) {
+    throw Error("bootstrap handshake", EPROTO,
+                fmt::format("link layers differ: this side is {}, the peer is {}",
+                            to_string(local.link_layer), to_string(remote.link_layer)),
+                "InfiniBand and Ethernet (RoCE) ports cannot talk to each other; pick a device of "
+                "the same kind on both hosts (--device)");
+  }
+  if (local.link_layer == LinkLayer::ethernet && local.gid_type != remote.gid_type) {
+    throw Error("bootstrap handshake", EPROTO,
+                fmt::format("RoCE versions differ: this side uses {}, the peer {}",
+                            to_string(local.gid_type), to_string(remote.gid_type)),
+                "choose GIDs of the same RoCE version on both hosts (--gid)");
+  }
+  if (local.link_layer == LinkLayer::infiniband && remote.lid == 0) {
+    throw Error("bootstrap handshake", EPROTO, "the InfiniBand peer has LID 0",
+                "is a subnet manager (opensm) running on the fabric?");
+  }
+}
+
+}  // namespace rdmakit::wire

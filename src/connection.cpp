@@ -1,0 +1,624 @@
+// Connection: the verbs objects of one RC connection plus its TCP control channel, and the
+// handshake that joins two of them.
+#include "rdmakit/connection.hpp"
+
+#include <endian.h>
+#include <infiniband/verbs.h>
+#include <sched.h>
+#include <sys/random.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <deque>
+
+#include <fmt/format.h>
+
+#include "bootstrap/socket.hpp"
+#include "rdmakit/error.hpp"
+#include "verbs/handles.hpp"
+#include "verbs/memory_impl.hpp"
+#include "verbs/qp.hpp"
+
+namespace rdmakit {
+
+using detail::Clock;
+using detail::Deadline;
+
+const char* to_string(Opcode op) noexcept {
+  switch (op) {
+    case Opcode::send: return "SEND";
+    case Opcode::write: return "RDMA_WRITE";
+    case Opcode::write_with_imm: return "RDMA_WRITE_WITH_IMM";
+    case Opcode::read: return "RDMA_READ";
+    case Opcode::recv: return "RECV";
+  }
+  return "?";
+}
+
+const char* Completion::status_name() const noexcept {
+  return ibv_wc_status_str(static_cast<ibv_wc_status>(status));
+}
+
+namespace {
+
+const char* likely_cause(int status) {
+  switch (status) {
+    case IBV_WC_RETRY_EXC_ERR:
+      return "no ACK from the peer after every retry: the peer process or host is gone, or it is "
+             "unreachable (wrong GID or route, RoCE v1/v2 mismatch, firewall on UDP 4791), or the "
+             "path MTU is larger than the network carries";
+    case IBV_WC_REM_ACCESS_ERR:
+      return "the peer refused the access: wrong rkey, address or length outside its region, or "
+             "the region was not registered with this access (remote read/write/atomic)";
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+      return "the peer had no receive posted (receiver not ready) after every RNR retry";
+    case IBV_WC_WR_FLUSH_ERR:
+      return "flushed: the QP is in the error state (an earlier work request failed, or the "
+             "connection is closing)";
+    case IBV_WC_LOC_PROT_ERR:
+      return "the local buffer is not inside a registered region with the needed access (a "
+             "READ or RECV target needs local write)";
+    case IBV_WC_LOC_LEN_ERR:
+      return "the local receive buffer is smaller than the incoming message";
+    case IBV_WC_REM_INV_REQ_ERR:
+      return "the peer found the request invalid: longer than its receive buffer, or an "
+             "operation its QP does not allow";
+    case IBV_WC_REM_OP_ERR: return "the peer could not complete the operation";
+    case IBV_WC_LOC_QP_OP_ERR: return "the local QP rejected the work request (bad opcode or SGE)";
+    default: return "";
+  }
+}
+
+}  // namespace
+
+std::string Completion::describe() const {
+  if (ok()) return fmt::format("{} wr_id={} ok", to_string(opcode), wr_id);
+  const char* cause = likely_cause(status);
+  return fmt::format("{} wr_id={} failed: {} (status {}, vendor_err {:#x}){}{}", to_string(opcode),
+                     wr_id, status_name(), status, vendor_err, *cause ? ". Likely cause: " : "",
+                     cause);
+}
+
+std::string PostResult::describe() const {
+  switch (status) {
+    case PostStatus::ok: return "ok";
+    case PostStatus::not_ready: return "refused: the QP is not in RTS (not connected, or closing)";
+    case PostStatus::out_of_bounds: return "refused: the range lies outside the region";
+    case PostStatus::no_access: return "refused: the remote region does not allow this operation";
+    case PostStatus::too_large: return "refused: longer than the port's max message size";
+    case PostStatus::queue_full: return "refused: the queue has no free entry";
+    case PostStatus::failed:
+      return fmt::format("ibv_post failed: {} ({})", errno_name(sys_errno),
+                         std::system_category().message(sys_errno));
+  }
+  return "?";
+}
+
+namespace {
+
+// Posted work requests of one queue, in post order. RC completes each queue in order, so the
+// oldest entry is the one a completion belongs to; this is how an error completion (whose
+// opcode field the verbs leave undefined) is still reported with its opcode. Sized at setup.
+class WrRing {
+ public:
+  void init(std::uint32_t capacity) { slots_.assign(capacity, {}); }
+  [[nodiscard]] bool full() const noexcept { return count_ == slots_.size(); }
+  [[nodiscard]] std::uint32_t count() const noexcept { return count_; }
+  void push(std::uint64_t wr_id, Opcode op) noexcept {
+    slots_[(head_ + count_) % slots_.size()] = {wr_id, op};
+    ++count_;
+  }
+  Opcode pop() noexcept {
+    if (count_ == 0) return Opcode::send;
+    const Opcode op = slots_[head_].op;
+    head_ = (head_ + 1) % static_cast<std::uint32_t>(slots_.size());
+    --count_;
+    return op;
+  }
+
+ private:
+  struct Slot {
+    std::uint64_t wr_id = 0;
+    Opcode op = Opcode::send;
+  };
+  std::vector<Slot> slots_;
+  std::uint32_t head_ = 0;
+  std::uint32_t count_ = 0;
+};
+
+constexpr int kPollBatch = 16;
+// Control messages after the handshake are header-only or short; a peer sending more than this
+// unread is misbehaving and treated as gone.
+constexpr std::size_t kControlBuffer = 1024;
+
+void default_log(std::string_view msg) { fmt::print(stderr, "rdmakit: {}\n", msg); }
+
+std::uint32_t random_psn() {
+  std::uint32_t v = 0;
+  // A CSPRNG, so PSNs are not predictable by an off-path attacker injecting packets.
+  if (::getrandom(&v, sizeof v, 0) != sizeof v) throw Error("getrandom", errno, "choosing a PSN");
+  return v & 0xffffff;
+}
+
+}  // namespace
+
+struct Connection::Impl {
+  enum class State { setup, connected, closed };
+
+  ConnectionConfig cfg;
+  ConnectionInfo info;
+  detail::QpTimeouts timeouts;
+  // Release order is the reverse of this order: regions, QP, CQs, then (when the last region
+  // lets go) PD and context.
+  std::shared_ptr<detail::DeviceResources> dev;
+  detail::CqPtr send_cq;
+  detail::CqPtr recv_cq;
+  detail::QpPtr qp;
+  std::deque<MemoryRegion> regions;
+  std::vector<RemoteRegion> advertised;
+  WrRing sq;
+  WrRing rq;
+  detail::Fd control;
+  State state = State::setup;
+  bool recv_allowed = false;  // receives may be posted from INIT on
+  bool bye_received = false;
+  bool control_gone = false;
+  std::array<std::uint8_t, kControlBuffer> cbuf{};
+  std::size_t cfill = 0;
+
+  explicit Impl(ConnectionConfig c) : cfg(std::move(c)) {
+    if (!cfg.log) cfg.log = default_log;
+    timeouts = {cfg.ack_timeout, cfg.retry_count, cfg.rnr_timer, cfg.rnr_retry};
+    detail::check_retries(timeouts);
+  }
+  ~Impl() { close(std::chrono::milliseconds{2000}); }
+
+  void open();
+  void finish(wire::EndpointInfo remote);
+  PostResult post_rdma(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
+                       std::uint64_t offset, std::uint32_t imm, std::uint64_t wr_id) noexcept;
+  std::size_t poll(std::span<Completion> out) noexcept;
+  void pump_control() noexcept;
+  void drain(Deadline deadline) noexcept;
+  void close(std::chrono::milliseconds timeout) noexcept;
+};
+
+// Opens the device and builds PD, CQs and the QP (in INIT), and fills in our EndpointInfo.
+void Connection::Impl::open() {
+  const auto devices = list_devices();
+  const DeviceInfo& d = pick_device(devices, cfg.device);
+  const PortInfo& p = pick_port(d, cfg.port);
+  const GidChoice gid = choose_gid(p.gids, cfg.gid);
+
+  dev = std::make_shared<detail::DeviceResources>();
+  dev->ctx = detail::open_device(d.name);
+  ibv_device_attr dattr{};
+  if (const int rc = ibv_query_device(dev->ctx.get(), &dattr); rc != 0) {
+    throw Error("ibv_query_device", rc, d.name);
+  }
+  for (auto [what, want] : {std::pair{"send_depth", cfg.send_depth}, {"recv_depth", cfg.recv_depth}}) {
+    if (want == 0 || want > static_cast<std::uint32_t>(dattr.max_qp_wr)) {
+      throw Error("connection config", EINVAL,
+                  fmt::format("{} {} (device {} allows 1..{})", what, want, d.name, dattr.max_qp_wr));
+    }
+  }
+  dev->pd.reset(ibv_alloc_pd(dev->ctx.get()));
+  if (!dev->pd) throw Error("ibv_alloc_pd", errno, d.name);
+  send_cq.reset(ibv_create_cq(dev->ctx.get(), static_cast<int>(cfg.send_depth), nullptr, nullptr, 0));
+  if (!send_cq) throw Error("ibv_create_cq", errno, fmt::format("send CQ, {} entries", cfg.send_depth));
+  recv_cq.reset(ibv_create_cq(dev->ctx.get(), static_cast<int>(cfg.recv_depth), nullptr, nullptr, 0));
+  if (!recv_cq) throw Error("ibv_create_cq", errno, fmt::format("receive CQ, {} entries", cfg.recv_depth));
+
+  ibv_qp_init_attr qattr{};
+  qattr.send_cq = send_cq.get();
+  qattr.recv_cq = recv_cq.get();
+  qattr.qp_type = IBV_QPT_RC;
+  qattr.sq_sig_all = 0;
+  qattr.cap.max_send_wr = cfg.send_depth;
+  qattr.cap.max_recv_wr = cfg.recv_depth;
+  qattr.cap.max_send_sge = 1;
+  qattr.cap.max_recv_sge = 1;
+  qp.reset(ibv_create_qp(dev->pd.get(), &qattr));
+  if (!qp) {
+    throw Error("ibv_create_qp", errno,
+                fmt::format("RC, send {} / recv {} entries on {}", cfg.send_depth, cfg.recv_depth, d.name),
+                errno == ENOMEM ? "out of QPs or memory on the device; are QPs leaking?" : "");
+  }
+  sq.init(cfg.send_depth);
+  rq.init(cfg.recv_depth);
+  detail::to_init(qp.get(), p.number, cfg.remote_access);
+  recv_allowed = true;
+
+  info.device = d.name;
+  info.port = p.number;
+  info.link_layer = p.link_layer;
+  info.local_gid = gid.entry;
+  info.gid_reason = gid.reason;
+  info.local_mtu = p.active_mtu;
+  info.max_msg_size = p.max_msg_size;
+  wire::EndpointInfo& l = info.local;
+  l.qpn = qp->qp_num;
+  l.psn = random_psn();
+  l.lid = p.lid;
+  l.link_layer = p.link_layer;
+  l.gid_type = gid.entry.type;
+  l.gid = gid.entry.gid;
+  l.gid_index = gid.entry.index;
+  l.mtu = p.active_mtu;
+  // 16 is the IB spec's ceiling for outstanding RDMA READ/atomic per QP.
+  l.max_rd_atomic = static_cast<std::uint8_t>(std::clamp(dattr.max_qp_init_rd_atom, 0, 16));
+  l.max_dest_rd_atomic = static_cast<std::uint8_t>(std::clamp(dattr.max_qp_rd_atom, 0, 16));
+}
+
+// Both sides' parameters are known: check they can talk, then INIT -> RTR -> RTS.
+void Connection::Impl::finish(wire::EndpointInfo remote) {
+  if (cfg.testing_alter_peer) cfg.testing_alter_peer(remote);
+  info.local.regions = advertised;
+  info.remote = std::move(remote);
+  info.remote_mtu = info.remote.mtu;
+  wire::check_compatible(info.local, info.remote);
+  const auto rtr = detail::derive_rtr(info.local, info.remote, info.port, timeouts);
+  info.path_mtu = detail::mtu_bytes(rtr.path_mtu);
+  detail::to_rtr(qp.get(), rtr, info.local, info.remote);
+  detail::to_rts(qp.get(), detail::derive_rts(info.local, info.remote, timeouts), info.local,
+                 info.remote);
+}
+
+PostResult Connection::Impl::post_rdma(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
+                                       std::uint64_t offset, std::uint32_t imm,
+                                       std::uint64_t wr_id) noexcept {
+  if (state != State::connected) return {PostStatus::not_ready, 0};
+  if (!remote.contains(offset, local.length())) return {PostStatus::out_of_bounds, 0};
+  if (!allows(remote.access, op == Opcode::read ? Access::remote_read : Access::remote_write)) {
+    return {PostStatus::no_access, 0};
+  }
+  if (local.length() > info.max_msg_size) return {PostStatus::too_large, 0};
+  if (sq.full()) return {PostStatus::queue_full, 0};
+  ibv_sge sge{reinterpret_cast<std::uint64_t>(local.addr()), static_cast<std::uint32_t>(local.length()),
+              local.lkey()};
+  ibv_send_wr wr{};
+  wr.wr_id = wr_id;
+  wr.sg_list = &sge;
+  wr.num_sge = local.length() > 0 ? 1 : 0;
+  wr.opcode = op == Opcode::read             ? IBV_WR_RDMA_READ
+              : op == Opcode::write_with_imm ? IBV_WR_RDMA_WRITE_WITH_IMM
+                                             : IBV_WR_RDMA_WRITE;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  wr.wr.rdma.remote_addr = remote.addr + offset;
+  wr.wr.rdma.rkey = remote.rkey;
+  if (op == Opcode::write_with_imm) wr.imm_data = htobe32(imm);
+  ibv_send_wr* bad = nullptr;
+  if (const int rc = ibv_post_send(qp.get(), &wr, &bad); rc != 0) return {PostStatus::failed, rc};
+  sq.push(wr_id, op);
+  return {};
+}
+
+std::size_t Connection::Impl::poll(std::span<Completion> out) noexcept {
+  std::size_t n = 0;
+  ibv_wc wc[kPollBatch];
+  for (auto [cq, ring] : {std::pair{send_cq.get(), &sq}, {recv_cq.get(), &rq}}) {
+    while (n < out.size()) {
+      const int want = static_cast<int>(std::min<std::size_t>(kPollBatch, out.size() - n));
+      const int got = ibv_poll_cq(cq, want, wc);
+      for (int i = 0; i < got; ++i) {
+        Completion& c = out[n++];
+        c.wr_id = wc[i].wr_id;
+        c.opcode = ring->pop();
+        c.status = wc[i].status;
+        c.vendor_err = wc[i].vendor_err;
+        c.byte_len = wc[i].byte_len;
+        c.has_imm = wc[i].status == IBV_WC_SUCCESS && (wc[i].wc_flags & IBV_WC_WITH_IMM) != 0;
+        c.imm = c.has_imm ? be32toh(wc[i].imm_data) : 0;
+      }
+      if (got < want) break;
+    }
+  }
+  return n;
+}
+
+// Reads whatever the peer sent on the control channel without blocking: BYE, or EOF/reset (the
+// peer is gone). Header checks are done by hand here so the data path never throws.
+void Connection::Impl::pump_control() noexcept {
+  if (!control || control_gone) return;
+  for (;;) {
+    const long n = detail::recv_nonblocking(control.get(), {cbuf.data() + cfill, cbuf.size() - cfill});
+    if (n == detail::kRecvClosed) {
+      control_gone = true;
+      return;
+    }
+    if (n == detail::kRecvWouldBlock) break;
+    cfill += static_cast<std::size_t>(n);
+    while (cfill >= wire::kHeaderSize) {
+      const std::uint8_t* h = cbuf.data();
+      const std::uint32_t magic = be32toh(*reinterpret_cast<const std::uint32_t*>(h));
+      const std::uint16_t type = be16toh(*reinterpret_cast<const std::uint16_t*>(h + 6));
+      const std::uint32_t len = be32toh(*reinterpret_cast<const std::uint32_t*>(h + 8));
+      if (magic != wire::kMagic || len > cbuf.size() - wire::kHeaderSize) {
+        control_gone = true;  // a peer that garbles its control channel is treated as lost
+        return;
+      }
+      if (cfill < wire::kHeaderSize + len) break;
+      if (type == static_cast<std::uint16_t>(wire::MessageType::bye) ||
+          type == static_cast<std::uint16_t>(wire::MessageType::reject)) {
+        bye_received = true;
+      }
+      std::copy(cbuf.begin() + static_cast<std::ptrdiff_t>(wire::kHeaderSize + len),
+                cbuf.begin() + static_cast<std::ptrdiff_t>(cfill), cbuf.begin());
+      cfill -= wire::kHeaderSize + len;
+    }
+    if (cfill == cbuf.size()) {
+      control_gone = true;
+      return;
+    }
+  }
+}
+
+void Connection::Impl::drain(Deadline deadline) noexcept {
+  std::array<Completion, kPollBatch> sink;
+  while (sq.count() + rq.count() > 0 && Clock::now() < deadline) {
+    if (poll(sink) == 0) ::sched_yield();
+  }
+}
+
+void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
+  if (state == State::closed) return;
+  const Deadline deadline = Clock::now() + timeout;
+  if (state == State::connected && control && !control_gone) {
+    try {
+      detail::send_all(control.get(), wire::encode_header(wire::MessageType::bye, 0), deadline);
+    } catch (const std::exception&) {
+      // The peer is already gone; nothing to tell it.
+    }
+  }
+  state = State::closed;
+  if (qp) {
+    // Outstanding work may still finish on its own; what has not by the deadline is flushed by
+    // moving the QP to ERR, so no buffer is released while the NIC may still touch it.
+    drain(deadline);
+    if (sq.count() + rq.count() > 0) {
+      (void)detail::to_error(qp.get());
+      drain(Clock::now() + std::chrono::milliseconds{1000});
+    }
+    if (sq.count() + rq.count() > 0) {
+      try {
+        cfg.log(fmt::format("close: {} work requests never completed on QP {:#x}; releasing anyway",
+                            sq.count() + rq.count(), qp->qp_num));
+      } catch (...) {
+      }
+    }
+  }
+  control.reset();
+}
+
+Connection::Connection(std::unique_ptr<Impl> impl) noexcept : impl_(std::move(impl)) {}
+Connection::Connection(Connection&&) noexcept = default;
+Connection& Connection::operator=(Connection&&) noexcept = default;
+Connection::~Connection() = default;
+
+const MemoryRegion& Connection::register_memory(void* addr, std::size_t length, Access access) {
+  impl_->regions.push_back(MemoryRegion(detail::register_region(impl_->dev, addr, length, access)));
+  return impl_->regions.back();
+}
+
+const MemoryRegion& Connection::allocate_memory(std::size_t length, Access access) {
+  auto mem = detail::allocate_pages(length);
+  void* p = mem.get();
+  impl_->regions.push_back(
+      MemoryRegion(detail::register_region(impl_->dev, p, length, access, std::move(mem))));
+  return impl_->regions.back();
+}
+
+const MemoryRegion& Connection::memory(std::size_t index) const {
+  if (index >= impl_->regions.size()) {
+    throw Error("memory", EINVAL, fmt::format("no region {} (this connection has {})", index,
+                                              impl_->regions.size()));
+  }
+  return impl_->regions[index];
+}
+
+std::size_t Connection::memory_count() const noexcept { return impl_->regions.size(); }
+
+void Connection::advertise(const MemoryRegion& region) {
+  if (impl_->state != Impl::State::setup) {
+    throw Error("advertise", EINVAL, "regions can only be advertised during setup",
+                "call advertise() from the Setup callback");
+  }
+  impl_->advertised.push_back(region.remote());
+}
+
+const std::vector<RemoteRegion>& Connection::remote_regions() const noexcept {
+  return impl_->info.remote.regions;
+}
+const ConnectionInfo& Connection::info() const noexcept { return impl_->info; }
+
+PostResult Connection::post_write(const LocalSlice& src, const RemoteRegion& dst,
+                                  std::uint64_t offset, std::uint64_t wr_id) noexcept {
+  return impl_->post_rdma(Opcode::write, src, dst, offset, 0, wr_id);
+}
+PostResult Connection::post_write_with_imm(const LocalSlice& src, const RemoteRegion& dst,
+                                           std::uint64_t offset, std::uint32_t imm,
+                                           std::uint64_t wr_id) noexcept {
+  return impl_->post_rdma(Opcode::write_with_imm, src, dst, offset, imm, wr_id);
+}
+PostResult Connection::post_read(const LocalSlice& dst, const RemoteRegion& src,
+                                 std::uint64_t offset, std::uint64_t wr_id) noexcept {
+  return impl_->post_rdma(Opcode::read, dst, src, offset, 0, wr_id);
+}
+
+PostResult Connection::post_send(const LocalSlice& src, std::uint64_t wr_id) noexcept {
+  Impl& m = *impl_;
+  if (m.state != Impl::State::connected) return {PostStatus::not_ready, 0};
+  if (src.length() > m.info.max_msg_size) return {PostStatus::too_large, 0};
+  if (m.sq.full()) return {PostStatus::queue_full, 0};
+  ibv_sge sge{reinterpret_cast<std::uint64_t>(src.addr()), static_cast<std::uint32_t>(src.length()),
+              src.lkey()};
+  ibv_send_wr wr{};
+  wr.wr_id = wr_id;
+  wr.sg_list = &sge;
+  wr.num_sge = src.length() > 0 ? 1 : 0;
+  wr.opcode = IBV_WR_SEND;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  ibv_send_wr* bad = nullptr;
+  if (const int rc = ibv_post_send(m.qp.get(), &wr, &bad); rc != 0) return {PostStatus::failed, rc};
+  m.sq.push(wr_id, Opcode::send);
+  return {};
+}
+
+PostResult Connection::post_recv(const LocalSlice& dst, std::uint64_t wr_id) noexcept {
+  Impl& m = *impl_;
+  if (!m.recv_allowed || m.state == Impl::State::closed) return {PostStatus::not_ready, 0};
+  if (m.rq.full()) return {PostStatus::queue_full, 0};
+  ibv_sge sge{reinterpret_cast<std::uint64_t>(dst.addr()), static_cast<std::uint32_t>(dst.length()),
+              dst.lkey()};
+  ibv_recv_wr wr{};
+  wr.wr_id = wr_id;
+  wr.sg_list = &sge;
+  wr.num_sge = dst.length() > 0 ? 1 : 0;
+  ibv_recv_wr* bad = nullptr;
+  if (const int rc = ibv_post_recv(m.qp.get(), &wr, &bad); rc != 0) return {PostStatus::failed, rc};
+  m.rq.push(wr_id, Opcode::recv);
+  return {};
+}
+
+std::size_t Connection::poll(std::span<Completion> out) noexcept { return impl_->poll(out); }
+
+std::uint32_t Connection::outstanding() const noexcept {
+  return impl_->sq.count() + impl_->rq.count();
+}
+
+WaitResult Connection::wait(std::chrono::milliseconds timeout) noexcept {
+  const Deadline deadline = Clock::now() + timeout;
+  WaitResult r;
+  for (std::uint32_t spin = 0;; ++spin) {
+    if (impl_->poll({&r.completion, 1}) == 1) {
+      r.status = WaitStatus::completed;
+      return r;
+    }
+    // Checking the clock and the control channel costs a syscall; do it every 256 polls.
+    if ((spin & 0xff) == 0) {
+      impl_->pump_control();
+      if (impl_->control_gone) {
+        // One last look: the completion may have arrived just before the peer went.
+        r.status = impl_->poll({&r.completion, 1}) == 1 ? WaitStatus::completed : WaitStatus::peer_lost;
+        return r;
+      }
+      if (Clock::now() >= deadline) {
+        r.status = WaitStatus::timeout;
+        return r;
+      }
+      ::sched_yield();
+    }
+  }
+}
+
+bool Connection::peer_closed() noexcept {
+  impl_->pump_control();
+  return impl_->bye_received || impl_->control_gone;
+}
+
+bool Connection::wait_peer_close(std::chrono::milliseconds timeout) noexcept {
+  const Deadline deadline = Clock::now() + timeout;
+  while (!peer_closed()) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return false;
+    detail::wait_readable(impl_->control.get(), std::min(left, std::chrono::milliseconds{100}));
+  }
+  return true;
+}
+
+void Connection::close(std::chrono::milliseconds timeout) noexcept {
+  if (impl_) impl_->close(timeout);
+}
+
+// --- handshake ----------------------------------------------------------------------------------
+
+namespace {
+
+void send_reject(int fd, const std::string& reason) noexcept {
+  try {
+    detail::send_all(fd, wire::encode_reject(reason), detail::deadline_in(std::chrono::milliseconds{500}));
+  } catch (const std::exception&) {
+  }
+}
+
+[[noreturn]] void rejected_by_peer(const detail::Message& m, const std::string& peer) {
+  throw Error("bootstrap handshake", ECONNREFUSED,
+              fmt::format("{} rejected the connection: {}", peer, wire::decode_reject(m.payload)));
+}
+
+void expect(const detail::Message& m, wire::MessageType type, const std::string& peer) {
+  if (m.header.type == wire::MessageType::reject) rejected_by_peer(m, peer);
+  if (m.header.type != type) {
+    throw Error("bootstrap handshake", EPROTO,
+                fmt::format("{} sent {} where {} was expected", peer, wire::to_string(m.header.type),
+                            wire::to_string(type)));
+  }
+}
+
+}  // namespace
+
+Connection Connection::connect(const std::string& host_port, const ConnectionConfig& config,
+                               const Setup& setup) {
+  const Deadline deadline = detail::deadline_in(config.handshake_timeout);
+  const detail::HostPort to = detail::parse_host_port(host_port, 0);
+  if (to.port == 0) {
+    throw Error("connect", EINVAL, fmt::format("'{}' has no port (host:port)", host_port));
+  }
+  Connection conn(std::make_unique<Impl>(config));
+  Impl& m = *conn.impl_;
+  m.open();
+  if (setup) setup(conn);
+  m.info.local.regions = m.advertised;
+  m.control = detail::tcp_connect(to, deadline);
+  m.info.peer_address = to.to_string();
+  const int fd = m.control.get();
+  detail::send_all(fd, wire::encode_hello(m.info.local), deadline);
+  const detail::Message reply = detail::recv_message(fd, deadline);
+  expect(reply, wire::MessageType::hello, m.info.peer_address);
+  try {
+    m.finish(wire::decode_hello(reply.payload));
+  } catch (const Error& e) {
+    send_reject(fd, e.what());
+    throw;
+  }
+  detail::send_all(fd, wire::encode_header(wire::MessageType::ready, 0), deadline);
+  m.state = Impl::State::connected;
+  return conn;
+}
+
+// Client HELLO -> server builds its QP and goes to RTS -> server HELLO -> client goes to RTS ->
+// client READY. Each side is in RTS before the other may post to it, and a malformed HELLO is
+// refused before the server spends any device resource on it.
+Connection Connection::accept_on(int raw_fd, const std::string& peer, const ConnectionConfig& config,
+                                 const Setup& setup) {
+  detail::Fd fd(raw_fd);
+  const Deadline deadline = detail::deadline_in(config.handshake_timeout);
+  wire::EndpointInfo remote;
+  try {
+    const detail::Message hello = detail::recv_message(fd.get(), deadline);
+    expect(hello, wire::MessageType::hello, peer);
+    remote = wire::decode_hello(hello.payload);
+  } catch (const Error& e) {
+    send_reject(fd.get(), e.what());
+    throw;
+  }
+  Connection conn(std::make_unique<Impl>(config));
+  Impl& m = *conn.impl_;
+  m.info.peer_address = peer;
+  try {
+    m.open();
+    if (setup) setup(conn);
+    m.finish(std::move(remote));
+  } catch (const Error& e) {
+    send_reject(fd.get(), e.what());
+    throw;
+  }
+  m.control = std::move(fd);
+  detail::send_all(m.control.get(), wire::encode_hello(m.info.local), deadline);
+  expect(detail::recv_message(m.control.get(), deadline), wire::MessageType::ready, peer);
+  m.state = Impl::State::connected;
+  return conn;
+}
+
+}  // namespace rdmakit

@@ -1,0 +1,336 @@
+#include <infiniband/verbs.h>
+#include <net/if.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "common/ipaddr.hpp"
+#include "rdmakit/device.hpp"
+#include "rdmakit/error.hpp"
+#include "verbs/handles.hpp"
+
+namespace rdmakit {
+namespace detail {
+
+std::uint32_t mtu_bytes(ibv_mtu mtu) noexcept {
+  switch (mtu) {
+    case IBV_MTU_256: return 256;
+    case IBV_MTU_512: return 512;
+    case IBV_MTU_1024: return 1024;
+    case IBV_MTU_2048: return 2048;
+    case IBV_MTU_4096: return 4096;
+  }
+  return 0;
+}
+
+ibv_mtu mtu_enum(std::uint32_t bytes) noexcept {
+  if (bytes >= 4096) return IBV_MTU_4096;
+  if (bytes >= 2048) return IBV_MTU_2048;
+  if (bytes >= 1024) return IBV_MTU_1024;
+  if (bytes >= 512) return IBV_MTU_512;
+  return IBV_MTU_256;
+}
+
+const char* port_state_name(ibv_port_state s);
+
+namespace {
+
+std::string available(ibv_device** list, int n) {
+  std::string names;
+  for (int i = 0; i < n; ++i) {
+    if (!names.empty()) names += ", ";
+    names += ibv_get_device_name(list[i]);
+  }
+  return names.empty() ? "none" : names;
+}
+
+}  // namespace
+
+const char* port_state_name(ibv_port_state s) {
+  switch (s) {
+    case IBV_PORT_DOWN: return "DOWN";
+    case IBV_PORT_INIT: return "INIT";
+    case IBV_PORT_ARMED: return "ARMED";
+    case IBV_PORT_ACTIVE: return "ACTIVE";
+    case IBV_PORT_ACTIVE_DEFER: return "ACTIVE_DEFER";
+    default: return "NOP";
+  }
+}
+
+ContextPtr open_device(const std::string& name) {
+  int n = 0;
+  DeviceListPtr list(ibv_get_device_list(&n));
+  if (!list) {
+    throw Error("ibv_get_device_list", errno, "listing RDMA devices",
+                "is rdma-core installed and the ib_uverbs module loaded? (/dev/infiniband)");
+  }
+  for (int i = 0; i < n; ++i) {
+    if (name == ibv_get_device_name(list.get()[i])) {
+      ContextPtr ctx(ibv_open_device(list.get()[i]));
+      if (!ctx) {
+        throw Error("ibv_open_device", errno, fmt::format("device {}", name),
+                    "check the permissions of /dev/infiniband/uverbs* (in a container, pass the "
+                    "device through)");
+      }
+      return ctx;
+    }
+  }
+  throw Error("open device", ENODEV,
+              fmt::format("no RDMA device named '{}'; available: {}", name, available(list.get(), n)));
+}
+
+}  // namespace detail
+
+GidKind GidEntry::kind() const noexcept {
+  const bool mapped = std::all_of(gid.begin(), gid.begin() + 10, [](auto b) { return b == 0; }) &&
+                      gid[10] == 0xff && gid[11] == 0xff;
+  if (mapped) return GidKind::ipv4_mapped;
+  if (gid[0] == 0xfe && (gid[1] & 0xc0) == 0x80) return GidKind::ipv6_link_local;
+  return GidKind::ipv6;
+}
+
+std::string GidEntry::address() const { return detail::format_ip16(gid); }
+
+const char* to_string(GidType type) noexcept {
+  switch (type) {
+    case GidType::ib: return "IB";
+    case GidType::roce_v1: return "RoCE v1";
+    case GidType::roce_v2: return "RoCE v2";
+  }
+  return "?";
+}
+
+const char* to_string(LinkLayer layer) noexcept {
+  return layer == LinkLayer::ethernet ? "Ethernet" : "InfiniBand";
+}
+
+namespace {
+
+// ibv_query_gid_table returns the valid entries of every port of the device in one call.
+std::vector<GidEntry> query_gids(ibv_context* ctx, std::uint8_t port, size_t max_entries) {
+  std::vector<ibv_gid_entry> all(max_entries);
+  const ssize_t n = ibv_query_gid_table(ctx, all.data(), all.size(), 0);
+  if (n < 0) {
+    throw Error("ibv_query_gid_table", static_cast<int>(-n),
+                fmt::format("device {} port {}", ibv_get_device_name(ctx->device), port));
+  }
+  std::vector<GidEntry> out;
+  for (ssize_t i = 0; i < n; ++i) {
+    const ibv_gid_entry& e = all[static_cast<size_t>(i)];
+    if (e.port_num != port) continue;
+    GidEntry g;
+    g.index = e.gid_index;
+    g.type = e.gid_type == IBV_GID_TYPE_ROCE_V2   ? GidType::roce_v2
+             : e.gid_type == IBV_GID_TYPE_ROCE_V1 ? GidType::roce_v1
+                                                  : GidType::ib;
+    std::copy(std::begin(e.gid.raw), std::end(e.gid.raw), g.gid.begin());
+    char ifname[IF_NAMESIZE] = {};
+    if (e.ndev_ifindex != 0 && if_indextoname(e.ndev_ifindex, ifname) != nullptr) g.netdev = ifname;
+    if (std::any_of(g.gid.begin(), g.gid.end(), [](auto b) { return b != 0; })) out.push_back(g);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.index < b.index; });
+  return out;
+}
+
+}  // namespace
+
+std::vector<DeviceInfo> list_devices() {
+  int n = 0;
+  detail::DeviceListPtr list(ibv_get_device_list(&n));
+  if (!list) {
+    throw Error("ibv_get_device_list", errno, "listing RDMA devices",
+                "is rdma-core installed and the ib_uverbs module loaded? (/dev/infiniband)");
+  }
+  std::vector<DeviceInfo> devices;
+  for (int i = 0; i < n; ++i) {
+    ibv_device* dev = list.get()[i];
+    DeviceInfo info;
+    info.name = ibv_get_device_name(dev);
+    info.node_guid = be64toh(ibv_get_device_guid(dev));
+    detail::ContextPtr ctx(ibv_open_device(dev));
+    if (!ctx) {
+      throw Error("ibv_open_device", errno, fmt::format("device {}", info.name),
+                  "check the permissions of /dev/infiniband/uverbs*");
+    }
+    ibv_device_attr attr{};
+    if (const int rc = ibv_query_device(ctx.get(), &attr); rc != 0) {
+      throw Error("ibv_query_device", rc, fmt::format("device {}", info.name));
+    }
+    for (std::uint8_t p = 1; p <= attr.phys_port_cnt; ++p) {
+      ibv_port_attr pa{};
+      if (const int rc = ibv_query_port(ctx.get(), p, &pa); rc != 0) {
+        throw Error("ibv_query_port", rc, fmt::format("device {} port {}", info.name, p));
+      }
+      PortInfo port;
+      port.number = p;
+      port.active = pa.state == IBV_PORT_ACTIVE;
+      port.state = detail::port_state_name(pa.state);
+      port.link_layer =
+          pa.link_layer == IBV_LINK_LAYER_ETHERNET ? LinkLayer::ethernet : LinkLayer::infiniband;
+      port.active_mtu = detail::mtu_bytes(pa.active_mtu);
+      port.max_mtu = detail::mtu_bytes(pa.max_mtu);
+      port.lid = pa.lid;
+      port.max_msg_size = pa.max_msg_sz;
+      port.gids = query_gids(ctx.get(), p,
+                             static_cast<size_t>(pa.gid_tbl_len) * attr.phys_port_cnt);
+      info.ports.push_back(std::move(port));
+    }
+    devices.push_back(std::move(info));
+  }
+  return devices;
+}
+
+namespace {
+
+std::string describe_ports(const std::vector<DeviceInfo>& devices) {
+  std::string s;
+  for (const auto& d : devices) {
+    if (!s.empty()) s += ", ";
+    s += d.name + " (";
+    for (size_t i = 0; i < d.ports.size(); ++i) {
+      s += fmt::format("{}port {} {}", i ? ", " : "", d.ports[i].number, d.ports[i].state);
+    }
+    s += ")";
+  }
+  return s.empty() ? "none" : s;
+}
+
+}  // namespace
+
+const DeviceInfo& pick_device(const std::vector<DeviceInfo>& devices, const std::string& name) {
+  if (devices.empty()) {
+    throw Error("pick device", ENODEV, "no RDMA devices found",
+                "load a NIC driver, or add a Soft-RoCE device: rdma link add rxe0 type rxe netdev "
+                "eth0 (in a container, pass /dev/infiniband through)");
+  }
+  for (const auto& d : devices) {
+    if (name.empty() ? std::any_of(d.ports.begin(), d.ports.end(), [](auto& p) { return p.active; })
+                     : d.name == name) {
+      return d;
+    }
+  }
+  if (!name.empty()) {
+    throw Error("pick device", ENODEV,
+                fmt::format("no RDMA device named '{}'; available: {}", name, describe_ports(devices)));
+  }
+  throw Error("pick device", ENETDOWN,
+              fmt::format("no device has an ACTIVE port: {}", describe_ports(devices)),
+              "bring the link up (ip link set DEV up) and check the cable or the switch port");
+}
+
+const PortInfo& pick_port(const DeviceInfo& device, std::uint8_t number) {
+  for (const auto& p : device.ports) {
+    if (number != 0 ? p.number == number : p.active) {
+      if (!p.active) {
+        throw Error("pick port", ENETDOWN,
+                    fmt::format("device {} port {} is {}, not ACTIVE", device.name, p.number, p.state),
+                    "bring the link up (ip link set DEV up) and check the cable or the switch port");
+      }
+      return p;
+    }
+  }
+  if (number != 0) {
+    throw Error("pick port", ENODEV,
+                fmt::format("device {} has no port {} (it has {})", device.name, number,
+                            device.ports.size()));
+  }
+  throw Error("pick port", ENETDOWN, fmt::format("device {} has no ACTIVE port", device.name),
+              "bring the link up (ip link set DEV up) and check the cable or the switch port");
+}
+
+GidSelector GidSelector::parse(const std::string& text) {
+  GidSelector s;
+  if (text.empty()) return s;
+  if (std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
+      text.size() <= 5) {
+    s.index = static_cast<std::uint32_t>(std::stoul(text));
+    return s;
+  }
+  if (!detail::parse_ip16(text)) {
+    throw Error("parse --gid", EINVAL,
+                fmt::format("'{}' is neither a GID index nor an IPv4/IPv6 address", text));
+  }
+  s.address = text;
+  return s;
+}
+
+namespace {
+
+// Lower is better. RoCE v2 is routable (UDP/IP) and what modern fabrics run; an IPv4 GID of it is
+// what most RoCE networks are configured for, so it comes first. Link-local GIDs only work on one
+// L2 segment, and RoCE v1 not across IP routers at all.
+int rank(const GidEntry& e) {
+  const GidKind k = e.kind();
+  switch (e.type) {
+    case GidType::roce_v2:
+      return k == GidKind::ipv4_mapped ? 0 : k == GidKind::ipv6 ? 1 : 4;
+    case GidType::roce_v1:
+      return k == GidKind::ipv4_mapped ? 2 : k == GidKind::ipv6 ? 3 : 5;
+    case GidType::ib:
+      return 6;
+  }
+  return 7;
+}
+
+const char* rank_reason(int r) {
+  switch (r) {
+    case 0: return "RoCE v2 with an IPv4 address (first priority)";
+    case 1: return "RoCE v2 with a routable IPv6 address (no RoCE v2 IPv4 GID)";
+    case 2: return "RoCE v1 IPv4 (no RoCE v2 GID)";
+    case 3: return "RoCE v1 IPv6 (no RoCE v2 GID)";
+    case 4: return "RoCE v2 link-local (no routable GID; works on one L2 segment only)";
+    case 5: return "RoCE v1 link-local (no routable GID; works on one L2 segment only)";
+    default: return "InfiniBand GID";
+  }
+}
+
+std::string table_text(std::span<const GidEntry> table) {
+  std::string s;
+  for (const auto& e : table) {
+    s += fmt::format("{}[{}] {} {}", s.empty() ? "" : ", ", e.index, to_string(e.type), e.address());
+  }
+  return s.empty() ? "empty" : s;
+}
+
+}  // namespace
+
+GidChoice choose_gid(std::span<const GidEntry> table, const GidSelector& selector) {
+  if (selector.index) {
+    for (const auto& e : table) {
+      if (e.index == *selector.index) {
+        return {e, fmt::format("index {} requested", e.index)};
+      }
+    }
+    throw Error("choose GID", EINVAL,
+                fmt::format("GID index {} is not a valid entry; the table has: {}", *selector.index,
+                            table_text(table)));
+  }
+  if (!selector.address.empty()) {
+    const auto want = detail::parse_ip16(selector.address);
+    const GidEntry* best = nullptr;
+    for (const auto& e : table) {
+      if (want && e.gid == *want && (best == nullptr || rank(e) < rank(*best))) best = &e;
+    }
+    if (best == nullptr) {
+      throw Error("choose GID", EADDRNOTAVAIL,
+                  fmt::format("no GID has address {}; the table has: {}", selector.address,
+                              table_text(table)),
+                  "is the address configured on the RDMA device's netdev?");
+    }
+    return {*best, fmt::format("address {} requested ({})", selector.address, to_string(best->type))};
+  }
+  const GidEntry* best = nullptr;
+  for (const auto& e : table) {
+    if (best == nullptr || rank(e) < rank(*best)) best = &e;
+  }
+  if (best == nullptr) {
+    throw Error("choose GID", EADDRNOTAVAIL, "the port's GID table has no valid entry",
+                "on RoCE, give the netdev an IP address (GIDs follow the netdev's addresses)");
+  }
+  return {*best, rank_reason(rank(*best))};
+}
+
+}  // namespace rdmakit

@@ -1,0 +1,102 @@
+#include "verbs/memory_impl.hpp"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "rdmakit/error.hpp"
+#include "verbs/qp.hpp"
+
+namespace rdmakit {
+
+std::string to_string(Access access) {
+  std::string s;
+  auto add = [&](Access f, const char* name) {
+    if (allows(access, f) && f != Access::none) s += (s.empty() ? "" : "|") + std::string(name);
+  };
+  add(Access::local_write, "local_write");
+  add(Access::remote_read, "remote_read");
+  add(Access::remote_write, "remote_write");
+  add(Access::remote_atomic, "remote_atomic");
+  return s.empty() ? "none" : s;
+}
+
+LocalSlice LocalSlice::subslice(std::size_t offset, std::size_t length) const noexcept {
+  if (offset > length_) return {static_cast<char*>(addr_) + length_, 0, lkey_};
+  return {static_cast<char*>(addr_) + offset, std::min(length, length_ - offset), lkey_};
+}
+
+MemoryRegion::MemoryRegion(std::unique_ptr<Impl> impl) noexcept : impl_(std::move(impl)) {}
+MemoryRegion::MemoryRegion(MemoryRegion&&) noexcept = default;
+MemoryRegion& MemoryRegion::operator=(MemoryRegion&&) noexcept = default;
+MemoryRegion::~MemoryRegion() = default;
+
+void* MemoryRegion::data() const noexcept { return impl_->mr->addr; }
+std::size_t MemoryRegion::size() const noexcept { return impl_->mr->length; }
+Access MemoryRegion::access() const noexcept { return impl_->access; }
+LocalSlice MemoryRegion::local() const noexcept {
+  return {impl_->mr->addr, impl_->mr->length, impl_->mr->lkey};
+}
+RemoteRegion MemoryRegion::remote() const noexcept {
+  return {reinterpret_cast<std::uint64_t>(impl_->mr->addr), impl_->mr->length, impl_->mr->rkey,
+          impl_->access};
+}
+
+namespace detail {
+
+unsigned mr_access_flags(Access access) noexcept {
+  unsigned f = qp_access_flags(access);
+  // Remote write and atomics require local write (ibv_reg_mr(3)).
+  if (allows(access, Access::local_write) || allows(access, Access::remote_write) ||
+      allows(access, Access::remote_atomic)) {
+    f |= IBV_ACCESS_LOCAL_WRITE;
+  }
+  return f;
+}
+
+std::unique_ptr<MemoryRegion::Impl> register_region(std::shared_ptr<DeviceResources> dev, void* addr,
+                                                    std::size_t length, Access access,
+                                                    OwnedMemory owned) {
+  auto impl = std::make_unique<MemoryRegion::Impl>();
+  impl->dev = std::move(dev);
+  impl->memory = std::move(owned);
+  impl->access = access;
+  impl->mr.reset(ibv_reg_mr(impl->dev->pd.get(), addr, length, mr_access_flags(access)));
+  if (!impl->mr) {
+    const int err = errno;
+    std::string hint;
+    rlimit lim{};
+    if ((err == ENOMEM || err == EPERM || err == EAGAIN) && ::getrlimit(RLIMIT_MEMLOCK, &lim) == 0 &&
+        lim.rlim_cur != RLIM_INFINITY) {
+      hint = fmt::format(
+          "RLIMIT_MEMLOCK is {} KiB and registering pins {} KiB more; raise it (ulimit -l "
+          "unlimited, or memlock in /etc/security/limits.conf, or LimitMEMLOCK= for a systemd "
+          "service, or --ulimit memlock=-1 for a container)",
+          lim.rlim_cur / 1024, (length + 1023) / 1024);
+    } else if (err == EINVAL) {
+      hint = "the address range or access flags are not valid for this device";
+    } else if (err == EFAULT) {
+      hint = "the range is not mapped memory of this process";
+    }
+    throw Error("ibv_reg_mr", err,
+                fmt::format("{} bytes at {} with {}", length, addr, to_string(access)), hint);
+  }
+  return impl;
+}
+
+OwnedMemory allocate_pages(std::size_t length) {
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  const std::size_t rounded = (std::max<std::size_t>(length, 1) + page - 1) / page * page;
+  void* p = std::aligned_alloc(page, rounded);
+  if (p == nullptr) throw Error("aligned_alloc", ENOMEM, fmt::format("{} bytes", rounded));
+  std::memset(p, 0, rounded);
+  return OwnedMemory(p);
+}
+
+}  // namespace detail
+}  // namespace rdmakit

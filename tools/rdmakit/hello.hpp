@@ -1,0 +1,12 @@
+#pragma once
+
+#include <functional>
+
+#include <CLI/CLI.hpp>
+
+namespace rdmakit::tools {
+
+/// Adds `rdmakit hello`; when it is chosen, its callback sets `run`.
+void add_hello(CLI::App& app, std::function<int()>& run);
+
+}  // namespace rdmakit::tools

@@ -1,0 +1,66 @@
+#include "options.hpp"
+
+#include <fmt/format.h>
+
+namespace rdmakit::tools {
+
+void ConnectOptions::add_to(CLI::App& app) {
+  listen_opt = app.add_option("--listen", listen, "serve on [ADDR:]PORT (default port 12025)")
+                   ->expected(0, 1);
+  connect_opt = app.add_option("--connect", connect, "connect to HOST[:PORT] (default port 12025)");
+  listen_opt->excludes(connect_opt);
+  app.add_option("-d,--device", device, "RDMA device (default: the first with an ACTIVE port)");
+  app.add_option("--ib-port", ib_port, "device port (default: the first ACTIVE one)");
+  app.add_option("-g,--gid", gid,
+                 "source GID: a table index or an IP address (default: RoCE v2 IPv4 first)");
+  app.add_option("--timeout", timeout_ms, "deadline in ms for the handshake and each operation")
+      ->check(CLI::Range(1u, 3'600'000u))
+      ->capture_default_str();
+}
+
+namespace {
+bool has_port(const std::string& s) {
+  if (!s.empty() && s.front() == '[') return s.find("]:") != std::string::npos;
+  return s.find(':') != std::string::npos && s.find(':') == s.rfind(':');
+}
+}  // namespace
+
+std::string ConnectOptions::connect_target() const {
+  return has_port(connect) ? connect
+         : connect.find(':') != std::string::npos ? fmt::format("[{}]:{}", connect, kDefaultPort)
+                                                  : fmt::format("{}:{}", connect, kDefaultPort);
+}
+
+std::string ConnectOptions::listen_address() const {
+  if (listen.empty()) return std::to_string(kDefaultPort);
+  if (listen.find_first_not_of("0123456789") == std::string::npos) return listen;
+  return has_port(listen) ? listen : fmt::format("{}:{}", listen, kDefaultPort);
+}
+
+ConnectionConfig ConnectOptions::config() const {
+  ConnectionConfig cfg;
+  cfg.device = device;
+  cfg.port = static_cast<std::uint8_t>(ib_port);
+  cfg.gid = GidSelector::parse(gid);
+  cfg.handshake_timeout = timeout();
+  return cfg;
+}
+
+std::string describe(const ConnectionInfo& i) {
+  const auto& l = i.local;
+  const auto& r = i.remote;
+  return fmt::format(
+      "  peer        {}\n"
+      "  device      {} port {} ({})\n"
+      "  local GID   [{}] {} {} ({})\n"
+      "  remote GID  [{}] {} {}\n"
+      "  path MTU    {} (local active {}, remote active {})\n"
+      "  local QP    QPN {:#08x} PSN {:#08x}\n"
+      "  remote QP   QPN {:#08x} PSN {:#08x}\n",
+      i.peer_address, i.device, i.port, to_string(i.link_layer), l.gid_index, i.local_gid.address(),
+      to_string(l.gid_type), i.gid_reason, r.gid_index,
+      GidEntry{r.gid_index, r.gid_type, r.gid, {}}.address(), to_string(r.gid_type), i.path_mtu,
+      i.local_mtu, i.remote_mtu, l.qpn, l.psn, r.qpn, r.psn);
+}
+
+}  // namespace rdmakit::tools

@@ -1,0 +1,41 @@
+#pragma once
+// Options every connecting subcommand shares (device, port, GID, timeouts), mapped onto the
+// library's ConnectionConfig.
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "rdmakit/connection.hpp"
+
+namespace rdmakit::tools {
+
+inline constexpr std::uint16_t kDefaultPort = 12025;  // the seed program's
+
+struct ConnectOptions {
+  std::string listen;   // [ADDR:]PORT
+  std::string connect;  // HOST:PORT
+  std::string device;
+  unsigned ib_port = 0;
+  std::string gid;
+  unsigned timeout_ms = 10'000;
+
+  CLI::Option* listen_opt = nullptr;
+  CLI::Option* connect_opt = nullptr;
+
+  void add_to(CLI::App& app);
+  /// --listen given (with or without an address); otherwise --connect is required.
+  [[nodiscard]] bool serving() const { return listen_opt != nullptr && listen_opt->count() > 0; }
+  /// "HOST:PORT" with the default port filled in where none was given.
+  [[nodiscard]] std::string connect_target() const;
+  [[nodiscard]] std::string listen_address() const;
+  [[nodiscard]] ConnectionConfig config() const;
+  [[nodiscard]] std::chrono::milliseconds timeout() const { return std::chrono::milliseconds{timeout_ms}; }
+};
+
+/// The negotiated parameters, as an indented block of lines.
+std::string describe(const ConnectionInfo& info);
+
+}  // namespace rdmakit::tools
