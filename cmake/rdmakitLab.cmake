@@ -16,7 +16,8 @@ function(rdmakit_add_rxe_test)
   endif()
   math(EXPR backstop "${ARG_TIMEOUT} + 240")
   add_test(NAME rxe.${ARG_NAME}
-           COMMAND ${RDMAKIT_LAB} run --vms ${ARG_VMS} --timeout ${ARG_TIMEOUT} -- ${ARG_COMMAND}
+           # The guest's stdout is a terminal (virtio console): keep GoogleTest's output plain.
+           COMMAND env GTEST_COLOR=no ${RDMAKIT_LAB} run --vms ${ARG_VMS} --timeout ${ARG_TIMEOUT} -- ${ARG_COMMAND}
            WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
   set_tests_properties(rxe.${ARG_NAME} PROPERTIES
     LABELS rxe TIMEOUT ${backstop} RUN_SERIAL TRUE)

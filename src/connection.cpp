@@ -318,7 +318,7 @@ std::size_t Connection::Impl::poll(std::span<Completion> out) noexcept {
 }
 
 // Reads whatever the peer sent on the control channel without blocking: BYE, or EOF/reset (the
-// peer is gone). Header checks are done by hand here so the data path never throws.
+// peer is gone). Uses the non-throwing header check, so the data path never throws.
 void Connection::Impl::pump_control() noexcept {
   if (!control || control_gone) return;
   for (;;) {
@@ -330,17 +330,14 @@ void Connection::Impl::pump_control() noexcept {
     if (n == detail::kRecvWouldBlock) break;
     cfill += static_cast<std::size_t>(n);
     while (cfill >= wire::kHeaderSize) {
-      const std::uint8_t* h = cbuf.data();
-      const std::uint32_t magic = be32toh(*reinterpret_cast<const std::uint32_t*>(h));
-      const std::uint16_t type = be16toh(*reinterpret_cast<const std::uint16_t*>(h + 6));
-      const std::uint32_t len = be32toh(*reinterpret_cast<const std::uint32_t*>(h + 8));
-      if (magic != wire::kMagic || len > cbuf.size() - wire::kHeaderSize) {
+      const auto h = wire::try_decode_header({cbuf.data(), cfill});
+      if (!h || h->length > cbuf.size() - wire::kHeaderSize) {
         control_gone = true;  // a peer that garbles its control channel is treated as lost
         return;
       }
+      const std::size_t len = h->length;
       if (cfill < wire::kHeaderSize + len) break;
-      if (type == static_cast<std::uint16_t>(wire::MessageType::bye) ||
-          type == static_cast<std::uint16_t>(wire::MessageType::reject)) {
+      if (h->type == wire::MessageType::bye || h->type == wire::MessageType::reject) {
         bye_received = true;
       }
       std::copy(cbuf.begin() + static_cast<std::ptrdiff_t>(wire::kHeaderSize + len),
@@ -570,7 +567,7 @@ Connection Connection::connect(const std::string& host_port, const ConnectionCon
   m.open();
   if (setup) setup(conn);
   m.info.local.regions = m.advertised;
-  m.control = detail::tcp_connect(to, deadline);
+  m.control = detail::tcp_connect(to, deadline, config.retry_refused);
   m.info.peer_address = to.to_string();
   const int fd = m.control.get();
   detail::send_all(fd, wire::encode_hello(m.info.local), deadline);

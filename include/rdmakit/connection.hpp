@@ -24,6 +24,9 @@ struct ConnectionConfig {
   GidSelector gid;          ///< source GID; default: by priority (RoCE v2 IPv4 first)
   /// Bound on the whole handshake (TCP connect, parameter exchange, QP transitions).
   std::chrono::milliseconds handshake_timeout{10'000};
+  /// Keep retrying a refused TCP connect until handshake_timeout (a server started at the same
+  /// moment may not be listening yet). Off: a refused connect fails at once.
+  bool retry_refused = false;
   /// Time to wait for an ACK before retransmitting. 0 is refused (it means forever).
   std::chrono::milliseconds ack_timeout{500};
   std::uint8_t retry_count = 6;  ///< retransmissions before RETRY_EXC_ERR (0..7)

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -70,6 +71,9 @@ struct EndpointInfo {
 /// Validates and decodes a header: magic, version, known type, payload length within limits.
 /// Throws Error saying what was wrong.
 [[nodiscard]] Header decode_header(std::span<const std::uint8_t> bytes);
+/// The same checks without an exception (for the data path): nullopt when the header is invalid
+/// or shorter than kHeaderSize.
+[[nodiscard]] std::optional<Header> try_decode_header(std::span<const std::uint8_t> bytes) noexcept;
 /// Validates and decodes a HELLO payload (every field). Throws Error saying what was wrong.
 [[nodiscard]] EndpointInfo decode_hello(std::span<const std::uint8_t> payload);
 /// Decodes a REJECT payload (any bytes; non-printable ones are escaped).

@@ -113,15 +113,36 @@ HostPort parse_host_port(const std::string& text, std::uint16_t default_port) {
   if (!port_text.empty()) {
     unsigned value = 0;
     const auto [end, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), value);
-    if (ec != std::errc{} || end != port_text.data() + port_text.size() || value == 0 || value > 65535) {
-      throw Error("parse address", EINVAL, fmt::format("'{}': port must be 1..65535", text));
+    if (ec != std::errc{} || end != port_text.data() + port_text.size() || value > 65535) {
+      throw Error("parse address", EINVAL, fmt::format("'{}': port must be 0..65535", text));
     }
     hp.port = static_cast<std::uint16_t>(value);
   }
   return hp;
 }
 
-Fd tcp_connect(const HostPort& to, Deadline deadline) {
+namespace {
+Fd connect_once(const HostPort& to, Deadline deadline, int& last_errno);
+}  // namespace
+
+Fd tcp_connect(const HostPort& to, Deadline deadline, bool retry_refused) {
+  int last_errno = 0;
+  for (;;) {
+    if (Fd fd = connect_once(to, deadline, last_errno)) return fd;
+    if (!retry_refused || last_errno != ECONNREFUSED || Clock::now() + std::chrono::milliseconds{100} >= deadline) {
+      break;
+    }
+    ::poll(nullptr, 0, 100);
+  }
+  const char* hint = last_errno == ECONNREFUSED ? "is the server running and listening on that port?"
+                     : last_errno == ETIMEDOUT  ? "is the host reachable (routing, firewall)?"
+                                                : "";
+  throw Error("connect", last_errno, fmt::format("to {}", to.to_string()), hint);
+}
+
+namespace {
+
+Fd connect_once(const HostPort& to, Deadline deadline, int& last_errno) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -135,7 +156,6 @@ Fd tcp_connect(const HostPort& to, Deadline deadline) {
                 "check the host name");
   }
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> list(res, &::freeaddrinfo);
-  int last_errno = 0;
   for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
     Fd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
     if (!fd) {
@@ -168,11 +188,10 @@ Fd tcp_connect(const HostPort& to, Deadline deadline) {
     ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     return fd;
   }
-  const char* hint = last_errno == ECONNREFUSED ? "is the server running and listening on that port?"
-                     : last_errno == ETIMEDOUT  ? "is the host reachable (routing, firewall)?"
-                                                : "";
-  throw Error("connect", last_errno, fmt::format("to {}", to.to_string()), hint);
+  return {};
 }
+
+}  // namespace
 
 Fd tcp_listen(const HostPort& at, int backlog) {
   addrinfo hints{};

@@ -46,8 +46,9 @@ struct HostPort {
 };
 HostPort parse_host_port(const std::string& text, std::uint16_t default_port);
 
-/// Connects to any address of `to` (IPv4 or IPv6), each attempt bounded by the deadline.
-Fd tcp_connect(const HostPort& to, Deadline deadline);
+/// Connects to any address of `to` (IPv4 or IPv6), each attempt bounded by the deadline. With
+/// `retry_refused`, a refused connection is retried every 100 ms until the deadline.
+Fd tcp_connect(const HostPort& to, Deadline deadline, bool retry_refused = false);
 /// Listens on `at` (an empty host listens on all IPv6 and IPv4 addresses). Non-blocking fd.
 Fd tcp_listen(const HostPort& at, int backlog);
 /// Accepts one connection if one is waiting within `timeout`, else returns an empty Fd.

@@ -148,6 +148,19 @@ Header decode_header(std::span<const std::uint8_t> bytes) {
   return h;
 }
 
+std::optional<Header> try_decode_header(std::span<const std::uint8_t> bytes) noexcept {
+  if (bytes.size() < kHeaderSize) return std::nullopt;
+  Reader r(bytes);
+  const std::uint32_t magic = r.u32();
+  const std::uint16_t version = r.u16();
+  const std::uint16_t type = r.u16();
+  const std::uint32_t length = r.u32();
+  if (magic != kMagic || version != kVersion || type < 1 || type > 4 || length > kMaxPayload) {
+    return std::nullopt;
+  }
+  return Header{static_cast<MessageType>(type), length};
+}
+
 EndpointInfo decode_hello(std::span<const std::uint8_t> payload) {
   if (payload.size() < kHelloFixedSize) {
     reject(fmt::format("truncated HELLO: {} bytes, at least {} needed", payload.size(),

@@ -324,6 +324,8 @@ GidChoice choose_gid(std::span<const GidEntry> table, const GidSelector& selecto
   }
   const GidEntry* best = nullptr;
   for (const auto& e : table) {
+    // An all-zero GID is an unused slot some providers still report.
+    if (std::all_of(e.gid.begin(), e.gid.end(), [](auto b) { return b == 0; })) continue;
     if (best == nullptr || rank(e) < rank(*best)) best = &e;
   }
   if (best == nullptr) {

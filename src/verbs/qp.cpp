@@ -153,24 +153,7 @@ void to_init(ibv_qp* qp, std::uint8_t port, Access remote_access) {
 
 void to_rtr(ibv_qp* qp, const RtrAttrs& a, const wire::EndpointInfo& local,
             const wire::EndpointInfo& remote) {
-  ibv_qp_attr attr{};
-  attr.qp_state = IBV_QPS_RTR;
-  attr.path_mtu = a.path_mtu;
-  attr.dest_qp_num = a.dest_qpn;
-  attr.rq_psn = a.rq_psn;
-  attr.max_dest_rd_atomic = a.max_dest_rd_atomic;
-  attr.min_rnr_timer = a.min_rnr_timer;
-  attr.ah_attr.port_num = a.port;
-  attr.ah_attr.dlid = a.dlid;
-  attr.ah_attr.is_global = a.is_global ? 1 : 0;
-  if (a.is_global) {
-    std::copy(a.dgid.begin(), a.dgid.end(), attr.ah_attr.grh.dgid.raw);
-    attr.ah_attr.grh.sgid_index = a.sgid_index;
-    attr.ah_attr.grh.hop_limit = a.hop_limit;
-  }
-  const int mask = IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-                   IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
-  if (const int rc = ibv_modify_qp(qp, &attr, mask); rc != 0) {
+  auto lines = [&] {
     AttrLines l;
     l.add("qp_state", "RTR");
     l.add("path_mtu", std::to_string(mtu_bytes(a.path_mtu)),
@@ -189,15 +172,38 @@ void to_rtr(ibv_qp* qp, const RtrAttrs& a, const wire::EndpointInfo& local,
             fmt::format("local GID {}, {}", gid_text(local.gid), to_string(local.gid_type)));
       l.add("ah.grh.hop_limit", std::to_string(a.hop_limit));
     }
-    std::string hint =
-        "the usual causes: a remote QPN that is wrong or not 24-bit, a path MTU above what the "
-        "port supports, a GID index that is not in the local table or whose type (RoCE v1/v2) does "
-        "not match the peer's";
-    if (a.dest_qpn >= (1u << 24)) {
-      hint = fmt::format("dest_qp_num {:#x} does not fit in 24 bits: the remote QPN is corrupt",
-                         a.dest_qpn);
-    }
-    modify_failed("INIT->RTR", rc, l, std::move(hint));
+    return l;
+  };
+  // QPNs and PSNs are 24-bit. Checked here rather than left to the provider: mlx5 answers EINVAL,
+  // but rxe silently keeps the low 24 bits and would connect to whichever QP has that number.
+  if (a.dest_qpn >= (1u << 24) || a.dest_qpn == 0 || a.rq_psn >= (1u << 24)) {
+    modify_failed("INIT->RTR", EINVAL, lines(),
+                  fmt::format("refused before calling the verb: dest_qp_num {:#x} / rq_psn {:#x} do "
+                              "not fit in 24 bits (or the QPN is 0), so the remote QPN is corrupt",
+                              a.dest_qpn, a.rq_psn));
+  }
+  ibv_qp_attr attr{};
+  attr.qp_state = IBV_QPS_RTR;
+  attr.path_mtu = a.path_mtu;
+  attr.dest_qp_num = a.dest_qpn;
+  attr.rq_psn = a.rq_psn;
+  attr.max_dest_rd_atomic = a.max_dest_rd_atomic;
+  attr.min_rnr_timer = a.min_rnr_timer;
+  attr.ah_attr.port_num = a.port;
+  attr.ah_attr.dlid = a.dlid;
+  attr.ah_attr.is_global = a.is_global ? 1 : 0;
+  if (a.is_global) {
+    std::copy(a.dgid.begin(), a.dgid.end(), attr.ah_attr.grh.dgid.raw);
+    attr.ah_attr.grh.sgid_index = a.sgid_index;
+    attr.ah_attr.grh.hop_limit = a.hop_limit;
+  }
+  const int mask = IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                   IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
+  if (const int rc = ibv_modify_qp(qp, &attr, mask); rc != 0) {
+    modify_failed("INIT->RTR", rc, lines(),
+                  "the usual causes: a remote QPN that is wrong, a path MTU above what the port "
+                  "supports, a GID index that is not in the local table or whose type (RoCE v1/v2) "
+                  "does not match the peer's");
   }
 }
 

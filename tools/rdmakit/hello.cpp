@@ -5,6 +5,8 @@
 #include "hello.hpp"
 
 #include <atomic>
+#include <list>
+#include <memory>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -118,16 +120,28 @@ int run_server(const HelloOptions& o) {
       }
     }
   }
-  std::atomic<unsigned> served{0};
-  std::vector<std::jthread> workers;
+  // One thread per client, so a slow client delays nobody; finished ones are reaped as we go.
+  struct Worker {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
+  };
+  std::list<Worker> workers;
   for (;;) {
+    workers.remove_if([](Worker& w) {
+      if (!w.done->load()) return false;
+      w.thread.join();
+      return true;
+    });
     if (auto conn = listener.accept(std::chrono::milliseconds{1000})) {
-      workers.emplace_back([c = std::move(*conn), &o, &served]() mutable {
+      Worker& w = workers.emplace_back();
+      w.thread = std::thread([c = std::move(*conn), &o, done = w.done]() mutable {
         try {
-          if (serve_one(c, o)) served.fetch_add(1);
+          serve_one(c, o);
         } catch (const std::exception& e) {
           print_block(fmt::format("[{}] error: {}\n", c.info().peer_address, e.what()));
         }
+        c.close();
+        done->store(true);
       });
     }
   }

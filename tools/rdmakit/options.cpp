@@ -13,7 +13,9 @@ void ConnectOptions::add_to(CLI::App& app) {
   app.add_option("--ib-port", ib_port, "device port (default: the first ACTIVE one)");
   app.add_option("-g,--gid", gid,
                  "source GID: a table index or an IP address (default: RoCE v2 IPv4 first)");
-  app.add_option("--timeout", timeout_ms, "deadline in ms for the handshake and each operation")
+  app.add_option("--timeout", timeout_ms,
+                 "deadline in ms for the handshake (a refused connect is retried until then) and "
+                 "for each operation")
       ->check(CLI::Range(1u, 3'600'000u))
       ->capture_default_str();
 }
@@ -43,6 +45,8 @@ ConnectionConfig ConnectOptions::config() const {
   cfg.port = static_cast<std::uint8_t>(ib_port);
   cfg.gid = GidSelector::parse(gid);
   cfg.handshake_timeout = timeout();
+  // A server started at the same moment (a script, a job launcher) may not listen yet.
+  cfg.retry_refused = true;
   return cfg;
 }
 

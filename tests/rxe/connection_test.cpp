@@ -1,0 +1,245 @@
+// Runs inside one lab VM: connections between a Listener and clients in the same process, over
+// the VM's rxe device and loopback TCP.
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "rdmakit/connection.hpp"
+#include "rdmakit/error.hpp"
+#include "rdmakit/wire.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+using rdmakit::Access;
+using rdmakit::Connection;
+using rdmakit::ConnectionConfig;
+using rdmakit::Listener;
+
+// `rdma resource show` summary for the device: pd, cq, qp, mr, ... counts (all processes).
+std::map<std::string, long> rdma_resources() {
+  std::map<std::string, long> out;
+  FILE* p = ::popen("rdma resource show 2>&1", "r");
+  if (p == nullptr) return out;
+  char line[512];
+  while (std::fgets(line, sizeof line, p) != nullptr) {
+    std::istringstream in(line);
+    std::string word, prev;
+    while (in >> word) {
+      if (!prev.empty() && word.find_first_not_of("0123456789") == std::string::npos) {
+        out[prev] += std::stol(word);
+      }
+      prev = word;
+    }
+  }
+  ::pclose(p);
+  return out;
+}
+
+int open_fds() {
+  int n = 0;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (::readdir(d) != nullptr) ++n;
+    ::closedir(d);
+  }
+  return n;
+}
+
+std::string target(const Listener& l) { return "127.0.0.1:" + std::to_string(l.port()); }
+
+// A server that advertises one writable buffer; a client that advertises one readable buffer.
+Connection::Setup server_setup() {
+  return [](Connection& c) { c.advertise(c.allocate_memory(4096, Access::remote_write)); };
+}
+Connection::Setup client_setup() {
+  return [](Connection& c) { c.advertise(c.allocate_memory(4096, Access::remote_read)); };
+}
+
+ConnectionConfig quiet() {
+  ConnectionConfig cfg;
+  cfg.log = [](std::string_view) {};
+  return cfg;
+}
+
+TEST(Connection, WriteReadAndPeerInfo) {
+  Listener listener("127.0.0.1:0", quiet(), server_setup());
+  Connection client = Connection::connect(target(listener), quiet(), client_setup());
+  auto server = listener.accept(5s);
+  ASSERT_TRUE(server.has_value());
+  EXPECT_EQ(client.info().local.qpn, server->info().remote.qpn);
+  EXPECT_EQ(client.info().remote.psn, server->info().local.psn);
+  EXPECT_EQ(client.info().path_mtu, 1024u);
+  ASSERT_EQ(client.remote_regions().size(), 1u);
+
+  const auto& src = client.memory(0);
+  std::memcpy(src.data(), "payload!", 8);
+  ASSERT_TRUE(client.post_write(src.local().subslice(0, 8), client.remote_regions()[0], 16, 7).ok());
+  const auto w = client.wait(5s);
+  ASSERT_EQ(w.status, rdmakit::WaitStatus::completed);
+  EXPECT_TRUE(w.completion.ok()) << w.completion.describe();
+  EXPECT_EQ(w.completion.wr_id, 7u);
+  EXPECT_EQ(w.completion.opcode, rdmakit::Opcode::write);
+  EXPECT_EQ(std::memcmp(static_cast<char*>(server->memory(0).data()) + 16, "payload!", 8), 0);
+
+  // The server reads the client's buffer into its own (after the write's 16+8 bytes).
+  const auto& dst = server->memory(0);
+  ASSERT_TRUE(server->post_read(dst.local().subslice(100, 8), server->remote_regions()[0], 0, 9).ok());
+  const auto r = server->wait(5s);
+  ASSERT_EQ(r.status, rdmakit::WaitStatus::completed);
+  EXPECT_TRUE(r.completion.ok()) << r.completion.describe();
+  EXPECT_EQ(std::memcmp(static_cast<char*>(dst.data()) + 100, "payload!", 8), 0);
+}
+
+TEST(Connection, RefusesBadPostsLocally) {
+  Listener listener("127.0.0.1:0", quiet(), server_setup());
+  rdmakit::PostResult during_setup;
+  Connection client = Connection::connect(target(listener), quiet(), [&](Connection& c) {
+    const auto& m = c.allocate_memory(64, Access::remote_read);
+    c.advertise(m);
+    // Not in RTS yet: refused, nothing posted.
+    during_setup = c.post_write(m.local(), {0, 64, 1, Access::remote_write}, 0, 1);
+  });
+  EXPECT_EQ(during_setup.status, rdmakit::PostStatus::not_ready);
+  const auto& theirs = client.remote_regions()[0];  // 4096 bytes, remote_write only
+  const auto local = client.memory(0).local();
+  EXPECT_EQ(client.post_write(local, theirs, 4096 - 63, 1).status, rdmakit::PostStatus::out_of_bounds);
+  EXPECT_EQ(client.post_write(local, theirs, ~0ull, 1).status, rdmakit::PostStatus::out_of_bounds);
+  EXPECT_EQ(client.post_read(local, theirs, 0, 1).status, rdmakit::PostStatus::no_access);
+  EXPECT_EQ(client.outstanding(), 0u);
+}
+
+TEST(Connection, PeerLossFailsWaitPromptly) {
+  Listener listener("127.0.0.1:0", quiet(), server_setup());
+  Connection client = Connection::connect(target(listener), quiet(), client_setup());
+  auto server = listener.accept(5s);
+  ASSERT_TRUE(server.has_value());
+  std::thread closer([&] {
+    std::this_thread::sleep_for(200ms);
+    server->close();
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto w = client.wait(10s);  // nothing outstanding: only the peer's close can end this
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  closer.join();
+  EXPECT_EQ(w.status, rdmakit::WaitStatus::peer_lost);
+  EXPECT_LT(waited, 2s);
+  EXPECT_TRUE(client.peer_closed());
+}
+
+TEST(Connection, WrongProtocolVersionRejectedWhileGoodClientSucceeds) {
+  Listener listener("127.0.0.1:0", quiet(), server_setup());
+  // A peer speaking protocol version 2, and a slow-loris that connects and says nothing.
+  auto raw_connect = [&] {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(listener.port());
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    return fd;
+  };
+  const int loris = raw_connect();
+  const int bad = raw_connect();
+  rdmakit::wire::EndpointInfo fake;
+  fake.qpn = 5;
+  fake.mtu = 1024;
+  auto hello = rdmakit::wire::encode_hello(fake);
+  hello[5] = 2;  // version 2
+  ASSERT_EQ(::send(bad, hello.data(), hello.size(), 0), static_cast<ssize_t>(hello.size()));
+
+  const auto t0 = std::chrono::steady_clock::now();
+  Connection good = Connection::connect(target(listener), quiet(), client_setup());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+  EXPECT_TRUE(listener.accept(5s).has_value());
+
+  // The bad peer is told why, then disconnected.
+  std::vector<std::uint8_t> reply(1024);
+  timeval tv{5, 0};
+  ::setsockopt(bad, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  const ssize_t n = ::recv(bad, reply.data(), reply.size(), MSG_WAITALL);
+  ASSERT_GT(n, static_cast<ssize_t>(rdmakit::wire::kHeaderSize));
+  reply.resize(static_cast<std::size_t>(n));
+  EXPECT_EQ(rdmakit::wire::decode_header(reply).type, rdmakit::wire::MessageType::reject);
+  const std::string reason = rdmakit::wire::decode_reject(
+      std::span(reply).subspan(rdmakit::wire::kHeaderSize));
+  EXPECT_NE(reason.find("protocol version mismatch: peer speaks 2"), std::string::npos) << reason;
+  EXPECT_EQ(listener.rejected(), 1u);
+  ::close(bad);
+  ::close(loris);
+}
+
+TEST(Connection, CorruptRemoteQpnFailsWithClearModifyQpErrorAndFreesEverything) {
+  const auto before = rdma_resources();
+  const int fds_before = open_fds();
+  {
+    std::string server_log;
+    std::mutex mu;
+    ConnectionConfig scfg = quiet();
+    scfg.log = [&](std::string_view m) {
+      std::lock_guard lock(mu);
+      server_log += m;
+    };
+    Listener listener("127.0.0.1:0", scfg, server_setup());
+    ConnectionConfig cfg = quiet();
+    // The seed article's bug: one byte off in the QPN.
+    cfg.testing_alter_peer = [](rdmakit::wire::EndpointInfo& peer) { peer.qpn |= 0x01000000; };
+    try {
+      (void)Connection::connect(target(listener), cfg, client_setup());
+      ADD_FAILURE() << "connected with a corrupt QPN";
+    } catch (const rdmakit::Error& e) {
+      const std::string what = e.what();
+      std::printf("the error, as a user sees it:\n%s\n", what.c_str());
+      EXPECT_EQ(e.op(), "ibv_modify_qp(INIT->RTR)") << what;
+      EXPECT_EQ(e.sys_errno(), EINVAL) << what;
+      EXPECT_NE(what.find("dest_qp_num"), std::string::npos) << what;
+      EXPECT_NE(what.find("do not fit in 24 bits"), std::string::npos) << what;
+      EXPECT_NE(what.find("path_mtu"), std::string::npos) << what;
+      EXPECT_NE(what.find("local QPN"), std::string::npos) << what;
+    }
+    // The server hears why (the client sends REJECT) and counts the failure.
+    for (int i = 0; i < 50 && listener.rejected() == 0; ++i) std::this_thread::sleep_for(100ms);
+    EXPECT_EQ(listener.rejected(), 1u);
+    std::lock_guard lock(mu);
+    EXPECT_NE(server_log.find("ibv_modify_qp(INIT->RTR)"), std::string::npos) << server_log;
+  }
+  EXPECT_EQ(rdma_resources(), before);
+  EXPECT_EQ(open_fds(), fds_before);
+}
+
+TEST(Connection, ThousandCyclesLeaveNothingBehind) {
+  const auto before = rdma_resources();
+  const int fds_before = open_fds();
+  {
+    Listener listener("127.0.0.1:0", quiet(), server_setup());
+    for (int i = 0; i < 1000; ++i) {
+      Connection client = Connection::connect(target(listener), quiet(), client_setup());
+      auto server = listener.accept(5s);
+      ASSERT_TRUE(server.has_value()) << "cycle " << i;
+      const auto& m = client.memory(0);
+      std::memcpy(m.data(), &i, sizeof i);
+      ASSERT_TRUE(client.post_write(m.local().subslice(0, sizeof i), client.remote_regions()[0], 0, 1).ok());
+      const auto w = client.wait(5s);
+      ASSERT_EQ(w.status, rdmakit::WaitStatus::completed) << "cycle " << i;
+      ASSERT_TRUE(w.completion.ok()) << w.completion.describe();
+      ASSERT_EQ(std::memcmp(server->memory(0).data(), &i, sizeof i), 0) << "cycle " << i;
+    }
+    EXPECT_EQ(listener.rejected(), 0u);
+  }
+  EXPECT_EQ(rdma_resources(), before);
+  EXPECT_EQ(open_fds(), fds_before);
+}
+
+}  // namespace

@@ -1,0 +1,80 @@
+#!/bin/sh
+# rdmakit hello inside the lab. Usage: hello.sh one_vm|two_vms|many_clients PATH_TO_RDMAKIT
+# Output goes to the guest's private /tmp; each check prints what it looked at when it fails.
+set -u
+mode=$1
+R=$2
+out=/tmp/hello.$$
+mkdir -p "$out"
+fail() { echo "FAIL: $*"; for f in "$out"/*; do echo "--- $f"; cat "$f"; done; exit 1; }
+expect() { grep -qF -- "$2" "$1" || fail "$1 lacks: $2"; }
+
+# The client retries a refused connect until its --timeout (the server starts at the same time).
+client() {  # client NAME ARGS...
+  name=$1; shift
+  "$R" hello "$@" > "$out/$name" 2>&1
+}
+
+check_negotiated() {  # the parameters both sides must print
+  expect "$1" "device      $RDMAKIT_LAB_DEVICE port 1 (Ethernet)"
+  expect "$1" "RoCE v2 (RoCE v2 with an IPv4 address"
+  expect "$1" "path MTU    1024 (local active 1024, remote active 1024)"
+  expect "$1" "remote QP   QPN 0x"
+}
+
+case $mode in
+one_vm)
+  "$R" hello --listen 127.0.0.1:12025 > "$out/server" 2>&1 &
+  server=$!
+  client client --connect 127.0.0.1 --message "Hello from one VM" || fail "client failed"
+  wait $server || fail "server exited $?"
+  expect "$out/server" 'received: "Hello from one VM"'
+  expect "$out/server" 'read back: "Hello from one VM"'
+  expect "$out/client" 'server read back: "Hello from one VM"'
+  check_negotiated "$out/server"
+  check_negotiated "$out/client"
+  cat "$out/server" "$out/client"
+  ;;
+two_vms)
+  set -- $RDMAKIT_LAB_IPS
+  if [ "$RDMAKIT_LAB_INDEX" = 0 ]; then
+    "$R" hello --listen > "$out/server" 2>&1 || fail "server exited $?"
+    expect "$out/server" "peer        $2:"
+    expect "$out/server" 'received: "Hello,World"'
+    expect "$out/server" 'read back: "Hello,World"'
+    expect "$out/server" "remote GID  [1] ::ffff:$2 RoCE v2"
+    check_negotiated "$out/server"
+    cat "$out/server"
+  else
+    client client --connect "$1" || fail "client failed"
+    expect "$out/client" 'server read back: "Hello,World"'
+    expect "$out/client" "remote GID  [1] ::ffff:$1 RoCE v2"
+    check_negotiated "$out/client"
+    cat "$out/client"
+  fi
+  ;;
+many_clients)
+  n=16
+  "$R" hello --listen 127.0.0.1:12025 --serve > "$out/server" 2>&1 &
+  server=$!
+  pids=""
+  for i in $(seq $n); do
+    client "client$i" --connect 127.0.0.1 --message "client $i of $n" &
+    pids="$pids $!"
+  done
+  failed=0
+  for p in $pids; do wait "$p" || failed=$((failed + 1)); done
+  [ $failed -eq 0 ] || fail "$failed of $n clients failed"
+  for i in $(seq $n); do
+    expect "$out/client$i" "server read back: \"client $i of $n\""
+    expect "$out/server" "read back: \"client $i of $n\""
+  done
+  kill "$server"
+  [ "$(grep -c 'received: ' "$out/server")" -eq $n ] || fail "the server did not receive exactly $n messages"
+  echo "all $n clients verified"
+  ;;
+*)
+  fail "unknown mode $mode"
+  ;;
+esac
+echo "PASS: hello $mode"

@@ -1,0 +1,88 @@
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/ipaddr.hpp"
+#include "rdmakit/device.hpp"
+#include "rdmakit/error.hpp"
+
+namespace {
+
+using rdmakit::GidEntry;
+using rdmakit::GidKind;
+using rdmakit::GidSelector;
+using rdmakit::GidType;
+
+GidEntry entry(std::uint32_t index, GidType type, const std::string& addr) {
+  auto ip = rdmakit::detail::parse_ip16(addr);
+  EXPECT_TRUE(ip.has_value()) << addr;
+  return {index, type, ip.value_or(rdmakit::Gid{}), "eth0"};
+}
+
+GidEntry zero(std::uint32_t index) { return {index, GidType::roce_v2, {}, "eth0"}; }
+
+std::uint32_t chosen(const std::vector<GidEntry>& t, const std::string& sel = "") {
+  return rdmakit::choose_gid(t, GidSelector::parse(sel)).entry.index;
+}
+
+TEST(GidKind, Classifies) {
+  EXPECT_EQ(entry(0, GidType::roce_v2, "198.18.0.1").kind(), GidKind::ipv4_mapped);
+  EXPECT_EQ(entry(0, GidType::roce_v2, "fe80::1").kind(), GidKind::ipv6_link_local);
+  EXPECT_EQ(entry(0, GidType::roce_v2, "2001:db8::1").kind(), GidKind::ipv6);
+  EXPECT_EQ(entry(0, GidType::roce_v2, "198.18.0.1").address(), "::ffff:198.18.0.1");
+}
+
+TEST(ChooseGid, RxeTablePicksRoceV2Ipv4) {
+  // What rxe shows in the lab: link-local RoCE v2 at 0, IPv4-mapped RoCE v2 at 1.
+  const std::vector<GidEntry> t = {entry(0, GidType::roce_v2, "fe80::5054:ff:fe4c:ab01"),
+                                   entry(1, GidType::roce_v2, "198.18.0.1")};
+  const auto c = rdmakit::choose_gid(t, {});
+  EXPECT_EQ(c.entry.index, 1u);
+  EXPECT_NE(c.reason.find("RoCE v2 with an IPv4 address"), std::string::npos) << c.reason;
+}
+
+TEST(ChooseGid, Mlx5TableWithV1AndV2) {
+  // mlx5 lists each address twice, RoCE v1 then v2, link-local first.
+  const std::vector<GidEntry> t = {
+      entry(0, GidType::roce_v1, "fe80::1"),      entry(1, GidType::roce_v2, "fe80::1"),
+      entry(2, GidType::roce_v1, "2001:db8::5"),  entry(3, GidType::roce_v2, "2001:db8::5"),
+      entry(4, GidType::roce_v1, "10.1.2.3"),     entry(5, GidType::roce_v2, "10.1.2.3")};
+  EXPECT_EQ(chosen(t), 5u);
+  // Without an IPv4 RoCE v2 GID, routable IPv6 RoCE v2 wins over everything else.
+  EXPECT_EQ(chosen({t[0], t[1], t[2], t[3], t[4]}), 3u);
+  // Only v1 and link-local left: RoCE v1 IPv4 before any link-local.
+  EXPECT_EQ(chosen({t[0], t[1], t[4]}), 4u);
+  // Only link-local: RoCE v2 before v1.
+  EXPECT_EQ(chosen({t[0], t[1]}), 1u);
+}
+
+TEST(ChooseGid, SkipsZeroEntriesAndRefusesEmptyTables) {
+  EXPECT_EQ(chosen({zero(0), entry(3, GidType::roce_v2, "fe80::2")}), 3u);
+  EXPECT_THROW((void)rdmakit::choose_gid(std::vector<GidEntry>{zero(0)}, {}), rdmakit::Error);
+  EXPECT_THROW((void)rdmakit::choose_gid(std::vector<GidEntry>{}, {}), rdmakit::Error);
+}
+
+TEST(ChooseGid, InfinibandTable) {
+  const std::vector<GidEntry> t = {entry(0, GidType::ib, "fe80::2:c903:a:1234")};
+  EXPECT_EQ(chosen(t), 0u);
+}
+
+TEST(ChooseGid, OverrideByIndexOrAddress) {
+  const std::vector<GidEntry> t = {entry(0, GidType::roce_v2, "fe80::1"),
+                                   entry(1, GidType::roce_v1, "10.1.2.3"),
+                                   entry(2, GidType::roce_v2, "10.1.2.3")};
+  EXPECT_EQ(chosen(t, "0"), 0u);
+  EXPECT_EQ(chosen(t, "10.1.2.3"), 2u);  // the same address as v1 and v2: v2 preferred
+  EXPECT_EQ(chosen(t, "fe80::1"), 0u);
+  try {
+    (void)chosen(t, "9");
+    ADD_FAILURE() << "index 9 accepted";
+  } catch (const rdmakit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[2] RoCE v2 ::ffff:10.1.2.3"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW((void)chosen(t, "10.9.9.9"), rdmakit::Error);
+  EXPECT_THROW((void)GidSelector::parse("not-an-address"), rdmakit::Error);
+}
+
+}  // namespace

@@ -1,0 +1,172 @@
+#include "rdmakit/wire.hpp"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "rdmakit/error.hpp"
+
+namespace {
+
+using rdmakit::Access;
+using rdmakit::Error;
+using namespace rdmakit::wire;
+
+EndpointInfo sample() {
+  EndpointInfo i;
+  i.qpn = 0x000011;
+  i.psn = 0xabcdef;
+  i.lid = 0;
+  i.link_layer = rdmakit::LinkLayer::ethernet;
+  i.gid_type = rdmakit::GidType::roce_v2;
+  i.gid = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 198, 18, 0, 1};
+  i.gid_index = 1;
+  i.mtu = 1024;
+  i.max_rd_atomic = 16;
+  i.max_dest_rd_atomic = 16;
+  i.regions = {{0x7f0000001000, 65536, 0x1234, Access::remote_read | Access::remote_write},
+               {0x7f0000100000, 4096, 0x99, Access::remote_read}};
+  return i;
+}
+
+std::vector<std::uint8_t> payload_of(const std::vector<std::uint8_t>& msg) {
+  return {msg.begin() + kHeaderSize, msg.end()};
+}
+
+// Runs `f`, expecting an Error whose message contains `needle`.
+template <typename F>
+void expect_error(F f, const std::string& needle) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+        << "message: " << e.what() << "\nexpected to contain: " << needle;
+    return;
+  }
+  ADD_FAILURE() << "no error; expected one containing: " << needle;
+}
+
+TEST(Wire, RoundTrip) {
+  const EndpointInfo in = sample();
+  const auto msg = encode_hello(in);
+  ASSERT_EQ(msg.size(), kHeaderSize + kHelloFixedSize + 2 * kRegionSize);
+  const Header h = decode_header(msg);
+  EXPECT_EQ(h.type, MessageType::hello);
+  EXPECT_EQ(h.length, msg.size() - kHeaderSize);
+  EXPECT_EQ(decode_hello(payload_of(msg)), in);
+}
+
+TEST(Wire, FieldsAreBigEndianAtFixedOffsets) {
+  const auto msg = encode_hello(sample());
+  // "RDKT", version 1, type HELLO, then the payload length.
+  const std::vector<std::uint8_t> header = {'R', 'D', 'K', 'T', 0, 1, 0, 1, 0, 0, 0, 88};
+  EXPECT_EQ(std::vector<std::uint8_t>(msg.begin(), msg.begin() + 12), header);
+  const std::uint8_t* p = msg.data() + kHeaderSize;
+  EXPECT_EQ((std::vector<std::uint8_t>{p, p + 8}),
+            (std::vector<std::uint8_t>{0, 0, 0, 0x11, 0, 0xab, 0xcd, 0xef}));  // QPN, PSN
+  EXPECT_EQ(p[10], 2);     // Ethernet
+  EXPECT_EQ(p[11], 2);     // RoCE v2
+  EXPECT_EQ(p[12 + 15], 1);  // last GID byte
+  EXPECT_EQ(p[32], 0x04);  // MTU 1024, big-endian u16
+  EXPECT_EQ(p[33], 0x00);
+  EXPECT_EQ(p[37], 2);     // two regions
+  EXPECT_EQ(p[40 + 6], 0x10);  // first region's address 0x00007f0000001000
+}
+
+TEST(Wire, RejectAndReady) {
+  const auto r = encode_reject("version mismatch");
+  EXPECT_EQ(decode_header(r).type, MessageType::reject);
+  EXPECT_EQ(decode_reject(payload_of(r)), "version mismatch");
+  EXPECT_EQ(decode_reject(std::vector<std::uint8_t>{'a', 0x01}), "a\\x01");
+  EXPECT_EQ(decode_header(encode_header(MessageType::ready, 0)).type, MessageType::ready);
+}
+
+TEST(Wire, HeaderRejections) {
+  auto msg = encode_hello(sample());
+  expect_error([&] { (void)decode_header(std::span(msg).first(11)); }, "truncated header");
+  auto bad = msg;
+  bad[0] = 'X';
+  expect_error([&] { (void)decode_header(bad); }, "bad magic");
+  bad = msg;
+  bad[5] = 2;
+  expect_error([&] { (void)decode_header(bad); }, "protocol version mismatch: peer speaks 2, this side speaks 1");
+  bad = msg;
+  bad[7] = 9;
+  expect_error([&] { (void)decode_header(bad); }, "unknown message type 9");
+  bad = msg;
+  bad[8] = 0xff;  // length 0xff000058
+  expect_error([&] { (void)decode_header(bad); }, "oversized HELLO message");
+}
+
+TEST(Wire, TryDecodeHeaderAgreesWithDecodeHeader) {
+  const auto msg = encode_hello(sample());
+  const auto h = try_decode_header(msg);
+  ASSERT_TRUE(h.has_value());
+  EXPECT_EQ(h->type, MessageType::hello);
+  EXPECT_EQ(h->length, decode_header(msg).length);
+  for (std::size_t byte : {0u, 5u, 7u, 8u}) {
+    auto bad = msg;
+    bad[byte] ^= 0xff;
+    EXPECT_FALSE(try_decode_header(bad).has_value()) << "byte " << byte;
+    EXPECT_THROW((void)decode_header(bad), Error) << "byte " << byte;
+  }
+  EXPECT_FALSE(try_decode_header(std::span(msg).first(11)).has_value());
+}
+
+TEST(Wire, HelloRejections) {
+  const auto good = payload_of(encode_hello(sample()));
+  auto with = [&](std::size_t off, std::uint8_t v) {
+    auto p = good;
+    p[off] = v;
+    return p;
+  };
+  expect_error([&] { (void)decode_hello(std::span(good).first(39)); }, "truncated HELLO");
+  expect_error([&] { (void)decode_hello(std::span(good).first(good.size() - 1)); },
+               "truncated HELLO: 2 regions need 88 bytes, got 87");
+  auto longer = good;
+  longer.push_back(0);
+  expect_error([&] { (void)decode_hello(longer); }, "1 trailing bytes");
+  expect_error([&] { (void)decode_hello(with(3, 0)); }, "QPN 0x0 out of range");
+  expect_error([&] { (void)decode_hello(with(0, 1)); }, "QPN 0x1000011 out of range");
+  expect_error([&] { (void)decode_hello(with(4, 1)); }, "PSN 0x1abcdef does not fit in 24 bits");
+  expect_error([&] { (void)decode_hello(with(10, 3)); }, "unknown link layer 3");
+  expect_error([&] { (void)decode_hello(with(11, 7)); }, "unknown GID type 7");
+  expect_error([&] { (void)decode_hello(with(33, 1)); }, "invalid MTU 1025");
+  expect_error([&] { (void)decode_hello(with(36, 0xff)); }, "absurd region count 65282");
+  expect_error([&] { (void)decode_hello(with(39, 1)); }, "reserved field");
+  // Region 0: address 0x7f0000001000 with a length that wraps past 2^64.
+  auto wrap = good;
+  for (int i = 0; i < 8; ++i) wrap[40 + 8 + static_cast<std::size_t>(i)] = 0xff;
+  expect_error([&] { (void)decode_hello(wrap); }, "overflows");
+  expect_error([&] { (void)decode_hello(with(40 + 23, 0x10)); }, "unknown access bits 0x10");
+}
+
+TEST(Wire, EncodeRefusesWhatCannotBeDecoded) {
+  auto i = sample();
+  i.qpn = 1u << 24;
+  expect_error([&] { (void)encode_hello(i); }, "24 bits");
+  i = sample();
+  i.regions.resize(kMaxRegions + 1);
+  expect_error([&] { (void)encode_hello(i); }, "at most 1024");
+}
+
+TEST(Wire, Compatibility) {
+  auto local = sample();
+  auto remote = sample();
+  EXPECT_NO_THROW(check_compatible(local, remote));
+  remote.link_layer = rdmakit::LinkLayer::infiniband;
+  expect_error([&] { check_compatible(local, remote); },
+               "link layers differ: this side is Ethernet, the peer is InfiniBand");
+  remote = sample();
+  remote.gid_type = rdmakit::GidType::roce_v1;
+  expect_error([&] { check_compatible(local, remote); }, "RoCE versions differ");
+  local.link_layer = remote.link_layer = rdmakit::LinkLayer::infiniband;
+  remote.lid = 0;
+  expect_error([&] { check_compatible(local, remote); }, "subnet manager");
+  remote.lid = 7;
+  EXPECT_NO_THROW(check_compatible(local, remote));
+}
+
+}  // namespace
