@@ -5,6 +5,8 @@
 #include <endian.h>
 #include <infiniband/verbs.h>
 #include <sched.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <sys/random.h>
 
 #include <algorithm>
@@ -152,6 +154,7 @@ struct Connection::Impl {
   // Release order is the reverse of this order: regions, QP, CQs, then (when the last region
   // lets go) PD and context.
   std::shared_ptr<detail::DeviceResources> dev;
+  detail::CompChannelPtr channel;  // before the CQs: it must outlive them
   detail::CqPtr send_cq;
   detail::CqPtr recv_cq;
   detail::QpPtr qp;
@@ -180,7 +183,10 @@ struct Connection::Impl {
                        std::uint64_t offset, std::uint32_t imm, std::uint64_t wr_id) noexcept;
   std::size_t poll(std::span<Completion> out) noexcept;
   void pump_control() noexcept;
-  void drain(Deadline deadline) noexcept;
+  void drain(Deadline deadline, bool receives) noexcept;
+  // Sleeps until a completion event, control traffic or the deadline; true if it polled a
+  // completion into `out` on the way.
+  bool sleep_for_event(Deadline deadline, Completion& out) noexcept;
   void close(std::chrono::milliseconds timeout) noexcept;
 };
 
@@ -205,9 +211,20 @@ void Connection::Impl::open() {
   }
   dev->pd.reset(ibv_alloc_pd(dev->ctx.get()));
   if (!dev->pd) throw Error("ibv_alloc_pd", errno, d.name);
-  send_cq.reset(ibv_create_cq(dev->ctx.get(), static_cast<int>(cfg.send_depth), nullptr, nullptr, 0));
+  if (cfg.completion_events) {
+    channel.reset(ibv_create_comp_channel(dev->ctx.get()));
+    if (!channel) throw Error("ibv_create_comp_channel", errno, d.name);
+    // Non-blocking, so a spurious wakeup can never leave ibv_get_cq_event blocked past a deadline.
+    const int flags = ::fcntl(channel->fd, F_GETFL);
+    if (flags < 0 || ::fcntl(channel->fd, F_SETFL, flags | O_NONBLOCK) < 0) {
+      throw Error("fcntl(O_NONBLOCK)", errno, "completion channel");
+    }
+  }
+  send_cq.reset(ibv_create_cq(dev->ctx.get(), static_cast<int>(cfg.send_depth), nullptr,
+                              channel.get(), 0));
   if (!send_cq) throw Error("ibv_create_cq", errno, fmt::format("send CQ, {} entries", cfg.send_depth));
-  recv_cq.reset(ibv_create_cq(dev->ctx.get(), static_cast<int>(cfg.recv_depth), nullptr, nullptr, 0));
+  recv_cq.reset(ibv_create_cq(dev->ctx.get(), static_cast<int>(cfg.recv_depth), nullptr,
+                              channel.get(), 0));
   if (!recv_cq) throw Error("ibv_create_cq", errno, fmt::format("receive CQ, {} entries", cfg.recv_depth));
 
   ibv_qp_init_attr qattr{};
@@ -351,9 +368,11 @@ void Connection::Impl::pump_control() noexcept {
   }
 }
 
-void Connection::Impl::drain(Deadline deadline) noexcept {
+// Reaps completions until the send queue (and, with `receives`, the receive queue) is empty or
+// the deadline passes.
+void Connection::Impl::drain(Deadline deadline, bool receives) noexcept {
   std::array<Completion, kPollBatch> sink;
-  while (sq.count() + rq.count() > 0 && Clock::now() < deadline) {
+  while (sq.count() + (receives ? rq.count() : 0) > 0 && Clock::now() < deadline) {
     if (poll(sink) == 0) ::sched_yield();
   }
 }
@@ -370,12 +389,13 @@ void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
   }
   state = State::closed;
   if (qp) {
-    // Outstanding work may still finish on its own; what has not by the deadline is flushed by
-    // moving the QP to ERR, so no buffer is released while the NIC may still touch it.
-    drain(deadline);
+    // Sends, writes and reads in flight may still finish on their own; posted receives only wait
+    // for a peer that has said goodbye. Whatever is left is flushed by moving the QP to ERR, so
+    // no buffer is released while the NIC may still touch it.
+    drain(deadline, false);
     if (sq.count() + rq.count() > 0) {
       (void)detail::to_error(qp.get());
-      drain(Clock::now() + std::chrono::milliseconds{1000});
+      drain(Clock::now() + std::chrono::milliseconds{1000}, true);
     }
     if (sq.count() + rq.count() > 0) {
       try {
@@ -500,13 +520,42 @@ WaitResult Connection::wait(std::chrono::milliseconds timeout) noexcept {
         r.status = impl_->poll({&r.completion, 1}) == 1 ? WaitStatus::completed : WaitStatus::peer_lost;
         return r;
       }
-      if (Clock::now() >= deadline) {
+      const Deadline now = Clock::now();
+      if (now >= deadline) {
         r.status = WaitStatus::timeout;
         return r;
       }
-      ::sched_yield();
+      if (impl_->channel) {
+        if (impl_->sleep_for_event(deadline, r.completion)) {
+          r.status = WaitStatus::completed;
+          return r;
+        }
+      } else {
+        ::sched_yield();
+      }
     }
   }
+}
+
+// Arms both CQs, then sleeps until a completion event, control-channel traffic or the deadline.
+// A completion that lands between the last poll and the arming raises no event, so the CQs are
+// polled once more after arming (the canonical ibv_req_notify_cq race).
+bool Connection::Impl::sleep_for_event(Deadline deadline, Completion& out) noexcept {
+  if (ibv_req_notify_cq(send_cq.get(), 0) != 0 || ibv_req_notify_cq(recv_cq.get(), 0) != 0) {
+    return false;
+  }
+  if (poll({&out, 1}) == 1) return true;
+  pollfd fds[2] = {{channel->fd, POLLIN, 0}, {control ? control.get() : -1, POLLIN, 0}};
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  // +1 ms: poll() would otherwise wake just before the deadline and loop once more for nothing.
+  const int ms = static_cast<int>(std::clamp<long long>(left.count(), 0, 1 << 30)) + 1;
+  if (::poll(fds, 2, ms) > 0 &&
+      (fds[0].revents & POLLIN) != 0) {
+    ibv_cq* cq = nullptr;
+    void* ctx = nullptr;
+    while (ibv_get_cq_event(channel.get(), &cq, &ctx) == 0) ibv_ack_cq_events(cq, 1);
+  }
+  return false;
 }
 
 bool Connection::peer_closed() noexcept {

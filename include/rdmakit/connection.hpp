@@ -33,6 +33,9 @@ struct ConnectionConfig {
   /// How long a sender backs off when this side has no receive posted (RNR NAK timer).
   std::chrono::microseconds rnr_timer{1280};
   std::uint8_t rnr_retry = 6;     ///< RNR retries before RNR_RETRY_EXC_ERR; 7 (forever) is refused
+  /// Block in wait() on a completion channel (epoll-style, no CPU spent while idle) instead of
+  /// busy polling the CQ (lowest latency, one core spinning).
+  bool completion_events = false;
   std::uint32_t send_depth = 64;  ///< send queue entries (outstanding sends, writes, reads)
   std::uint32_t recv_depth = 64;  ///< receive queue entries
   /// What peers may do through this connection's QP (their regions also need the flag).
@@ -150,8 +153,9 @@ class Connection {
 
   /// Copies up to out.size() completions (send and receive side) into `out`; returns how many.
   std::size_t poll(std::span<Completion> out) noexcept;
-  /// Waits for the next completion until `timeout`; reports peer_lost as soon as the control
-  /// channel says the peer is gone.
+  /// Waits for the next completion until `timeout`, busy polling or, with completion_events,
+  /// sleeping on the completion channel; reports peer_lost as soon as the control channel says
+  /// the peer is gone.
   WaitResult wait(std::chrono::milliseconds timeout) noexcept;
   /// Work requests posted and not yet completed.
   [[nodiscard]] std::uint32_t outstanding() const noexcept;

@@ -314,12 +314,6 @@ long recv_nonblocking(int fd, std::span<std::uint8_t> buf) noexcept {
   }
 }
 
-bool peer_closed(int fd) noexcept {
-  std::uint8_t b;
-  const ssize_t n = ::recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
-}
-
 bool wait_readable(int fd, std::chrono::milliseconds timeout) noexcept {
   pollfd p{fd, POLLIN, 0};
   int rc;

@@ -72,9 +72,6 @@ inline constexpr long kRecvWouldBlock = -1;
 inline constexpr long kRecvClosed = 0;
 long recv_nonblocking(int fd, std::span<std::uint8_t> buf) noexcept;
 
-/// Whether the peer closed the connection (EOF or reset) as far as can be seen right now,
-/// without consuming data. A pending message is not a close.
-bool peer_closed(int fd) noexcept;
 /// Waits up to `timeout` for `fd` to become readable (data, EOF or error).
 bool wait_readable(int fd, std::chrono::milliseconds timeout) noexcept;
 

@@ -19,7 +19,11 @@ std::string compose(const std::string& op, int err, const std::string& detail,
     msg += " failed";
   }
   if (!detail.empty()) msg += fmt::format(": {}", detail);
-  if (!hint.empty()) msg += fmt::format(". Hint: {}", hint);
+  // A multi-line detail (an attribute listing) gets its hint on a line of its own.
+  if (!hint.empty()) {
+    msg += detail.find('\n') != std::string::npos ? "\n  Hint: " : ". Hint: ";
+    msg += hint;
+  }
   return msg;
 }
 

@@ -8,6 +8,8 @@
 
 #include <chrono>
 #include <cstdio>
+#include <ctime>
+#include <mutex>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -217,6 +219,79 @@ TEST(Connection, CorruptRemoteQpnFailsWithClearModifyQpErrorAndFreesEverything) 
   }
   EXPECT_EQ(rdma_resources(), before);
   EXPECT_EQ(open_fds(), fds_before);
+}
+
+TEST(Connection, Ipv6Bootstrap) {
+  Listener listener("[::1]:0", quiet(), server_setup());
+  Connection client =
+      Connection::connect("[::1]:" + std::to_string(listener.port()), quiet(), client_setup());
+  auto server = listener.accept(5s);
+  ASSERT_TRUE(server.has_value());
+  EXPECT_EQ(server->info().peer_address.rfind("[::1]:", 0), 0u) << server->info().peer_address;
+}
+
+TEST(Connection, ErrorCompletionIsDataWithLikelyCause) {
+  Listener listener("127.0.0.1:0", quiet(), server_setup());  // posts no receive
+  Connection client = Connection::connect(target(listener), quiet(), client_setup());
+  auto server = listener.accept(5s);
+  ASSERT_TRUE(server.has_value());
+  ASSERT_TRUE(client.post_send(client.memory(0).local().subslice(0, 16), 42).ok());
+  const auto w = client.wait(10s);
+  ASSERT_EQ(w.status, rdmakit::WaitStatus::completed);
+  EXPECT_FALSE(w.completion.ok());
+  EXPECT_EQ(w.completion.wr_id, 42u);
+  EXPECT_EQ(w.completion.opcode, rdmakit::Opcode::send);
+  EXPECT_EQ(std::string(w.completion.status_name()), "RNR retry counter exceeded");
+  const std::string d = w.completion.describe();
+  std::printf("%s\n", d.c_str());
+  EXPECT_NE(d.find("SEND wr_id=42 failed"), std::string::npos) << d;
+  EXPECT_NE(d.find("no receive posted"), std::string::npos) << d;
+}
+
+TEST(Connection, CloseFlushesOutstandingReceives) {
+  Listener listener("127.0.0.1:0", quiet(), server_setup());
+  Connection client = Connection::connect(target(listener), quiet(), [](Connection& c) {
+    const auto& m = c.allocate_memory(4096, Access::local_write);
+    for (std::uint64_t i = 0; i < 8; ++i) ASSERT_TRUE(c.post_recv(m.local().subslice(i * 512, 512), i).ok());
+  });
+  EXPECT_EQ(client.outstanding(), 8u);
+  const auto t0 = std::chrono::steady_clock::now();
+  client.close();
+  EXPECT_EQ(client.outstanding(), 0u);  // flushed and reaped before anything was released
+  // Receives wait for a peer that is leaving: they are flushed at once, not waited for.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+}
+
+TEST(Connection, CompletionEventsSleepInsteadOfSpinning) {
+  ConnectionConfig cfg = quiet();
+  cfg.completion_events = true;
+  Listener listener("127.0.0.1:0", cfg, [](Connection& c) {
+    c.advertise(c.allocate_memory(4096, Access::remote_write));
+    ASSERT_TRUE(c.post_recv(c.memory(0).local(), 5).ok());
+  });
+  Connection client = Connection::connect(target(listener), cfg, client_setup());
+  auto server = listener.accept(5s);
+  ASSERT_TRUE(server.has_value());
+  std::thread sender([&] {
+    std::this_thread::sleep_for(500ms);
+    ASSERT_TRUE(client.post_send(client.memory(0).local().subslice(0, 64), 6).ok());
+  });
+  const std::clock_t cpu0 = std::clock();
+  const auto w = server->wait(10s);
+  const double cpu_s = static_cast<double>(std::clock() - cpu0) / CLOCKS_PER_SEC;
+  sender.join();
+  ASSERT_EQ(w.status, rdmakit::WaitStatus::completed);
+  EXPECT_TRUE(w.completion.ok()) << w.completion.describe();
+  EXPECT_EQ(w.completion.wr_id, 5u);
+  EXPECT_EQ(w.completion.byte_len, 64u);
+  // Half a second of waiting; a spinning wait would burn about that much CPU.
+  EXPECT_LT(cpu_s, 0.15) << "CPU seconds spent waiting";
+  const auto s = client.wait(5s);
+  EXPECT_EQ(s.status, rdmakit::WaitStatus::completed);
+  // Nothing outstanding and no traffic: the wait sleeps to its deadline.
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(server->wait(300ms).status, rdmakit::WaitStatus::timeout);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 300ms);
 }
 
 TEST(Connection, ThousandCyclesLeaveNothingBehind) {

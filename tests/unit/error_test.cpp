@@ -27,6 +27,13 @@ TEST(Error, WithoutErrnoOrHint) {
   EXPECT_TRUE(e.hint().empty());
 }
 
+TEST(Error, MultiLineDetailPutsTheHintOnItsOwnLine) {
+  const rdmakit::Error e("ibv_modify_qp(RTR->RTS)", EINVAL, "attributes:\n    timeout 17", "check it");
+  EXPECT_EQ(std::string(e.what()),
+            "ibv_modify_qp(RTR->RTS) failed: EINVAL (Invalid argument): attributes:\n    timeout 17\n"
+            "  Hint: check it");
+}
+
 TEST(Error, IsARuntimeError) {
   try {
     throw rdmakit::Error("ibv_reg_mr", ENOMEM, "64 KiB", "raise RLIMIT_MEMLOCK");
