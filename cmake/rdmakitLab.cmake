@@ -17,7 +17,9 @@ function(rdmakit_add_rxe_test)
   math(EXPR backstop "${ARG_TIMEOUT} + 240")
   add_test(NAME rxe.${ARG_NAME}
            # The guest's stdout is a terminal (virtio console): keep GoogleTest's output plain.
-           COMMAND env GTEST_COLOR=no ${RDMAKIT_LAB} run --vms ${ARG_VMS} --timeout ${ARG_TIMEOUT} -- ${ARG_COMMAND}
+           # The source and build trees may live below /tmp, which the guest replaces with its own.
+           COMMAND env GTEST_COLOR=no ${RDMAKIT_LAB} run --vms ${ARG_VMS} --timeout ${ARG_TIMEOUT}
+                   --share ${PROJECT_SOURCE_DIR} --share ${PROJECT_BINARY_DIR} -- ${ARG_COMMAND}
            WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
   set_tests_properties(rxe.${ARG_NAME} PROPERTIES
     LABELS rxe TIMEOUT ${backstop} RUN_SERIAL TRUE)

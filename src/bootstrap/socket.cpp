@@ -237,8 +237,9 @@ Fd tcp_accept(int listen_fd, std::chrono::milliseconds timeout, std::string* pee
   socklen_t len = sizeof ss;
   Fd fd(::accept4(listen_fd, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC | SOCK_NONBLOCK));
   if (!fd) {
-    // Transient: the client gave up between poll and accept, or we are out of descriptors
-    // (the caller retries later rather than dying).
+    // The client gave up between poll and accept (retry at once), or descriptors or memory ran
+    // out: back off a little so the accept loop does not spin while the condition lasts.
+    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) ::poll(nullptr, 0, 50);
     return {};
   }
   int one = 1;

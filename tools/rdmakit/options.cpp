@@ -21,22 +21,26 @@ void ConnectOptions::add_to(CLI::App& app) {
 }
 
 namespace {
-bool has_port(const std::string& s) {
-  if (!s.empty() && s.front() == '[') return s.find("]:") != std::string::npos;
-  return s.find(':') != std::string::npos && s.find(':') == s.rfind(':');
+
+// "host" -> "host:12025", "fe80::1" -> "[fe80::1]:12025"; an address that has a port keeps it.
+std::string with_default_port(const std::string& s) {
+  const bool bracketed = !s.empty() && s.front() == '[';
+  const bool has_port = bracketed ? s.find("]:") != std::string::npos
+                                  : s.find(':') != std::string::npos && s.find(':') == s.rfind(':');
+  if (has_port) return s;
+  if (bracketed) return fmt::format("{}:{}", s, kDefaultPort);
+  if (s.find(':') != std::string::npos) return fmt::format("[{}]:{}", s, kDefaultPort);
+  return fmt::format("{}:{}", s, kDefaultPort);
 }
+
 }  // namespace
 
-std::string ConnectOptions::connect_target() const {
-  return has_port(connect) ? connect
-         : connect.find(':') != std::string::npos ? fmt::format("[{}]:{}", connect, kDefaultPort)
-                                                  : fmt::format("{}:{}", connect, kDefaultPort);
-}
+std::string ConnectOptions::connect_target() const { return with_default_port(connect); }
 
 std::string ConnectOptions::listen_address() const {
   if (listen.empty()) return std::to_string(kDefaultPort);
-  if (listen.find_first_not_of("0123456789") == std::string::npos) return listen;
-  return has_port(listen) ? listen : fmt::format("{}:{}", listen, kDefaultPort);
+  if (listen.find_first_not_of("0123456789") == std::string::npos) return listen;  // a bare port
+  return with_default_port(listen);
 }
 
 ConnectionConfig ConnectOptions::config() const {
