@@ -181,6 +181,8 @@ struct Connection::Impl {
   void finish(wire::EndpointInfo remote);
   PostResult post_rdma(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
                        std::uint64_t offset, std::uint32_t imm, std::uint64_t wr_id) noexcept;
+  PostResult post_sq(Opcode op, const LocalSlice& local, std::uint64_t remote_addr,
+                     std::uint32_t rkey, std::uint32_t imm, std::uint64_t wr_id) noexcept;
   std::size_t poll(std::span<Completion> out) noexcept;
   void pump_control() noexcept;
   void drain(Deadline deadline, bool receives) noexcept;
@@ -290,21 +292,39 @@ PostResult Connection::Impl::post_rdma(Opcode op, const LocalSlice& local, const
   if (!allows(remote.access, op == Opcode::read ? Access::remote_read : Access::remote_write)) {
     return {PostStatus::no_access, 0};
   }
+  return post_sq(op, local, remote.addr + offset, remote.rkey, imm, wr_id);
+}
+
+namespace {
+ibv_sge to_sge(const LocalSlice& s) noexcept {
+  return {reinterpret_cast<std::uint64_t>(s.addr()), static_cast<std::uint32_t>(s.length()), s.lkey()};
+}
+}  // namespace
+
+// The send-queue post every operation shares: size and credit checks, one signaled WR.
+PostResult Connection::Impl::post_sq(Opcode op, const LocalSlice& local, std::uint64_t remote_addr,
+                                     std::uint32_t rkey, std::uint32_t imm,
+                                     std::uint64_t wr_id) noexcept {
+  if (state != State::connected) return {PostStatus::not_ready, 0};
   if (local.length() > info.max_msg_size) return {PostStatus::too_large, 0};
   if (sq.full()) return {PostStatus::queue_full, 0};
-  ibv_sge sge{reinterpret_cast<std::uint64_t>(local.addr()), static_cast<std::uint32_t>(local.length()),
-              local.lkey()};
+  ibv_sge sge = to_sge(local);
   ibv_send_wr wr{};
   wr.wr_id = wr_id;
   wr.sg_list = &sge;
   wr.num_sge = local.length() > 0 ? 1 : 0;
-  wr.opcode = op == Opcode::read             ? IBV_WR_RDMA_READ
-              : op == Opcode::write_with_imm ? IBV_WR_RDMA_WRITE_WITH_IMM
-                                             : IBV_WR_RDMA_WRITE;
+  switch (op) {
+    case Opcode::read: wr.opcode = IBV_WR_RDMA_READ; break;
+    case Opcode::write: wr.opcode = IBV_WR_RDMA_WRITE; break;
+    case Opcode::write_with_imm:
+      wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+      wr.imm_data = htobe32(imm);
+      break;
+    default: wr.opcode = IBV_WR_SEND; break;
+  }
   wr.send_flags = IBV_SEND_SIGNALED;
-  wr.wr.rdma.remote_addr = remote.addr + offset;
-  wr.wr.rdma.rkey = remote.rkey;
-  if (op == Opcode::write_with_imm) wr.imm_data = htobe32(imm);
+  wr.wr.rdma.remote_addr = remote_addr;
+  wr.wr.rdma.rkey = rkey;
   ibv_send_wr* bad = nullptr;
   if (const int rc = ibv_post_send(qp.get(), &wr, &bad); rc != 0) return {PostStatus::failed, rc};
   sq.push(wr_id, op);
@@ -464,30 +484,14 @@ PostResult Connection::post_read(const LocalSlice& dst, const RemoteRegion& src,
 }
 
 PostResult Connection::post_send(const LocalSlice& src, std::uint64_t wr_id) noexcept {
-  Impl& m = *impl_;
-  if (m.state != Impl::State::connected) return {PostStatus::not_ready, 0};
-  if (src.length() > m.info.max_msg_size) return {PostStatus::too_large, 0};
-  if (m.sq.full()) return {PostStatus::queue_full, 0};
-  ibv_sge sge{reinterpret_cast<std::uint64_t>(src.addr()), static_cast<std::uint32_t>(src.length()),
-              src.lkey()};
-  ibv_send_wr wr{};
-  wr.wr_id = wr_id;
-  wr.sg_list = &sge;
-  wr.num_sge = src.length() > 0 ? 1 : 0;
-  wr.opcode = IBV_WR_SEND;
-  wr.send_flags = IBV_SEND_SIGNALED;
-  ibv_send_wr* bad = nullptr;
-  if (const int rc = ibv_post_send(m.qp.get(), &wr, &bad); rc != 0) return {PostStatus::failed, rc};
-  m.sq.push(wr_id, Opcode::send);
-  return {};
+  return impl_->post_sq(Opcode::send, src, 0, 0, 0, wr_id);
 }
 
 PostResult Connection::post_recv(const LocalSlice& dst, std::uint64_t wr_id) noexcept {
   Impl& m = *impl_;
   if (!m.recv_allowed || m.state == Impl::State::closed) return {PostStatus::not_ready, 0};
   if (m.rq.full()) return {PostStatus::queue_full, 0};
-  ibv_sge sge{reinterpret_cast<std::uint64_t>(dst.addr()), static_cast<std::uint32_t>(dst.length()),
-              dst.lkey()};
+  ibv_sge sge = to_sge(dst);
   ibv_recv_wr wr{};
   wr.wr_id = wr_id;
   wr.sg_list = &sge;
