@@ -1,26 +1,16 @@
 // Connection: the verbs objects of one RC connection plus its TCP control channel, and the
 // handshake that joins two of them.
-#include "rdmakit/connection.hpp"
-
-#include <endian.h>
-#include <infiniband/verbs.h>
-#include <sched.h>
 #include <fcntl.h>
-#include <poll.h>
+#include <infiniband/verbs.h>
 #include <sys/random.h>
 
 #include <algorithm>
-#include <array>
 #include <cerrno>
-#include <deque>
 
 #include <fmt/format.h>
 
-#include "bootstrap/socket.hpp"
+#include "connection_impl.hpp"
 #include "rdmakit/error.hpp"
-#include "verbs/handles.hpp"
-#include "verbs/memory_impl.hpp"
-#include "verbs/qp.hpp"
 
 namespace rdmakit {
 
@@ -34,6 +24,8 @@ const char* to_string(Opcode op) noexcept {
     case Opcode::write_with_imm: return "RDMA_WRITE_WITH_IMM";
     case Opcode::read: return "RDMA_READ";
     case Opcode::recv: return "RECV";
+    case Opcode::fetch_add: return "ATOMIC_FETCH_ADD";
+    case Opcode::compare_swap: return "ATOMIC_CMP_SWAP";
   }
   return "?";
 }
@@ -82,57 +74,7 @@ std::string Completion::describe() const {
                      cause);
 }
 
-std::string PostResult::describe() const {
-  switch (status) {
-    case PostStatus::ok: return "ok";
-    case PostStatus::not_ready: return "refused: the QP is not in RTS (not connected, or closing)";
-    case PostStatus::out_of_bounds: return "refused: the range lies outside the region";
-    case PostStatus::no_access: return "refused: the remote region does not allow this operation";
-    case PostStatus::too_large: return "refused: longer than the port's max message size";
-    case PostStatus::queue_full: return "refused: the queue has no free entry";
-    case PostStatus::failed:
-      return fmt::format("ibv_post failed: {} ({})", errno_name(sys_errno),
-                         std::system_category().message(sys_errno));
-  }
-  return "?";
-}
-
 namespace {
-
-// Posted work requests of one queue, in post order. RC completes each queue in order, so the
-// oldest entry is the one a completion belongs to; this is how an error completion (whose
-// opcode field the verbs leave undefined) is still reported with its opcode. Sized at setup.
-class WrRing {
- public:
-  void init(std::uint32_t capacity) { slots_.assign(capacity, {}); }
-  [[nodiscard]] bool full() const noexcept { return count_ == slots_.size(); }
-  [[nodiscard]] std::uint32_t count() const noexcept { return count_; }
-  void push(std::uint64_t wr_id, Opcode op) noexcept {
-    slots_[(head_ + count_) % slots_.size()] = {wr_id, op};
-    ++count_;
-  }
-  Opcode pop() noexcept {
-    if (count_ == 0) return Opcode::send;
-    const Opcode op = slots_[head_].op;
-    head_ = (head_ + 1) % static_cast<std::uint32_t>(slots_.size());
-    --count_;
-    return op;
-  }
-
- private:
-  struct Slot {
-    std::uint64_t wr_id = 0;
-    Opcode op = Opcode::send;
-  };
-  std::vector<Slot> slots_;
-  std::uint32_t head_ = 0;
-  std::uint32_t count_ = 0;
-};
-
-constexpr int kPollBatch = 16;
-// Control messages after the handshake are header-only or short; a peer sending more than this
-// unread is misbehaving and treated as gone.
-constexpr std::size_t kControlBuffer = 1024;
 
 void default_log(std::string_view msg) { fmt::print(stderr, "rdmakit: {}\n", msg); }
 
@@ -145,52 +87,12 @@ std::uint32_t random_psn() {
 
 }  // namespace
 
-struct Connection::Impl {
-  enum class State { setup, connected, closed };
-
-  ConnectionConfig cfg;
-  ConnectionInfo info;
-  detail::QpTimeouts timeouts;
-  // Release order is the reverse of this order: regions, QP, CQs, then (when the last region
-  // lets go) PD and context.
-  std::shared_ptr<detail::DeviceResources> dev;
-  detail::CompChannelPtr channel;  // before the CQs: it must outlive them
-  detail::CqPtr send_cq;
-  detail::CqPtr recv_cq;
-  detail::QpPtr qp;
-  std::deque<MemoryRegion> regions;
-  std::vector<RemoteRegion> advertised;
-  WrRing sq;
-  WrRing rq;
-  detail::Fd control;
-  State state = State::setup;
-  bool recv_allowed = false;  // receives may be posted from INIT on
-  bool bye_received = false;
-  bool control_gone = false;
-  std::array<std::uint8_t, kControlBuffer> cbuf{};
-  std::size_t cfill = 0;
-
-  explicit Impl(ConnectionConfig c) : cfg(std::move(c)) {
-    if (!cfg.log) cfg.log = default_log;
-    timeouts = {cfg.ack_timeout, cfg.retry_count, cfg.rnr_timer, cfg.rnr_retry};
-    detail::check_retries(timeouts);
-  }
-  ~Impl() { close(std::chrono::milliseconds{2000}); }
-
-  void open();
-  void finish(wire::EndpointInfo remote);
-  PostResult post_rdma(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
-                       std::uint64_t offset, std::uint32_t imm, std::uint64_t wr_id) noexcept;
-  PostResult post_sq(Opcode op, const LocalSlice& local, std::uint64_t remote_addr,
-                     std::uint32_t rkey, std::uint32_t imm, std::uint64_t wr_id) noexcept;
-  std::size_t poll(std::span<Completion> out) noexcept;
-  void pump_control() noexcept;
-  void drain(Deadline deadline, bool receives) noexcept;
-  // Sleeps until a completion event, control traffic or the deadline; true if it polled a
-  // completion into `out` on the way.
-  bool sleep_for_event(Deadline deadline, Completion& out) noexcept;
-  void close(std::chrono::milliseconds timeout) noexcept;
-};
+Connection::Impl::Impl(ConnectionConfig c) : cfg(std::move(c)) {
+  if (!cfg.log) cfg.log = default_log;
+  timeouts = {cfg.ack_timeout, cfg.retry_count, cfg.rnr_timer, cfg.rnr_retry};
+  detail::check_retries(timeouts);
+  if (cfg.max_sge == 0) throw Error("connection config", EINVAL, "max_sge 0: at least 1 is needed");
+}
 
 // Opens the device and builds PD, CQs and the QP (in INIT), and fills in our EndpointInfo.
 void Connection::Impl::open() {
@@ -205,10 +107,14 @@ void Connection::Impl::open() {
   if (const int rc = ibv_query_device(dev->ctx.get(), &dattr); rc != 0) {
     throw Error("ibv_query_device", rc, d.name);
   }
+  // Each queue's CQ must hold one entry per work request, so a depth is bounded by both limits:
+  // then the CQ can never overrun, whatever the signaling.
+  const auto depth_limit = std::min(d.max_qp_wr, d.max_cqe);
   for (auto [what, want] : {std::pair{"send_depth", cfg.send_depth}, {"recv_depth", cfg.recv_depth}}) {
-    if (want == 0 || want > static_cast<std::uint32_t>(dattr.max_qp_wr)) {
+    if (want == 0 || want > depth_limit) {
       throw Error("connection config", EINVAL,
-                  fmt::format("{} {} (device {} allows 1..{})", what, want, d.name, dattr.max_qp_wr));
+                  fmt::format("{} {} (device {} allows 1..{}: max_qp_wr {}, max_cqe {})", what, want,
+                              d.name, depth_limit, d.max_qp_wr, d.max_cqe));
     }
   }
   dev->pd.reset(ibv_alloc_pd(dev->ctx.get()));
@@ -236,17 +142,33 @@ void Connection::Impl::open() {
   qattr.sq_sig_all = 0;
   qattr.cap.max_send_wr = cfg.send_depth;
   qattr.cap.max_recv_wr = cfg.recv_depth;
-  qattr.cap.max_send_sge = 1;
+  qattr.cap.max_send_sge = cfg.max_sge;
   qattr.cap.max_recv_sge = 1;
+  qattr.cap.max_inline_data = cfg.max_inline;
   qp.reset(ibv_create_qp(dev->pd.get(), &qattr));
   if (!qp) {
     throw Error("ibv_create_qp", errno,
-                fmt::format("RC, send {} / recv {} entries on {}", cfg.send_depth, cfg.recv_depth, d.name),
-                errno == ENOMEM ? "out of QPs or memory on the device; are QPs leaking?" : "");
+                fmt::format("RC, send {} / recv {} entries, {} SGEs, {} inline bytes on {}",
+                            cfg.send_depth, cfg.recv_depth, cfg.max_sge, cfg.max_inline, d.name),
+                errno == ENOMEM ? "out of QPs or memory on the device; are QPs leaking?"
+                : errno == EINVAL
+                    ? fmt::format("the device allows at most {} SGEs and {} work requests per queue",
+                                  dattr.max_sge, dattr.max_qp_wr)
+                    : "");
   }
+  // ibv_create_qp writes back what the device actually granted; the data path trusts only that.
+  info.max_inline = qattr.cap.max_inline_data;
+  info.max_sge = qattr.cap.max_send_sge;
+  info.send_depth = cfg.send_depth;
+  info.recv_depth = cfg.recv_depth;
+  info.atomics = dattr.atomic_cap != IBV_ATOMIC_NONE;
   sq.init(cfg.send_depth);
   rq.init(cfg.recv_depth);
-  detail::to_init(qp.get(), p.number, cfg.remote_access);
+  send_wrs.resize(cfg.send_depth);
+  send_sges.resize(static_cast<std::size_t>(cfg.send_depth) * info.max_sge);
+  recv_wrs.resize(cfg.recv_depth);
+  recv_sges.resize(cfg.recv_depth);
+  detail::to_init(qp.get(), p.number);
   recv_allowed = true;
 
   info.device = d.name;
@@ -284,76 +206,6 @@ void Connection::Impl::finish(wire::EndpointInfo remote) {
                  info.remote);
 }
 
-PostResult Connection::Impl::post_rdma(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
-                                       std::uint64_t offset, std::uint32_t imm,
-                                       std::uint64_t wr_id) noexcept {
-  if (state != State::connected) return {PostStatus::not_ready, 0};
-  if (!remote.contains(offset, local.length())) return {PostStatus::out_of_bounds, 0};
-  if (!allows(remote.access, op == Opcode::read ? Access::remote_read : Access::remote_write)) {
-    return {PostStatus::no_access, 0};
-  }
-  return post_sq(op, local, remote.addr + offset, remote.rkey, imm, wr_id);
-}
-
-namespace {
-ibv_sge to_sge(const LocalSlice& s) noexcept {
-  return {reinterpret_cast<std::uint64_t>(s.addr()), static_cast<std::uint32_t>(s.length()), s.lkey()};
-}
-}  // namespace
-
-// The send-queue post every operation shares: size and credit checks, one signaled WR.
-PostResult Connection::Impl::post_sq(Opcode op, const LocalSlice& local, std::uint64_t remote_addr,
-                                     std::uint32_t rkey, std::uint32_t imm,
-                                     std::uint64_t wr_id) noexcept {
-  if (state != State::connected) return {PostStatus::not_ready, 0};
-  if (local.length() > info.max_msg_size) return {PostStatus::too_large, 0};
-  if (sq.full()) return {PostStatus::queue_full, 0};
-  ibv_sge sge = to_sge(local);
-  ibv_send_wr wr{};
-  wr.wr_id = wr_id;
-  wr.sg_list = &sge;
-  wr.num_sge = local.length() > 0 ? 1 : 0;
-  switch (op) {
-    case Opcode::read: wr.opcode = IBV_WR_RDMA_READ; break;
-    case Opcode::write: wr.opcode = IBV_WR_RDMA_WRITE; break;
-    case Opcode::write_with_imm:
-      wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-      wr.imm_data = htobe32(imm);
-      break;
-    default: wr.opcode = IBV_WR_SEND; break;
-  }
-  wr.send_flags = IBV_SEND_SIGNALED;
-  wr.wr.rdma.remote_addr = remote_addr;
-  wr.wr.rdma.rkey = rkey;
-  ibv_send_wr* bad = nullptr;
-  if (const int rc = ibv_post_send(qp.get(), &wr, &bad); rc != 0) return {PostStatus::failed, rc};
-  sq.push(wr_id, op);
-  return {};
-}
-
-std::size_t Connection::Impl::poll(std::span<Completion> out) noexcept {
-  std::size_t n = 0;
-  ibv_wc wc[kPollBatch];
-  for (auto [cq, ring] : {std::pair{send_cq.get(), &sq}, {recv_cq.get(), &rq}}) {
-    while (n < out.size()) {
-      const int want = static_cast<int>(std::min<std::size_t>(kPollBatch, out.size() - n));
-      const int got = ibv_poll_cq(cq, want, wc);
-      for (int i = 0; i < got; ++i) {
-        Completion& c = out[n++];
-        c.wr_id = wc[i].wr_id;
-        c.opcode = ring->pop();
-        c.status = wc[i].status;
-        c.vendor_err = wc[i].vendor_err;
-        c.byte_len = wc[i].byte_len;
-        c.has_imm = wc[i].status == IBV_WC_SUCCESS && (wc[i].wc_flags & IBV_WC_WITH_IMM) != 0;
-        c.imm = c.has_imm ? be32toh(wc[i].imm_data) : 0;
-      }
-      if (got < want) break;
-    }
-  }
-  return n;
-}
-
 // Reads whatever the peer sent on the control channel without blocking: BYE, or EOF/reset (the
 // peer is gone). Uses the non-throwing header check, so the data path never throws.
 void Connection::Impl::pump_control() noexcept {
@@ -376,6 +228,15 @@ void Connection::Impl::pump_control() noexcept {
       if (cfill < wire::kHeaderSize + len) break;
       if (h->type == wire::MessageType::bye || h->type == wire::MessageType::reject) {
         bye_received = true;
+      } else if (h->type == wire::MessageType::user) {
+        // Only application messages allocate, and only when one arrives.
+        try {
+          messages.emplace_back(cbuf.begin() + static_cast<std::ptrdiff_t>(wire::kHeaderSize),
+                                cbuf.begin() + static_cast<std::ptrdiff_t>(wire::kHeaderSize + len));
+        } catch (...) {
+          control_gone = true;
+          return;
+        }
       }
       std::copy(cbuf.begin() + static_cast<std::ptrdiff_t>(wire::kHeaderSize + len),
                 cbuf.begin() + static_cast<std::ptrdiff_t>(cfill), cbuf.begin());
@@ -385,15 +246,6 @@ void Connection::Impl::pump_control() noexcept {
       control_gone = true;
       return;
     }
-  }
-}
-
-// Reaps completions until the send queue (and, with `receives`, the receive queue) is empty or
-// the deadline passes.
-void Connection::Impl::drain(Deadline deadline, bool receives) noexcept {
-  std::array<Completion, kPollBatch> sink;
-  while (sq.count() + (receives ? rq.count() : 0) > 0 && Clock::now() < deadline) {
-    if (poll(sink) == 0) ::sched_yield();
   }
 }
 
@@ -469,99 +321,6 @@ const std::vector<RemoteRegion>& Connection::remote_regions() const noexcept {
 }
 const ConnectionInfo& Connection::info() const noexcept { return impl_->info; }
 
-PostResult Connection::post_write(const LocalSlice& src, const RemoteRegion& dst,
-                                  std::uint64_t offset, std::uint64_t wr_id) noexcept {
-  return impl_->post_rdma(Opcode::write, src, dst, offset, 0, wr_id);
-}
-PostResult Connection::post_write_with_imm(const LocalSlice& src, const RemoteRegion& dst,
-                                           std::uint64_t offset, std::uint32_t imm,
-                                           std::uint64_t wr_id) noexcept {
-  return impl_->post_rdma(Opcode::write_with_imm, src, dst, offset, imm, wr_id);
-}
-PostResult Connection::post_read(const LocalSlice& dst, const RemoteRegion& src,
-                                 std::uint64_t offset, std::uint64_t wr_id) noexcept {
-  return impl_->post_rdma(Opcode::read, dst, src, offset, 0, wr_id);
-}
-
-PostResult Connection::post_send(const LocalSlice& src, std::uint64_t wr_id) noexcept {
-  return impl_->post_sq(Opcode::send, src, 0, 0, 0, wr_id);
-}
-
-PostResult Connection::post_recv(const LocalSlice& dst, std::uint64_t wr_id) noexcept {
-  Impl& m = *impl_;
-  if (!m.recv_allowed || m.state == Impl::State::closed) return {PostStatus::not_ready, 0};
-  if (m.rq.full()) return {PostStatus::queue_full, 0};
-  ibv_sge sge = to_sge(dst);
-  ibv_recv_wr wr{};
-  wr.wr_id = wr_id;
-  wr.sg_list = &sge;
-  wr.num_sge = dst.length() > 0 ? 1 : 0;
-  ibv_recv_wr* bad = nullptr;
-  if (const int rc = ibv_post_recv(m.qp.get(), &wr, &bad); rc != 0) return {PostStatus::failed, rc};
-  m.rq.push(wr_id, Opcode::recv);
-  return {};
-}
-
-std::size_t Connection::poll(std::span<Completion> out) noexcept { return impl_->poll(out); }
-
-std::uint32_t Connection::outstanding() const noexcept {
-  return impl_->sq.count() + impl_->rq.count();
-}
-
-WaitResult Connection::wait(std::chrono::milliseconds timeout) noexcept {
-  const Deadline deadline = Clock::now() + timeout;
-  WaitResult r;
-  for (std::uint32_t spin = 0;; ++spin) {
-    if (impl_->poll({&r.completion, 1}) == 1) {
-      r.status = WaitStatus::completed;
-      return r;
-    }
-    // Checking the clock and the control channel costs a syscall; do it every 256 polls.
-    if ((spin & 0xff) == 0) {
-      impl_->pump_control();
-      if (impl_->control_gone) {
-        // One last look: the completion may have arrived just before the peer went.
-        r.status = impl_->poll({&r.completion, 1}) == 1 ? WaitStatus::completed : WaitStatus::peer_lost;
-        return r;
-      }
-      const Deadline now = Clock::now();
-      if (now >= deadline) {
-        r.status = WaitStatus::timeout;
-        return r;
-      }
-      if (impl_->channel) {
-        if (impl_->sleep_for_event(deadline, r.completion)) {
-          r.status = WaitStatus::completed;
-          return r;
-        }
-      } else {
-        ::sched_yield();
-      }
-    }
-  }
-}
-
-// Arms both CQs, then sleeps until a completion event, control-channel traffic or the deadline.
-// A completion that lands between the last poll and the arming raises no event, so the CQs are
-// polled once more after arming (the canonical ibv_req_notify_cq race).
-bool Connection::Impl::sleep_for_event(Deadline deadline, Completion& out) noexcept {
-  if (ibv_req_notify_cq(send_cq.get(), 0) != 0 || ibv_req_notify_cq(recv_cq.get(), 0) != 0) {
-    return false;
-  }
-  if (poll({&out, 1}) == 1) return true;
-  pollfd fds[2] = {{channel->fd, POLLIN, 0}, {control ? control.get() : -1, POLLIN, 0}};
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-  // +1 ms: poll() would otherwise wake just before the deadline and loop once more for nothing.
-  const int ms = static_cast<int>(std::clamp<long long>(left.count(), 0, 1 << 30)) + 1;
-  if (::poll(fds, 2, ms) > 0 &&
-      (fds[0].revents & POLLIN) != 0) {
-    ibv_cq* cq = nullptr;
-    void* ctx = nullptr;
-    while (ibv_get_cq_event(channel.get(), &cq, &ctx) == 0) ibv_ack_cq_events(cq, 1);
-  }
-  return false;
-}
-
 bool Connection::peer_closed() noexcept {
   impl_->pump_control();
   return impl_->bye_received || impl_->control_gone;
@@ -575,6 +334,35 @@ bool Connection::wait_peer_close(std::chrono::milliseconds timeout) noexcept {
     detail::wait_readable(impl_->control.get(), std::min(left, std::chrono::milliseconds{100}));
   }
   return true;
+}
+
+void Connection::send_message(std::span<const std::uint8_t> payload,
+                              std::chrono::milliseconds timeout) {
+  if (payload.size() > max_message_size) {
+    throw Error("send_message", EMSGSIZE,
+                fmt::format("{} bytes; at most {}", payload.size(), max_message_size));
+  }
+  if (impl_->state != Impl::State::connected || !impl_->control) {
+    throw Error("send_message", ENOTCONN, "the connection is not established or already closed");
+  }
+  auto msg = wire::encode_header(wire::MessageType::user, static_cast<std::uint32_t>(payload.size()));
+  msg.insert(msg.end(), payload.begin(), payload.end());
+  detail::send_all(impl_->control.get(), msg, detail::deadline_in(timeout));
+}
+
+std::optional<std::vector<std::uint8_t>> Connection::receive_message(std::chrono::milliseconds timeout) {
+  const Deadline deadline = detail::deadline_in(timeout);
+  for (;;) {
+    impl_->pump_control();
+    if (!impl_->messages.empty()) {
+      auto m = std::move(impl_->messages.front());
+      impl_->messages.pop_front();
+      return m;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (impl_->control_gone || impl_->bye_received || left.count() <= 0) return std::nullopt;
+    detail::wait_readable(impl_->control.get(), std::min(left, std::chrono::milliseconds{100}));
+  }
 }
 
 void Connection::close(std::chrono::milliseconds timeout) noexcept {

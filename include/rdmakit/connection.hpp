@@ -38,8 +38,9 @@ struct ConnectionConfig {
   bool completion_events = false;
   std::uint32_t send_depth = 64;  ///< send queue entries (outstanding sends, writes, reads)
   std::uint32_t recv_depth = 64;  ///< receive queue entries
-  /// What peers may do through this connection's QP (their regions also need the flag).
-  Access remote_access = Access::remote_read | Access::remote_write;
+  std::uint32_t max_sge = 4;       ///< scatter-gather entries per work request
+  /// Inline payload bytes to ask the QP for; the device may grant less (ConnectionInfo says).
+  std::uint32_t max_inline = 64;
   /// Where setup diagnostics go (rejected handshakes on a listener, close problems).
   /// Default: standard error.
   std::function<void(std::string_view)> log;
@@ -48,7 +49,15 @@ struct ConnectionConfig {
 };
 
 /// What a work request was.
-enum class Opcode : std::uint8_t { send, write, write_with_imm, read, recv };
+enum class Opcode : std::uint8_t {
+  send,
+  write,
+  write_with_imm,
+  read,
+  recv,
+  fetch_add,     ///< 8-byte atomic fetch-and-add on an 8-byte aligned remote word
+  compare_swap,  ///< 8-byte atomic compare-and-swap on an 8-byte aligned remote word
+};
 [[nodiscard]] const char* to_string(Opcode op) noexcept;
 
 /// One work completion, copied out of the CQ. A failed operation is a completion with a status,
@@ -69,21 +78,43 @@ struct Completion {
   [[nodiscard]] std::string describe() const;
 };
 
-/// Why a post was refused. Posts never throw; a refused post changed nothing.
+/// Why a post was refused. Posts never throw; a refused post (or batch) posted nothing.
 enum class PostStatus : std::uint8_t {
   ok,
   not_ready,      ///< the QP is not in RTS (not connected yet, or closing)
-  out_of_bounds,  ///< the range is outside the remote region or the local slice
+  out_of_bounds,  ///< the range is outside the remote region
   no_access,      ///< the remote region does not allow this operation
   too_large,      ///< longer than the port's max message size
-  queue_full,     ///< as many work requests outstanding as the queue holds
+  queue_full,     ///< not enough free entries in the queue for the whole batch
+  too_many_sges,  ///< more scatter-gather entries than the QP was created with
+  misaligned,     ///< an atomic's remote address is not 8-byte aligned
+  bad_length,     ///< an atomic's local buffer is not exactly 8 bytes
+  unsupported,    ///< the device cannot do this (e.g. no atomics)
   failed,         ///< ibv_post_* returned an error (see sys_errno)
 };
 struct PostResult {
   PostStatus status = PostStatus::ok;
   int sys_errno = 0;
+  std::size_t index = 0;  ///< in a batch, the work request that was refused
   [[nodiscard]] bool ok() const noexcept { return status == PostStatus::ok; }
   [[nodiscard]] std::string describe() const;
+};
+
+/// One send-queue work request, for post_batch().
+struct WorkRequest {
+  Opcode opcode = Opcode::write;
+  /// Scatter-gather list (at most max_sge entries). For atomics: one 8-byte slice that receives
+  /// the remote word's previous value. Payloads up to max_inline bytes are sent inline.
+  std::span<const LocalSlice> local;
+  RemoteRegion remote;              ///< target of write, read and atomics
+  std::uint64_t remote_offset = 0;  ///< into `remote`
+  std::uint32_t imm = 0;            ///< write_with_imm's immediate (host byte order)
+  std::uint64_t compare_add = 0;    ///< fetch_add: the addend; compare_swap: the expected value
+  std::uint64_t swap = 0;           ///< compare_swap: the value to store
+  std::uint64_t wr_id = 0;
+  /// false: no completion is delivered unless the request fails (selective signaling). The
+  /// library still signals often enough that the queue can never fill with unreclaimed entries.
+  bool signaled = true;
 };
 
 enum class WaitStatus : std::uint8_t { completed, timeout, peer_lost };
@@ -102,6 +133,11 @@ struct ConnectionInfo {
   std::uint32_t path_mtu = 0;
   std::uint32_t local_mtu = 0, remote_mtu = 0;
   std::uint32_t max_msg_size = 0;
+  std::uint32_t max_inline = 0;   ///< inline bytes the QP actually has
+  std::uint32_t max_sge = 0;
+  std::uint32_t send_depth = 0;
+  std::uint32_t recv_depth = 0;
+  bool atomics = false;           ///< the device supports remote atomics
   std::string peer_address;  ///< the bootstrap peer, "host:port"
   wire::EndpointInfo local;
   wire::EndpointInfo remote;
@@ -148,8 +184,27 @@ class Connection {
   PostResult post_read(const LocalSlice& dst, const RemoteRegion& src, std::uint64_t offset,
                        std::uint64_t wr_id) noexcept;
   PostResult post_send(const LocalSlice& src, std::uint64_t wr_id) noexcept;
+  /// Writes `old_value` (8 bytes, local write access) with the remote word, then adds `add`.
+  PostResult post_fetch_add(const LocalSlice& old_value, const RemoteRegion& dst,
+                            std::uint64_t offset, std::uint64_t add, std::uint64_t wr_id) noexcept;
+  /// Writes `old_value` with the remote word, and stores `swap` if it equalled `compare`.
+  PostResult post_compare_swap(const LocalSlice& old_value, const RemoteRegion& dst,
+                               std::uint64_t offset, std::uint64_t compare, std::uint64_t swap,
+                               std::uint64_t wr_id) noexcept;
+  /// Posts the whole batch as one chained ibv_post_send, or nothing: every request is checked
+  /// (state, bounds, access, SGE count, alignment, queue room) before anything is posted.
+  PostResult post_batch(std::span<const WorkRequest> batch) noexcept;
   /// Allowed from Setup too, so a receive is ready before the peer can send.
   PostResult post_recv(const LocalSlice& dst, std::uint64_t wr_id) noexcept;
+  /// Posts one receive per slice, chained, with wr_ids first_wr_id, first_wr_id + 1, ...
+  PostResult post_recvs(std::span<const LocalSlice> dsts, std::uint64_t first_wr_id) noexcept;
+
+  /// Sends a small application message (at most max_message_size bytes) on the control channel.
+  /// Throws Error if the peer is gone or the deadline passes.
+  void send_message(std::span<const std::uint8_t> payload, std::chrono::milliseconds timeout);
+  /// The next application message from the peer, or nullopt on timeout or when the peer is gone.
+  std::optional<std::vector<std::uint8_t>> receive_message(std::chrono::milliseconds timeout);
+  static constexpr std::size_t max_message_size = 1000;
 
   /// Copies up to out.size() completions (send and receive side) into `out`; returns how many.
   std::size_t poll(std::span<Completion> out) noexcept;

@@ -54,6 +54,11 @@ struct PortInfo {
 struct DeviceInfo {
   std::string name;                ///< "mlx5_0", "rxe0"
   std::uint64_t node_guid = 0;     ///< host byte order
+  std::uint32_t max_qp_wr = 0;     ///< work requests per queue
+  std::uint32_t max_cqe = 0;       ///< entries per completion queue
+  std::uint32_t max_sge = 0;       ///< scatter-gather entries per work request
+  std::uint32_t max_qp_rd_atom = 0;  ///< incoming RDMA READ/atomic per QP
+  bool atomics = false;            ///< remote atomics supported
   std::vector<PortInfo> ports;
 };
 

@@ -38,16 +38,19 @@ class LocalSlice {
   [[nodiscard]] void* addr() const noexcept { return addr_; }
   [[nodiscard]] std::size_t length() const noexcept { return length_; }
   [[nodiscard]] std::uint32_t lkey() const noexcept { return lkey_; }
+  /// Whether the NIC may write here (a READ or atomic result, or a RECV target).
+  [[nodiscard]] bool writable() const noexcept { return writable_; }
   /// A sub-range; clamped to this slice (an out-of-range offset gives an empty slice).
   [[nodiscard]] LocalSlice subslice(std::size_t offset, std::size_t length) const noexcept;
 
  private:
   friend class MemoryRegion;
-  LocalSlice(void* addr, std::size_t length, std::uint32_t lkey) noexcept
-      : addr_(addr), length_(length), lkey_(lkey) {}
+  LocalSlice(void* addr, std::size_t length, std::uint32_t lkey, bool writable) noexcept
+      : addr_(addr), length_(length), lkey_(lkey), writable_(writable) {}
   void* addr_;
   std::size_t length_;
   std::uint32_t lkey_;
+  bool writable_;
 };
 
 /// A peer's registered memory, as advertised to us: address, length, rkey and what it allows.

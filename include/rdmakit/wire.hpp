@@ -8,7 +8,7 @@
 //            gid index u32 | mtu u16 (bytes) | max_rd_atomic u8 | max_dest_rd_atomic u8 |
 //            region count u16 | reserved u16 (0) | regions: addr u64, length u64, rkey u32,
 //            access u32 (each 24 bytes)
-//   READY, BYE: empty.   REJECT: a UTF-8 reason.
+//   READY, BYE: empty.   REJECT: a UTF-8 reason.   USER: application bytes.
 
 #include <cstddef>
 #include <cstdint>
@@ -38,6 +38,7 @@ enum class MessageType : std::uint16_t {
   ready = 2,   ///< the sender's QP is in RTS: the peer may post
   bye = 3,     ///< orderly close: the sender will post nothing more
   reject = 4,  ///< the sender refuses the connection; the payload says why
+  user = 5,    ///< an application message (Connection::send_message) on the control channel
 };
 
 struct Header {

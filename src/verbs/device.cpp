@@ -159,6 +159,11 @@ std::vector<DeviceInfo> list_devices() {
     if (const int rc = ibv_query_device(ctx.get(), &attr); rc != 0) {
       throw Error("ibv_query_device", rc, fmt::format("device {}", info.name));
     }
+    info.max_qp_wr = static_cast<std::uint32_t>(attr.max_qp_wr);
+    info.max_cqe = static_cast<std::uint32_t>(attr.max_cqe);
+    info.max_sge = static_cast<std::uint32_t>(attr.max_sge);
+    info.max_qp_rd_atom = static_cast<std::uint32_t>(attr.max_qp_rd_atom);
+    info.atomics = attr.atomic_cap != IBV_ATOMIC_NONE;
     for (std::uint8_t p = 1; p <= attr.phys_port_cnt; ++p) {
       ibv_port_attr pa{};
       if (const int rc = ibv_query_port(ctx.get(), p, &pa); rc != 0) {

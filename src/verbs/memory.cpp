@@ -27,8 +27,8 @@ std::string to_string(Access access) {
 }
 
 LocalSlice LocalSlice::subslice(std::size_t offset, std::size_t length) const noexcept {
-  if (offset > length_) return {static_cast<char*>(addr_) + length_, 0, lkey_};
-  return {static_cast<char*>(addr_) + offset, std::min(length, length_ - offset), lkey_};
+  if (offset > length_) return {static_cast<char*>(addr_) + length_, 0, lkey_, writable_};
+  return {static_cast<char*>(addr_) + offset, std::min(length, length_ - offset), lkey_, writable_};
 }
 
 MemoryRegion::MemoryRegion(std::unique_ptr<Impl> impl) noexcept : impl_(std::move(impl)) {}
@@ -40,7 +40,8 @@ void* MemoryRegion::data() const noexcept { return impl_->mr->addr; }
 std::size_t MemoryRegion::size() const noexcept { return impl_->mr->length; }
 Access MemoryRegion::access() const noexcept { return impl_->access; }
 LocalSlice MemoryRegion::local() const noexcept {
-  return {impl_->mr->addr, impl_->mr->length, impl_->mr->lkey};
+  return {impl_->mr->addr, impl_->mr->length, impl_->mr->lkey,
+          (detail::mr_access_flags(impl_->access) & IBV_ACCESS_LOCAL_WRITE) != 0};
 }
 RemoteRegion MemoryRegion::remote() const noexcept {
   return {reinterpret_cast<std::uint64_t>(impl_->mr->addr), impl_->mr->length, impl_->mr->rkey,

@@ -89,6 +89,7 @@ RtrAttrs derive_rtr(const wire::EndpointInfo& local, const wire::EndpointInfo& r
   a.rq_psn = remote.psn;
   a.max_dest_rd_atomic = local.max_dest_rd_atomic;
   a.min_rnr_timer = encode_rnr_timer(timeouts.rnr_timer);
+  for (const RemoteRegion& r : local.regions) a.access = a.access | r.access;
   if (local.link_layer == LinkLayer::ethernet) {
     // RoCE has no LIDs: every packet carries a GRH built from the GIDs.
     a.is_global = true;
@@ -131,19 +132,19 @@ unsigned qp_access_flags(Access access) noexcept {
   return f;
 }
 
-void to_init(ibv_qp* qp, std::uint8_t port, Access remote_access) {
+void to_init(ibv_qp* qp, std::uint8_t port) {
   ibv_qp_attr attr{};
   attr.qp_state = IBV_QPS_INIT;
   attr.pkey_index = 0;
   attr.port_num = port;
-  attr.qp_access_flags = qp_access_flags(remote_access);
+  attr.qp_access_flags = 0;
   const int mask = IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS;
   if (const int rc = ibv_modify_qp(qp, &attr, mask); rc != 0) {
     AttrLines l;
     l.add("qp_state", "INIT");
     l.add("pkey_index", "0");
     l.add("port_num", std::to_string(port));
-    l.add("qp_access_flags", fmt::format("{:#x}", attr.qp_access_flags), to_string(remote_access));
+    l.add("qp_access_flags", "0", "granted at RTR, from the advertised regions");
     // Some NICs (Intel E810) reject RESET->INIT unless the QP really is in RESET.
     modify_failed("RESET->INIT", rc, l,
                   fmt::format("is port {} valid and the QP in RESET (it is {})?", port,
@@ -163,6 +164,9 @@ void to_rtr(ibv_qp* qp, const RtrAttrs& a, const wire::EndpointInfo& local,
     l.add("rq_psn", fmt::format("{:#x}", a.rq_psn), "remote PSN");
     l.add("max_dest_rd_atomic", std::to_string(a.max_dest_rd_atomic), "local device cap");
     l.add("min_rnr_timer", std::to_string(a.min_rnr_timer));
+    l.add("qp_access_flags", fmt::format("{:#x}", qp_access_flags(a.access)),
+          fmt::format("{}, the union of the {} advertised regions", to_string(a.access),
+                      local.regions.size()));
     l.add("ah.port_num", std::to_string(a.port));
     l.add("ah.dlid", std::to_string(a.dlid), fmt::format("remote LID {}", remote.lid));
     l.add("ah.is_global", a.is_global ? "1" : "0", to_string(local.link_layer));
@@ -189,6 +193,7 @@ void to_rtr(ibv_qp* qp, const RtrAttrs& a, const wire::EndpointInfo& local,
   attr.rq_psn = a.rq_psn;
   attr.max_dest_rd_atomic = a.max_dest_rd_atomic;
   attr.min_rnr_timer = a.min_rnr_timer;
+  attr.qp_access_flags = qp_access_flags(a.access);
   attr.ah_attr.port_num = a.port;
   attr.ah_attr.dlid = a.dlid;
   attr.ah_attr.is_global = a.is_global ? 1 : 0;
@@ -198,7 +203,7 @@ void to_rtr(ibv_qp* qp, const RtrAttrs& a, const wire::EndpointInfo& local,
     attr.ah_attr.grh.hop_limit = a.hop_limit;
   }
   const int mask = IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-                   IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
+                   IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER | IBV_QP_ACCESS_FLAGS;
   if (const int rc = ibv_modify_qp(qp, &attr, mask); rc != 0) {
     modify_failed("INIT->RTR", rc, lines(),
                   "the usual causes: a remote QPN that is wrong, a path MTU above what the port "

@@ -45,6 +45,8 @@ struct RtrAttrs {
   std::uint8_t sgid_index = 0;
   std::uint8_t hop_limit = 0;
   std::uint16_t dlid = 0;
+  /// What the peer may do through this QP: exactly the union of what we advertised.
+  Access access = Access::none;
 };
 
 struct RtsAttrs {
@@ -56,7 +58,8 @@ struct RtsAttrs {
 };
 
 /// RTR attributes from both sides: path MTU = the smaller active MTU; GRH with our GID index and
-/// the peer's GID on Ethernet (and on IB across subnets); the peer's LID on IB.
+/// the peer's GID on Ethernet (and on IB across subnets); the peer's LID on IB; remote access =
+/// the union of the regions we advertise (local.regions), nothing more.
 RtrAttrs derive_rtr(const wire::EndpointInfo& local, const wire::EndpointInfo& remote,
                     std::uint8_t port, const QpTimeouts& timeouts);
 RtsAttrs derive_rts(const wire::EndpointInfo& local, const wire::EndpointInfo& remote,
@@ -65,7 +68,8 @@ RtsAttrs derive_rts(const wire::EndpointInfo& local, const wire::EndpointInfo& r
 /// The ibv_access_flags a QP needs so peers may use regions with `access`.
 unsigned qp_access_flags(Access access) noexcept;
 
-void to_init(ibv_qp* qp, std::uint8_t port, Access remote_access);
+/// INIT grants peers nothing yet; RTR grants what the advertised regions allow.
+void to_init(ibv_qp* qp, std::uint8_t port);
 void to_rtr(ibv_qp* qp, const RtrAttrs& a, const wire::EndpointInfo& local,
             const wire::EndpointInfo& remote);
 void to_rts(ibv_qp* qp, const RtsAttrs& a, const wire::EndpointInfo& local,

@@ -58,6 +58,17 @@ TEST(QpAttrs, RoceUsesGrhWithBothGids) {
   EXPECT_EQ(a.max_dest_rd_atomic, local.max_dest_rd_atomic);
 }
 
+TEST(QpAttrs, RemoteAccessIsTheUnionOfAdvertisedRegions) {
+  using rdmakit::Access;
+  auto local = roce(1, 1024, 1);
+  EXPECT_EQ(rdmakit::detail::derive_rtr(local, roce(2, 1024, 2), 1, {}).access, Access::none);
+  local.regions = {{0x1000, 64, 1, Access::remote_read}, {0x2000, 64, 2, Access::remote_atomic}};
+  const auto a = rdmakit::detail::derive_rtr(local, roce(2, 1024, 2), 1, {});
+  EXPECT_EQ(a.access, Access::remote_read | Access::remote_atomic);
+  EXPECT_EQ(rdmakit::detail::qp_access_flags(a.access),
+            static_cast<unsigned>(IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC));
+}
+
 TEST(QpAttrs, InfinibandUsesLidAndGrhOnlyAcrossSubnets) {
   const auto same = rdmakit::detail::derive_rtr(ib(1, 5, 0), ib(2, 9, 0), 1, {});
   EXPECT_FALSE(same.is_global);

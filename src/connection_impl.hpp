@@ -1,0 +1,127 @@
+#pragma once
+// Connection's state, shared by the handshake and lifecycle code (connection.cpp) and the data
+// path (datapath.cpp).
+
+#include <infiniband/verbs.h>
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <vector>
+
+#include "bootstrap/socket.hpp"
+#include "rdmakit/connection.hpp"
+#include "verbs/handles.hpp"
+#include "verbs/memory_impl.hpp"
+#include "verbs/qp.hpp"
+
+namespace rdmakit::detail {
+
+// Work requests in flight on one queue, in post order. Each is posted with a sequence number as
+// its verbs wr_id; the user's wr_id, the opcode and whether the user asked for a completion stay
+// here. RC completes a queue in order, so the completion of sequence s also retires every
+// unsignaled request posted before it, and an error completion (whose opcode field the verbs
+// leave undefined) is still reported with its opcode. Sized once, at setup.
+class WrRing {
+ public:
+  struct Slot {
+    std::uint64_t wr_id = 0;
+    Opcode op = Opcode::send;
+    bool user_signaled = true;
+  };
+
+  void init(std::uint32_t capacity) { slots_.assign(capacity, {}); }
+  [[nodiscard]] std::uint32_t count() const noexcept {
+    return static_cast<std::uint32_t>(tail_ - head_);
+  }
+  [[nodiscard]] std::uint32_t free() const noexcept {
+    return static_cast<std::uint32_t>(slots_.size()) - count();
+  }
+  [[nodiscard]] std::uint64_t next_seq() const noexcept { return tail_; }
+  void push(const Slot& s) noexcept {
+    slots_[tail_ % slots_.size()] = s;
+    ++tail_;
+  }
+  /// Retires everything up to and including `seq`; returns the slot of `seq`. A sequence number
+  /// that is not in flight (a bug or a stale completion) retires nothing.
+  Slot retire(std::uint64_t seq) noexcept {
+    if (seq < head_ || seq >= tail_) return {seq, Opcode::send, true};
+    head_ = seq + 1;
+    return slots_[seq % slots_.size()];
+  }
+
+ private:
+  std::vector<Slot> slots_;
+  std::uint64_t head_ = 0;
+  std::uint64_t tail_ = 0;
+};
+
+inline constexpr int kPollBatch = 16;
+// Control messages after the handshake are short; a peer sending more than this unread is
+// misbehaving and treated as gone.
+inline constexpr std::size_t kControlBuffer = 1024;
+static_assert(Connection::max_message_size + wire::kHeaderSize <= kControlBuffer,
+              "a maximal application message must fit the control buffer");
+
+}  // namespace rdmakit::detail
+
+namespace rdmakit {
+
+struct Connection::Impl {
+  enum class State { setup, connected, closed };
+
+  ConnectionConfig cfg;
+  ConnectionInfo info;
+  detail::QpTimeouts timeouts;
+  // Release order is the reverse of this order: regions, QP, CQs, channel, then (when the last
+  // region lets go) PD and context.
+  std::shared_ptr<detail::DeviceResources> dev;
+  detail::CompChannelPtr channel;  // before the CQs: it must outlive them
+  detail::CqPtr send_cq;
+  detail::CqPtr recv_cq;
+  detail::QpPtr qp;
+  std::deque<MemoryRegion> regions;
+  std::vector<RemoteRegion> advertised;
+
+  // Data path. The WR and SGE arrays are allocated once, so posting never allocates.
+  detail::WrRing sq;
+  detail::WrRing rq;
+  std::vector<ibv_send_wr> send_wrs;
+  std::vector<ibv_sge> send_sges;
+  std::vector<ibv_recv_wr> recv_wrs;
+  std::vector<ibv_sge> recv_sges;
+  std::uint32_t unsignaled_run = 0;  // unsignaled WRs posted since the last signaled one
+
+  // Control channel.
+  detail::Fd control;
+  State state = State::setup;
+  bool recv_allowed = false;  // receives may be posted from INIT on
+  bool bye_received = false;
+  bool control_gone = false;
+  std::array<std::uint8_t, detail::kControlBuffer> cbuf{};
+  std::size_t cfill = 0;
+  std::deque<std::vector<std::uint8_t>> messages;  // application messages not yet received
+
+  explicit Impl(ConnectionConfig c);
+  ~Impl() { close(std::chrono::milliseconds{2000}); }
+
+  // connection.cpp
+  void open();
+  void finish(wire::EndpointInfo remote);
+  void pump_control() noexcept;
+  void close(std::chrono::milliseconds timeout) noexcept;
+
+  // datapath.cpp
+  PostResult check(const WorkRequest& wr) const noexcept;
+  PostResult post_batch(std::span<const WorkRequest> batch) noexcept;
+  PostResult post_recvs(std::span<const LocalSlice> dsts, std::uint64_t first_wr_id) noexcept;
+  std::size_t poll(std::span<Completion> out) noexcept;
+  void drain(detail::Deadline deadline, bool receives) noexcept;
+  // Sleeps until a completion event, control traffic or the deadline; true if it polled a
+  // completion into `out` on the way.
+  bool sleep_for_event(detail::Deadline deadline, Completion& out) noexcept;
+};
+
+}  // namespace rdmakit

@@ -1,0 +1,354 @@
+// The data path: posting and polling. Nothing here allocates, throws or logs: a refused post is a
+// PostResult, a failed operation a Completion.
+#include <endian.h>
+#include <poll.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include <fmt/format.h>
+
+#include "connection_impl.hpp"
+#include "rdmakit/error.hpp"
+
+namespace rdmakit {
+
+using detail::Clock;
+using detail::Deadline;
+
+std::string PostResult::describe() const {
+  const std::string where = index > 0 ? fmt::format(" (work request {} of the batch)", index) : "";
+  switch (status) {
+    case PostStatus::ok: return "ok";
+    case PostStatus::not_ready: return "refused: the QP is not in RTS (not connected, or closing)" + where;
+    case PostStatus::out_of_bounds: return "refused: the range lies outside the remote region" + where;
+    case PostStatus::no_access:
+      return "refused: the region does not allow this operation (remote access flags, or a local "
+             "buffer the NIC may not write)" + where;
+    case PostStatus::too_large: return "refused: longer than the port's max message size" + where;
+    case PostStatus::queue_full: return "refused: the send or receive queue has no room for the batch";
+    case PostStatus::too_many_sges: return "refused: more scatter-gather entries than max_sge" + where;
+    case PostStatus::misaligned: return "refused: an atomic's remote address is not 8-byte aligned" + where;
+    case PostStatus::bad_length: return "refused: an atomic needs exactly one 8-byte local slice" + where;
+    case PostStatus::unsupported: return "refused: the device or QP does not support this operation" + where;
+    case PostStatus::failed:
+      return fmt::format("ibv_post failed: {} ({}){}", errno_name(sys_errno),
+                         std::system_category().message(sys_errno), where);
+  }
+  return "?";
+}
+
+namespace {
+
+bool is_atomic(Opcode op) { return op == Opcode::fetch_add || op == Opcode::compare_swap; }
+
+Access remote_access_for(Opcode op) {
+  switch (op) {
+    case Opcode::read: return Access::remote_read;
+    case Opcode::write:
+    case Opcode::write_with_imm: return Access::remote_write;
+    case Opcode::fetch_add:
+    case Opcode::compare_swap: return Access::remote_atomic;
+    default: return Access::none;
+  }
+}
+
+ibv_wr_opcode verbs_opcode(Opcode op) {
+  switch (op) {
+    case Opcode::write: return IBV_WR_RDMA_WRITE;
+    case Opcode::write_with_imm: return IBV_WR_RDMA_WRITE_WITH_IMM;
+    case Opcode::read: return IBV_WR_RDMA_READ;
+    case Opcode::fetch_add: return IBV_WR_ATOMIC_FETCH_AND_ADD;
+    case Opcode::compare_swap: return IBV_WR_ATOMIC_CMP_AND_SWP;
+    default: return IBV_WR_SEND;
+  }
+}
+
+ibv_sge to_sge(const LocalSlice& s) noexcept {
+  return {reinterpret_cast<std::uint64_t>(s.addr()), static_cast<std::uint32_t>(s.length()), s.lkey()};
+}
+
+}  // namespace
+
+PostResult Connection::Impl::check(const WorkRequest& wr) const noexcept {
+  if (wr.opcode == Opcode::recv) return {PostStatus::unsupported, 0};
+  if (wr.local.size() > info.max_sge) return {PostStatus::too_many_sges, 0};
+  std::uint64_t total = 0;
+  for (const LocalSlice& s : wr.local) total += s.length();
+  if (total > info.max_msg_size) return {PostStatus::too_large, 0};
+  if (wr.opcode == Opcode::send) return {};
+  if (is_atomic(wr.opcode)) {
+    if (!info.atomics) return {PostStatus::unsupported, 0};
+    if (wr.local.size() != 1 || total != 8) return {PostStatus::bad_length, 0};
+    if ((wr.remote.addr + wr.remote_offset) % 8 != 0) return {PostStatus::misaligned, 0};
+  }
+  if (!wr.remote.contains(wr.remote_offset, total)) return {PostStatus::out_of_bounds, 0};
+  if (!allows(wr.remote.access, remote_access_for(wr.opcode))) return {PostStatus::no_access, 0};
+  // READ and atomics write into local memory: the NIC needs local write access there, or the
+  // operation would fail later as a LOC_PROT_ERR completion.
+  if (wr.opcode == Opcode::read || is_atomic(wr.opcode)) {
+    for (const LocalSlice& s : wr.local) {
+      if (!s.writable()) return {PostStatus::no_access, 0};
+    }
+  }
+  return {};
+}
+
+PostResult Connection::Impl::post_batch(std::span<const WorkRequest> batch) noexcept {
+  if (state != State::connected) return {PostStatus::not_ready, 0};
+  if (batch.empty()) return {};
+  if (batch.size() > sq.free()) return {PostStatus::queue_full, 0};
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    PostResult r = check(batch[i]);
+    if (!r.ok()) {
+      r.index = i;
+      return r;
+    }
+  }
+
+  const std::uint64_t seq0 = sq.next_seq();
+  std::uint32_t run = unsignaled_run;
+  std::size_t sge_used = 0;
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    const WorkRequest& w = batch[i];
+    ibv_send_wr& v = send_wrs[i];
+    v = ibv_send_wr{};
+    v.wr_id = seq0 + i;
+    v.next = i + 1 < batch.size() ? &send_wrs[i + 1] : nullptr;
+    v.sg_list = &send_sges[sge_used];
+    std::uint64_t total = 0;
+    for (const LocalSlice& s : w.local) {
+      send_sges[sge_used++] = to_sge(s);
+      total += s.length();
+    }
+    // Zero-length SGEs are dropped: a 0-byte operation carries no SGE at all.
+    v.num_sge = total == 0 ? 0 : static_cast<int>(w.local.size());
+    v.opcode = verbs_opcode(w.opcode);
+    // Signal when asked, and at least once every send_depth requests: otherwise the queue could
+    // fill with requests whose completion is never reported, and nothing could reclaim them.
+    const bool signal = w.signaled || run + 1 >= cfg.send_depth;
+    run = signal ? 0 : run + 1;
+    v.send_flags = signal ? IBV_SEND_SIGNALED : 0;
+    if (total > 0 && total <= info.max_inline &&
+        (w.opcode == Opcode::send || w.opcode == Opcode::write || w.opcode == Opcode::write_with_imm)) {
+      v.send_flags |= IBV_SEND_INLINE;  // the CPU copies the payload: no DMA read, no lkey needed
+    }
+    if (w.opcode == Opcode::write_with_imm) v.imm_data = htobe32(w.imm);
+    if (is_atomic(w.opcode)) {
+      v.wr.atomic.remote_addr = w.remote.addr + w.remote_offset;
+      v.wr.atomic.rkey = w.remote.rkey;
+      v.wr.atomic.compare_add = w.compare_add;
+      v.wr.atomic.swap = w.swap;
+    } else if (w.opcode != Opcode::send) {
+      v.wr.rdma.remote_addr = w.remote.addr + w.remote_offset;
+      v.wr.rdma.rkey = w.remote.rkey;
+    }
+  }
+
+  ibv_send_wr* bad = nullptr;
+  const int rc = ibv_post_send(qp.get(), send_wrs.data(), &bad);
+  // On failure the provider may have posted the requests before `bad`: account for exactly those.
+  const std::size_t posted =
+      rc == 0 ? batch.size() : bad != nullptr ? static_cast<std::size_t>(bad - send_wrs.data()) : 0;
+  for (std::size_t i = 0; i < posted; ++i) {
+    const bool signal = (send_wrs[i].send_flags & IBV_SEND_SIGNALED) != 0;
+    unsignaled_run = signal ? 0 : unsignaled_run + 1;
+    sq.push({batch[i].wr_id, batch[i].opcode, batch[i].signaled});
+  }
+  if (rc != 0) return {PostStatus::failed, rc, posted};
+  return {};
+}
+
+PostResult Connection::Impl::post_recvs(std::span<const LocalSlice> dsts,
+                                        std::uint64_t first_wr_id) noexcept {
+  if (!recv_allowed || state == State::closed) return {PostStatus::not_ready, 0};
+  if (dsts.empty()) return {};
+  if (dsts.size() > rq.free()) return {PostStatus::queue_full, 0};
+  for (std::size_t i = 0; i < dsts.size(); ++i) {
+    if (!dsts[i].writable()) return {PostStatus::no_access, 0, i};
+  }
+  const std::uint64_t seq0 = rq.next_seq();
+  for (std::size_t i = 0; i < dsts.size(); ++i) {
+    recv_sges[i] = to_sge(dsts[i]);
+    ibv_recv_wr& v = recv_wrs[i];
+    v = ibv_recv_wr{};
+    v.wr_id = seq0 + i;
+    v.sg_list = &recv_sges[i];
+    v.num_sge = dsts[i].length() > 0 ? 1 : 0;
+    v.next = i + 1 < dsts.size() ? &recv_wrs[i + 1] : nullptr;
+  }
+  ibv_recv_wr* bad = nullptr;
+  const int rc = ibv_post_recv(qp.get(), recv_wrs.data(), &bad);
+  const std::size_t posted =
+      rc == 0 ? dsts.size() : bad != nullptr ? static_cast<std::size_t>(bad - recv_wrs.data()) : 0;
+  for (std::size_t i = 0; i < posted; ++i) rq.push({first_wr_id + i, Opcode::recv, true});
+  if (rc != 0) return {PostStatus::failed, rc, posted};
+  return {};
+}
+
+std::size_t Connection::Impl::poll(std::span<Completion> out) noexcept {
+  std::size_t n = 0;
+  ibv_wc wc[detail::kPollBatch];
+  for (auto [cq, ring] : {std::pair{send_cq.get(), &sq}, {recv_cq.get(), &rq}}) {
+    while (n < out.size()) {
+      const int want = static_cast<int>(std::min<std::size_t>(detail::kPollBatch, out.size() - n));
+      const int got = ibv_poll_cq(cq, want, wc);
+      for (int i = 0; i < got; ++i) {
+        const detail::WrRing::Slot slot = ring->retire(wc[i].wr_id);
+        // A completion the library forced (selective signaling) is bookkeeping, not news; an
+        // error is always news.
+        if (wc[i].status == IBV_WC_SUCCESS && !slot.user_signaled) continue;
+        Completion& c = out[n++];
+        c.wr_id = slot.wr_id;
+        c.opcode = slot.op;
+        c.status = wc[i].status;
+        c.vendor_err = wc[i].vendor_err;
+        c.byte_len = wc[i].byte_len;
+        c.has_imm = wc[i].status == IBV_WC_SUCCESS && (wc[i].wc_flags & IBV_WC_WITH_IMM) != 0;
+        c.imm = c.has_imm ? be32toh(wc[i].imm_data) : 0;
+      }
+      if (got < want) break;
+    }
+  }
+  return n;
+}
+
+// Reaps completions until the send queue (and, with `receives`, the receive queue) is empty or
+// the deadline passes.
+void Connection::Impl::drain(Deadline deadline, bool receives) noexcept {
+  std::array<Completion, detail::kPollBatch> sink;
+  while (sq.count() + (receives ? rq.count() : 0) > 0 && Clock::now() < deadline) {
+    if (poll(sink) == 0) ::sched_yield();
+  }
+}
+
+bool Connection::Impl::sleep_for_event(Deadline deadline, Completion& out) noexcept {
+  if (ibv_req_notify_cq(send_cq.get(), 0) != 0 || ibv_req_notify_cq(recv_cq.get(), 0) != 0) {
+    return false;
+  }
+  // A completion that landed between the last poll and the arming raised no event: look again.
+  if (poll({&out, 1}) == 1) return true;
+  pollfd fds[2] = {{channel->fd, POLLIN, 0}, {control ? control.get() : -1, POLLIN, 0}};
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  // +1 ms: poll() would otherwise wake just before the deadline and loop once more for nothing.
+  const int ms = static_cast<int>(std::clamp<long long>(left.count(), 0, 1 << 30)) + 1;
+  if (::poll(fds, 2, ms) > 0 && (fds[0].revents & POLLIN) != 0) {
+    ibv_cq* cq = nullptr;
+    void* ctx = nullptr;
+    while (ibv_get_cq_event(channel.get(), &cq, &ctx) == 0) ibv_ack_cq_events(cq, 1);
+  }
+  return false;
+}
+
+// --- the public data-path calls ---------------------------------------------------------------
+
+namespace {
+WorkRequest rdma(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
+                 std::uint64_t offset, std::uint64_t wr_id) {
+  WorkRequest w;
+  w.opcode = op;
+  w.local = {&local, 1};
+  w.remote = remote;
+  w.remote_offset = offset;
+  w.wr_id = wr_id;
+  return w;
+}
+}  // namespace
+
+PostResult Connection::post_write(const LocalSlice& src, const RemoteRegion& dst,
+                                  std::uint64_t offset, std::uint64_t wr_id) noexcept {
+  const WorkRequest w = rdma(Opcode::write, src, dst, offset, wr_id);
+  return impl_->post_batch({&w, 1});
+}
+
+PostResult Connection::post_write_with_imm(const LocalSlice& src, const RemoteRegion& dst,
+                                           std::uint64_t offset, std::uint32_t imm,
+                                           std::uint64_t wr_id) noexcept {
+  WorkRequest w = rdma(Opcode::write_with_imm, src, dst, offset, wr_id);
+  w.imm = imm;
+  return impl_->post_batch({&w, 1});
+}
+
+PostResult Connection::post_read(const LocalSlice& dst, const RemoteRegion& src,
+                                 std::uint64_t offset, std::uint64_t wr_id) noexcept {
+  const WorkRequest w = rdma(Opcode::read, dst, src, offset, wr_id);
+  return impl_->post_batch({&w, 1});
+}
+
+PostResult Connection::post_send(const LocalSlice& src, std::uint64_t wr_id) noexcept {
+  WorkRequest w;
+  w.opcode = Opcode::send;
+  w.local = {&src, 1};
+  w.wr_id = wr_id;
+  return impl_->post_batch({&w, 1});
+}
+
+PostResult Connection::post_fetch_add(const LocalSlice& old_value, const RemoteRegion& dst,
+                                      std::uint64_t offset, std::uint64_t add,
+                                      std::uint64_t wr_id) noexcept {
+  WorkRequest w = rdma(Opcode::fetch_add, old_value, dst, offset, wr_id);
+  w.compare_add = add;
+  return impl_->post_batch({&w, 1});
+}
+
+PostResult Connection::post_compare_swap(const LocalSlice& old_value, const RemoteRegion& dst,
+                                         std::uint64_t offset, std::uint64_t compare,
+                                         std::uint64_t swap, std::uint64_t wr_id) noexcept {
+  WorkRequest w = rdma(Opcode::compare_swap, old_value, dst, offset, wr_id);
+  w.compare_add = compare;
+  w.swap = swap;
+  return impl_->post_batch({&w, 1});
+}
+
+PostResult Connection::post_batch(std::span<const WorkRequest> batch) noexcept {
+  return impl_->post_batch(batch);
+}
+
+PostResult Connection::post_recv(const LocalSlice& dst, std::uint64_t wr_id) noexcept {
+  return impl_->post_recvs({&dst, 1}, wr_id);
+}
+
+PostResult Connection::post_recvs(std::span<const LocalSlice> dsts, std::uint64_t first_wr_id) noexcept {
+  return impl_->post_recvs(dsts, first_wr_id);
+}
+
+std::size_t Connection::poll(std::span<Completion> out) noexcept { return impl_->poll(out); }
+
+std::uint32_t Connection::outstanding() const noexcept {
+  return impl_->sq.count() + impl_->rq.count();
+}
+
+WaitResult Connection::wait(std::chrono::milliseconds timeout) noexcept {
+  const Deadline deadline = Clock::now() + timeout;
+  WaitResult r;
+  for (std::uint32_t spin = 0;; ++spin) {
+    if (impl_->poll({&r.completion, 1}) == 1) {
+      r.status = WaitStatus::completed;
+      return r;
+    }
+    // The clock and the control channel cost a syscall each: look every 256 polls.
+    if ((spin & 0xff) == 0) {
+      impl_->pump_control();
+      if (impl_->control_gone) {
+        // One last look: the completion may have arrived just before the peer went.
+        r.status = impl_->poll({&r.completion, 1}) == 1 ? WaitStatus::completed : WaitStatus::peer_lost;
+        return r;
+      }
+      if (Clock::now() >= deadline) {
+        r.status = WaitStatus::timeout;
+        return r;
+      }
+      if (impl_->channel) {
+        if (impl_->sleep_for_event(deadline, r.completion)) {
+          r.status = WaitStatus::completed;
+          return r;
+        }
+      } else {
+        ::sched_yield();
+      }
+    }
+  }
+}
+
+}  // namespace rdmakit

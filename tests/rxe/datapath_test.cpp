@@ -1,0 +1,314 @@
+// Runs inside one lab VM: every operation with data validation, SGE lists, inline boundaries,
+// atomics from racing clients, posting at depth 1 and at the device maximum, event deadlines.
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "rdmakit/connection.hpp"
+#include "rdmakit/error.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+using rdmakit::Access;
+using rdmakit::Completion;
+using rdmakit::Connection;
+using rdmakit::ConnectionConfig;
+using rdmakit::Listener;
+using rdmakit::Opcode;
+using rdmakit::PostStatus;
+using rdmakit::WaitStatus;
+using rdmakit::WorkRequest;
+
+constexpr std::size_t kBuf = 64 * 1024;
+
+ConnectionConfig quiet() {
+  ConnectionConfig cfg;
+  cfg.log = [](std::string_view) {};
+  return cfg;
+}
+
+// Both sides: one 64 KiB buffer the peer may read, write and run atomics on.
+void setup(Connection& c) {
+  c.advertise(c.allocate_memory(kBuf, Access::local_write | Access::remote_read |
+                                          Access::remote_write | Access::remote_atomic));
+}
+
+struct Pair {
+  explicit Pair(ConnectionConfig cfg = quiet())
+      : listener("127.0.0.1:0", cfg, setup),
+        client(Connection::connect("127.0.0.1:" + std::to_string(listener.port()), cfg, setup)),
+        server(*listener.accept(5s)) {}
+  Listener listener;
+  Connection client;
+  Connection server;
+};
+
+void fill(void* p, std::size_t n, std::uint8_t seed) {
+  auto* b = static_cast<std::uint8_t*>(p);
+  for (std::size_t i = 0; i < n; ++i) b[i] = static_cast<std::uint8_t>(seed + i * 7);
+}
+
+Completion expect_done(Connection& c, std::uint64_t wr_id) {
+  const auto w = c.wait(10s);
+  EXPECT_EQ(w.status, WaitStatus::completed);
+  EXPECT_TRUE(w.completion.ok()) << w.completion.describe();
+  EXPECT_EQ(w.completion.wr_id, wr_id);
+  return w.completion;
+}
+
+
+TEST(Datapath, ReportsQueueLimits) {
+  Pair p;
+  const auto& i = p.client.info();
+  std::printf("max_inline %u, max_sge %u, send_depth %u, atomics %d\n", i.max_inline, i.max_sge,
+              i.send_depth, i.atomics);
+  EXPECT_GE(i.max_sge, 4u);
+  EXPECT_TRUE(i.atomics);
+}
+
+TEST(Datapath, WriteReadSendAtBoundarySizesAndOffsets) {
+  Pair p;
+  const std::uint32_t inl = p.client.info().max_inline;
+  const std::vector<std::size_t> sizes = {0, 1, 4095, 4096, inl, inl + 1, 8191, 20000};
+  const auto& mine = p.client.memory(0);
+  const auto& theirs_mem = p.server.memory(0);
+  const auto theirs = p.client.remote_regions()[0];
+  std::uint64_t id = 100;
+  for (std::size_t size : sizes) {
+    for (std::size_t off : {std::size_t{0}, std::size_t{3}, std::size_t{4096 + 1}}) {
+      SCOPED_TRACE(::testing::Message() << "size " << size << " offset " << off);
+      // WRITE: client bytes at [off, off+size) land at the server's [off, off+size).
+      fill(static_cast<char*>(mine.data()) + off, size, static_cast<std::uint8_t>(size + off));
+      std::memset(theirs_mem.data(), 0xee, kBuf);
+      ASSERT_TRUE(p.client.post_write(mine.local().subslice(off, size), theirs, off, ++id).ok());
+      expect_done(p.client, id);
+      EXPECT_EQ(std::memcmp(static_cast<char*>(theirs_mem.data()) + off,
+                            static_cast<char*>(mine.data()) + off, size), 0);
+      // The byte after the range is untouched.
+      EXPECT_EQ(static_cast<std::uint8_t*>(theirs_mem.data())[off + size], 0xee);
+
+      // READ: the server's bytes come back into the client at another offset.
+      fill(static_cast<char*>(theirs_mem.data()) + off, size, static_cast<std::uint8_t>(size * 3));
+      ASSERT_TRUE(p.client.post_read(mine.local().subslice(off + 9, size), theirs, off, ++id).ok());
+      expect_done(p.client, id);
+      EXPECT_EQ(std::memcmp(static_cast<char*>(mine.data()) + off + 9,
+                            static_cast<char*>(theirs_mem.data()) + off, size), 0);
+
+      // SEND into a posted receive.
+      ASSERT_TRUE(p.server.post_recv(theirs_mem.local().subslice(off, size + 16), ++id).ok());
+      const std::uint64_t recv_id = id;
+      fill(static_cast<char*>(mine.data()) + off, size, static_cast<std::uint8_t>(size + 1));
+      ASSERT_TRUE(p.client.post_send(mine.local().subslice(off, size), ++id).ok());
+      expect_done(p.client, id);
+      const Completion r = expect_done(p.server, recv_id);
+      EXPECT_EQ(r.byte_len, size);
+      EXPECT_EQ(std::memcmp(static_cast<char*>(theirs_mem.data()) + off,
+                            static_cast<char*>(mine.data()) + off, size), 0);
+    }
+  }
+}
+
+TEST(Datapath, ScatterGatherWriteAndRead) {
+  Pair p;
+  const auto& mine = p.client.memory(0);
+  auto* b = static_cast<char*>(mine.data());
+  std::memcpy(b + 100, "alpha-", 6);
+  std::memcpy(b + 5000, "beta-", 5);
+  std::memcpy(b + 9000, "gamma", 5);
+  const rdmakit::LocalSlice gather[] = {mine.local().subslice(100, 6), mine.local().subslice(5000, 5),
+                                        mine.local().subslice(9000, 5)};
+  WorkRequest w;
+  w.opcode = Opcode::write;
+  w.local = gather;
+  w.remote = p.client.remote_regions()[0];
+  w.remote_offset = 777;
+  w.wr_id = 1;
+  ASSERT_TRUE(p.client.post_batch({&w, 1}).ok());
+  expect_done(p.client, 1);
+  EXPECT_EQ(std::string(static_cast<char*>(p.server.memory(0).data()) + 777, 16), "alpha-beta-gamma");
+
+  // READ scatters the same 16 bytes into three other places.
+  const rdmakit::LocalSlice scatter[] = {mine.local().subslice(20000, 6), mine.local().subslice(30000, 5),
+                                         mine.local().subslice(40000, 5)};
+  w.opcode = Opcode::read;
+  w.local = scatter;
+  w.wr_id = 2;
+  ASSERT_TRUE(p.client.post_batch({&w, 1}).ok());
+  expect_done(p.client, 2);
+  EXPECT_EQ(std::string(b + 20000, 6), "alpha-");
+  EXPECT_EQ(std::string(b + 30000, 5), "beta-");
+  EXPECT_EQ(std::string(b + 40000, 5), "gamma");
+
+  std::vector<rdmakit::LocalSlice> too_many(p.client.info().max_sge + 1, mine.local().subslice(0, 1));
+  w.local = too_many;
+  EXPECT_EQ(p.client.post_batch({&w, 1}).status, PostStatus::too_many_sges);
+  EXPECT_EQ(p.client.outstanding(), 0u);
+}
+
+TEST(Datapath, BatchRefusedWholeWhenOneRequestIsBad) {
+  Pair p;
+  const auto local = p.client.memory(0).local().subslice(0, 8);
+  std::vector<WorkRequest> batch(3);
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    batch[i].opcode = Opcode::write;
+    batch[i].local = {&local, 1};
+    batch[i].remote = p.client.remote_regions()[0];
+    batch[i].remote_offset = i * 8;
+    batch[i].wr_id = i;
+  }
+  batch[2].remote_offset = kBuf;  // out of bounds
+  const auto r = p.client.post_batch(batch);
+  EXPECT_EQ(r.status, PostStatus::out_of_bounds);
+  EXPECT_EQ(r.index, 2u);
+  EXPECT_EQ(p.client.outstanding(), 0u);  // nothing of the batch was posted
+}
+
+void signaled_stream(std::uint32_t depth, std::uint32_t total, std::uint32_t batch) {
+  ConnectionConfig cfg = quiet();
+  cfg.send_depth = depth;
+  Pair p(cfg);
+  const auto& mine = p.client.memory(0);
+  const auto theirs = p.client.remote_regions()[0];
+  std::vector<WorkRequest> reqs(batch);
+  std::vector<rdmakit::LocalSlice> src(batch, mine.local().subslice(0, 8));
+  std::uint32_t posted = 0;
+  std::uint32_t signaled = 0, seen = 0;
+  Completion comps[16];
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (posted < total || seen < signaled) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "posted " << posted << " seen " << seen;
+    const std::uint32_t room = depth - p.client.outstanding();
+    const std::uint32_t n = std::min({batch, room, total - posted});
+    if (n > 0) {
+      for (std::uint32_t i = 0; i < n; ++i) {
+        std::memcpy(mine.data(), &posted, 4);
+        reqs[i] = {};
+        reqs[i].opcode = Opcode::write;
+        reqs[i].local = {&src[i], 1};
+        reqs[i].remote = theirs;
+        reqs[i].remote_offset = ((posted + i) % 1024) * 8;
+        reqs[i].wr_id = posted + i;
+        // Only every 64th request and the very last ask for a completion.
+        reqs[i].signaled = (posted + i) % 64 == 63 || posted + i + 1 == total;
+        signaled += reqs[i].signaled ? 1u : 0u;
+      }
+      const auto r = p.client.post_batch({reqs.data(), n});
+      ASSERT_TRUE(r.ok()) << r.describe();  // never ENOMEM: the library counts credits
+      posted += n;
+    }
+    const std::size_t got = p.client.poll(comps);
+    for (std::size_t i = 0; i < got; ++i) {
+      ASSERT_TRUE(comps[i].ok()) << comps[i].describe();
+      ASSERT_TRUE(comps[i].wr_id % 64 == 63 || comps[i].wr_id + 1 == total) << comps[i].wr_id;
+    }
+    seen += static_cast<std::uint32_t>(got);
+  }
+  EXPECT_EQ(seen, signaled);
+  EXPECT_EQ(p.client.outstanding(), 0u);
+}
+
+TEST(Datapath, SelectiveSignalingAtDepthOne) { signaled_stream(1, 500, 1); }
+
+TEST(Datapath, SelectiveSignalingAtDeviceMaximumDepth) {
+  const auto devices = rdmakit::list_devices();
+  const auto& d = rdmakit::pick_device(devices, "");
+  const std::uint32_t depth = std::min(d.max_qp_wr, d.max_cqe);
+  std::printf("device maximum depth: %u (max_qp_wr %u, max_cqe %u)\n", depth, d.max_qp_wr, d.max_cqe);
+  signaled_stream(depth, 3 * depth, 4096);
+}
+
+TEST(Datapath, RacingFetchAddEndsAtExactTotal) {
+  // One counter, registered in both connections' protection domains.
+  alignas(64) static std::uint64_t counter[8] = {};
+  Listener listener("127.0.0.1:0", quiet(), [](Connection& c) {
+    c.advertise(c.register_memory(counter, sizeof counter, Access::remote_atomic));
+  });
+  constexpr int kPerClient = 500;
+  auto client = [&](std::vector<std::uint64_t>& olds) {
+    Connection c = Connection::connect("127.0.0.1:" + std::to_string(listener.port()), quiet(),
+                                       [](Connection& cc) { cc.allocate_memory(8, Access::local_write); });
+    for (int i = 0; i < kPerClient; ++i) {
+      ASSERT_TRUE(c.post_fetch_add(c.memory(0).local(), c.remote_regions()[0], 0, 1, static_cast<std::uint64_t>(i)).ok());
+      const auto w = c.wait(10s);
+      ASSERT_EQ(w.status, WaitStatus::completed);
+      ASSERT_TRUE(w.completion.ok()) << w.completion.describe();
+      std::uint64_t v;
+      std::memcpy(&v, c.memory(0).data(), 8);
+      olds.push_back(v);
+    }
+  };
+  std::vector<std::uint64_t> a, b;
+  std::thread ta(client, std::ref(a)), tb(client, std::ref(b));
+  std::vector<Connection> accepted;
+  for (int i = 0; i < 2; ++i) {
+    auto c = listener.accept(10s);
+    ASSERT_TRUE(c.has_value());
+    accepted.push_back(std::move(*c));
+  }
+  ta.join();
+  tb.join();
+  EXPECT_EQ(counter[0], 2u * kPerClient);
+  // Every fetched value is distinct and together they are 0 .. 2N-1: no update was lost.
+  std::set<std::uint64_t> all(a.begin(), a.end());
+  all.insert(b.begin(), b.end());
+  ASSERT_EQ(all.size(), 2u * kPerClient);
+  EXPECT_EQ(*all.rbegin(), 2u * kPerClient - 1);
+}
+
+TEST(Datapath, CompareAndSwapSemantics) {
+  Pair p;
+  auto* word = static_cast<std::uint64_t*>(p.server.memory(0).data()) + 2;  // offset 16
+  *word = 41;
+  const auto result = p.client.memory(0).local().subslice(0, 8);
+  const auto theirs = p.client.remote_regions()[0];
+  ASSERT_TRUE(p.client.post_compare_swap(result, theirs, 16, 40, 99, 1).ok());  // mismatch
+  expect_done(p.client, 1);
+  std::uint64_t old;
+  std::memcpy(&old, p.client.memory(0).data(), 8);
+  EXPECT_EQ(old, 41u);
+  EXPECT_EQ(*word, 41u);
+  ASSERT_TRUE(p.client.post_compare_swap(result, theirs, 16, 41, 99, 2).ok());  // match
+  expect_done(p.client, 2);
+  std::memcpy(&old, p.client.memory(0).data(), 8);
+  EXPECT_EQ(old, 41u);
+  EXPECT_EQ(*word, 99u);
+  // Misuse is refused before posting.
+  EXPECT_EQ(p.client.post_compare_swap(result, theirs, 12, 0, 0, 3).status, PostStatus::misaligned);
+  EXPECT_EQ(p.client.post_fetch_add(p.client.memory(0).local().subslice(0, 4), theirs, 0, 1, 4).status,
+            PostStatus::bad_length);
+  EXPECT_EQ(p.client.outstanding(), 0u);
+}
+
+TEST(Datapath, EventModeHonoursItsDeadline) {
+  ConnectionConfig cfg = quiet();
+  cfg.completion_events = true;
+  Pair p(cfg);
+  for (auto d : {50ms, 300ms}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_EQ(p.client.wait(d).status, WaitStatus::timeout);
+    const auto took = std::chrono::steady_clock::now() - t0;
+    EXPECT_GE(took, d);
+    EXPECT_LT(took, d + 100ms);
+  }
+}
+
+TEST(Datapath, ControlMessages) {
+  Pair p;
+  const std::vector<std::uint8_t> hello = {1, 2, 3, 4};
+  p.client.send_message(hello, 1s);
+  const auto got = p.server.receive_message(5s);
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(*got, hello);
+  EXPECT_FALSE(p.server.receive_message(50ms).has_value());
+  EXPECT_THROW(p.client.send_message(std::vector<std::uint8_t>(Connection::max_message_size + 1), 1s),
+               rdmakit::Error);
+}
+
+}  // namespace
