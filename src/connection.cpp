@@ -164,6 +164,7 @@ void Connection::Impl::open() {
   info.atomics = dattr.atomic_cap != IBV_ATOMIC_NONE;
   sq.init(cfg.send_depth);
   rq.init(cfg.recv_depth);
+  forced_signal_interval = std::max<std::uint32_t>(1, cfg.send_depth / 2);
   send_wrs.resize(cfg.send_depth);
   send_sges.resize(static_cast<std::size_t>(cfg.send_depth) * info.max_sge);
   recv_wrs.resize(cfg.recv_depth);
@@ -187,9 +188,10 @@ void Connection::Impl::open() {
   l.gid = gid.entry.gid;
   l.gid_index = gid.entry.index;
   l.mtu = p.active_mtu;
-  // 16 is the IB spec's ceiling for outstanding RDMA READ/atomic per QP.
-  l.max_rd_atomic = static_cast<std::uint8_t>(std::clamp(dattr.max_qp_init_rd_atom, 0, 16));
-  l.max_dest_rd_atomic = static_cast<std::uint8_t>(std::clamp(dattr.max_qp_rd_atom, 0, 16));
+  // As many READs/atomics in flight as the device allows (mlx5: 16, rxe: 128): reads are
+  // latency-bound, so this depth is their bandwidth. The attribute is 8 bits wide.
+  l.max_rd_atomic = static_cast<std::uint8_t>(std::clamp(dattr.max_qp_init_rd_atom, 0, 255));
+  l.max_dest_rd_atomic = static_cast<std::uint8_t>(std::clamp(dattr.max_qp_rd_atom, 0, 255));
 }
 
 // Both sides' parameters are known: check they can talk, then INIT -> RTR -> RTS.
@@ -261,12 +263,24 @@ void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
   }
   state = State::closed;
   if (qp) {
-    // Sends, writes and reads in flight may still finish on their own; posted receives only wait
-    // for a peer that has said goodbye. Whatever is left is flushed by moving the QP to ERR, so
-    // no buffer is released while the NIC may still touch it.
-    drain(deadline, false);
+    // Sends, writes and reads in flight may still finish on their own, but that is observable
+    // only when the newest of them was signaled; posted receives only wait for a peer that has
+    // said goodbye. Whatever is left is flushed by moving the QP to ERR, so no buffer is released
+    // while the NIC may still touch it.
+    if (unsignaled_run == 0) drain(deadline, false);
     if (sq.count() + rq.count() > 0) {
       (void)detail::to_error(qp.get());
+      // Unsignaled requests that already succeeded produce no flush completion. A signaled
+      // marker posted to the errored QP is flushed after all of them and retires them
+      // (the kernel's ib_drain_sq does the same).
+      if (sq.count() > 0 && sq.free() > 0) {
+        ibv_send_wr marker{};
+        marker.wr_id = sq.next_seq();
+        marker.opcode = IBV_WR_SEND;
+        marker.send_flags = IBV_SEND_SIGNALED;
+        ibv_send_wr* bad = nullptr;
+        if (ibv_post_send(qp.get(), &marker, &bad) == 0) sq.push({0, Opcode::send, false});
+      }
       drain(Clock::now() + std::chrono::milliseconds{1000}, true);
     }
     if (sq.count() + rq.count() > 0) {

@@ -93,6 +93,7 @@ struct Connection::Impl {
   std::vector<ibv_recv_wr> recv_wrs;
   std::vector<ibv_sge> recv_sges;
   std::uint32_t unsignaled_run = 0;  // unsignaled WRs posted since the last signaled one
+  std::uint32_t forced_signal_interval = 1;  // max(1, send_depth / 2), set at open()
 
   // Control channel.
   detail::Fd control;

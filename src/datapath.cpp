@@ -125,9 +125,10 @@ PostResult Connection::Impl::post_batch(std::span<const WorkRequest> batch) noex
     // Zero-length SGEs are dropped: a 0-byte operation carries no SGE at all.
     v.num_sge = total == 0 ? 0 : static_cast<int>(w.local.size());
     v.opcode = verbs_opcode(w.opcode);
-    // Signal when asked, and at least once every send_depth requests: otherwise the queue could
-    // fill with requests whose completion is never reported, and nothing could reclaim them.
-    const bool signal = w.signaled || run + 1 >= cfg.send_depth;
+    // Signal when asked, and at least once every half queue: otherwise the queue could fill with
+    // requests whose completion is never reported, and nothing could reclaim them. Half, not
+    // all: the forced completion then arrives while the other half can still be posted.
+    const bool signal = w.signaled || run + 1 >= forced_signal_interval;
     run = signal ? 0 : run + 1;
     v.send_flags = signal ? IBV_SEND_SIGNALED : 0;
     if (total > 0 && total <= info.max_inline &&

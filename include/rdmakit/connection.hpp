@@ -113,7 +113,8 @@ struct WorkRequest {
   std::uint64_t swap = 0;           ///< compare_swap: the value to store
   std::uint64_t wr_id = 0;
   /// false: no completion is delivered unless the request fails (selective signaling). The
-  /// library still signals often enough that the queue can never fill with unreclaimed entries.
+  /// library still signals at least every send_depth / 2 requests, so the queue never fills with
+  /// entries nothing could reclaim; poll() (or wait()) retires them.
   bool signaled = true;
 };
 

@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
+#include "bench.hpp"
 #include "hello.hpp"
 #include "rdmakit/error.hpp"
 #include "rdmakit/version.hpp"
@@ -17,6 +18,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   std::function<int()> run;
   rdmakit::tools::add_hello(app, run);
+  rdmakit::tools::add_bench(app, run);
   CLI11_PARSE(app, argc, argv);
   try {
     return run();

@@ -1,0 +1,660 @@
+// rdmakit bench: perftest's measurements (ib_{write,read,send,atomic}_{bw,lat}) through the
+// public library API only, so what it measures is what a user of the library gets.
+//
+// Protocol, per message size: the client sends the phase's parameters as a control message; the
+// server prepares (fills its buffer, posts receives) and answers "ready"; both run the phase;
+// the client sends its results, and the server answers with its own view (validation). Both
+// sides must be given the same --size/--all/--tx-depth, as with perftest: they size the buffers
+// before anything is exchanged.
+#include "bench.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "options.hpp"
+#include "rdmakit/connection.hpp"
+#include "rdmakit/error.hpp"
+
+namespace rdmakit::tools {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
+using namespace std::chrono_literals;
+
+constexpr std::size_t kMaxSweep = 8u << 20;           // --all: 2 B .. 8 MiB, as perftest -a
+constexpr std::size_t kSlotBudget = 8u << 20;         // bytes of distinct slots per buffer
+constexpr std::uint64_t kSignalEvery = 32;            // selective signaling interval (bw)
+
+struct BenchOptions {
+  ConnectOptions net;
+  std::string op;    // write | read | send | atomic
+  std::string mode;  // bw | lat
+  std::size_t size = 0;  // 0: the mode's default
+  bool all = false;
+  std::uint64_t iters = 0;  // 0: the mode's default
+  std::uint32_t tx_depth = 128;
+  std::uint32_t post_list = 16;
+  std::uint32_t inline_size = 64;
+  bool events = false;
+  bool validate = false;
+  bool json_out = false;
+
+  [[nodiscard]] bool bw() const { return mode == "bw"; }
+  [[nodiscard]] std::vector<std::size_t> sizes() const {
+    if (op == "atomic") return {8};
+    if (!all) return {size != 0 ? size : bw() ? 65536u : 2u};
+    std::vector<std::size_t> v;
+    for (std::size_t s = 2; s <= kMaxSweep; s *= 2) v.push_back(s);
+    return v;
+  }
+  [[nodiscard]] std::size_t max_size() const {
+    const auto v = sizes();
+    return *std::max_element(v.begin(), v.end());
+  }
+  [[nodiscard]] std::uint64_t iterations() const { return iters != 0 ? iters : bw() ? 5000 : 1000; }
+  // Distinct buffer slots for a size: up to kSlotBudget bytes of them, at most one per
+  // outstanding request, at least one.
+  [[nodiscard]] std::size_t slots(std::size_t sz) const {
+    if (!bw()) return 1;  // latency uses two fixed halves
+    return std::clamp<std::size_t>(kSlotBudget / std::max<std::size_t>(sz, 1), 1, tx_depth);
+  }
+  [[nodiscard]] std::size_t buffer_bytes() const {
+    std::size_t most = 2 * max_size();  // latency tests use two halves
+    for (std::size_t s : sizes()) most = std::max(most, s * slots(s));
+    return most;
+  }
+};
+
+class Fail : public std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The byte pattern of iteration `iter` (validation): cheap, and different for every iteration
+// and position.
+std::uint8_t pattern(std::uint64_t iter, std::size_t pos) {
+  return static_cast<std::uint8_t>((iter * 131 + pos * 7 + 1) & 0xff);
+}
+void fill(std::uint8_t* p, std::size_t n, std::uint64_t iter) {
+  for (std::size_t i = 0; i < n; ++i) p[i] = pattern(iter, i);
+}
+bool check(const std::uint8_t* p, std::size_t n, std::uint64_t iter) {
+  for (std::size_t i = 0; i < n; ++i) {
+    if (p[i] != pattern(iter, i)) return false;
+  }
+  return true;
+}
+
+// --- control messages ------------------------------------------------------------------------
+
+void send_json(Connection& c, const json& j) {
+  const std::string s = j.dump();
+  c.send_message({reinterpret_cast<const std::uint8_t*>(s.data()), s.size()}, 10s);
+}
+
+json recv_json(Connection& c, std::chrono::milliseconds timeout, const char* what) {
+  auto m = c.receive_message(timeout);
+  if (!m) throw Fail(fmt::format("no {} from the peer within {} ms (peer gone?)", what, timeout.count()));
+  json j = json::parse(m->begin(), m->end(), nullptr, false);
+  if (j.is_discarded()) throw Fail(fmt::format("malformed {} from the peer", what));
+  if (j.contains("error")) throw Fail(fmt::format("the peer reports: {}", j["error"].get<std::string>()));
+  return j;
+}
+
+// --- measurement -----------------------------------------------------------------------------
+
+struct Phase {
+  std::string op, mode;
+  std::size_t size = 0;
+  std::uint64_t iters = 0;
+  std::uint32_t tx_depth = 0;
+  std::uint32_t post_list = 0;
+  std::size_t slots = 1;
+  bool validate = false;
+};
+
+json to_json(const Phase& p) {
+  return {{"op", p.op},           {"mode", p.mode},   {"size", p.size},
+          {"iters", p.iters},     {"tx_depth", p.tx_depth}, {"post_list", p.post_list},
+          {"slots", p.slots},     {"validate", p.validate}};
+}
+Phase phase_from(const json& j) {
+  Phase p;
+  p.op = j.at("op");
+  p.mode = j.at("mode");
+  p.size = j.at("size");
+  p.iters = j.at("iters");
+  p.tx_depth = j.at("tx_depth");
+  p.post_list = j.at("post_list");
+  p.slots = j.at("slots");
+  p.validate = j.at("validate");
+  return p;
+}
+
+struct Result {
+  std::size_t bytes = 0;
+  std::uint64_t iters = 0;
+  double seconds = 0;
+  double bw_peak = 0;  // MB/s (2^20), as perftest
+  double bw_avg = 0;
+  double msg_rate = 0;  // Mpps
+  std::vector<double> lat_us;  // sorted
+  bool validated = false;
+};
+
+Completion wait_ok(Connection& c, const char* what) {
+  const WaitResult w = c.wait(10s);
+  if (w.status == WaitStatus::timeout) throw Fail(fmt::format("{}: no completion within 10 s", what));
+  if (w.status == WaitStatus::peer_lost) throw Fail(fmt::format("{}: the peer is gone", what));
+  if (!w.completion.ok()) throw Fail(fmt::format("{}: {}", what, w.completion.describe()));
+  return w.completion;
+}
+
+// Reaps completions without waiting; returns how many requests completed (by the highest
+// signaled wr_id seen + 1), failing on any error completion.
+std::uint64_t reap(Connection& c, std::uint64_t completed, std::span<Completion> buf) {
+  const std::size_t n = c.poll(buf);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!buf[i].ok()) throw Fail(buf[i].describe());
+    if (buf[i].opcode != Opcode::recv) completed = std::max(completed, buf[i].wr_id + 1);
+  }
+  return completed;
+}
+
+// Posts one request; while the queue is full (unsignaled requests not yet retired), reaps.
+void post_one(Connection& c, const WorkRequest& w, std::span<Completion> buf) {
+  const auto deadline = Clock::now() + 10s;
+  for (;;) {
+    const PostResult r = c.post_batch({&w, 1});
+    if (r.ok()) return;
+    if (r.status != PostStatus::queue_full || Clock::now() > deadline) throw Fail(r.describe());
+    (void)reap(c, 0, buf);
+  }
+}
+
+class Progress {
+ public:
+  Progress(bool on, std::size_t size, std::uint64_t total)
+      : on_(on && ::isatty(STDERR_FILENO) != 0), size_(size), total_(total) {}
+  void update(std::uint64_t done) {
+    if (!on_ || (done & 0xfff) != 0) return;
+    const auto now = Clock::now();
+    if (now - start_ < 2s || now - last_ < 500ms) return;
+    last_ = now;
+    std::fprintf(stderr, "\r  %zu B: %3.0f%%", size_, 100.0 * static_cast<double>(done) / static_cast<double>(total_));
+    shown_ = true;
+  }
+  ~Progress() {
+    if (shown_) std::fprintf(stderr, "\r%30s\r", "");
+  }
+
+ private:
+  bool on_;
+  std::size_t size_;
+  std::uint64_t total_;
+  Clock::time_point start_ = Clock::now(), last_ = start_;
+  bool shown_ = false;
+};
+
+// Bandwidth: keep up to tx_depth requests in flight, post in chains of post_list, signal every
+// kSignalEvery-th request (and the last).
+Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine, bool show) {
+  const RemoteRegion theirs = c.remote_regions().at(0);
+  const Opcode op = p.op == "write" ? Opcode::write
+                    : p.op == "read" ? Opcode::read
+                    : p.op == "send" ? Opcode::send
+                                     : Opcode::fetch_add;
+  auto* base = static_cast<std::uint8_t*>(mine.data());
+  std::vector<WorkRequest> reqs(p.post_list);
+  std::vector<LocalSlice> slices;
+  slices.reserve(p.post_list);
+  std::vector<Completion> comps(64);
+  std::vector<std::pair<Clock::time_point, std::uint64_t>> marks;
+  marks.reserve(p.iters / kSignalEvery + 2);
+  Progress progress(show, p.size, p.iters);
+
+  std::uint64_t posted = 0, completed = 0;
+  const auto t0 = Clock::now();
+  while (completed < p.iters) {
+    const std::uint32_t room = p.tx_depth - std::min(p.tx_depth, c.outstanding());
+    const auto n = static_cast<std::uint32_t>(std::min<std::uint64_t>({p.post_list, room, p.iters - posted}));
+    if (n > 0) {
+      slices.clear();
+      for (std::uint32_t k = 0; k < n; ++k) {
+        const std::uint64_t i = posted + k;
+        const std::size_t slot = (i % p.slots) * p.size;
+        if (p.validate && op != Opcode::read) fill(base + slot, p.size, i);
+        slices.push_back(mine.local().subslice(slot, p.size));
+        WorkRequest& w = reqs[k];
+        w = {};
+        w.opcode = op;
+        w.local = {&slices.back(), 1};
+        w.remote = theirs;
+        w.remote_offset = op == Opcode::fetch_add ? 0 : slot;
+        w.compare_add = 1;
+        w.wr_id = i;
+        w.signaled = (i + 1) % kSignalEvery == 0 || i + 1 == p.iters;
+      }
+      const PostResult r = c.post_batch({reqs.data(), n});
+      if (!r.ok()) throw Fail(fmt::format("post: {}", r.describe()));
+      posted += n;
+    }
+    const std::uint64_t before = completed;
+    completed = reap(c, completed, comps);
+    if (completed != before) {
+      marks.emplace_back(Clock::now(), completed);
+      progress.update(completed);
+    }
+  }
+  const auto t1 = Clock::now();
+
+  Result res;
+  res.bytes = p.size;
+  res.iters = p.iters;
+  res.seconds = std::chrono::duration<double>(t1 - t0).count();
+  const double mb = static_cast<double>(p.size) * static_cast<double>(p.iters) / (1024.0 * 1024.0);
+  res.bw_avg = mb / res.seconds;
+  res.msg_rate = static_cast<double>(p.iters) / res.seconds / 1e6;
+  // Peak: the best of 10 equal stretches of the run (by completions).
+  double peak = res.bw_avg;
+  auto prev = std::pair{t0, std::uint64_t{0}};
+  const std::uint64_t stride = std::max<std::uint64_t>(p.iters / 10, kSignalEvery);
+  for (std::size_t k = 0; k < marks.size(); ++k) {
+    if (marks[k].second - prev.second >= stride) {
+      const double dt = std::chrono::duration<double>(marks[k].first - prev.first).count();
+      if (dt > 0) {
+        peak = std::max(peak, static_cast<double>(marks[k].second - prev.second) *
+                                  static_cast<double>(p.size) / (1024.0 * 1024.0) / dt);
+      }
+      prev = marks[k];
+    }
+  }
+  res.bw_peak = peak;
+  if (p.validate && op == Opcode::read) {
+    // Every slot was last read from the server's pattern for that slot.
+    res.validated = true;
+    for (std::size_t s = 0; s < std::min<std::uint64_t>(p.slots, p.iters); ++s) {
+      res.validated &= check(base + s * p.size, p.size, s);
+    }
+  }
+  return res;
+}
+
+// The passive side of send bandwidth: keep receives posted, count (and check) what arrives.
+bool run_bw_send_target(Connection& c, const Phase& p, const MemoryRegion& mine) {
+  auto* base = static_cast<std::uint8_t*>(mine.data());
+  const std::uint32_t posted_max = std::min<std::uint32_t>(c.info().recv_depth,
+                                                           static_cast<std::uint32_t>(p.validate ? p.slots : c.info().recv_depth));
+  std::uint64_t next_post = 0, received = 0;
+  auto post_some = [&](std::uint64_t upto) {
+    for (; next_post < upto && next_post < p.iters; ++next_post) {
+      const LocalSlice dst = mine.local().subslice((next_post % p.slots) * p.size, p.size);
+      if (const PostResult r = c.post_recv(dst, next_post); !r.ok()) throw Fail(r.describe());
+    }
+  };
+  post_some(posted_max);
+  send_json(c, {{"ready", true}});
+  bool valid = true;
+  std::vector<Completion> comps(64);
+  const auto deadline = Clock::now() + 120s;
+  while (received < p.iters) {
+    const std::size_t n = c.poll(comps);
+    for (std::size_t k = 0; k < n; ++k) {
+      if (!comps[k].ok()) throw Fail(comps[k].describe());
+      const std::uint64_t i = comps[k].wr_id;
+      if (p.validate) valid &= comps[k].byte_len == p.size && check(base + (i % p.slots) * p.size, p.size, i);
+      ++received;
+    }
+    if (n > 0) post_some(received + posted_max);
+    if (n == 0 && Clock::now() > deadline) throw Fail("send bandwidth: the sender stalled");
+    if (n == 0 && c.peer_closed()) throw Fail("send bandwidth: the peer is gone");
+  }
+  return valid;
+}
+
+double elapsed_us(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::micro>(b - a).count();
+}
+
+// Latency. WRITE ping-pong: each side watches the last byte of its own buffer for the peer's tag
+// (perftest's method), so no completion is on the critical path. SEND ping-pong: a receive
+// completion is. READ and atomics: one request at a time, full round trip.
+Result run_lat(Connection& c, const Phase& p, const MemoryRegion& mine, bool initiator) {
+  const RemoteRegion theirs = c.remote_regions().at(0);
+  auto* base = static_cast<std::uint8_t*>(mine.data());
+  Result res;
+  res.bytes = p.size;
+  res.iters = p.iters;
+  res.lat_us.reserve(p.iters);
+  std::vector<Completion> comps(16);
+  const auto t_begin = Clock::now();
+  if (p.op == "write") {
+    // As perftest: write from the first half of the buffer into the peer's second half, and
+    // watch the last byte of our own second half for the peer's reply.
+    const LocalSlice src = mine.local().subslice(0, p.size);
+    volatile std::uint8_t* last = base + 2 * p.size - 1;
+    if (initiator) std::memset(base, 0, 2 * p.size);  // no stale tag from an earlier size
+    // Spins on the tag byte, with a deadline: a dead peer must not hang the bench.
+    auto await_tag = [&](std::uint8_t tag) {
+      const auto deadline = Clock::now() + 10s;
+      for (std::uint32_t spin = 1; *last != tag; ++spin) {
+        if ((spin & 0xfff) == 0) {
+          (void)reap(c, 0, comps);
+          if (Clock::now() > deadline) throw Fail("write latency: no reply within 10 s (peer gone?)");
+        }
+      }
+    };
+    for (std::uint64_t i = 0; i < p.iters; ++i) {
+      const auto tag = static_cast<std::uint8_t>(i % 255 + 1);
+      const auto t0 = Clock::now();
+      if (!initiator) await_tag(tag);
+      base[p.size - 1] = tag;
+      WorkRequest w;
+      w.opcode = Opcode::write;
+      w.local = {&src, 1};
+      w.remote = theirs;
+      w.remote_offset = p.size;
+      w.wr_id = i;
+      w.signaled = false;
+      post_one(c, w, comps);
+      if (initiator) {
+        await_tag(tag);
+        res.lat_us.push_back(elapsed_us(t0, Clock::now()) / 2);
+      }
+      (void)reap(c, 0, comps);  // retire the library's periodic signaled write
+    }
+  } else if (p.op == "send") {
+    const LocalSlice src = mine.local().subslice(0, p.size);
+    const LocalSlice dst = mine.local().subslice(p.size, p.size);
+    // The server posted its first receive before saying "ready"; ours only has to be there before
+    // the server's first reply, which our first send triggers.
+    if (initiator) {
+      if (const PostResult r = c.post_recv(dst, 0); !r.ok()) throw Fail(r.describe());
+    }
+    for (std::uint64_t i = 0; i < p.iters; ++i) {
+      const auto t0 = Clock::now();
+      auto await_recv = [&] {
+        for (;;) {
+          const Completion x = wait_ok(c, "receive");
+          if (x.opcode == Opcode::recv) return;
+        }
+      };
+      if (!initiator) await_recv();
+      if (const PostResult r = c.post_recv(dst, i + 1); !r.ok()) throw Fail(r.describe());
+      WorkRequest w;
+      w.opcode = Opcode::send;
+      w.local = {&src, 1};
+      w.wr_id = i;
+      w.signaled = false;
+      post_one(c, w, comps);
+      if (initiator) {
+        await_recv();
+        res.lat_us.push_back(elapsed_us(t0, Clock::now()) / 2);
+      }
+    }
+  } else if (initiator) {  // read, atomic: only the initiator works
+    const LocalSlice dst = mine.local().subslice(0, p.size);
+    for (std::uint64_t i = 0; i < p.iters; ++i) {
+      const auto t0 = Clock::now();
+      const PostResult r = p.op == "read" ? c.post_read(dst, theirs, 0, i)
+                                          : c.post_fetch_add(dst, theirs, 0, 1, i);
+      if (!r.ok()) throw Fail(r.describe());
+      (void)wait_ok(c, p.op.c_str());
+      res.lat_us.push_back(elapsed_us(t0, Clock::now()));
+    }
+  }
+  res.seconds = std::chrono::duration<double>(Clock::now() - t_begin).count();
+  std::sort(res.lat_us.begin(), res.lat_us.end());
+  return res;
+}
+
+// --- reporting -------------------------------------------------------------------------------
+
+double quantile(const std::vector<double>& v, double q) {
+  if (v.empty()) return 0;
+  const auto idx = static_cast<std::size_t>(std::ceil(q * static_cast<double>(v.size()))) - 1;
+  return v[std::min(idx, v.size() - 1)];
+}
+
+json result_json(const BenchOptions& o, const Result& r) {
+  json j = {{"bytes", r.bytes}, {"iterations", r.iters}, {"seconds", r.seconds}};
+  if (o.bw()) {
+    j["bw_peak_MBps"] = r.bw_peak;
+    j["bw_avg_MBps"] = r.bw_avg;
+    j["bw_avg_Gbps"] = r.bw_avg * 1024 * 1024 * 8 / 1e9;
+    j["msg_rate_Mpps"] = r.msg_rate;
+  } else {
+    const auto& v = r.lat_us;
+    const double avg = v.empty() ? 0 : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+    double var = 0;
+    for (double x : v) var += (x - avg) * (x - avg);
+    j["t_min_us"] = v.empty() ? 0 : v.front();
+    j["t_median_us"] = quantile(v, 0.5);
+    j["t_avg_us"] = avg;
+    j["t_stdev_us"] = v.empty() ? 0 : std::sqrt(var / static_cast<double>(v.size()));
+    j["t_p99_us"] = quantile(v, 0.99);
+    j["t_p999_us"] = quantile(v, 0.999);
+    j["t_max_us"] = v.empty() ? 0 : v.back();
+  }
+  if (o.validate) j["validated"] = r.validated;
+  return j;
+}
+
+void print_header(const BenchOptions& o, const ConnectionInfo& info, std::uint32_t signal_every) {
+  fmt::print("---------------------------------------------------------------------------------------\n");
+  fmt::print("                    RDMA {} {} (rdmakit bench)\n", o.op, o.bw() ? "bandwidth" : "latency");
+  fmt::print(" device {} port {} ({}), GID [{}] {} {}, path MTU {}\n", info.device, info.port,
+             to_string(info.link_layer), info.local.gid_index, info.local_gid.address(),
+             to_string(info.local.gid_type), info.path_mtu);
+  fmt::print(" local QPN {:#08x} PSN {:#08x}, remote QPN {:#08x} PSN {:#08x}\n", info.local.qpn,
+             info.local.psn, info.remote.qpn, info.remote.psn);
+  fmt::print(" tx depth {}, post list {}, signal every {}, max inline {}, completions by {}\n",
+             o.bw() ? o.tx_depth : 1u, o.bw() ? o.post_list : 1u, o.bw() ? signal_every : 1u,
+             info.max_inline, o.events ? "events" : "polling");
+  fmt::print("---------------------------------------------------------------------------------------\n");
+  if (o.bw()) {
+    fmt::print(" {:<10} {:<14} {:>16} {:>19} {:>14} {:>14}\n", "#bytes", "#iterations",
+               "BW peak[MB/sec]", "BW average[MB/sec]", "BW avg[Gb/s]", "MsgRate[Mpps]");
+  } else {
+    fmt::print(" {:<8} {:<8} {:>10} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10}\n", "#bytes",
+               "#iter", "t_min[us]", "t_median[us]", "t_avg[us]", "t_stdev", "99%[us]",
+               "99.9%[us]", "t_max[us]");
+  }
+}
+
+void print_row(const BenchOptions& o, const json& j) {
+  if (o.bw()) {
+    fmt::print(" {:<10} {:<14} {:>16.2f} {:>19.2f} {:>14.4f} {:>14.6f}{}\n", j["bytes"].get<std::size_t>(),
+               j["iterations"].get<std::uint64_t>(), j["bw_peak_MBps"].get<double>(),
+               j["bw_avg_MBps"].get<double>(), j["bw_avg_Gbps"].get<double>(),
+               j["msg_rate_Mpps"].get<double>(),
+               j.contains("validated") ? (j["validated"].get<bool>() ? "  validated" : "  VALIDATION FAILED") : "");
+  } else {
+    fmt::print(" {:<8} {:<8} {:>10.2f} {:>12.2f} {:>10.2f} {:>10.2f} {:>10.2f} {:>10.2f} {:>10.2f}{}\n",
+               j["bytes"].get<std::size_t>(), j["iterations"].get<std::uint64_t>(),
+               j["t_min_us"].get<double>(), j["t_median_us"].get<double>(), j["t_avg_us"].get<double>(),
+               j["t_stdev_us"].get<double>(), j["t_p99_us"].get<double>(), j["t_p999_us"].get<double>(),
+               j["t_max_us"].get<double>(),
+               j.contains("validated") ? (j["validated"].get<bool>() ? "  validated" : "  VALIDATION FAILED") : "");
+  }
+  std::fflush(stdout);
+}
+
+// --- the two roles ---------------------------------------------------------------------------
+
+ConnectionConfig bench_config(const BenchOptions& o) {
+  ConnectionConfig cfg = o.net.config();
+  cfg.send_depth = std::max<std::uint32_t>(o.tx_depth, 16);
+  // Send bandwidth needs receives ahead of the sender; twice its depth keeps RNR away.
+  cfg.recv_depth = std::max<std::uint32_t>(2 * o.tx_depth, 64);
+  cfg.max_inline = o.inline_size;
+  cfg.completion_events = o.events;
+  return cfg;
+}
+
+void bench_setup(const BenchOptions& o, Connection& c) {
+  c.advertise(c.allocate_memory(o.buffer_bytes(), Access::local_write | Access::remote_read |
+                                                      Access::remote_write | Access::remote_atomic));
+}
+
+int finish(const BenchOptions& o, const json& rows, bool failed) {
+  if (o.json_out) fmt::print("{}\n", json{{"op", o.op}, {"mode", o.mode}, {"results", rows}}.dump(2));
+  return failed ? 1 : 0;
+}
+
+int run_client(const BenchOptions& o) {
+  Connection c = Connection::connect(o.net.connect_target(), bench_config(o),
+                                     [&](Connection& cc) { bench_setup(o, cc); });
+  const MemoryRegion& mine = c.memory(0);
+  if (!o.json_out) print_header(o, c.info(), kSignalEvery);
+  json rows = json::array();
+  bool failed = false;
+  for (std::size_t size : o.sizes()) {
+    Phase p{o.op, o.mode, size, o.iterations(), o.tx_depth, o.post_list, o.slots(size), o.validate};
+    // Send with validation: at most one receive per slot is posted, so the sender keeps no more
+    // than that in flight.
+    if (o.validate && o.op == "send") p.tx_depth = static_cast<std::uint32_t>(std::min<std::size_t>(p.tx_depth, p.slots));
+    send_json(c, to_json(p));
+    (void)recv_json(c, 30s, "ready");
+    Result r = o.bw() ? run_bw_initiator(c, p, mine, !o.json_out) : run_lat(c, p, mine, true);
+    send_json(c, {{"done", true}, {"iters", p.iters}});
+    const json verdict = recv_json(c, 120s, "verdict");
+    if (o.validate && o.op != "read") r.validated = verdict.value("validated", false);
+    json row = result_json(o, r);
+    if (o.validate && !r.validated) failed = true;
+    if (!o.json_out) print_row(o, row);
+    rows.push_back(std::move(row));
+  }
+  send_json(c, {{"finished", true}});
+  if (!o.json_out) fmt::print("---------------------------------------------------------------------------------------\n");
+  c.wait_peer_close(10s);
+  return finish(o, rows, failed);
+}
+
+int run_server(const BenchOptions& o) {
+  Listener listener(o.net.listen_address(), bench_config(o),
+                    [&](Connection& cc) { bench_setup(o, cc); });
+  if (!o.json_out) fmt::print("waiting for a bench client on port {}\n", listener.port());
+  std::optional<Connection> conn;
+  while (!(conn = listener.accept(1s))) {
+  }
+  Connection& c = *conn;
+  const MemoryRegion& mine = c.memory(0);
+  auto* base = static_cast<std::uint8_t*>(mine.data());
+  if (!o.json_out) print_header(o, c.info(), kSignalEvery);
+  for (;;) {
+    const json j = recv_json(c, 600s, "phase parameters");
+    if (j.contains("finished")) break;
+    const Phase p = phase_from(j);
+    if (p.op != o.op || p.mode != o.mode) {
+      send_json(c, {{"error", fmt::format("the server runs {} {}, the client asked for {} {}", o.op,
+                                          o.mode, p.op, p.mode)}});
+      return 1;
+    }
+    if (p.size * p.slots > mine.size() || (p.mode == "lat" && 2 * p.size > mine.size())) {
+      send_json(c, {{"error", fmt::format("{} B x {} slots exceeds the server's {} B buffer: give "
+                                          "the server the same --size/--all/--tx-depth",
+                                          p.size, p.slots, mine.size())}});
+      return 1;
+    }
+    bool valid = true;
+    if (p.op == "read") {
+      for (std::size_t s = 0; s < p.slots; ++s) fill(base + s * p.size, p.size, s);
+    }
+    if (p.op == "atomic") std::memset(base, 0, 8);
+    if (p.mode == "bw" && p.op == "send") {
+      valid = run_bw_send_target(c, p, mine);
+    } else if (p.mode == "lat") {
+      std::memset(base, 0, std::min<std::size_t>(mine.size(), 2 * p.size + 8));
+      if (p.op == "send") {
+        // The client's first SEND must find a receive.
+        if (const PostResult r = c.post_recv(mine.local().subslice(p.size, p.size), 0); !r.ok()) {
+          throw Fail(r.describe());
+        }
+      }
+      send_json(c, {{"ready", true}});
+      (void)run_lat(c, p, mine, false);
+    } else {
+      send_json(c, {{"ready", true}});
+    }
+    const json done = recv_json(c, 600s, "end of phase");
+    if (p.validate && p.mode == "bw" && p.op == "write") {
+      // Each slot holds what the last write into it carried.
+      const std::uint64_t iters = done.at("iters");
+      for (std::size_t s = 0; s < std::min<std::uint64_t>(p.slots, iters); ++s) {
+        const std::uint64_t last = iters - 1 - ((iters - 1 - s) % p.slots);
+        valid &= check(base + s * p.size, p.size, last);
+      }
+    }
+    if (p.validate && p.op == "atomic" && p.mode == "bw") {
+      std::uint64_t v;
+      std::memcpy(&v, base, 8);
+      valid = v == done.at("iters").get<std::uint64_t>();
+    }
+    send_json(c, {{"validated", valid}});
+    if (!o.json_out) fmt::print(" {} B: done{}\n", p.size, p.validate ? (valid ? ", validated" : ", VALIDATION FAILED") : "");
+  }
+  c.close(10s);
+  return 0;
+}
+
+}  // namespace
+
+void add_bench(CLI::App& app, std::function<int()>& run) {
+  auto o = std::make_shared<BenchOptions>();
+  CLI::App* sub = app.add_subcommand("bench", "measure bandwidth or latency like perftest, through the library");
+  sub->add_option("op", o->op, "write, read, send or atomic")
+      ->required()
+      ->check(CLI::IsMember({"write", "read", "send", "atomic"}));
+  sub->add_option("mode", o->mode, "bw or lat")->required()->check(CLI::IsMember({"bw", "lat"}));
+  o->net.add_to(*sub);
+  sub->add_option("-s,--size", o->size, "message size in bytes (default: 65536 for bw, 2 for lat)")
+      ->check(CLI::Range(std::size_t{1}, kMaxSweep));
+  sub->add_flag("-a,--all", o->all, "sweep sizes 2 B to 8 MiB by powers of two");
+  sub->add_option("-n,--iters", o->iters, "iterations per size (default: 5000 for bw, 1000 for lat)");
+  sub->add_option("-t,--tx-depth", o->tx_depth, "requests in flight (bw)")
+      ->check(CLI::Range(1u, 32767u))
+      ->capture_default_str();
+  sub->add_option("-l,--post-list", o->post_list, "requests chained per ibv_post_send (bw)")
+      ->check(CLI::Range(1u, 4096u))
+      ->capture_default_str();
+  sub->add_option("-I,--inline", o->inline_size, "inline bytes to ask the QP for")->capture_default_str();
+  sub->add_flag("-e,--events", o->events, "sleep on a completion channel instead of polling");
+  sub->add_flag("--validate", o->validate, "check every transfer's data");
+  sub->add_flag("--json", o->json_out, "print the results as JSON");
+  sub->callback([o, &run] {
+    if (!o->net.serving() && o->net.connect.empty()) {
+      throw CLI::ValidationError("bench", "give --listen [ADDR:]PORT or --connect HOST:PORT");
+    }
+    if (o->op == "atomic" && o->size != 0 && o->size != 8) {
+      throw CLI::ValidationError("--size", "atomics are 8 bytes");
+    }
+    run = [o] {
+      try {
+        return o->net.serving() ? run_server(*o) : run_client(*o);
+      } catch (const Fail& e) {
+        fmt::print(stderr, "rdmakit bench: {}\n", e.what());
+        return 1;
+      } catch (const nlohmann::json::exception& e) {
+        fmt::print(stderr, "rdmakit bench: bad message from the peer: {}\n", e.what());
+        return 1;
+      }
+    };
+  });
+}
+
+}  // namespace rdmakit::tools

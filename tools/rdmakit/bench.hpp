@@ -1,0 +1,12 @@
+#pragma once
+
+#include <functional>
+
+#include <CLI/CLI.hpp>
+
+namespace rdmakit::tools {
+
+/// Adds `rdmakit bench`; when it is chosen, its callback sets `run`.
+void add_bench(CLI::App& app, std::function<int()>& run);
+
+}  // namespace rdmakit::tools
