@@ -32,28 +32,33 @@ class WrRing {
     bool user_signaled = true;
   };
 
-  void init(std::uint32_t capacity) { slots_.assign(capacity, {}); }
+  /// Room for `capacity` requests; the storage is rounded up to a power of two so a slot is a
+  /// mask away from its sequence number (no division on the hot path).
+  void init(std::uint32_t capacity) {
+    capacity_ = capacity;
+    std::size_t n = 1;
+    while (n < capacity) n *= 2;
+    slots_.assign(n, {});
+    mask_ = n - 1;
+  }
   [[nodiscard]] std::uint32_t count() const noexcept {
     return static_cast<std::uint32_t>(tail_ - head_);
   }
-  [[nodiscard]] std::uint32_t free() const noexcept {
-    return static_cast<std::uint32_t>(slots_.size()) - count();
-  }
+  [[nodiscard]] std::uint32_t free() const noexcept { return capacity_ - count(); }
   [[nodiscard]] std::uint64_t next_seq() const noexcept { return tail_; }
-  void push(const Slot& s) noexcept {
-    slots_[tail_ % slots_.size()] = s;
-    ++tail_;
-  }
+  void push(const Slot& s) noexcept { slots_[tail_++ & mask_] = s; }
   /// Retires everything up to and including `seq`; returns the slot of `seq`. A sequence number
   /// that is not in flight (a bug or a stale completion) retires nothing.
   Slot retire(std::uint64_t seq) noexcept {
-    if (seq < head_ || seq >= tail_) return {seq, Opcode::send, true};
+    if (seq < head_ || seq >= tail_) [[unlikely]] return {seq, Opcode::send, true};
     head_ = seq + 1;
-    return slots_[seq % slots_.size()];
+    return slots_[seq & mask_];
   }
 
  private:
   std::vector<Slot> slots_;
+  std::uint64_t mask_ = 0;
+  std::uint32_t capacity_ = 0;
   std::uint64_t head_ = 0;
   std::uint64_t tail_ = 0;
 };
@@ -115,7 +120,7 @@ struct Connection::Impl {
   void close(std::chrono::milliseconds timeout) noexcept;
 
   // datapath.cpp
-  PostResult check(const WorkRequest& wr) const noexcept;
+  PostResult check(const WorkRequest& wr, std::uint64_t total) const noexcept;
   PostResult post_batch(std::span<const WorkRequest> batch) noexcept;
   PostResult post_recvs(std::span<const LocalSlice> dsts, std::uint64_t first_wr_id) noexcept;
   std::size_t poll(std::span<Completion> out) noexcept;
