@@ -112,8 +112,10 @@ struct WorkRequest {
   std::uint64_t compare_add = 0;    ///< fetch_add: the addend; compare_swap: the expected value
   std::uint64_t swap = 0;           ///< compare_swap: the value to store
   std::uint64_t wr_id = 0;
-  /// false: no completion is delivered unless the request fails (selective signaling). The
-  /// library still signals at least every send_depth / 2 requests, so the queue never fills with
+  /// false: no completion is delivered unless the request fails (selective signaling). Its
+  /// queue entry is reclaimed when a later signaled completion is polled: a caller that limits
+  /// its own requests in flight to N must signal at least once every N requests. The library
+  /// itself signals at least every send_depth / 2 requests, so the queue never fills with
   /// entries nothing could reclaim; poll() (or wait()) retires them.
   bool signaled = true;
 };

@@ -40,6 +40,13 @@ constexpr std::size_t kMaxSweep = 8u << 20;           // --all: 2 B .. 8 MiB, as
 constexpr std::size_t kSlotBudget = 8u << 20;         // bytes of distinct slots per buffer
 constexpr std::uint64_t kSignalEvery = 32;            // selective signaling interval (bw)
 
+// A request's queue entry comes back only with a later signaled completion, so a sender that
+// keeps at most tx_depth in flight must signal at least once per tx_depth requests, or it waits
+// forever for room. Every half depth keeps the pipeline full while the completion travels.
+std::uint64_t signal_interval(std::uint32_t tx_depth) {
+  return std::clamp<std::uint64_t>(tx_depth / 2, 1, kSignalEvery);
+}
+
 struct BenchOptions {
   ConnectOptions net;
   std::string op;    // write | read | send | atomic
@@ -153,7 +160,7 @@ struct Result {
   double bw_avg = 0;
   double msg_rate = 0;  // Mpps
   std::vector<double> lat_us;  // sorted
-  bool validated = false;
+  bool validated = true;  // what this side could check (the peer reports its own part)
 };
 
 Completion wait_ok(Connection& c, const char* what) {
@@ -213,7 +220,7 @@ class Progress {
 };
 
 // Bandwidth: keep up to tx_depth requests in flight, post in chains of post_list, signal every
-// kSignalEvery-th request (and the last).
+// signal_interval-th request (and the last).
 Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine, bool show) {
   const RemoteRegion theirs = c.remote_regions().at(0);
   const Opcode op = p.op == "write" ? Opcode::write
@@ -226,7 +233,8 @@ Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine,
   slices.reserve(p.post_list);
   std::vector<Completion> comps(64);
   std::vector<std::pair<Clock::time_point, std::uint64_t>> marks;
-  marks.reserve(p.iters / kSignalEvery + 2);
+  const std::uint64_t every = signal_interval(p.tx_depth);
+  marks.reserve(p.iters / every + 2);
   Progress progress(show, p.size, p.iters);
 
   std::uint64_t posted = 0, completed = 0;
@@ -249,7 +257,7 @@ Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine,
         w.remote_offset = op == Opcode::fetch_add ? 0 : slot;
         w.compare_add = 1;
         w.wr_id = i;
-        w.signaled = (i + 1) % kSignalEvery == 0 || i + 1 == p.iters;
+        w.signaled = (i + 1) % every == 0 || i + 1 == p.iters;
       }
       const PostResult r = c.post_batch({reqs.data(), n});
       if (!r.ok()) throw Fail(fmt::format("post: {}", r.describe()));
@@ -274,7 +282,7 @@ Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine,
   // Peak: the best of 10 equal stretches of the run (by completions).
   double peak = res.bw_avg;
   auto prev = std::pair{t0, std::uint64_t{0}};
-  const std::uint64_t stride = std::max<std::uint64_t>(p.iters / 10, kSignalEvery);
+  const std::uint64_t stride = std::max<std::uint64_t>(p.iters / 10, every);
   for (std::size_t k = 0; k < marks.size(); ++k) {
     if (marks[k].second - prev.second >= stride) {
       const double dt = std::chrono::duration<double>(marks[k].first - prev.first).count();
@@ -288,7 +296,6 @@ Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine,
   res.bw_peak = peak;
   if (p.validate && op == Opcode::read) {
     // Every slot was last read from the server's pattern for that slot.
-    res.validated = true;
     for (std::size_t s = 0; s < std::min<std::uint64_t>(p.slots, p.iters); ++s) {
       res.validated &= check(base + s * p.size, p.size, s);
     }
@@ -343,6 +350,9 @@ Result run_lat(Connection& c, const Phase& p, const MemoryRegion& mine, bool ini
   res.iters = p.iters;
   res.lat_us.reserve(p.iters);
   std::vector<Completion> comps(16);
+  // With --validate, both sides send pattern 0 from their first half; the initiator checks what
+  // arrived (write, send: in its second half; read: in its first half) after the run.
+  if (p.validate && (p.op == "write" || p.op == "send")) fill(base, p.size, 0);
   const auto t_begin = Clock::now();
   if (p.op == "write") {
     // As perftest: write from the first half of the buffer into the peer's second half, and
@@ -428,6 +438,11 @@ Result run_lat(Connection& c, const Phase& p, const MemoryRegion& mine, bool ini
   }
   res.seconds = std::chrono::duration<double>(Clock::now() - t_begin).count();
   std::sort(res.lat_us.begin(), res.lat_us.end());
+  if (p.validate && initiator) {
+    if (p.op == "write") res.validated = check(base + p.size, p.size - 1, 0);  // the last byte is the tag
+    if (p.op == "send") res.validated = check(base + p.size, p.size, 0);
+    if (p.op == "read") res.validated = check(base, p.size, 0);
+  }
   return res;
 }
 
@@ -529,7 +544,7 @@ int run_client(const BenchOptions& o) {
   Connection c = Connection::connect(o.net.connect_target(), bench_config(o),
                                      [&](Connection& cc) { bench_setup(o, cc); });
   const MemoryRegion& mine = c.memory(0);
-  if (!o.json_out) print_header(o, c.info(), kSignalEvery);
+  if (!o.json_out) print_header(o, c.info(), static_cast<std::uint32_t>(signal_interval(o.tx_depth)));
   json rows = json::array();
   bool failed = false;
   for (std::size_t size : o.sizes()) {
@@ -542,7 +557,7 @@ int run_client(const BenchOptions& o) {
     Result r = o.bw() ? run_bw_initiator(c, p, mine, !o.json_out) : run_lat(c, p, mine, true);
     send_json(c, {{"done", true}, {"iters", p.iters}});
     const json verdict = recv_json(c, 120s, "verdict");
-    if (o.validate && o.op != "read") r.validated = verdict.value("validated", false);
+    if (o.validate) r.validated = r.validated && verdict.value("validated", false);
     json row = result_json(o, r);
     if (o.validate && !r.validated) failed = true;
     if (!o.json_out) print_row(o, row);
@@ -564,7 +579,7 @@ int run_server(const BenchOptions& o) {
   Connection& c = *conn;
   const MemoryRegion& mine = c.memory(0);
   auto* base = static_cast<std::uint8_t*>(mine.data());
-  if (!o.json_out) print_header(o, c.info(), kSignalEvery);
+  if (!o.json_out) print_header(o, c.info(), static_cast<std::uint32_t>(signal_interval(o.tx_depth)));
   for (;;) {
     const json j = recv_json(c, 600s, "phase parameters");
     if (j.contains("finished")) break;
@@ -588,7 +603,7 @@ int run_server(const BenchOptions& o) {
     if (p.mode == "bw" && p.op == "send") {
       valid = run_bw_send_target(c, p, mine);
     } else if (p.mode == "lat") {
-      std::memset(base, 0, std::min<std::size_t>(mine.size(), 2 * p.size + 8));
+      if (p.op == "write" || p.op == "send") std::memset(base, 0, 2 * p.size);  // no stale tag
       if (p.op == "send") {
         // The client's first SEND must find a receive.
         if (const PostResult r = c.post_recv(mine.local().subslice(p.size, p.size), 0); !r.ok()) {
@@ -609,7 +624,7 @@ int run_server(const BenchOptions& o) {
         valid &= check(base + s * p.size, p.size, last);
       }
     }
-    if (p.validate && p.op == "atomic" && p.mode == "bw") {
+    if (p.validate && p.op == "atomic") {  // every fetch-and-add added one
       std::uint64_t v;
       std::memcpy(&v, base, 8);
       valid = v == done.at("iters").get<std::uint64_t>();

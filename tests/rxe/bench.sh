@@ -1,0 +1,59 @@
+#!/bin/sh
+# rdmakit bench inside one lab VM: every operation and mode with --validate, event mode, a size
+# sweep, and JSON output. Usage: bench.sh PATH_TO_RDMAKIT
+set -u
+R=$1
+out=/tmp/bench.$$
+mkdir -p "$out"
+fail() { echo "FAIL: $*"; for f in "$out"/*; do echo "--- $f"; cat "$f"; done; exit 1; }
+
+run() {  # run NAME ARGS... : server and client with the same arguments, each with a deadline
+  name=$1; shift
+  echo "== $name: $*"
+  timeout 60 "$R" bench "$@" --listen 127.0.0.1:12026 > "$out/$name.server" 2>&1 &
+  server=$!
+  timeout 60 "$R" bench "$@" --connect 127.0.0.1:12026 > "$out/$name.client" 2>&1 || fail "$name: client exited $?"
+  wait $server || fail "$name: server exited $?"
+}
+
+for op in write read send atomic; do
+  for mode in bw lat; do
+    size=4096
+    [ $op = atomic ] && size=8
+    run "$op-$mode" $op $mode -s $size -n 300 --validate
+    if [ $mode = bw ]; then
+      grep -q "validated" "$out/$op-$mode.client" || fail "$op $mode: not validated"
+      grep -q "VALIDATION FAILED" "$out/$op-$mode.client" && fail "$op $mode: validation failed"
+    else
+      grep -qE "^ $size +300 " "$out/$op-$mode.client" || fail "$op $mode: no result row"
+    fi
+  done
+done
+
+# Completion events instead of polling, and a post list of 1 at depth 1.
+run events send bw -s 1024 -n 500 --events --validate
+grep -q "completions by events" "$out/events.client" || fail "events: not in event mode"
+grep -q " validated" "$out/events.client" || fail "events: not validated"
+run depth1 write bw -s 64 -n 200 -t 1 -l 1 --validate
+grep -q " validated" "$out/depth1.client" || fail "depth 1: not validated"
+
+# A sweep: 2 B .. 8 MiB, every size validated.
+run sweep write bw --all -n 4 --validate
+[ "$(grep -c ' validated' "$out/sweep.client")" -eq 23 ] || fail "sweep: expected 23 validated sizes"
+
+# JSON parses and carries the figures.
+run json read lat -s 64 -n 100 --json
+python3 -c "
+import json, sys
+j = json.load(open('$out/json.client'))
+r = j['results'][0]
+assert j['op'] == 'read' and r['bytes'] == 64 and r['iterations'] == 100, j
+assert 0 < r['t_min_us'] <= r['t_median_us'] <= r['t_p99_us'] <= r['t_max_us'], r
+" || fail "json output"
+
+# Mismatched sizes are refused with an explanation.
+timeout 60 "$R" bench write bw -s 64 --listen 127.0.0.1:12027 > "$out/mismatch.server" 2>&1 &
+timeout 60 "$R" bench write bw -s 1048576 --connect 127.0.0.1:12027 > "$out/mismatch.client" 2>&1 && fail "mismatch accepted"
+wait
+grep -q "give the server the same --size" "$out/mismatch.client" || fail "mismatch: no explanation"
+echo "PASS: bench"
