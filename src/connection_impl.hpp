@@ -94,6 +94,7 @@ struct Connection::Impl {
   detail::WrRing sq;
   detail::WrRing rq;
   std::vector<ibv_send_wr> send_wrs;
+  ibv_send_wr single_wr{};  // post_one's WR: next and the unused unions stay zero
   std::vector<ibv_sge> send_sges;
   std::vector<ibv_recv_wr> recv_wrs;
   std::vector<ibv_sge> recv_sges;
@@ -120,7 +121,11 @@ struct Connection::Impl {
   void close(std::chrono::milliseconds timeout) noexcept;
 
   // datapath.cpp
-  PostResult check(const WorkRequest& wr, std::uint64_t total) const noexcept;
+  PostResult check(Opcode op, std::span<const LocalSlice> local, const RemoteRegion& remote,
+                   std::uint64_t offset, std::uint64_t total) const noexcept;
+  PostResult post_one(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
+                      std::uint64_t offset, std::uint32_t imm, std::uint64_t compare_add,
+                      std::uint64_t swap, std::uint64_t wr_id) noexcept;
   PostResult post_batch(std::span<const WorkRequest> batch) noexcept;
   PostResult post_recvs(std::span<const LocalSlice> dsts, std::uint64_t first_wr_id) noexcept;
   std::size_t poll(std::span<Completion> out) noexcept;
@@ -131,3 +136,13 @@ struct Connection::Impl {
 };
 
 }  // namespace rdmakit
+
+namespace rdmakit::detail {
+
+/// For the library's own benchmarks: the verbs objects behind a Connection, so a raw-verbs loop
+/// can run on exactly the QP and CQ the library uses.
+struct ConnectionAccess {
+  static Connection::Impl& impl(Connection& c) noexcept { return *c.impl_; }
+};
+
+}  // namespace rdmakit::detail

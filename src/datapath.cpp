@@ -73,9 +73,11 @@ ibv_sge to_sge(const LocalSlice& s) noexcept {
 
 // Everything a request must satisfy before it may be posted, given its payload size. Ordered so
 // the common case (a write, read or send within bounds) takes the fewest branches.
-PostResult Connection::Impl::check(const WorkRequest& wr, std::uint64_t total) const noexcept {
+[[gnu::always_inline]] inline PostResult Connection::Impl::check(Opcode op, std::span<const LocalSlice> local,
+                                   const RemoteRegion& remote, std::uint64_t offset,
+                                   std::uint64_t total) const noexcept {
   if (total > info.max_msg_size) [[unlikely]] return {PostStatus::too_large, 0};
-  switch (wr.opcode) {
+  switch (op) {
     case Opcode::send: return {};
     case Opcode::write:
     case Opcode::write_with_imm: break;
@@ -83,20 +85,74 @@ PostResult Connection::Impl::check(const WorkRequest& wr, std::uint64_t total) c
     case Opcode::fetch_add:
     case Opcode::compare_swap:
       if (!info.atomics) return {PostStatus::unsupported, 0};
-      if (wr.local.size() != 1 || total != 8) return {PostStatus::bad_length, 0};
-      if ((wr.remote.addr + wr.remote_offset) % 8 != 0) return {PostStatus::misaligned, 0};
+      if (local.size() != 1 || total != 8) return {PostStatus::bad_length, 0};
+      if ((remote.addr + offset) % 8 != 0) return {PostStatus::misaligned, 0};
       break;
     default: return {PostStatus::unsupported, 0};
   }
-  if (!wr.remote.contains(wr.remote_offset, total)) [[unlikely]] return {PostStatus::out_of_bounds, 0};
-  if (!allows(wr.remote.access, remote_access_for(wr.opcode))) [[unlikely]] return {PostStatus::no_access, 0};
+  if (!remote.contains(offset, total)) [[unlikely]] return {PostStatus::out_of_bounds, 0};
+  if (!allows(remote.access, remote_access_for(op))) [[unlikely]] return {PostStatus::no_access, 0};
   // READ and atomics write into local memory: the NIC needs local write access there, or the
   // operation would fail later as a LOC_PROT_ERR completion.
-  if (wr.opcode != Opcode::write && wr.opcode != Opcode::write_with_imm) {
-    for (const LocalSlice& s : wr.local) {
+  if (op != Opcode::write && op != Opcode::write_with_imm) {
+    for (const LocalSlice& s : local) {
       if (!s.writable()) return {PostStatus::no_access, 0};
     }
   }
+  return {};
+}
+
+namespace {
+
+bool may_inline(Opcode op, std::uint64_t total, std::uint32_t max_inline) {
+  return total > 0 && total <= max_inline &&
+         (op == Opcode::send || op == Opcode::write || op == Opcode::write_with_imm);
+}
+
+// The fields every send WR gets, from one request (the SGEs are already in place).
+void fill_wr(ibv_send_wr& v, Opcode op, const RemoteRegion& remote, std::uint64_t offset,
+             std::uint32_t imm, std::uint64_t compare_add, std::uint64_t swap) {
+  v.opcode = verbs_opcode(op);
+  v.imm_data = op == Opcode::write_with_imm ? htobe32(imm) : 0;
+  if (is_atomic(op)) {
+    v.wr.atomic.remote_addr = remote.addr + offset;
+    v.wr.atomic.rkey = remote.rkey;
+    v.wr.atomic.compare_add = compare_add;
+    v.wr.atomic.swap = swap;
+  } else {
+    v.wr.rdma.remote_addr = remote.addr + offset;
+    v.wr.rdma.rkey = remote.rkey;
+  }
+}
+
+}  // namespace
+
+// One signaled request with one SGE: post_write, post_read, post_send, the atomics. The same
+// checks as a batch, without the batch machinery (this is the path latency-bound code takes).
+PostResult Connection::Impl::post_one(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
+                                      std::uint64_t offset, std::uint32_t imm,
+                                      std::uint64_t compare_add, std::uint64_t swap,
+                                      std::uint64_t wr_id) noexcept {
+  if (state != State::connected) [[unlikely]] return {PostStatus::not_ready, 0};
+  if (sq.free() == 0) [[unlikely]] return {PostStatus::queue_full, 0};
+  const std::uint64_t total = local.length();
+  if (const PostResult r = check(op, {&local, 1}, remote, offset, total); !r.ok()) [[unlikely]] {
+    return r;
+  }
+  ibv_sge sge = to_sge(local);
+  // Fields this path never sets stay zero from setup, so the WR is not cleared per call.
+  ibv_send_wr& v = single_wr;
+  v.wr_id = sq.next_seq();
+  v.sg_list = &sge;
+  v.num_sge = total == 0 ? 0 : 1;
+  v.send_flags = IBV_SEND_SIGNALED | (may_inline(op, total, info.max_inline) ? IBV_SEND_INLINE : 0);
+  fill_wr(v, op, remote, offset, imm, compare_add, swap);
+  ibv_send_wr* bad = nullptr;
+  if (const int rc = ibv_post_send(qp.get(), &v, &bad); rc != 0) [[unlikely]] {
+    return {PostStatus::failed, rc, 0};
+  }
+  unsignaled_run = 0;
+  sq.push({wr_id, op, true});
   return {};
 }
 
@@ -120,7 +176,7 @@ PostResult Connection::Impl::post_batch(std::span<const WorkRequest> batch) noex
       *sge++ = to_sge(s);
       total += s.length();
     }
-    if (PostResult r = check(w, total); !r.ok()) [[unlikely]] {
+    if (PostResult r = check(w.opcode, w.local, w.remote, w.remote_offset, total); !r.ok()) [[unlikely]] {
       r.index = i;
       return r;
     }
@@ -128,27 +184,15 @@ PostResult Connection::Impl::post_batch(std::span<const WorkRequest> batch) noex
     v.next = send_wrs.data() + i + 1;
     // Zero-length SGEs are dropped: a 0-byte operation carries no SGE at all.
     v.num_sge = total == 0 ? 0 : static_cast<int>(w.local.size());
-    v.opcode = verbs_opcode(w.opcode);
     // Signal when asked, and at least once every half queue: otherwise the queue could fill with
     // requests whose completion is never reported, and nothing could reclaim them. Half, not
     // all: the forced completion then arrives while the other half can still be posted.
     const bool signal = w.signaled || run + 1 >= forced_signal_interval;
     run = signal ? 0 : run + 1;
-    v.send_flags = signal ? IBV_SEND_SIGNALED : 0;
-    if (total > 0 && total <= info.max_inline &&
-        (w.opcode == Opcode::send || w.opcode == Opcode::write || w.opcode == Opcode::write_with_imm)) {
-      v.send_flags |= IBV_SEND_INLINE;  // the CPU copies the payload: no DMA read, no lkey needed
-    }
-    v.imm_data = w.opcode == Opcode::write_with_imm ? htobe32(w.imm) : 0;
-    if (is_atomic(w.opcode)) {
-      v.wr.atomic.remote_addr = w.remote.addr + w.remote_offset;
-      v.wr.atomic.rkey = w.remote.rkey;
-      v.wr.atomic.compare_add = w.compare_add;
-      v.wr.atomic.swap = w.swap;
-    } else {
-      v.wr.rdma.remote_addr = w.remote.addr + w.remote_offset;
-      v.wr.rdma.rkey = w.remote.rkey;
-    }
+    // Inline: the CPU copies the payload, so the NIC needs no DMA read and no lkey.
+    v.send_flags = (signal ? IBV_SEND_SIGNALED : 0) |
+                   (may_inline(w.opcode, total, info.max_inline) ? IBV_SEND_INLINE : 0);
+    fill_wr(v, w.opcode, w.remote, w.remote_offset, w.imm, w.compare_add, w.swap);
   }
   send_wrs[batch.size() - 1].next = nullptr;
 
@@ -195,33 +239,42 @@ PostResult Connection::Impl::post_recvs(std::span<const LocalSlice> dsts,
   return {};
 }
 
-std::size_t Connection::Impl::poll(std::span<Completion> out) noexcept {
+namespace {
+
+// Copies completions of one CQ into `out`; returns how many were news for the caller.
+[[gnu::always_inline]] inline std::size_t reap_cq(ibv_cq* cq, detail::WrRing& ring,
+                                                   std::span<Completion> out) noexcept {
   std::size_t n = 0;
   ibv_wc wc[detail::kPollBatch];
-  for (auto [cq, ring] : {std::pair{send_cq.get(), &sq}, {recv_cq.get(), &rq}}) {
-    // A queue with nothing in flight has nothing to report: skip the provider call (it costs
-    // real time per spin in a latency loop).
-    if (ring->count() == 0) continue;
-    while (n < out.size()) {
-      const int want = static_cast<int>(std::min<std::size_t>(detail::kPollBatch, out.size() - n));
-      const int got = ibv_poll_cq(cq, want, wc);
-      for (int i = 0; i < got; ++i) {
-        const detail::WrRing::Slot slot = ring->retire(wc[i].wr_id);
-        // A completion the library forced (selective signaling) is bookkeeping, not news; an
-        // error is always news.
-        if (wc[i].status == IBV_WC_SUCCESS && !slot.user_signaled) continue;
-        Completion& c = out[n++];
-        c.wr_id = slot.wr_id;
-        c.opcode = slot.op;
-        c.status = wc[i].status;
-        c.vendor_err = wc[i].vendor_err;
-        c.byte_len = wc[i].byte_len;
-        c.has_imm = wc[i].status == IBV_WC_SUCCESS && (wc[i].wc_flags & IBV_WC_WITH_IMM) != 0;
-        c.imm = c.has_imm ? be32toh(wc[i].imm_data) : 0;
-      }
-      if (got < want) break;
+  while (n < out.size()) {
+    const int want = static_cast<int>(std::min<std::size_t>(detail::kPollBatch, out.size() - n));
+    const int got = ibv_poll_cq(cq, want, wc);
+    for (int i = 0; i < got; ++i) {
+      const detail::WrRing::Slot slot = ring.retire(wc[i].wr_id);
+      // A completion the library forced (selective signaling) is bookkeeping, not news; an
+      // error is always news.
+      if (wc[i].status == IBV_WC_SUCCESS && !slot.user_signaled) continue;
+      Completion& c = out[n++];
+      c.wr_id = slot.wr_id;
+      c.opcode = slot.op;
+      c.status = wc[i].status;
+      c.vendor_err = wc[i].vendor_err;
+      c.byte_len = wc[i].byte_len;
+      c.has_imm = wc[i].status == IBV_WC_SUCCESS && (wc[i].wc_flags & IBV_WC_WITH_IMM) != 0;
+      c.imm = c.has_imm ? be32toh(wc[i].imm_data) : 0;
     }
+    if (got < want) break;
   }
+  return n;
+}
+
+}  // namespace
+
+[[gnu::always_inline]] inline std::size_t Connection::Impl::poll(std::span<Completion> out) noexcept {
+  // A queue with nothing in flight has nothing to report: skip its provider call (it costs real
+  // time per spin in a latency loop).
+  std::size_t n = sq.count() != 0 ? reap_cq(send_cq.get(), sq, out) : 0;
+  if (rq.count() != 0 && n < out.size()) n += reap_cq(recv_cq.get(), rq, out.subspan(n));
   return n;
 }
 
@@ -254,62 +307,36 @@ bool Connection::Impl::sleep_for_event(Deadline deadline, Completion& out) noexc
 
 // --- the public data-path calls ---------------------------------------------------------------
 
-namespace {
-WorkRequest rdma(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
-                 std::uint64_t offset, std::uint64_t wr_id) {
-  WorkRequest w;
-  w.opcode = op;
-  w.local = {&local, 1};
-  w.remote = remote;
-  w.remote_offset = offset;
-  w.wr_id = wr_id;
-  return w;
-}
-}  // namespace
-
 PostResult Connection::post_write(const LocalSlice& src, const RemoteRegion& dst,
                                   std::uint64_t offset, std::uint64_t wr_id) noexcept {
-  const WorkRequest w = rdma(Opcode::write, src, dst, offset, wr_id);
-  return impl_->post_batch({&w, 1});
+  return impl_->post_one(Opcode::write, src, dst, offset, 0, 0, 0, wr_id);
 }
 
 PostResult Connection::post_write_with_imm(const LocalSlice& src, const RemoteRegion& dst,
                                            std::uint64_t offset, std::uint32_t imm,
                                            std::uint64_t wr_id) noexcept {
-  WorkRequest w = rdma(Opcode::write_with_imm, src, dst, offset, wr_id);
-  w.imm = imm;
-  return impl_->post_batch({&w, 1});
+  return impl_->post_one(Opcode::write_with_imm, src, dst, offset, imm, 0, 0, wr_id);
 }
 
 PostResult Connection::post_read(const LocalSlice& dst, const RemoteRegion& src,
                                  std::uint64_t offset, std::uint64_t wr_id) noexcept {
-  const WorkRequest w = rdma(Opcode::read, dst, src, offset, wr_id);
-  return impl_->post_batch({&w, 1});
+  return impl_->post_one(Opcode::read, dst, src, offset, 0, 0, 0, wr_id);
 }
 
 PostResult Connection::post_send(const LocalSlice& src, std::uint64_t wr_id) noexcept {
-  WorkRequest w;
-  w.opcode = Opcode::send;
-  w.local = {&src, 1};
-  w.wr_id = wr_id;
-  return impl_->post_batch({&w, 1});
+  return impl_->post_one(Opcode::send, src, {}, 0, 0, 0, 0, wr_id);
 }
 
 PostResult Connection::post_fetch_add(const LocalSlice& old_value, const RemoteRegion& dst,
                                       std::uint64_t offset, std::uint64_t add,
                                       std::uint64_t wr_id) noexcept {
-  WorkRequest w = rdma(Opcode::fetch_add, old_value, dst, offset, wr_id);
-  w.compare_add = add;
-  return impl_->post_batch({&w, 1});
+  return impl_->post_one(Opcode::fetch_add, old_value, dst, offset, 0, add, 0, wr_id);
 }
 
 PostResult Connection::post_compare_swap(const LocalSlice& old_value, const RemoteRegion& dst,
                                          std::uint64_t offset, std::uint64_t compare,
                                          std::uint64_t swap, std::uint64_t wr_id) noexcept {
-  WorkRequest w = rdma(Opcode::compare_swap, old_value, dst, offset, wr_id);
-  w.compare_add = compare;
-  w.swap = swap;
-  return impl_->post_batch({&w, 1});
+  return impl_->post_one(Opcode::compare_swap, old_value, dst, offset, 0, compare, swap, wr_id);
 }
 
 PostResult Connection::post_batch(std::span<const WorkRequest> batch) noexcept {

@@ -16,6 +16,10 @@
 
 namespace rdmakit {
 
+namespace detail {
+struct ConnectionAccess;  // the library's own tests and benchmarks reach the verbs objects
+}
+
 /// Everything a connection is built from, passed by value. The defaults detect a dead peer within
 /// about 4 s (500 ms ACK timeout x 7 tries) and never wait forever.
 struct ConnectionConfig {
@@ -234,6 +238,7 @@ class Connection {
   static Connection accept_on(int fd, const std::string& peer, const ConnectionConfig& config,
                               const Setup& setup);
   friend class Listener;
+  friend struct detail::ConnectionAccess;
   std::unique_ptr<Impl> impl_;
 };
 
