@@ -169,6 +169,8 @@ void Connection::Impl::open() {
   send_sges.resize(static_cast<std::size_t>(cfg.send_depth) * info.max_sge);
   recv_wrs.resize(cfg.recv_depth);
   recv_sges.resize(cfg.recv_depth);
+  split_reqs.resize(cfg.send_depth);
+  split_slices.assign(cfg.send_depth, LocalSlice::empty());
   detail::to_init(qp.get(), p.number);
   recv_allowed = true;
 

@@ -95,6 +95,8 @@ struct Connection::Impl {
   detail::WrRing rq;
   std::vector<ibv_send_wr> send_wrs;
   ibv_send_wr single_wr{};  // post_one's WR: next and the unused unions stay zero
+  std::vector<WorkRequest> split_reqs;  // post_split's parts, sized send_depth at setup
+  std::vector<LocalSlice> split_slices;
   std::vector<ibv_sge> send_sges;
   std::vector<ibv_recv_wr> recv_wrs;
   std::vector<ibv_sge> recv_sges;
@@ -127,6 +129,8 @@ struct Connection::Impl {
                       std::uint64_t offset, std::uint32_t imm, std::uint64_t compare_add,
                       std::uint64_t swap, std::uint64_t wr_id) noexcept;
   PostResult post_batch(std::span<const WorkRequest> batch) noexcept;
+  PostResult post_split(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
+                        std::uint64_t offset, std::uint32_t imm, std::uint64_t wr_id) noexcept;
   PostResult post_recvs(std::span<const LocalSlice> dsts, std::uint64_t first_wr_id) noexcept;
   std::size_t poll(std::span<Completion> out) noexcept;
   void drain(detail::Deadline deadline, bool receives) noexcept;

@@ -136,6 +136,10 @@ PostResult Connection::Impl::post_one(Opcode op, const LocalSlice& local, const 
   if (state != State::connected) [[unlikely]] return {PostStatus::not_ready, 0};
   if (sq.free() == 0) [[unlikely]] return {PostStatus::queue_full, 0};
   const std::uint64_t total = local.length();
+  if (total > info.max_msg_size && (op == Opcode::write || op == Opcode::write_with_imm || op == Opcode::read))
+      [[unlikely]] {
+    return post_split(op, local, remote, offset, imm, wr_id);
+  }
   if (const PostResult r = check(op, {&local, 1}, remote, offset, total); !r.ok()) [[unlikely]] {
     return r;
   }
@@ -154,6 +158,32 @@ PostResult Connection::Impl::post_one(Opcode op, const LocalSlice& local, const 
   unsignaled_run = 0;
   sq.push({wr_id, op, true});
   return {};
+}
+
+// A WRITE or READ longer than the port's max message size, as consecutive requests of at most
+// that size (RC keeps them in order). Only the last carries the immediate and the completion the
+// caller asked for; an error in any part (and the flushes after it) is reported with the
+// caller's wr_id. A SEND cannot be split: the receiver would see several messages.
+PostResult Connection::Impl::post_split(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
+                                        std::uint64_t offset, std::uint32_t imm,
+                                        std::uint64_t wr_id) noexcept {
+  const std::uint64_t chunk = info.max_msg_size;
+  const std::uint64_t parts = (local.length() + chunk - 1) / chunk;
+  if (parts > split_reqs.size() || parts > sq.free()) return {PostStatus::queue_full, 0};
+  for (std::uint64_t k = 0; k < parts; ++k) {
+    split_slices[k] = local.subslice(k * chunk, chunk);
+    WorkRequest& w = split_reqs[k];
+    const bool last = k + 1 == parts;
+    w = {};
+    w.opcode = op == Opcode::write_with_imm && !last ? Opcode::write : op;
+    w.local = {&split_slices[k], 1};
+    w.remote = remote;
+    w.remote_offset = offset + k * chunk;
+    w.imm = imm;
+    w.wr_id = wr_id;
+    w.signaled = last;
+  }
+  return post_batch({split_reqs.data(), parts});
 }
 
 // One pass: each request is checked and written into the preallocated WR/SGE arrays; only when

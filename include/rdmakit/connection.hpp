@@ -88,7 +88,8 @@ enum class PostStatus : std::uint8_t {
   not_ready,      ///< the QP is not in RTS (not connected yet, or closing)
   out_of_bounds,  ///< the range is outside the remote region
   no_access,      ///< the remote region does not allow this operation
-  too_large,      ///< longer than the port's max message size
+  too_large,      ///< longer than the port's max message size (a SEND, or a request in a batch;
+                  ///< single WRITEs and READs are split instead)
   queue_full,     ///< not enough free entries in the queue for the whole batch
   too_many_sges,  ///< more scatter-gather entries than the QP was created with
   misaligned,     ///< an atomic's remote address is not 8-byte aligned
@@ -183,6 +184,9 @@ class Connection {
   [[nodiscard]] const std::vector<RemoteRegion>& remote_regions() const noexcept;
   [[nodiscard]] const ConnectionInfo& info() const noexcept;
 
+  /// RDMA WRITE of `src` to `dst` at `offset`. WRITEs and READs longer than the port's max
+  /// message size are split into consecutive requests, and their success is reported once, with
+  /// `wr_id`; should a part fail, its error and the flushes of the parts after it carry `wr_id`.
   PostResult post_write(const LocalSlice& src, const RemoteRegion& dst, std::uint64_t offset,
                         std::uint64_t wr_id) noexcept;
   PostResult post_write_with_imm(const LocalSlice& src, const RemoteRegion& dst,

@@ -40,6 +40,8 @@ class LocalSlice {
   [[nodiscard]] std::uint32_t lkey() const noexcept { return lkey_; }
   /// Whether the NIC may write here (a READ or atomic result, or a RECV target).
   [[nodiscard]] bool writable() const noexcept { return writable_; }
+  /// A slice of nothing (length 0, lkey 0), as a placeholder.
+  [[nodiscard]] static LocalSlice empty() noexcept { return {nullptr, 0, 0, false}; }
   /// A sub-range; clamped to this slice (an out-of-range offset gives an empty slice).
   [[nodiscard]] LocalSlice subslice(std::size_t offset, std::size_t length) const noexcept;
 

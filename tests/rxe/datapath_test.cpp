@@ -115,6 +115,40 @@ TEST(Datapath, WriteReadSendAtBoundarySizesAndOffsets) {
   }
 }
 
+TEST(Datapath, MessagesLongerThanMaxMsgSizeAreSplit) {
+  // 8 MiB + 1 on rxe: one byte past the port's max_msg_sz.
+  const std::size_t big = [] {
+    const auto d = rdmakit::list_devices();
+    return static_cast<std::size_t>(rdmakit::pick_port(rdmakit::pick_device(d, ""), 0).max_msg_size) + 1;
+  }();
+  auto setup_big = [big](Connection& c) {
+    c.advertise(c.allocate_memory(big + 64, Access::local_write | Access::remote_read | Access::remote_write));
+    ASSERT_TRUE(c.post_recv(c.memory(0).local().subslice(0, 0), 77).ok());
+  };
+  Listener listener("127.0.0.1:0", quiet(), setup_big);
+  Connection client = Connection::connect("127.0.0.1:" + std::to_string(listener.port()), quiet(), setup_big);
+  Connection server = *listener.accept(10s);
+  auto* mine = static_cast<std::uint8_t*>(client.memory(0).data());
+  auto* theirs = static_cast<std::uint8_t*>(server.memory(0).data());
+  fill(mine, big, 5);
+  // WRITE_WITH_IMM: the data lands in parts; the immediate comes with the last, after all of it.
+  ASSERT_TRUE(client.post_write_with_imm(client.memory(0).local().subslice(0, big),
+                                         client.remote_regions()[0], 64, 0xabc, 1).ok());
+  expect_done(client, 1);  // exactly one completion for the whole message
+  EXPECT_EQ(client.outstanding(), 1u);  // what remains is the client's own posted receive
+  const Completion imm = expect_done(server, 77);
+  EXPECT_TRUE(imm.has_imm);
+  EXPECT_EQ(imm.imm, 0xabcu);
+  EXPECT_EQ(std::memcmp(theirs + 64, mine, big), 0);
+  // READ it back into the client, also split.
+  std::memset(mine, 0, big + 64);
+  ASSERT_TRUE(client.post_read(client.memory(0).local().subslice(0, big), client.remote_regions()[0], 64, 2).ok());
+  expect_done(client, 2);
+  EXPECT_EQ(std::memcmp(theirs + 64, mine, big), 0);
+  // A SEND cannot be split: refused.
+  EXPECT_EQ(client.post_send(client.memory(0).local().subslice(0, big), 3).status, PostStatus::too_large);
+}
+
 TEST(Datapath, ScatterGatherWriteAndRead) {
   Pair p;
   const auto& mine = p.client.memory(0);
