@@ -87,10 +87,6 @@ struct BenchOptions {
   }
 };
 
-class Fail : public std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 // The byte pattern of iteration `iter` (validation): cheap, and different for every iteration
 // and position.
 std::uint8_t pattern(std::uint64_t iter, std::size_t pos) {
@@ -661,23 +657,11 @@ void add_bench(CLI::App& app, std::function<int()>& run) {
   sub->add_flag("--validate", o->validate, "check every transfer's data");
   sub->add_flag("--json", o->json_out, "print the results as JSON");
   sub->callback([o, &run] {
-    if (!o->net.serving() && o->net.connect.empty()) {
-      throw CLI::ValidationError("bench", "give --listen [ADDR:]PORT or --connect HOST:PORT");
-    }
+    require_role(o->net, "bench");
     if (o->op == "atomic" && o->size != 0 && o->size != 8) {
       throw CLI::ValidationError("--size", "atomics are 8 bytes");
     }
-    run = [o] {
-      try {
-        return o->net.serving() ? run_server(*o) : run_client(*o);
-      } catch (const Fail& e) {
-        fmt::print(stderr, "rdmakit bench: {}\n", e.what());
-        return 1;
-      } catch (const nlohmann::json::exception& e) {
-        fmt::print(stderr, "rdmakit bench: bad message from the peer: {}\n", e.what());
-        return 1;
-      }
-    };
+    run = guarded("bench", [o] { return o->net.serving() ? run_server(*o) : run_client(*o); });
   });
 }
 

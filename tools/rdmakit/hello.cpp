@@ -36,10 +36,6 @@ struct HelloOptions {
   bool serve = false;
 };
 
-class Fail : public std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 // Waits for the completion of `wr_id`; any failed completion, a timeout or a lost peer fails.
 Completion await(Connection& conn, std::uint64_t wr_id, std::chrono::milliseconds timeout,
                  const char* what) {
@@ -192,22 +188,12 @@ void add_hello(CLI::App& app, std::function<int()>& run) {
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 30))
       ->capture_default_str();
   sub->add_flag("--serve", opts->serve, "with --listen: keep serving clients until stopped");
-  sub->callback([sub, opts, &run] {
-    if (!opts->net.serving() && opts->net.connect.empty()) {
-      throw CLI::ValidationError("hello", "give --listen [ADDR:]PORT or --connect HOST:PORT");
-    }
+  sub->callback([opts, &run] {
+    require_role(opts->net, "hello");
     if (opts->serve && !opts->net.serving()) {
       throw CLI::ValidationError("--serve", "--serve needs --listen");
     }
-    (void)sub;
-    run = [opts] {
-      try {
-        return opts->net.serving() ? run_server(*opts) : run_client(*opts);
-      } catch (const Fail& e) {
-        fmt::print(stderr, "rdmakit hello: {}\n", e.what());
-        return 1;
-      }
-    };
+    run = guarded("hello", [opts] { return opts->net.serving() ? run_server(*opts) : run_client(*opts); });
   });
 }
 

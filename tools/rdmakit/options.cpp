@@ -1,6 +1,7 @@
 #include "options.hpp"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 namespace rdmakit::tools {
 
@@ -69,6 +70,26 @@ std::string describe(const ConnectionInfo& i) {
       to_string(l.gid_type), i.gid_reason, r.gid_index,
       GidEntry{r.gid_index, r.gid_type, r.gid, {}}.address(), to_string(r.gid_type), i.path_mtu,
       i.local_mtu, i.remote_mtu, l.qpn, l.psn, r.qpn, r.psn);
+}
+
+void require_role(const ConnectOptions& net, const char* command) {
+  if (!net.serving() && net.connect.empty()) {
+    throw CLI::ValidationError(command, "give --listen [ADDR:]PORT or --connect HOST:PORT");
+  }
+}
+
+std::function<int()> guarded(std::string name, std::function<int()> body) {
+  return [name = std::move(name), body = std::move(body)] {
+    try {
+      return body();
+    } catch (const Fail& e) {
+      fmt::print(stderr, "rdmakit {}: {}\n", name, e.what());
+      return 1;
+    } catch (const nlohmann::json::exception& e) {
+      fmt::print(stderr, "rdmakit {}: bad message from the peer: {}\n", name, e.what());
+      return 1;
+    }
+  };
 }
 
 }  // namespace rdmakit::tools

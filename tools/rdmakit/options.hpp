@@ -4,6 +4,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <stdexcept>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -37,5 +39,18 @@ struct ConnectOptions {
 
 /// The negotiated parameters, as an indented block of lines.
 std::string describe(const ConnectionInfo& info);
+
+/// A subcommand's own failure (bad completion, peer gone, wrong data): printed without a stack of
+/// context, exit status 1. Library setup errors arrive as rdmakit::Error and are printed by main.
+class Fail : public std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// Checks that exactly one role was chosen (CLI11 already refuses both).
+void require_role(const ConnectOptions& net, const char* command);
+
+/// Wraps a subcommand's body: Fail (and malformed peer messages) become "rdmakit NAME: why"
+/// and exit status 1.
+std::function<int()> guarded(std::string name, std::function<int()> body);
 
 }  // namespace rdmakit::tools
