@@ -37,6 +37,18 @@ grep -q " validated" "$out/events.client" || fail "events: not validated"
 run depth1 write bw -s 64 -n 200 -t 1 -l 1 --validate
 grep -q " validated" "$out/depth1.client" || fail "depth 1: not validated"
 
+# --duration: one second of writes, and of sends (the receiver learns the count at the end).
+for op in write send; do
+  run "duration-$op" $op bw -s 4096 -D 1 --validate
+  grep -q " validated" "$out/duration-$op.client" || fail "duration $op: not validated"
+done
+run duration-json read bw -s 4096 -D 1 --json
+python3 -c "
+import json
+r = json.load(open('$out/duration-json.client'))['results'][0]
+assert 0.95 <= r['seconds'] < 3 and r['iterations'] > 0, r
+" || fail "duration: the run did not last about one second"
+
 # A sweep: 2 B .. 8 MiB, every size validated.
 run sweep write bw --all -n 4 --validate
 [ "$(grep -c ' validated' "$out/sweep.client")" -eq 23 ] || fail "sweep: expected 23 validated sizes"

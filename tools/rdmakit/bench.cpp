@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -54,6 +55,7 @@ struct BenchOptions {
   std::size_t size = 0;  // 0: the mode's default
   bool all = false;
   std::uint64_t iters = 0;  // 0: the mode's default
+  double duration = 0;      // seconds; bandwidth runs for this long instead of --iters
   std::uint32_t tx_depth = 128;
   std::uint32_t post_list = 16;
   std::uint32_t inline_size = 64;
@@ -128,12 +130,13 @@ struct Phase {
   std::uint32_t post_list = 0;
   std::size_t slots = 1;
   bool validate = false;
+  double duration = 0;  // > 0: post for this many seconds; the iteration count is the outcome
 };
 
 json to_json(const Phase& p) {
   return {{"op", p.op},           {"mode", p.mode},   {"size", p.size},
           {"iters", p.iters},     {"tx_depth", p.tx_depth}, {"post_list", p.post_list},
-          {"slots", p.slots},     {"validate", p.validate}};
+          {"slots", p.slots},     {"validate", p.validate}, {"duration", p.duration}};
 }
 Phase phase_from(const json& j) {
   Phase p;
@@ -145,6 +148,7 @@ Phase phase_from(const json& j) {
   p.post_list = j.at("post_list");
   p.slots = j.at("slots");
   p.validate = j.at("validate");
+  p.duration = j.value("duration", 0.0);
   return p;
 }
 
@@ -234,10 +238,17 @@ Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine,
   Progress progress(show, p.size, p.iters);
 
   std::uint64_t posted = 0, completed = 0;
+  // With --duration the count is open until the time is up; then it ends at the next signaled
+  // request, so the last one posted is always one whose completion we will see.
+  std::uint64_t target = p.duration > 0 ? std::numeric_limits<std::uint64_t>::max() : p.iters;
   const auto t0 = Clock::now();
-  while (completed < p.iters) {
+  const auto stop_at = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(p.duration));
+  while (completed < target) {
+    if (p.duration > 0 && target == std::numeric_limits<std::uint64_t>::max() && Clock::now() >= stop_at) {
+      target = std::max<std::uint64_t>((posted + every - 1) / every * every, every);
+    }
     const std::uint32_t room = p.tx_depth - std::min(p.tx_depth, c.outstanding());
-    const auto n = static_cast<std::uint32_t>(std::min<std::uint64_t>({p.post_list, room, p.iters - posted}));
+    const auto n = static_cast<std::uint32_t>(std::min<std::uint64_t>({p.post_list, room, target - posted}));
     if (n > 0) {
       slices.clear();
       for (std::uint32_t k = 0; k < n; ++k) {
@@ -253,7 +264,7 @@ Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine,
         w.remote_offset = op == Opcode::fetch_add ? 0 : slot;
         w.compare_add = 1;
         w.wr_id = i;
-        w.signaled = (i + 1) % every == 0 || i + 1 == p.iters;
+        w.signaled = (i + 1) % every == 0 || i + 1 == target;
       }
       const PostResult r = c.post_batch({reqs.data(), n});
       if (!r.ok()) throw Fail(fmt::format("post: {}", r.describe()));
@@ -263,22 +274,22 @@ Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine,
     completed = reap(c, completed, comps);
     if (completed != before) {
       marks.emplace_back(Clock::now(), completed);
-      progress.update(completed);
+      if (p.duration == 0) progress.update(completed);
     }
   }
   const auto t1 = Clock::now();
 
   Result res;
   res.bytes = p.size;
-  res.iters = p.iters;
+  res.iters = target;
   res.seconds = std::chrono::duration<double>(t1 - t0).count();
-  const double mb = static_cast<double>(p.size) * static_cast<double>(p.iters) / (1024.0 * 1024.0);
+  const double mb = static_cast<double>(p.size) * static_cast<double>(target) / (1024.0 * 1024.0);
   res.bw_avg = mb / res.seconds;
-  res.msg_rate = static_cast<double>(p.iters) / res.seconds / 1e6;
+  res.msg_rate = static_cast<double>(target) / res.seconds / 1e6;
   // Peak: the best of 10 equal stretches of the run (by completions).
   double peak = res.bw_avg;
   auto prev = std::pair{t0, std::uint64_t{0}};
-  const std::uint64_t stride = std::max<std::uint64_t>(p.iters / 10, every);
+  const std::uint64_t stride = std::max<std::uint64_t>(target / 10, every);
   for (std::size_t k = 0; k < marks.size(); ++k) {
     if (marks[k].second - prev.second >= stride) {
       const double dt = std::chrono::duration<double>(marks[k].first - prev.first).count();
@@ -292,7 +303,7 @@ Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine,
   res.bw_peak = peak;
   if (p.validate && op == Opcode::read) {
     // Every slot was last read from the server's pattern for that slot.
-    for (std::size_t s = 0; s < std::min<std::uint64_t>(p.slots, p.iters); ++s) {
+    for (std::size_t s = 0; s < std::min<std::uint64_t>(p.slots, target); ++s) {
       res.validated &= check(base + s * p.size, p.size, s);
     }
   }
@@ -305,8 +316,10 @@ bool run_bw_send_target(Connection& c, const Phase& p, const MemoryRegion& mine)
   const std::uint32_t posted_max = std::min<std::uint32_t>(c.info().recv_depth,
                                                            static_cast<std::uint32_t>(p.validate ? p.slots : c.info().recv_depth));
   std::uint64_t next_post = 0, received = 0;
+  // With --duration the sender says how many it sent ("stop") once its time is up.
+  std::uint64_t target = p.duration > 0 ? std::numeric_limits<std::uint64_t>::max() : p.iters;
   auto post_some = [&](std::uint64_t upto) {
-    for (; next_post < upto && next_post < p.iters; ++next_post) {
+    for (; next_post < upto && next_post < target; ++next_post) {
       const LocalSlice dst = mine.local().subslice((next_post % p.slots) * p.size, p.size);
       if (const PostResult r = c.post_recv(dst, next_post); !r.ok()) throw Fail(r.describe());
     }
@@ -315,8 +328,9 @@ bool run_bw_send_target(Connection& c, const Phase& p, const MemoryRegion& mine)
   send_json(c, {{"ready", true}});
   bool valid = true;
   std::vector<Completion> comps(64);
-  const auto deadline = Clock::now() + 120s;
-  while (received < p.iters) {
+  auto deadline = Clock::now() + 120s + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(p.duration));
+  std::uint32_t idle = 0;
+  while (received < target) {
     const std::size_t n = c.poll(comps);
     for (std::size_t k = 0; k < n; ++k) {
       if (!comps[k].ok()) throw Fail(comps[k].describe());
@@ -324,9 +338,22 @@ bool run_bw_send_target(Connection& c, const Phase& p, const MemoryRegion& mine)
       if (p.validate) valid &= comps[k].byte_len == p.size && check(base + (i % p.slots) * p.size, p.size, i);
       ++received;
     }
-    if (n > 0) post_some(received + posted_max);
-    if (n == 0 && Clock::now() > deadline) throw Fail("send bandwidth: the sender stalled");
-    if (n == 0 && c.peer_closed()) throw Fail("send bandwidth: the peer is gone");
+    if (n > 0) {
+      post_some(received + posted_max);
+      idle = 0;
+      continue;
+    }
+    // Clock, control channel and peer checks cost syscalls: only when idle for a while.
+    if ((++idle & 0xfff) != 0) continue;
+    if (p.duration > 0 && target == std::numeric_limits<std::uint64_t>::max()) {
+      if (auto m = c.receive_message(0ms)) {
+        const json j = json::parse(m->begin(), m->end(), nullptr, false);
+        if (j.is_discarded() || !j.contains("stop")) throw Fail("send bandwidth: expected the sender's count");
+        target = j["stop"].get<std::uint64_t>();
+      }
+    }
+    if (Clock::now() > deadline) throw Fail("send bandwidth: the sender stalled");
+    if (c.peer_closed()) throw Fail("send bandwidth: the peer is gone");
   }
   return valid;
 }
@@ -544,14 +571,15 @@ int run_client(const BenchOptions& o) {
   json rows = json::array();
   bool failed = false;
   for (std::size_t size : o.sizes()) {
-    Phase p{o.op, o.mode, size, o.iterations(), o.tx_depth, o.post_list, o.slots(size), o.validate};
+    Phase p{o.op, o.mode, size, o.iterations(), o.tx_depth, o.post_list, o.slots(size), o.validate, o.duration};
     // Send with validation: at most one receive per slot is posted, so the sender keeps no more
     // than that in flight.
     if (o.validate && o.op == "send") p.tx_depth = static_cast<std::uint32_t>(std::min<std::size_t>(p.tx_depth, p.slots));
     send_json(c, to_json(p));
     (void)recv_json(c, 30s, "ready");
     Result r = o.bw() ? run_bw_initiator(c, p, mine, !o.json_out) : run_lat(c, p, mine, true);
-    send_json(c, {{"done", true}, {"iters", p.iters}});
+    if (p.duration > 0 && p.op == "send") send_json(c, {{"stop", r.iters}});
+    send_json(c, {{"done", true}, {"iters", r.iters}});
     const json verdict = recv_json(c, 120s, "verdict");
     if (o.validate) r.validated = r.validated && verdict.value("validated", false);
     json row = result_json(o, r);
@@ -646,6 +674,8 @@ void add_bench(CLI::App& app, std::function<int()>& run) {
       ->check(CLI::Range(std::size_t{1}, kMaxSweep));
   sub->add_flag("-a,--all", o->all, "sweep sizes 2 B to 8 MiB by powers of two");
   sub->add_option("-n,--iters", o->iters, "iterations per size (default: 5000 for bw, 1000 for lat)");
+  sub->add_option("-D,--duration", o->duration, "bw: run for this many seconds instead of --iters")
+      ->check(CLI::Range(0.001, 3600.0));
   sub->add_option("-t,--tx-depth", o->tx_depth, "requests in flight (bw)")
       ->check(CLI::Range(1u, 32767u))
       ->capture_default_str();
@@ -660,6 +690,12 @@ void add_bench(CLI::App& app, std::function<int()>& run) {
     require_role(o->net, "bench");
     if (o->op == "atomic" && o->size != 0 && o->size != 8) {
       throw CLI::ValidationError("--size", "atomics are 8 bytes");
+    }
+    if (o->duration > 0 && !o->bw()) throw CLI::ValidationError("--duration", "--duration is for bw tests");
+    if (o->duration > 0 && o->iters != 0) throw CLI::ValidationError("--duration", "give --duration or --iters");
+    // Receives posted ahead for one size would take the next size's messages.
+    if (o->duration > 0 && o->op == "send" && o->all) {
+      throw CLI::ValidationError("--duration", "send with --duration measures one size (no --all)");
     }
     run = guarded("bench", [o] { return o->net.serving() ? run_server(*o) : run_client(*o); });
   });
