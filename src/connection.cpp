@@ -76,8 +76,6 @@ std::string Completion::describe() const {
 
 namespace {
 
-void default_log(std::string_view msg) { fmt::print(stderr, "rdmakit: {}\n", msg); }
-
 std::uint32_t random_psn() {
   std::uint32_t v = 0;
   // A CSPRNG, so PSNs are not predictable by an off-path attacker injecting packets.
@@ -87,8 +85,10 @@ std::uint32_t random_psn() {
 
 }  // namespace
 
+void detail::default_log(std::string_view msg) { fmt::print(stderr, "rdmakit: {}\n", msg); }
+
 Connection::Impl::Impl(ConnectionConfig c) : cfg(std::move(c)) {
-  if (!cfg.log) cfg.log = default_log;
+  if (!cfg.log) cfg.log = detail::default_log;
   timeouts = {cfg.ack_timeout, cfg.retry_count, cfg.rnr_timer, cfg.rnr_retry};
   detail::check_retries(timeouts);
   if (cfg.max_sge == 0) throw Error("connection config", EINVAL, "max_sge 0: at least 1 is needed");
@@ -199,7 +199,6 @@ void Connection::Impl::open() {
 // Both sides' parameters are known: check they can talk, then INIT -> RTR -> RTS.
 void Connection::Impl::finish(wire::EndpointInfo remote) {
   if (cfg.testing_alter_peer) cfg.testing_alter_peer(remote);
-  info.local.regions = advertised;
   info.remote = std::move(remote);
   info.remote_mtu = info.remote.mtu;
   wire::check_compatible(info.local, info.remote);
@@ -329,7 +328,7 @@ void Connection::advertise(const MemoryRegion& region) {
     throw Error("advertise", EINVAL, "regions can only be advertised during setup",
                 "call advertise() from the Setup callback");
   }
-  impl_->advertised.push_back(region.remote());
+  impl_->info.local.regions.push_back(region.remote());
 }
 
 const std::vector<RemoteRegion>& Connection::remote_regions() const noexcept {
@@ -343,13 +342,8 @@ bool Connection::peer_closed() noexcept {
 }
 
 bool Connection::wait_peer_close(std::chrono::milliseconds timeout) noexcept {
-  const Deadline deadline = Clock::now() + timeout;
-  while (!peer_closed()) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    if (left.count() <= 0) return false;
-    detail::wait_readable(impl_->control.get(), std::min(left, std::chrono::milliseconds{100}));
-  }
-  return true;
+  return impl_->await_control(detail::deadline_in(timeout),
+                              [this] { return impl_->bye_received || impl_->control_gone; });
 }
 
 void Connection::send_message(std::span<const std::uint8_t> payload,
@@ -367,18 +361,13 @@ void Connection::send_message(std::span<const std::uint8_t> payload,
 }
 
 std::optional<std::vector<std::uint8_t>> Connection::receive_message(std::chrono::milliseconds timeout) {
-  const Deadline deadline = detail::deadline_in(timeout);
-  for (;;) {
-    impl_->pump_control();
-    if (!impl_->messages.empty()) {
-      auto m = std::move(impl_->messages.front());
-      impl_->messages.pop_front();
-      return m;
-    }
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    if (impl_->control_gone || impl_->bye_received || left.count() <= 0) return std::nullopt;
-    detail::wait_readable(impl_->control.get(), std::min(left, std::chrono::milliseconds{100}));
-  }
+  Impl& m = *impl_;
+  m.await_control(detail::deadline_in(timeout),
+                  [&m] { return !m.messages.empty() || m.control_gone || m.bye_received; });
+  if (m.messages.empty()) return std::nullopt;
+  auto msg = std::move(m.messages.front());
+  m.messages.pop_front();
+  return msg;
 }
 
 void Connection::close(std::chrono::milliseconds timeout) noexcept {
@@ -423,7 +412,6 @@ Connection Connection::connect(const std::string& host_port, const ConnectionCon
   Impl& m = *conn.impl_;
   m.open();
   if (setup) setup(conn);
-  m.info.local.regions = m.advertised;
   m.control = detail::tcp_connect(to, deadline, config.retry_refused);
   m.info.peer_address = to.to_string();
   const int fd = m.control.get();

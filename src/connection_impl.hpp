@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <string_view>
 #include <memory>
 #include <vector>
 
@@ -63,6 +64,9 @@ class WrRing {
   std::uint64_t tail_ = 0;
 };
 
+/// Where setup diagnostics go when ConnectionConfig::log is not set.
+void default_log(std::string_view msg);
+
 inline constexpr int kPollBatch = 16;
 // Control messages after the handshake are short; a peer sending more than this unread is
 // misbehaving and treated as gone.
@@ -88,7 +92,6 @@ struct Connection::Impl {
   detail::CqPtr recv_cq;
   detail::QpPtr qp;
   std::deque<MemoryRegion> regions;
-  std::vector<RemoteRegion> advertised;
 
   // Data path. The WR and SGE arrays are allocated once, so posting never allocates.
   detail::WrRing sq;
@@ -120,6 +123,17 @@ struct Connection::Impl {
   void open();
   void finish(wire::EndpointInfo remote);
   void pump_control() noexcept;
+  /// Reads the control channel until `done()` holds (true) or the deadline passes (false).
+  template <typename Done>
+  bool await_control(detail::Deadline deadline, Done done) noexcept {
+    for (;;) {
+      pump_control();
+      if (done()) return true;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - detail::Clock::now());
+      if (left.count() <= 0) return false;
+      detail::wait_readable(control.get(), std::min(left, std::chrono::milliseconds{100}));
+    }
+  }
   void close(std::chrono::milliseconds timeout) noexcept;
 
   // datapath.cpp

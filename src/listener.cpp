@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "bootstrap/socket.hpp"
+#include "connection_impl.hpp"
 #include "rdmakit/connection.hpp"
 #include "rdmakit/error.hpp"
 
@@ -81,7 +82,7 @@ void Listener::Impl::accept_loop() {
 
 Listener::Listener(const std::string& address, ConnectionConfig config, Connection::Setup setup)
     : impl_(std::make_unique<Impl>()) {
-  if (!config.log) config.log = [](std::string_view m) { fmt::print(stderr, "rdmakit: {}\n", m); };
+  if (!config.log) config.log = detail::default_log;
   impl_->cfg = std::move(config);
   impl_->setup = std::move(setup);
   impl_->fd = detail::tcp_listen(detail::parse_host_port(address, 0), 128);
