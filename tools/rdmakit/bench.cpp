@@ -362,6 +362,13 @@ double elapsed_us(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::micro>(b - a).count();
 }
 
+// Ping-pong samples as perftest takes them: the time between consecutive posts is one round
+// trip; half of it is the one-way latency. The last entry is stamped here, at the end.
+void half_round_trips(std::vector<Clock::time_point>& posted_at, std::vector<double>& out) {
+  posted_at.back() = Clock::now();
+  for (std::size_t i = 0; i + 1 < posted_at.size(); ++i) out.push_back(elapsed_us(posted_at[i], posted_at[i + 1]) / 2);
+}
+
 // Latency. WRITE ping-pong: each side watches the last byte of its own buffer for the peer's tag
 // (perftest's method), so no completion is on the critical path. SEND ping-pong: a receive
 // completion is. READ and atomics: one request at a time, full round trip.
@@ -414,8 +421,7 @@ Result run_lat(Connection& c, const Phase& p, const MemoryRegion& mine, bool ini
       if (c.outstanding() >= 8) (void)reap(c, 0, comps);
     }
     if (initiator) {
-      posted_at[p.iters] = Clock::now();
-      for (std::uint64_t i = 0; i < p.iters; ++i) res.lat_us.push_back(elapsed_us(posted_at[i], posted_at[i + 1]) / 2);
+      half_round_trips(posted_at, res.lat_us);
     }
   } else if (p.op == "send") {
     const LocalSlice src = mine.local().subslice(0, p.size);
@@ -445,8 +451,7 @@ Result run_lat(Connection& c, const Phase& p, const MemoryRegion& mine, bool ini
       if (initiator) await_recv();
     }
     if (initiator) {
-      posted_at[p.iters] = Clock::now();
-      for (std::uint64_t i = 0; i < p.iters; ++i) res.lat_us.push_back(elapsed_us(posted_at[i], posted_at[i + 1]) / 2);
+      half_round_trips(posted_at, res.lat_us);
     }
   } else if (initiator) {  // read, atomic: only the initiator works
     const LocalSlice dst = mine.local().subslice(0, p.size);
