@@ -1,13 +1,16 @@
 #pragma once
-// The bootstrap wire format, version 1. Every message is a 12-byte header followed by a payload;
+// The bootstrap wire format, version 2. Every message is a 12-byte header followed by a payload;
 // every field has a fixed width and network byte order, and the decoder checks each one. No C
 // struct is ever copied onto the socket.
 //
 //   header:  magic u32 "RDKT" | version u16 | type u16 | payload length u32
 //   HELLO:   qpn u32 | psn u32 | lid u16 | link layer u8 | gid type u8 | gid [16] |
 //            gid index u32 | mtu u16 (bytes) | max_rd_atomic u8 | max_dest_rd_atomic u8 |
-//            region count u16 | reserved u16 (0) | regions: addr u64, length u64, rkey u32,
-//            access u32 (each 24 bytes)
+//            region count u16 | QP count u16 (1..16) | the QPs after the first: qpn u32,
+//            psn u32 (each 8 bytes) | regions: addr u64, length u64, rkey u32, access u32
+//            (each 24 bytes)
+// Version 2 added the QP list (a connection may stripe over several QPs); version 1 had a
+// reserved u16 where the QP count is.
 //   READY, BYE: empty.   REJECT: a UTF-8 reason.   USER: application bytes.
 
 #include <cstddef>
@@ -24,14 +27,18 @@
 namespace rdmakit::wire {
 
 inline constexpr std::uint32_t kMagic = 0x52444b54;  // "RDKT"
-inline constexpr std::uint16_t kVersion = 1;
+inline constexpr std::uint16_t kVersion = 2;
 inline constexpr std::size_t kHeaderSize = 12;
 inline constexpr std::size_t kHelloFixedSize = 40;
 inline constexpr std::size_t kRegionSize = 24;
+inline constexpr std::size_t kQpSize = 8;
+/// Most QPs one connection may have.
+inline constexpr std::size_t kMaxQps = 16;
 /// Most regions one HELLO may advertise; more is refused as absurd.
 inline constexpr std::size_t kMaxRegions = 1024;
 /// Largest payload accepted; checked from the header before any payload is read.
-inline constexpr std::size_t kMaxPayload = kHelloFixedSize + kMaxRegions * kRegionSize;
+inline constexpr std::size_t kMaxPayload =
+    kHelloFixedSize + (kMaxQps - 1) * kQpSize + kMaxRegions * kRegionSize;
 
 enum class MessageType : std::uint16_t {
   hello = 1,   ///< connection parameters (EndpointInfo)
@@ -46,9 +53,16 @@ struct Header {
   std::uint32_t length = 0;
 };
 
+/// One QP's address: its number and the first packet sequence number it sends.
+struct QpAddress {
+  std::uint32_t qpn = 0;  ///< 24 bits, non-zero
+  std::uint32_t psn = 0;  ///< 24 bits
+  friend bool operator==(const QpAddress&, const QpAddress&) = default;
+};
+
 /// What one side of a connection tells the other.
 struct EndpointInfo {
-  std::uint32_t qpn = 0;  ///< 24 bits, non-zero
+  std::uint32_t qpn = 0;  ///< the first (or only) QP: 24 bits, non-zero
   std::uint32_t psn = 0;  ///< 24 bits
   std::uint16_t lid = 0;
   LinkLayer link_layer = LinkLayer::ethernet;
@@ -58,7 +72,14 @@ struct EndpointInfo {
   std::uint32_t mtu = 0;        ///< the sender port's active MTU in bytes
   std::uint8_t max_rd_atomic = 0;       ///< READs/atomics the sender will have in flight
   std::uint8_t max_dest_rd_atomic = 0;  ///< incoming READs/atomics the sender can serve
+  /// The connection's other QPs, when it stripes over several (ConnectionConfig::qps).
+  std::vector<QpAddress> extra_qps;
   std::vector<RemoteRegion> regions;
+  /// QP `k` of the connection (0: qpn/psn, then extra_qps).
+  [[nodiscard]] QpAddress qp(std::size_t k) const noexcept {
+    return k == 0 ? QpAddress{qpn, psn} : extra_qps[k - 1];
+  }
+  [[nodiscard]] std::size_t qp_count() const noexcept { return 1 + extra_qps.size(); }
   friend bool operator==(const EndpointInfo&, const EndpointInfo&) = default;
 };
 

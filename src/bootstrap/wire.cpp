@@ -56,6 +56,18 @@ class Reader {
   throw Error("bootstrap decode", EBADMSG, std::move(detail), std::move(hint));
 }
 
+QpAddress read_qp(Reader& r, std::size_t k) {
+  QpAddress q;
+  q.qpn = r.u32();
+  if (q.qpn == 0 || q.qpn >= kQpnLimit) {
+    reject(fmt::format("QP {}: QPN {:#x} out of range (1..0xffffff)", k, q.qpn),
+           "the peer sent a corrupt or misaligned QPN");
+  }
+  q.psn = r.u32();
+  if (q.psn >= kQpnLimit) reject(fmt::format("QP {}: PSN {:#x} does not fit in 24 bits", k, q.psn));
+  return q;
+}
+
 bool valid_mtu(std::uint32_t mtu) {
   return mtu == 256 || mtu == 512 || mtu == 1024 || mtu == 2048 || mtu == 4096;
 }
@@ -83,15 +95,22 @@ std::vector<std::uint8_t> encode_header(MessageType type, std::uint32_t length) 
 }
 
 std::vector<std::uint8_t> encode_hello(const EndpointInfo& info) {
-  if (info.qpn == 0 || info.qpn >= kQpnLimit || info.psn >= kQpnLimit) {
-    throw Error("bootstrap encode", EINVAL,
-                fmt::format("QPN {:#x} / PSN {:#x} do not fit in 24 bits", info.qpn, info.psn));
+  if (info.qp_count() > kMaxQps) {
+    throw Error("bootstrap encode", E2BIG, fmt::format("{} QPs; at most {}", info.qp_count(), kMaxQps));
+  }
+  for (std::size_t k = 0; k < info.qp_count(); ++k) {
+    const QpAddress q = info.qp(k);
+    if (q.qpn == 0 || q.qpn >= kQpnLimit || q.psn >= kQpnLimit) {
+      throw Error("bootstrap encode", EINVAL,
+                  fmt::format("QP {}: QPN {:#x} / PSN {:#x} do not fit in 24 bits", k, q.qpn, q.psn));
+    }
   }
   if (info.regions.size() > kMaxRegions) {
     throw Error("bootstrap encode", E2BIG,
                 fmt::format("{} regions advertised; at most {}", info.regions.size(), kMaxRegions));
   }
-  const auto payload = static_cast<std::uint32_t>(kHelloFixedSize + info.regions.size() * kRegionSize);
+  const auto payload = static_cast<std::uint32_t>(kHelloFixedSize + info.extra_qps.size() * kQpSize +
+                                                  info.regions.size() * kRegionSize);
   Writer w(kHeaderSize + payload);
   w.bytes(encode_header(MessageType::hello, payload));
   w.u32(info.qpn);
@@ -105,7 +124,11 @@ std::vector<std::uint8_t> encode_hello(const EndpointInfo& info) {
   w.u8(info.max_rd_atomic);
   w.u8(info.max_dest_rd_atomic);
   w.u16(static_cast<std::uint16_t>(info.regions.size()));
-  w.u16(0);
+  w.u16(static_cast<std::uint16_t>(info.qp_count()));
+  for (const QpAddress& q : info.extra_qps) {
+    w.u32(q.qpn);
+    w.u32(q.psn);
+  }
   for (const auto& r : info.regions) {
     w.u64(r.addr);
     w.u64(r.length);
@@ -169,13 +192,9 @@ EndpointInfo decode_hello(std::span<const std::uint8_t> payload) {
   }
   Reader r(payload);
   EndpointInfo info;
-  info.qpn = r.u32();
-  if (info.qpn == 0 || info.qpn >= kQpnLimit) {
-    reject(fmt::format("QPN {:#x} out of range (1..0xffffff)", info.qpn),
-           "the peer sent a corrupt or misaligned QPN");
-  }
-  info.psn = r.u32();
-  if (info.psn >= kQpnLimit) reject(fmt::format("PSN {:#x} does not fit in 24 bits", info.psn));
+  const QpAddress first = read_qp(r, 0);
+  info.qpn = first.qpn;
+  info.psn = first.psn;
   info.lid = r.u16();
   const std::uint8_t link = r.u8();
   if (link != 1 && link != 2) reject(fmt::format("unknown link layer {}", link));
@@ -193,17 +212,19 @@ EndpointInfo decode_hello(std::span<const std::uint8_t> payload) {
   if (count > kMaxRegions) {
     reject(fmt::format("absurd region count {} (at most {})", count, kMaxRegions));
   }
-  if (const std::uint16_t reserved = r.u16(); reserved != 0) {
-    reject(fmt::format("reserved field is {:#x}, must be 0", reserved));
-  }
-  const std::size_t want = kHelloFixedSize + std::size_t{count} * kRegionSize;
+  const std::uint16_t qps = r.u16();
+  if (qps == 0 || qps > kMaxQps) reject(fmt::format("absurd QP count {} (1..{})", qps, kMaxQps));
+  const std::size_t want = kHelloFixedSize + (qps - 1u) * kQpSize + std::size_t{count} * kRegionSize;
   if (payload.size() < want) {
-    reject(fmt::format("truncated HELLO: {} regions need {} bytes, got {}", count, want,
-                       payload.size()));
+    reject(fmt::format("truncated HELLO: QP count {} and region count {} need {} bytes, got {}", qps, count,
+                       want, payload.size()));
   }
   if (payload.size() > want) {
-    reject(fmt::format("HELLO has {} trailing bytes after {} regions", payload.size() - want, count));
+    reject(fmt::format("HELLO has {} trailing bytes after QP count {} and region count {}",
+                       payload.size() - want, qps, count));
   }
+  info.extra_qps.reserve(qps - 1u);
+  for (std::uint16_t k = 1; k < qps; ++k) info.extra_qps.push_back(read_qp(r, k));
   info.regions.reserve(count);
   for (std::uint16_t i = 0; i < count; ++i) {
     RemoteRegion reg;

@@ -60,8 +60,8 @@ TEST(Wire, RoundTrip) {
 
 TEST(Wire, FieldsAreBigEndianAtFixedOffsets) {
   const auto msg = encode_hello(sample());
-  // "RDKT", version 1, type HELLO, then the payload length.
-  const std::vector<std::uint8_t> header = {'R', 'D', 'K', 'T', 0, 1, 0, 1, 0, 0, 0, 88};
+  // "RDKT", version 2, type HELLO, then the payload length.
+  const std::vector<std::uint8_t> header = {'R', 'D', 'K', 'T', 0, 2, 0, 1, 0, 0, 0, 88};
   EXPECT_EQ(std::vector<std::uint8_t>(msg.begin(), msg.begin() + 12), header);
   const std::uint8_t* p = msg.data() + kHeaderSize;
   EXPECT_EQ((std::vector<std::uint8_t>{p, p + 8}),
@@ -72,6 +72,7 @@ TEST(Wire, FieldsAreBigEndianAtFixedOffsets) {
   EXPECT_EQ(p[32], 0x04);  // MTU 1024, big-endian u16
   EXPECT_EQ(p[33], 0x00);
   EXPECT_EQ(p[37], 2);     // two regions
+  EXPECT_EQ(p[39], 1);     // one QP
   EXPECT_EQ(p[40 + 6], 0x10);  // first region's address 0x00007f0000001000
 }
 
@@ -90,8 +91,8 @@ TEST(Wire, HeaderRejections) {
   bad[0] = 'X';
   expect_error([&] { (void)decode_header(bad); }, "bad magic");
   bad = msg;
-  bad[5] = 2;
-  expect_error([&] { (void)decode_header(bad); }, "protocol version mismatch: peer speaks 2, this side speaks 1");
+  bad[5] = 1;
+  expect_error([&] { (void)decode_header(bad); }, "protocol version mismatch: peer speaks 1, this side speaks 2");
   bad = msg;
   bad[7] = 9;
   expect_error([&] { (void)decode_header(bad); }, "unknown message type 9");
@@ -124,7 +125,7 @@ TEST(Wire, HelloRejections) {
   };
   expect_error([&] { (void)decode_hello(std::span(good).first(39)); }, "truncated HELLO");
   expect_error([&] { (void)decode_hello(std::span(good).first(good.size() - 1)); },
-               "truncated HELLO: 2 regions need 88 bytes, got 87");
+               "truncated HELLO: QP count 1 and region count 2 need 88 bytes, got 87");
   auto longer = good;
   longer.push_back(0);
   expect_error([&] { (void)decode_hello(longer); }, "1 trailing bytes");
@@ -135,12 +136,39 @@ TEST(Wire, HelloRejections) {
   expect_error([&] { (void)decode_hello(with(11, 7)); }, "unknown GID type 7");
   expect_error([&] { (void)decode_hello(with(33, 1)); }, "invalid MTU 1025");
   expect_error([&] { (void)decode_hello(with(36, 0xff)); }, "absurd region count 65282");
-  expect_error([&] { (void)decode_hello(with(39, 1)); }, "reserved field");
+  expect_error([&] { (void)decode_hello(with(39, 0)); }, "absurd QP count 0 (1..16)");
+  expect_error([&] { (void)decode_hello(with(39, 17)); }, "absurd QP count 17");
+  // A count of 2 without the second QP's 8 bytes.
+  expect_error([&] { (void)decode_hello(with(39, 2)); },
+               "truncated HELLO: QP count 2 and region count 2 need 96 bytes, got 88");
   // Region 0: address 0x7f0000001000 with a length that wraps past 2^64.
   auto wrap = good;
   for (int i = 0; i < 8; ++i) wrap[40 + 8 + static_cast<std::size_t>(i)] = 0xff;
   expect_error([&] { (void)decode_hello(wrap); }, "overflows");
   expect_error([&] { (void)decode_hello(with(40 + 23, 0x10)); }, "unknown access bits 0x10");
+}
+
+TEST(Wire, SeveralQps) {
+  auto in = sample();
+  in.extra_qps = {{0x12, 0x1}, {0xffffff, 0xfffffe}};
+  const auto msg = encode_hello(in);
+  ASSERT_EQ(msg.size(), kHeaderSize + kHelloFixedSize + 2 * kQpSize + 2 * kRegionSize);
+  const auto p = payload_of(msg);
+  EXPECT_EQ(p[39], 3);  // three QPs
+  EXPECT_EQ((std::vector<std::uint8_t>{p.begin() + 40, p.begin() + 48}),
+            (std::vector<std::uint8_t>{0, 0, 0, 0x12, 0, 0, 0, 1}));  // QP 1: QPN, PSN
+  const EndpointInfo out = decode_hello(p);
+  EXPECT_EQ(out, in);
+  EXPECT_EQ(out.qp_count(), 3u);
+  EXPECT_EQ(out.qp(2), (QpAddress{0xffffff, 0xfffffe}));
+  auto bad = p;
+  for (std::size_t i = 48; i < 52; ++i) bad[i] = 0;  // QP 2's QPN
+  expect_error([&] { (void)decode_hello(bad); }, "QP 2: QPN 0x0 out of range");
+  bad = p;
+  bad[44] = 1;  // QP 1's PSN gets bit 24
+  expect_error([&] { (void)decode_hello(bad); }, "QP 1: PSN 0x1000001 does not fit in 24 bits");
+  in.extra_qps.resize(kMaxQps);
+  expect_error([&] { (void)encode_hello(in); }, "17 QPs; at most 16");
 }
 
 TEST(Wire, EncodeRefusesWhatCannotBeDecoded) {
