@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
     const ibv_sge sge{reinterpret_cast<std::uint64_t>(src.addr()), 8, src.lkey()};
     // The library sends 8 bytes inline (they fit in max_inline); so does the raw loop.
     const unsigned inl = m.info.max_inline >= 8 ? IBV_SEND_INLINE : 0;
-    empty = rdmakit_overhead_raw_loop(m.qp.get(), m.send_cq.get(), sge, dst.addr, dst.rkey, inl, iters);
+    empty = rdmakit_overhead_raw_loop(m.lanes[0].qp.get(), m.send_cq.get(), sge, dst.addr, dst.rkey, inl, iters);
   } else {
     empty = rdmakit_overhead_lib_loop(&conn, &src, &dst, iters);
   }

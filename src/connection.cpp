@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -107,14 +108,19 @@ void Connection::Impl::open() {
   if (const int rc = ibv_query_device(dev->ctx.get(), &dattr); rc != 0) {
     throw Error("ibv_query_device", rc, d.name);
   }
-  // Each queue's CQ must hold one entry per work request, so a depth is bounded by both limits:
-  // then the CQ can never overrun, whatever the signaling.
-  const auto depth_limit = std::min(d.max_qp_wr, d.max_cqe);
-  for (auto [what, want] : {std::pair{"send_depth", cfg.send_depth}, {"recv_depth", cfg.recv_depth}}) {
-    if (want == 0 || want > depth_limit) {
+  if (cfg.qps == 0 || cfg.qps > wire::kMaxQps) {
+    throw Error("connection config", EINVAL,
+                fmt::format("qps {}: 1..{} QPs per connection", cfg.qps, wire::kMaxQps));
+  }
+  // One send CQ serves every QP and must hold one entry per work request of all of them, so a
+  // depth is bounded by both limits: then the CQ can never overrun, whatever the signaling.
+  for (auto [what, want, per_cq] : {std::tuple{"send_depth", cfg.send_depth, cfg.qps},
+                                    std::tuple{"recv_depth", cfg.recv_depth, 1u}}) {
+    const auto limit = std::min(d.max_qp_wr, d.max_cqe / per_cq);
+    if (want == 0 || want > limit) {
       throw Error("connection config", EINVAL,
-                  fmt::format("{} {} (device {} allows 1..{}: max_qp_wr {}, max_cqe {})", what, want,
-                              d.name, depth_limit, d.max_qp_wr, d.max_cqe));
+                  fmt::format("{} {} (device {} allows 1..{} with {} QPs: max_qp_wr {}, max_cqe {})",
+                              what, want, d.name, limit, per_cq, d.max_qp_wr, d.max_cqe));
     }
   }
   dev->pd.reset(ibv_alloc_pd(dev->ctx.get()));
@@ -128,50 +134,66 @@ void Connection::Impl::open() {
       throw Error("fcntl(O_NONBLOCK)", errno, "completion channel");
     }
   }
-  send_cq.reset(ibv_create_cq(dev->ctx.get(), static_cast<int>(cfg.send_depth), nullptr,
-                              channel.get(), 0));
-  if (!send_cq) throw Error("ibv_create_cq", errno, fmt::format("send CQ, {} entries", cfg.send_depth));
+  const std::uint32_t send_cqe = cfg.send_depth * cfg.qps;
+  send_cq.reset(ibv_create_cq(dev->ctx.get(), static_cast<int>(send_cqe), nullptr, channel.get(), 0));
+  if (!send_cq) throw Error("ibv_create_cq", errno, fmt::format("send CQ, {} entries", send_cqe));
   recv_cq.reset(ibv_create_cq(dev->ctx.get(), static_cast<int>(cfg.recv_depth), nullptr,
                               channel.get(), 0));
   if (!recv_cq) throw Error("ibv_create_cq", errno, fmt::format("receive CQ, {} entries", cfg.recv_depth));
 
-  ibv_qp_init_attr qattr{};
-  qattr.send_cq = send_cq.get();
-  qattr.recv_cq = recv_cq.get();
-  qattr.qp_type = IBV_QPT_RC;
-  qattr.sq_sig_all = 0;
-  qattr.cap.max_send_wr = cfg.send_depth;
-  qattr.cap.max_recv_wr = cfg.recv_depth;
-  qattr.cap.max_send_sge = cfg.max_sge;
-  qattr.cap.max_recv_sge = 1;
-  qattr.cap.max_inline_data = cfg.max_inline;
-  qp.reset(ibv_create_qp(dev->pd.get(), &qattr));
-  if (!qp) {
-    throw Error("ibv_create_qp", errno,
-                fmt::format("RC, send {} / recv {} entries, {} SGEs, {} inline bytes on {}",
-                            cfg.send_depth, cfg.recv_depth, cfg.max_sge, cfg.max_inline, d.name),
-                errno == ENOMEM ? "out of QPs or memory on the device; are QPs leaking?"
-                : errno == EINVAL
-                    ? fmt::format("the device allows at most {} SGEs and {} work requests per queue",
-                                  dattr.max_sge, dattr.max_qp_wr)
-                    : "");
+  lanes.resize(cfg.qps);
+  lane_count = cfg.qps;
+  for (std::uint32_t k = 0; k < cfg.qps; ++k) {
+    ibv_qp_init_attr qattr{};
+    qattr.send_cq = send_cq.get();
+    qattr.recv_cq = recv_cq.get();
+    qattr.qp_type = IBV_QPT_RC;
+    qattr.sq_sig_all = 0;
+    qattr.cap.max_send_wr = cfg.send_depth;
+    // Only the first QP receives (SEND/RECV stay there, in order); the others keep one entry
+    // because some providers refuse a receive queue of zero.
+    qattr.cap.max_recv_wr = k == 0 ? cfg.recv_depth : 1;
+    qattr.cap.max_send_sge = cfg.max_sge;
+    qattr.cap.max_recv_sge = 1;
+    qattr.cap.max_inline_data = cfg.max_inline;
+    detail::Lane& lane = lanes[k];
+    lane.id = k;
+    lane.qp.reset(ibv_create_qp(dev->pd.get(), &qattr));
+    if (!lane.qp) {
+      throw Error("ibv_create_qp", errno,
+                  fmt::format("RC QP {} of {}, send {} / recv {} entries, {} SGEs, {} inline bytes on {}",
+                              k + 1, cfg.qps, cfg.send_depth, cfg.recv_depth, cfg.max_sge,
+                              cfg.max_inline, d.name),
+                  errno == ENOMEM ? "out of QPs or memory on the device; are QPs leaking?"
+                  : errno == EINVAL
+                      ? fmt::format("the device allows at most {} SGEs and {} work requests per queue",
+                                    dattr.max_sge, dattr.max_qp_wr)
+                      : "");
+    }
+    // ibv_create_qp writes back what the device actually granted; the data path trusts only
+    // that (the smallest grant of all the QPs).
+    info.max_inline = k == 0 ? qattr.cap.max_inline_data : std::min(info.max_inline, qattr.cap.max_inline_data);
+    info.max_sge = k == 0 ? qattr.cap.max_send_sge : std::min(info.max_sge, qattr.cap.max_send_sge);
+    lane.sq.init(cfg.send_depth);
+    detail::to_init(lane.qp.get(), p.number);
   }
-  // ibv_create_qp writes back what the device actually granted; the data path trusts only that.
-  info.max_inline = qattr.cap.max_inline_data;
-  info.max_sge = qattr.cap.max_send_sge;
   info.send_depth = cfg.send_depth;
   info.recv_depth = cfg.recv_depth;
+  info.qps = cfg.qps;
   info.atomics = dattr.atomic_cap != IBV_ATOMIC_NONE;
-  sq.init(cfg.send_depth);
   rq.init(cfg.recv_depth);
   forced_signal_interval = std::max<std::uint32_t>(1, cfg.send_depth / 2);
   send_wrs.resize(cfg.send_depth);
   send_sges.resize(static_cast<std::size_t>(cfg.send_depth) * info.max_sge);
   recv_wrs.resize(cfg.recv_depth);
   recv_sges.resize(cfg.recv_depth);
-  split_reqs.resize(cfg.send_depth);
-  split_slices.assign(cfg.send_depth, LocalSlice::empty());
-  detail::to_init(qp.get(), p.number);
+  part_reqs.resize(cfg.send_depth);
+  part_slices.assign(cfg.send_depth, LocalSlice::empty());
+  segmented.resize(static_cast<std::size_t>(cfg.send_depth) * cfg.qps);
+  free_segmented.resize(segmented.size());
+  for (std::size_t i = 0; i < free_segmented.size(); ++i) {
+    free_segmented[i] = static_cast<std::uint32_t>(free_segmented.size() - 1 - i);
+  }
   recv_allowed = true;
 
   info.device = d.name;
@@ -181,9 +203,12 @@ void Connection::Impl::open() {
   info.gid_reason = gid.reason;
   info.local_mtu = p.active_mtu;
   info.max_msg_size = p.max_msg_size;
+  segment_min_ordered = std::uint64_t{p.max_msg_size} + 1;
+  segment_min_spread = cfg.qps > 1 ? std::min(cfg.stripe_min, segment_min_ordered) : segment_min_ordered;
   wire::EndpointInfo& l = info.local;
-  l.qpn = qp->qp_num;
+  l.qpn = lanes[0].qp->qp_num;
   l.psn = random_psn();
+  for (std::size_t k = 1; k < lanes.size(); ++k) l.extra_qps.push_back({lanes[k].qp->qp_num, random_psn()});
   l.lid = p.lid;
   l.link_layer = p.link_layer;
   l.gid_type = gid.entry.type;
@@ -202,11 +227,27 @@ void Connection::Impl::finish(wire::EndpointInfo remote) {
   info.remote = std::move(remote);
   info.remote_mtu = info.remote.mtu;
   wire::check_compatible(info.local, info.remote);
-  const auto rtr = detail::derive_rtr(info.local, info.remote, info.port, timeouts);
-  info.path_mtu = detail::mtu_bytes(rtr.path_mtu);
-  detail::to_rtr(qp.get(), rtr, info.local, info.remote);
-  detail::to_rts(qp.get(), detail::derive_rts(info.local, info.remote, timeouts), info.local,
-                 info.remote);
+  if (info.remote.qp_count() != lanes.size()) {
+    throw Error("bootstrap handshake", EPROTO,
+                fmt::format("the peer has {} QPs for this connection, this side {}",
+                            info.remote.qp_count(), lanes.size()),
+                "a listener creates as many QPs as its client asks for; is the peer an rdmakit "
+                "listener?");
+  }
+  // QP k joins the peer's QP k. Each transition sees both sides' parameters with that QP's
+  // number and PSN, so an error names exactly the pair that failed.
+  for (std::size_t k = 0; k < lanes.size(); ++k) {
+    wire::EndpointInfo mine = info.local;
+    wire::EndpointInfo theirs = info.remote;
+    mine.qpn = info.local.qp(k).qpn;
+    mine.psn = info.local.qp(k).psn;
+    theirs.qpn = info.remote.qp(k).qpn;
+    theirs.psn = info.remote.qp(k).psn;
+    const auto rtr = detail::derive_rtr(mine, theirs, info.port, timeouts);
+    info.path_mtu = detail::mtu_bytes(rtr.path_mtu);
+    detail::to_rtr(lanes[k].qp.get(), rtr, mine, theirs);
+    detail::to_rts(lanes[k].qp.get(), detail::derive_rts(mine, theirs, timeouts), mine, theirs);
+  }
 }
 
 // Reads whatever the peer sent on the control channel without blocking: BYE, or EOF/reset (the
@@ -263,31 +304,37 @@ void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
     }
   }
   state = State::closed;
-  if (qp) {
+  if (!lanes.empty()) {
     // Sends, writes and reads in flight may still finish on their own, but that is observable
-    // only when the newest of them was signaled; posted receives only wait for a peer that has
-    // said goodbye. Whatever is left is flushed by moving the QP to ERR, so no buffer is released
-    // while the NIC may still touch it.
-    if (unsignaled_run == 0) drain(deadline, false);
-    if (sq.count() + rq.count() > 0) {
-      (void)detail::to_error(qp.get());
-      // Unsignaled requests that already succeeded produce no flush completion. A signaled
-      // marker posted to the errored QP is flushed after all of them and retires them
-      // (the kernel's ib_drain_sq does the same).
-      if (sq.count() > 0 && sq.free() > 0) {
-        ibv_send_wr marker{};
-        marker.wr_id = sq.next_seq();
-        marker.opcode = IBV_WR_SEND;
-        marker.send_flags = IBV_SEND_SIGNALED;
-        ibv_send_wr* bad = nullptr;
-        if (ibv_post_send(qp.get(), &marker, &bad) == 0) sq.push({0, Opcode::send, false});
+    // only when the newest of them on each QP was signaled; posted receives only wait for a
+    // peer that has said goodbye. Whatever is left is flushed by moving the QPs to ERR, so no
+    // buffer is released while the NIC may still touch it.
+    const bool observable = std::all_of(lanes.begin(), lanes.end(),
+                                        [](const detail::Lane& l) { return l.unsignaled_run == 0; });
+    if (observable) drain(deadline, false);
+    if (sends_in_flight() + rq.count() > 0) {
+      for (detail::Lane& lane : lanes) {
+        (void)detail::to_error(lane.qp.get());
+        // Unsignaled requests that already succeeded produce no flush completion. A signaled
+        // marker posted to the errored QP is flushed after all of them and retires them
+        // (the kernel's ib_drain_sq does the same).
+        if (lane.sq.count() > 0 && lane.sq.free() > 0) {
+          ibv_send_wr marker{};
+          marker.wr_id = (std::uint64_t{lane.id} << detail::kLaneShift) | lane.sq.next_seq();
+          marker.opcode = IBV_WR_SEND;
+          marker.send_flags = IBV_SEND_SIGNALED;
+          ibv_send_wr* bad = nullptr;
+          if (ibv_post_send(lane.qp.get(), &marker, &bad) == 0) {
+            lane.sq.push({0, Opcode::send, false, false});
+          }
+        }
       }
       drain(Clock::now() + std::chrono::milliseconds{1000}, true);
     }
-    if (sq.count() + rq.count() > 0) {
+    if (const std::uint32_t left = sends_in_flight() + rq.count(); left > 0) {
       try {
         cfg.log(fmt::format("close: {} work requests never completed on QP {:#x}; releasing anyway",
-                            sq.count() + rq.count(), qp->qp_num));
+                            left, lanes[0].qp->qp_num));
       } catch (...) {
       }
     }
@@ -445,7 +492,10 @@ Connection Connection::accept_on(int raw_fd, const std::string& peer, const Conn
     send_reject(fd.get(), e.what());
     throw;
   }
-  Connection conn(std::make_unique<Impl>(config));
+  // The client chose how many QPs the connection has.
+  ConnectionConfig mine = config;
+  mine.qps = static_cast<std::uint32_t>(remote.qp_count());
+  Connection conn(std::make_unique<Impl>(std::move(mine)));
   Impl& m = *conn.impl_;
   m.info.peer_address = peer;
   try {

@@ -28,9 +28,10 @@ namespace rdmakit::detail {
 class WrRing {
  public:
   struct Slot {
-    std::uint64_t wr_id = 0;
+    std::uint64_t wr_id = 0;  // the user's wr_id, or for a part of a segmented request its index
     Opcode op = Opcode::send;
-    bool user_signaled = true;
+    bool user_signaled = true;  // for a part: whether it is the one its completion counts on
+    bool part = false;          // one part of a segmented (striped or split) request
   };
 
   /// Room for `capacity` requests; the storage is rounded up to a power of two so a slot is a
@@ -51,7 +52,7 @@ class WrRing {
   /// Retires everything up to and including `seq`; returns the slot of `seq`. A sequence number
   /// that is not in flight (a bug or a stale completion) retires nothing.
   Slot retire(std::uint64_t seq) noexcept {
-    if (seq < head_ || seq >= tail_) [[unlikely]] return {seq, Opcode::send, true};
+    if (seq < head_ || seq >= tail_) [[unlikely]] return {seq, Opcode::send, true, false};
     head_ = seq + 1;
     return slots_[seq & mask_];
   }
@@ -66,6 +67,31 @@ class WrRing {
 
 /// Where setup diagnostics go when ConnectionConfig::log is not set.
 void default_log(std::string_view msg);
+
+// A send WR's verbs wr_id is its QP's index in the top byte and the ring sequence number below:
+// one shared send CQ serves every QP of a connection.
+inline constexpr int kLaneShift = 56;
+inline constexpr std::uint64_t kSeqMask = (std::uint64_t{1} << kLaneShift) - 1;
+
+// One QP of a connection and the bookkeeping of its send queue.
+struct Lane {
+  QpPtr qp;
+  WrRing sq;
+  std::uint32_t unsignaled_run = 0;  // unsignaled WRs posted since the last signaled one
+  std::uint32_t id = 0;              // index in Connection::Impl::lanes
+};
+
+// A WRITE or READ posted as several parts (striped across QPs, or split at max_msg_sz): the
+// user's completion is delivered once, when the last counted part has completed, with the first
+// error any part had.
+struct Segmented {
+  std::uint64_t wr_id = 0;
+  Opcode op = Opcode::write;
+  std::uint32_t pending = 0;  // counted parts (one per QP used) not yet completed
+  int status = 0;
+  std::uint32_t vendor_err = 0;
+  bool silent = false;  // only partly posted and already reported as a failed post
+};
 
 inline constexpr int kPollBatch = 16;
 // Control messages after the handshake are short; a peer sending more than this unread is
@@ -90,21 +116,30 @@ struct Connection::Impl {
   detail::CompChannelPtr channel;  // before the CQs: it must outlive them
   detail::CqPtr send_cq;
   detail::CqPtr recv_cq;
-  detail::QpPtr qp;
+  // The QPs. lanes[0] carries SEND/RECV, WRITE_WITH_IMM and atomics, so those stay in order;
+  // WRITEs and READs go to any lane. Never resized after open(), so references stay valid.
+  std::vector<detail::Lane> lanes;
+  std::uint32_t lane_count = 1;  // lanes.size(), kept apart: size() divides, and this is hot
   std::deque<MemoryRegion> regions;
 
   // Data path. The WR and SGE arrays are allocated once, so posting never allocates.
-  detail::WrRing sq;
-  detail::WrRing rq;
+  detail::WrRing rq;  // lanes[0]'s receive queue
   std::vector<ibv_send_wr> send_wrs;
   ibv_send_wr single_wr{};  // post_one's WR: next and the unused unions stay zero
-  std::vector<WorkRequest> split_reqs;  // post_split's parts, sized send_depth at setup
-  std::vector<LocalSlice> split_slices;
+  std::vector<WorkRequest> part_reqs;  // one lane's parts of a segmented request (send_depth)
+  std::vector<LocalSlice> part_slices;
+  std::vector<detail::Segmented> segmented;   // qps * send_depth entries
+  std::vector<std::uint32_t> free_segmented;  // indexes into `segmented` not in use
   std::vector<ibv_sge> send_sges;
   std::vector<ibv_recv_wr> recv_wrs;
   std::vector<ibv_sge> recv_sges;
-  std::uint32_t unsignaled_run = 0;  // unsignaled WRs posted since the last signaled one
   std::uint32_t forced_signal_interval = 1;  // max(1, send_depth / 2), set at open()
+  std::uint32_t next_lane = 0;               // round robin for WRITE/READ
+  // WRITE/READ of at least this many bytes are segmented: striped when there are several
+  // lanes, split at max_msg_sz otherwise. WRITE_WITH_IMM only splits (its immediate must
+  // arrive last, which only one QP guarantees).
+  std::uint64_t segment_min_spread = 0;
+  std::uint64_t segment_min_ordered = 0;
 
   // Control channel.
   detail::Fd control;
@@ -137,16 +172,30 @@ struct Connection::Impl {
   void close(std::chrono::milliseconds timeout) noexcept;
 
   // datapath.cpp
+  template <Opcode Op>
+  PostResult check(std::span<const LocalSlice> local, const RemoteRegion& remote,
+                   std::uint64_t offset, std::uint64_t total) const noexcept;
   PostResult check(Opcode op, std::span<const LocalSlice> local, const RemoteRegion& remote,
                    std::uint64_t offset, std::uint64_t total) const noexcept;
-  PostResult post_one(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
-                      std::uint64_t offset, std::uint32_t imm, std::uint64_t compare_add,
-                      std::uint64_t swap, std::uint64_t wr_id) noexcept;
+  template <Opcode Op>
+  PostResult post_one(const LocalSlice& local, const RemoteRegion& remote, std::uint64_t offset,
+                      std::uint32_t imm, std::uint64_t compare_add, std::uint64_t swap,
+                      std::uint64_t wr_id) noexcept;
+  detail::Lane& pick_lane() noexcept;
   PostResult post_batch(std::span<const WorkRequest> batch) noexcept;
-  PostResult post_split(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
-                        std::uint64_t offset, std::uint32_t imm, std::uint64_t wr_id) noexcept;
+  PostResult post_chain(detail::Lane& lane, std::span<const WorkRequest> batch, bool parts) noexcept;
+  PostResult post_segmented(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
+                            std::uint64_t offset, std::uint32_t imm, std::uint64_t wr_id) noexcept;
   PostResult post_recvs(std::span<const LocalSlice> dsts, std::uint64_t first_wr_id) noexcept;
   std::size_t poll(std::span<Completion> out) noexcept;
+  std::size_t reap_send(std::span<Completion> out) noexcept;
+  bool finish_part(const detail::WrRing::Slot& slot, const ibv_wc& wc, Completion& c) noexcept;
+  std::size_t reap_recv(std::span<Completion> out) noexcept;
+  [[nodiscard]] std::uint32_t sends_in_flight() const noexcept {
+    std::uint32_t n = 0;
+    for (const detail::Lane& l : lanes) n += l.sq.count();
+    return n;
+  }
   void drain(detail::Deadline deadline, bool receives) noexcept;
   // Sleeps until a completion event, control traffic or the deadline; true if it polled a
   // completion into `out` on the way.

@@ -40,11 +40,21 @@ struct ConnectionConfig {
   /// Block in wait() on a completion channel (epoll-style, no CPU spent while idle) instead of
   /// busy polling the CQ (lowest latency, one core spinning).
   bool completion_events = false;
-  std::uint32_t send_depth = 64;  ///< send queue entries (outstanding sends, writes, reads)
+  std::uint32_t send_depth = 64;  ///< send queue entries per QP (outstanding sends, writes, reads)
   std::uint32_t recv_depth = 64;  ///< receive queue entries
   std::uint32_t max_sge = 4;       ///< scatter-gather entries per work request
   /// Inline payload bytes to ask the QP for; the device may grant less (ConnectionInfo says).
   std::uint32_t max_inline = 64;
+  /// QPs per connection (1..16). With several, WRITEs and READs are spread over them round
+  /// robin, and one of at least `stripe_min` bytes is striped across all of them (each QP moves
+  /// one contiguous part; the caller gets one completion). SEND/RECV, WRITE_WITH_IMM and atomics
+  /// stay on the first QP, in order. Requests on different QPs are not ordered with each other:
+  /// wait for WRITEs' completions before telling the peer (by SEND or WRITE_WITH_IMM) that the
+  /// data is there. A client chooses the count; a listener creates as many as each client asks
+  /// for, and its own value is not used.
+  std::uint32_t qps = 1;
+  /// Smallest WRITE or READ striped across all QPs when qps > 1.
+  std::uint64_t stripe_min = 512 * 1024;
   /// Where setup diagnostics go (rejected handshakes on a listener, close problems).
   /// Default: standard error.
   std::function<void(std::string_view)> log;
@@ -143,8 +153,9 @@ struct ConnectionInfo {
   std::uint32_t max_msg_size = 0;
   std::uint32_t max_inline = 0;   ///< inline bytes the QP actually has
   std::uint32_t max_sge = 0;
-  std::uint32_t send_depth = 0;
+  std::uint32_t send_depth = 0;   ///< per QP
   std::uint32_t recv_depth = 0;
+  std::uint32_t qps = 1;          ///< QPs the connection stripes over
   bool atomics = false;           ///< the device supports remote atomics
   std::string peer_address;  ///< the bootstrap peer, "host:port"
   wire::EndpointInfo local;
@@ -185,8 +196,9 @@ class Connection {
   [[nodiscard]] const ConnectionInfo& info() const noexcept;
 
   /// RDMA WRITE of `src` to `dst` at `offset`. WRITEs and READs longer than the port's max
-  /// message size are split into consecutive requests, and their success is reported once, with
-  /// `wr_id`; should a part fail, its error and the flushes of the parts after it carry `wr_id`.
+  /// message size are split into several requests (and with several QPs, those of at least
+  /// stripe_min bytes are striped across them); either way the caller gets one completion, with
+  /// `wr_id`, carrying the first error of any part.
   PostResult post_write(const LocalSlice& src, const RemoteRegion& dst, std::uint64_t offset,
                         std::uint64_t wr_id) noexcept;
   PostResult post_write_with_imm(const LocalSlice& src, const RemoteRegion& dst,

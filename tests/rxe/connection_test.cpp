@@ -17,6 +17,7 @@
 #include <string>
 #include <thread>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "rdmakit/connection.hpp"
@@ -143,7 +144,7 @@ TEST(Connection, PeerLossFailsWaitPromptly) {
 
 TEST(Connection, WrongProtocolVersionRejectedWhileGoodClientSucceeds) {
   Listener listener("127.0.0.1:0", quiet(), server_setup());
-  // A peer speaking protocol version 2, and a slow-loris that connects and says nothing.
+  // A peer speaking protocol version 1, and a slow-loris that connects and says nothing.
   auto raw_connect = [&] {
     const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
@@ -159,7 +160,7 @@ TEST(Connection, WrongProtocolVersionRejectedWhileGoodClientSucceeds) {
   fake.qpn = 5;
   fake.mtu = 1024;
   auto hello = rdmakit::wire::encode_hello(fake);
-  hello[5] = 2;  // version 2
+  hello[5] = 1;  // version 1
   ASSERT_EQ(::send(bad, hello.data(), hello.size(), 0), static_cast<ssize_t>(hello.size()));
 
   const auto t0 = std::chrono::steady_clock::now();
@@ -177,7 +178,7 @@ TEST(Connection, WrongProtocolVersionRejectedWhileGoodClientSucceeds) {
   EXPECT_EQ(rdmakit::wire::decode_header(reply).type, rdmakit::wire::MessageType::reject);
   const std::string reason = rdmakit::wire::decode_reject(
       std::span(reply).subspan(rdmakit::wire::kHeaderSize));
-  EXPECT_NE(reason.find("protocol version mismatch: peer speaks 2"), std::string::npos) << reason;
+  EXPECT_NE(reason.find("protocol version mismatch: peer speaks 1"), std::string::npos) << reason;
   // The listener counts the rejection just after telling the peer.
   for (int i = 0; i < 50 && listener.rejected() == 0; ++i) std::this_thread::sleep_for(100ms);
   EXPECT_EQ(listener.rejected(), 1u);
@@ -221,6 +222,31 @@ TEST(Connection, CorruptRemoteQpnFailsWithClearModifyQpErrorAndFreesEverything) 
   }
   EXPECT_EQ(rdma_resources(), before);
   EXPECT_EQ(open_fds(), fds_before);
+}
+
+TEST(Connection, CorruptQpnOfALaterQpFailsNamingThatPair) {
+  const auto before = rdma_resources();
+  {
+    Listener listener("127.0.0.1:0", quiet(), server_setup());
+    ConnectionConfig cfg = quiet();
+    cfg.qps = 3;
+    std::uint32_t bad_qpn = 0;
+    cfg.testing_alter_peer = [&](rdmakit::wire::EndpointInfo& peer) {
+      ASSERT_EQ(peer.extra_qps.size(), 2u);
+      peer.extra_qps[1].qpn |= 0x01000000;
+      bad_qpn = peer.extra_qps[1].qpn;
+    };
+    try {
+      (void)Connection::connect(target(listener), cfg, client_setup());
+      ADD_FAILURE() << "connected with a corrupt QPN on the third QP";
+    } catch (const rdmakit::Error& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(e.op(), "ibv_modify_qp(INIT->RTR)") << what;
+      EXPECT_NE(what.find(fmt::format("remote QPN {:#x}", bad_qpn)), std::string::npos) << what;
+    }
+  }
+  // All six QPs (three per side), their CQs and the PDs are gone.
+  EXPECT_EQ(rdma_resources(), before);
 }
 
 TEST(Connection, Ipv6Bootstrap) {

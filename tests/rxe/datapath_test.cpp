@@ -1,5 +1,6 @@
 // Runs inside one lab VM: every operation with data validation, SGE lists, inline boundaries,
 // atomics from racing clients, posting at depth 1 and at the device maximum, event deadlines.
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <infiniband/verbs.h>
 
 #include "rdmakit/connection.hpp"
 #include "rdmakit/error.hpp"
@@ -147,6 +149,150 @@ TEST(Datapath, MessagesLongerThanMaxMsgSizeAreSplit) {
   EXPECT_EQ(std::memcmp(theirs + 64, mine, big), 0);
   // A SEND cannot be split: refused.
   EXPECT_EQ(client.post_send(client.memory(0).local().subslice(0, big), 3).status, PostStatus::too_large);
+}
+
+// A connection over several QPs: the listener follows the client's count; large WRITEs and
+// READs are striped (one completion each, data intact), small ones spread round robin.
+struct StripedPair {
+  StripedPair(std::uint32_t qps, std::size_t bytes, std::uint32_t depth = 64)
+      : cfg(config(qps, depth)),
+        listener("127.0.0.1:0", quiet(), buffer(bytes)),
+        client(Connection::connect("127.0.0.1:" + std::to_string(listener.port()), cfg, buffer(bytes))),
+        server(*listener.accept(10s)) {}
+  static ConnectionConfig config(std::uint32_t qps, std::uint32_t depth) {
+    ConnectionConfig c = quiet();
+    c.qps = qps;
+    c.send_depth = depth;
+    return c;
+  }
+  static Connection::Setup buffer(std::size_t bytes) {
+    return [bytes](Connection& c) {
+      c.advertise(c.allocate_memory(bytes, Access::local_write | Access::remote_read | Access::remote_write));
+    };
+  }
+  ConnectionConfig cfg;
+  Listener listener;
+  Connection client;
+  Connection server;
+};
+
+TEST(Datapath, SeveralQpsStripeLargeWritesAndReads) {
+  constexpr std::size_t kLen = (1 << 20) + 12345;  // not a multiple of the 4 KiB share unit
+  StripedPair p(4, kLen + 4096);
+  EXPECT_EQ(p.client.info().qps, 4u);
+  EXPECT_EQ(p.server.info().qps, 4u);  // the listener's own config says 1
+  EXPECT_EQ(p.client.info().remote.qp_count(), 4u);
+  auto* mine = static_cast<std::uint8_t*>(p.client.memory(0).data());
+  auto* theirs = static_cast<std::uint8_t*>(p.server.memory(0).data());
+  fill(mine, kLen, 9);
+  ASSERT_TRUE(p.client.post_write(p.client.memory(0).local().subslice(0, kLen),
+                                  p.client.remote_regions()[0], 100, 1).ok());
+  // While it is in flight the request occupies all four QPs.
+  EXPECT_GE(p.client.outstanding(), 4u);
+  expect_done(p.client, 1);
+  EXPECT_EQ(p.client.outstanding(), 0u);
+  EXPECT_EQ(std::memcmp(theirs + 100, mine, kLen), 0);
+  std::memset(mine, 0, kLen);
+  ASSERT_TRUE(p.client.post_read(p.client.memory(0).local().subslice(0, kLen),
+                                 p.client.remote_regions()[0], 100, 2).ok());
+  expect_done(p.client, 2);
+  EXPECT_EQ(std::memcmp(theirs + 100, mine, kLen), 0);
+  Completion extra;
+  EXPECT_EQ(p.client.poll({&extra, 1}), 0u);  // one completion per request, not per part
+}
+
+TEST(Datapath, StripedSharesLongerThanMaxMsgSizeAreSplitToo) {
+  const std::size_t max_msg = [] {
+    const auto d = rdmakit::list_devices();
+    return static_cast<std::size_t>(rdmakit::pick_port(rdmakit::pick_device(d, ""), 0).max_msg_size);
+  }();
+  const std::size_t len = 2 * max_msg + 3 * 4096 + 7;  // two QPs, each share > max_msg_sz
+  StripedPair p(2, len);
+  auto* mine = static_cast<std::uint8_t*>(p.client.memory(0).data());
+  auto* theirs = static_cast<std::uint8_t*>(p.server.memory(0).data());
+  fill(mine, len, 3);
+  ASSERT_TRUE(p.client.post_write(p.client.memory(0).local(), p.client.remote_regions()[0], 0, 5).ok());
+  expect_done(p.client, 5);
+  EXPECT_EQ(std::memcmp(theirs, mine, len), 0);
+}
+
+TEST(Datapath, SeveralQpsSpreadSmallWritesAndKeepSendsInOrder) {
+  constexpr std::uint32_t kDepth = 8, kQps = 4;
+  StripedPair p(kQps, 64 * 1024, kDepth);
+  const auto& mine = p.client.memory(0);
+  auto* b = static_cast<std::uint8_t*>(mine.data());
+  for (std::uint32_t i = 0; i < 4096; ++i) b[i] = static_cast<std::uint8_t>(i * 13);
+  // Without polling, the connection takes depth x QPs small writes: each QP's queue is used.
+  std::uint32_t posted = 0;
+  while (p.client.post_write(mine.local().subslice(posted * 64, 64), p.client.remote_regions()[0],
+                             posted * 64, posted).ok()) {
+    ++posted;
+  }
+  EXPECT_EQ(posted, kDepth * kQps);
+  std::set<std::uint64_t> seen;
+  for (std::uint32_t i = 0; i < posted; ++i) {
+    const auto w = p.client.wait(10s);
+    ASSERT_EQ(w.status, WaitStatus::completed);
+    ASSERT_TRUE(w.completion.ok()) << w.completion.describe();
+    seen.insert(w.completion.wr_id);
+  }
+  EXPECT_EQ(seen.size(), posted);  // every request completed exactly once (in any order)
+  EXPECT_EQ(std::memcmp(p.server.memory(0).data(), b, posted * 64), 0);
+
+  // SENDs stay on the first QP: the receiver's receives fill in posting order.
+  constexpr std::uint32_t kSends = 40;
+  const auto& theirs = p.server.memory(0);
+  for (std::uint32_t i = 0; i < kSends; ++i) {
+    ASSERT_TRUE(p.server.post_recv(theirs.local().subslice(8192 + i * 8, 8), 1000 + i).ok());
+  }
+  for (std::uint32_t i = 0; i < kSends; ++i) {
+    std::memcpy(b + 8192 + i * 8, &i, 4);
+    ASSERT_TRUE(p.client.post_send(mine.local().subslice(8192 + i * 8, 4), 2000 + i).ok());
+    expect_done(p.client, 2000 + i);
+  }
+  for (std::uint32_t i = 0; i < kSends; ++i) {
+    expect_done(p.server, 1000 + i);
+    std::uint32_t got = 0;
+    std::memcpy(&got, static_cast<std::uint8_t*>(theirs.data()) + 8192 + i * 8, 4);
+    EXPECT_EQ(got, i);
+  }
+}
+
+TEST(Datapath, StripedRequestFailsOnceWithTheFirstError) {
+  StripedPair p(3, 1 << 20);
+  rdmakit::RemoteRegion forged = p.client.remote_regions()[0];
+  forged.rkey ^= 0x5a5a00;  // within bounds, so the local checks pass; the peer refuses the key
+  std::memset(p.server.memory(0).data(), 0x11, 1 << 20);
+  ASSERT_TRUE(p.client.post_write(p.client.memory(0).local(), forged, 0, 7).ok());
+  const auto w = p.client.wait(10s);
+  ASSERT_EQ(w.status, WaitStatus::completed);
+  EXPECT_EQ(w.completion.wr_id, 7u);
+  EXPECT_EQ(w.completion.status, IBV_WC_REM_ACCESS_ERR) << w.completion.describe();
+  EXPECT_EQ(p.client.outstanding(), 0u);
+  Completion extra;
+  EXPECT_EQ(p.client.poll({&extra, 1}), 0u);  // the other QPs' errors are folded into that one
+  const auto* t = static_cast<const std::uint8_t*>(p.server.memory(0).data());
+  EXPECT_TRUE(std::all_of(t, t + (1 << 20), [](std::uint8_t v) { return v == 0x11; }));
+}
+
+TEST(Datapath, QpCountIsBounded) {
+  for (std::uint32_t qps : {0u, 17u}) {
+    try {
+      StripedPair p(qps, 4096);
+      ADD_FAILURE() << "qps " << qps << " accepted";
+    } catch (const rdmakit::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("1..16 QPs per connection"), std::string::npos) << e.what();
+    }
+  }
+  // One send CQ holds every QP's queue: depth x QPs may not exceed max_cqe.
+  const auto devices = rdmakit::list_devices();
+  const auto& d = rdmakit::pick_device(devices, "");
+  try {
+    StripedPair p(4, 4096, d.max_cqe / 2);
+    ADD_FAILURE() << "send_depth x qps beyond max_cqe accepted";
+  } catch (const rdmakit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("with 4 QPs"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Datapath, ScatterGatherWriteAndRead) {
