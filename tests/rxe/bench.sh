@@ -49,6 +49,31 @@ r = json.load(open('$out/duration-json.client'))['results'][0]
 assert 0.95 <= r['seconds'] < 3 and r['iterations'] > 0, r
 " || fail "duration: the run did not last about one second"
 
+# Several QPs: small chains spread over them, 1 MiB messages striped across all four, reads over
+# three; then every size of a sweep over two QPs. Each validated.
+run qps-write write bw -s 4096 -n 400 -q 4 --validate
+grep -q "(+3 more QPs" "$out/qps-write.client" || fail "qps: the connection does not have 4 QPs"
+grep -q "(+3 more QPs" "$out/qps-write.server" || fail "qps: the server did not follow the client's QP count"
+run qps-stripe write bw -s 1048576 -n 40 -q 4 --validate
+run qps-read read bw -s 262144 -n 60 -q 3 --validate
+for t in qps-write qps-stripe qps-read; do
+  grep -q " validated" "$out/$t.client" || fail "$t: not validated"
+done
+run qps-sweep read bw --all -n 4 -q 2 --validate
+[ "$(grep -c ' validated' "$out/qps-sweep.client")" -eq 23 ] || fail "qps sweep: expected 23 validated sizes"
+timeout 20 "$R" bench send bw -q 2 --connect 127.0.0.1:1 > "$out/qps-send" 2>&1 && fail "send --qps 2 accepted"
+grep -q "SEND/RECV and atomics stay on one QP" "$out/qps-send" || fail "send --qps: no explanation"
+
+# Both directions at once; each side checks what the other wrote, read or sent.
+for op in write read send; do
+  run "bidir-$op" $op bw -s 8192 -n 300 --bidir --validate
+  grep -q "bidirectional" "$out/bidir-$op.client" || fail "bidir $op: not bidirectional"
+  grep -q " validated" "$out/bidir-$op.client" || fail "bidir $op: not validated"
+  grep -q "done, validated" "$out/bidir-$op.server" || fail "bidir $op: the server's side not validated"
+done
+run bidir-qps write bw -s 65536 -n 200 --bidir -q 2 --validate
+grep -q " validated" "$out/bidir-qps.client" || fail "bidir over two QPs: not validated"
+
 # A sweep: 2 B .. 8 MiB, every size validated.
 run sweep write bw --all -n 4 --validate
 [ "$(grep -c ' validated' "$out/sweep.client")" -eq 23 ] || fail "sweep: expected 23 validated sizes"

@@ -59,6 +59,8 @@ struct BenchOptions {
   std::uint32_t tx_depth = 128;
   std::uint32_t post_list = 16;
   std::uint32_t inline_size = 64;
+  std::uint32_t qps = 1;
+  bool bidir = false;
   bool events = false;
   bool validate = false;
   bool json_out = false;
@@ -82,11 +84,14 @@ struct BenchOptions {
     if (!bw()) return 1;  // latency uses two fixed halves
     return std::clamp<std::size_t>(kSlotBudget / std::max<std::size_t>(sz, 1), 1, tx_depth);
   }
-  [[nodiscard]] std::size_t buffer_bytes() const {
-    std::size_t most = 2 * max_size();  // latency tests use two halves
+  // Bytes of one half of the buffer: with --bidir each side sends from its first half into the
+  // peer's second half, so the two directions never touch the same bytes.
+  [[nodiscard]] std::size_t half_bytes() const {
+    std::size_t most = max_size();
     for (std::size_t s : sizes()) most = std::max(most, s * slots(s));
     return most;
   }
+  [[nodiscard]] std::size_t buffer_bytes() const { return 2 * half_bytes(); }
 };
 
 // The byte pattern of iteration `iter` (validation): cheap, and different for every iteration
@@ -131,12 +136,15 @@ struct Phase {
   std::size_t slots = 1;
   bool validate = false;
   double duration = 0;  // > 0: post for this many seconds; the iteration count is the outcome
+  bool bidir = false;
+  std::size_t half = 0;  // offset of the buffer's second half (--bidir targets)
 };
 
 json to_json(const Phase& p) {
   return {{"op", p.op},           {"mode", p.mode},   {"size", p.size},
           {"iters", p.iters},     {"tx_depth", p.tx_depth}, {"post_list", p.post_list},
-          {"slots", p.slots},     {"validate", p.validate}, {"duration", p.duration}};
+          {"slots", p.slots},     {"validate", p.validate}, {"duration", p.duration},
+          {"bidir", p.bidir},     {"half", p.half}};
 }
 Phase phase_from(const json& j) {
   Phase p;
@@ -149,6 +157,8 @@ Phase phase_from(const json& j) {
   p.slots = j.at("slots");
   p.validate = j.at("validate");
   p.duration = j.value("duration", 0.0);
+  p.bidir = j.value("bidir", false);
+  p.half = j.value("half", std::size_t{0});
   return p;
 }
 
@@ -219,59 +229,159 @@ class Progress {
   bool shown_ = false;
 };
 
-// Bandwidth: keep up to tx_depth requests in flight, post in chains of post_list, signal every
-// signal_interval-th request (and the last).
-Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine, bool show) {
+// The receiving side of send bandwidth: keeps receives posted (into `base_off` + slot), counts
+// and checks what arrives. Receive r takes the peer's message r, whose pattern is r's.
+class Receiver {
+ public:
+  Receiver(Connection& c, const Phase& p, const MemoryRegion& mine, std::size_t base_off)
+      : c_(c), p_(p), mine_(mine), base_off_(base_off),
+        ahead_(std::min<std::uint32_t>(c.info().recv_depth,
+                                       static_cast<std::uint32_t>(p.validate ? p.slots : c.info().recv_depth))),
+        target_(p.duration > 0 ? std::numeric_limits<std::uint64_t>::max() : p.iters) {}
+  void start() { post_upto(ahead_); }
+  void on_completion(const Completion& x) {
+    const std::uint64_t i = x.wr_id;
+    if (p_.validate) {
+      valid_ &= x.byte_len == p_.size && check(slot(i), p_.size, i);
+    }
+    ++received_;
+    post_upto(received_ + ahead_);
+  }
+  void set_target(std::uint64_t t) { target_ = t; }
+  [[nodiscard]] bool done() const { return received_ >= target_; }
+  [[nodiscard]] bool target_known() const { return target_ != std::numeric_limits<std::uint64_t>::max(); }
+  [[nodiscard]] bool valid() const { return valid_; }
+  [[nodiscard]] std::uint32_t pending() const { return static_cast<std::uint32_t>(next_post_ - received_); }
+
+ private:
+  std::uint8_t* slot(std::uint64_t i) const {
+    return static_cast<std::uint8_t*>(mine_.data()) + base_off_ + (i % p_.slots) * p_.size;
+  }
+  void post_upto(std::uint64_t upto) {
+    for (; next_post_ < upto && next_post_ < target_; ++next_post_) {
+      const LocalSlice dst = mine_.local().subslice(base_off_ + (next_post_ % p_.slots) * p_.size, p_.size);
+      if (const PostResult r = c_.post_recv(dst, next_post_); !r.ok()) throw Fail(r.describe());
+    }
+  }
+  Connection& c_;
+  const Phase& p_;
+  const MemoryRegion& mine_;
+  std::size_t base_off_;
+  std::uint32_t ahead_;
+  std::uint64_t target_;
+  std::uint64_t next_post_ = 0, received_ = 0;
+  bool valid_ = true;
+};
+
+// Where a side's bandwidth requests point: the local slot they send from (or READ into) and
+// the remote offset. With --bidir a side sends from its first half into the peer's second half,
+// and READs from the peer's first half into its own second half.
+struct Targets {
+  std::size_t local_base = 0, remote_base = 0;
+};
+Targets targets_for(const Phase& p, Opcode op) {
+  if (!p.bidir) return {};
+  return op == Opcode::read ? Targets{p.half, 0} : Targets{0, p.half};
+}
+
+// Bandwidth: keep up to tx_depth requests in flight per QP, post in chains of post_list. On one
+// QP completions arrive in order: signal every signal_interval-th request (and the last) and
+// count by the highest wr_id. On several QPs they do not: each chain (one QP) signals its last
+// request, whose wr_id carries the chain's length, and striped messages go one per request.
+Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine, bool show,
+                        Receiver* receiver) {
   const RemoteRegion theirs = c.remote_regions().at(0);
   const Opcode op = p.op == "write" ? Opcode::write
                     : p.op == "read" ? Opcode::read
                     : p.op == "send" ? Opcode::send
                                      : Opcode::fetch_add;
+  const Targets at = targets_for(p, op);
   auto* base = static_cast<std::uint8_t*>(mine.data());
-  std::vector<WorkRequest> reqs(p.post_list);
+  const std::uint32_t qps = c.info().qps;
+  const bool in_order = qps == 1;
+  // A message that the library stripes across the QPs is one request: post it on its own.
+  const bool striped = !in_order && p.size >= ConnectionConfig{}.stripe_min;
+  const std::uint32_t post_list = striped ? 1 : p.post_list;
+  // The peer's phase parameters ask for tx_depth; this side's queues may be shallower.
+  const std::uint32_t depth = std::min(p.tx_depth, c.info().send_depth) * qps;
+  constexpr int kCountShift = 40;  // several QPs: a signaled wr_id's chain length sits above this
+  std::vector<WorkRequest> reqs(post_list);
   std::vector<LocalSlice> slices;
-  slices.reserve(p.post_list);
+  slices.reserve(post_list);
   std::vector<Completion> comps(64);
   std::vector<std::pair<Clock::time_point, std::uint64_t>> marks;
-  const std::uint64_t every = signal_interval(p.tx_depth);
+  const std::uint64_t every = in_order ? signal_interval(p.tx_depth) : post_list;
   marks.reserve(p.iters / every + 2);
   Progress progress(show, p.size, p.iters);
 
   std::uint64_t posted = 0, completed = 0;
+  auto reap_all = [&] {
+    const std::size_t n = c.poll(comps);
+    for (std::size_t i = 0; i < n; ++i) {
+      const Completion& x = comps[i];
+      if (!x.ok()) throw Fail(x.describe());
+      if (x.opcode == Opcode::recv) {
+        if (receiver != nullptr) receiver->on_completion(x);
+      } else if (in_order) {
+        completed = std::max(completed, x.wr_id + 1);
+      } else {
+        completed += x.wr_id >> kCountShift;
+      }
+    }
+  };
   // With --duration the count is open until the time is up; then it ends at the next signaled
   // request, so the last one posted is always one whose completion we will see.
   std::uint64_t target = p.duration > 0 ? std::numeric_limits<std::uint64_t>::max() : p.iters;
   const auto t0 = Clock::now();
   const auto stop_at = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(p.duration));
-  while (completed < target) {
+  while (completed < target || (receiver != nullptr && !receiver->done())) {
     if (p.duration > 0 && target == std::numeric_limits<std::uint64_t>::max() && Clock::now() >= stop_at) {
-      target = std::max<std::uint64_t>((posted + every - 1) / every * every, every);
+      target = in_order ? std::max<std::uint64_t>((posted + every - 1) / every * every, every)
+                        : std::max<std::uint64_t>(posted, 1);
     }
-    const std::uint32_t room = p.tx_depth - std::min(p.tx_depth, c.outstanding());
-    const auto n = static_cast<std::uint32_t>(std::min<std::uint64_t>({p.post_list, room, target - posted}));
+    // outstanding() counts posted receives too; only sends take room in the send queues.
+    const std::uint32_t sends = c.outstanding() - (receiver != nullptr ? receiver->pending() : 0);
+    std::uint32_t room = depth - std::min(depth, sends);
+    // Validating over several QPs: a slot is not rewritten while an earlier request into it may
+    // still be in flight on another QP (they complete out of order), so post in rounds.
+    if (p.validate && !in_order && posted % p.slots == 0 && completed < posted) room = 0;
+    if (p.validate && !in_order) room = static_cast<std::uint32_t>(std::min<std::uint64_t>(room, p.slots - posted % p.slots));
+    const auto n = static_cast<std::uint32_t>(std::min<std::uint64_t>({post_list, room, target - std::min(target, posted)}));
     if (n > 0) {
       slices.clear();
       for (std::uint32_t k = 0; k < n; ++k) {
         const std::uint64_t i = posted + k;
         const std::size_t slot = (i % p.slots) * p.size;
-        if (p.validate && op != Opcode::read) fill(base + slot, p.size, i);
-        slices.push_back(mine.local().subslice(slot, p.size));
+        if (p.validate && op != Opcode::read) fill(base + at.local_base + slot, p.size, i);
+        slices.push_back(mine.local().subslice(at.local_base + slot, p.size));
         WorkRequest& w = reqs[k];
         w = {};
         w.opcode = op;
         w.local = {&slices.back(), 1};
         w.remote = theirs;
-        w.remote_offset = op == Opcode::fetch_add ? 0 : slot;
+        w.remote_offset = op == Opcode::fetch_add ? 0 : at.remote_base + slot;
         w.compare_add = 1;
         w.wr_id = i;
-        w.signaled = (i + 1) % every == 0 || i + 1 == target;
+        w.signaled = in_order ? (i + 1) % every == 0 || i + 1 == target : k + 1 == n;
+        if (!in_order && w.signaled) w.wr_id |= std::uint64_t{n} << kCountShift;
       }
-      const PostResult r = c.post_batch({reqs.data(), n});
+      PostResult r;
+      if (striped) {
+        r = op == Opcode::read ? c.post_read(reqs[0].local[0], theirs, reqs[0].remote_offset, reqs[0].wr_id)
+                               : c.post_write(reqs[0].local[0], theirs, reqs[0].remote_offset, reqs[0].wr_id);
+      } else {
+        r = c.post_batch({reqs.data(), n});
+      }
+      // Several QPs: the QP whose turn it is may be full while the others are not.
+      if (r.status == PostStatus::queue_full && !in_order) {
+        reap_all();
+        continue;
+      }
       if (!r.ok()) throw Fail(fmt::format("post: {}", r.describe()));
       posted += n;
     }
     const std::uint64_t before = completed;
-    completed = reap(c, completed, comps);
+    reap_all();
     if (completed != before) {
       marks.emplace_back(Clock::now(), completed);
       if (p.duration == 0) progress.update(completed);
@@ -302,60 +412,58 @@ Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine,
   }
   res.bw_peak = peak;
   if (p.validate && op == Opcode::read) {
-    // Every slot was last read from the server's pattern for that slot.
+    // Every slot was last read from the peer's pattern for that slot.
     for (std::size_t s = 0; s < std::min<std::uint64_t>(p.slots, target); ++s) {
-      res.validated &= check(base + s * p.size, p.size, s);
+      res.validated &= check(base + at.local_base + s * p.size, p.size, s);
     }
   }
+  if (receiver != nullptr) res.validated &= receiver->valid();
   return res;
+}
+
+// After a WRITE bandwidth phase of `iters` requests: each slot (from `base_off`) holds what the
+// last write into it carried.
+bool check_written(const std::uint8_t* base, const Phase& p, std::uint64_t iters) {
+  bool valid = true;
+  for (std::size_t s = 0; s < std::min<std::uint64_t>(p.slots, iters); ++s) {
+    const std::uint64_t last = iters - 1 - ((iters - 1 - s) % p.slots);
+    valid &= check(base + s * p.size, p.size, last);
+  }
+  return valid;
 }
 
 // The passive side of send bandwidth: keep receives posted, count (and check) what arrives.
 bool run_bw_send_target(Connection& c, const Phase& p, const MemoryRegion& mine) {
-  auto* base = static_cast<std::uint8_t*>(mine.data());
-  const std::uint32_t posted_max = std::min<std::uint32_t>(c.info().recv_depth,
-                                                           static_cast<std::uint32_t>(p.validate ? p.slots : c.info().recv_depth));
-  std::uint64_t next_post = 0, received = 0;
-  // With --duration the sender says how many it sent ("stop") once its time is up.
-  std::uint64_t target = p.duration > 0 ? std::numeric_limits<std::uint64_t>::max() : p.iters;
-  auto post_some = [&](std::uint64_t upto) {
-    for (; next_post < upto && next_post < target; ++next_post) {
-      const LocalSlice dst = mine.local().subslice((next_post % p.slots) * p.size, p.size);
-      if (const PostResult r = c.post_recv(dst, next_post); !r.ok()) throw Fail(r.describe());
-    }
-  };
-  post_some(posted_max);
+  Receiver rx(c, p, mine, 0);
+  rx.start();
   send_json(c, {{"ready", true}});
-  bool valid = true;
   std::vector<Completion> comps(64);
   auto deadline = Clock::now() + 120s + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(p.duration));
   std::uint32_t idle = 0;
-  while (received < target) {
+  while (!rx.done()) {
     const std::size_t n = c.poll(comps);
     for (std::size_t k = 0; k < n; ++k) {
       if (!comps[k].ok()) throw Fail(comps[k].describe());
-      const std::uint64_t i = comps[k].wr_id;
-      if (p.validate) valid &= comps[k].byte_len == p.size && check(base + (i % p.slots) * p.size, p.size, i);
-      ++received;
+      rx.on_completion(comps[k]);
     }
     if (n > 0) {
-      post_some(received + posted_max);
       idle = 0;
       continue;
     }
     // Clock, control channel and peer checks cost syscalls: only when idle for a while.
     if ((++idle & 0xfff) != 0) continue;
-    if (p.duration > 0 && target == std::numeric_limits<std::uint64_t>::max()) {
+    // With --duration the sender says how many it sent ("stop") once its time is up.
+    if (!rx.target_known()) {
       if (auto m = c.receive_message(0ms)) {
         const json j = json::parse(m->begin(), m->end(), nullptr, false);
         if (j.is_discarded() || !j.contains("stop")) throw Fail("send bandwidth: expected the sender's count");
-        target = j["stop"].get<std::uint64_t>();
+        rx.set_target(j["stop"].get<std::uint64_t>());
       }
     }
     if (Clock::now() > deadline) throw Fail("send bandwidth: the sender stalled");
     if (c.peer_closed()) throw Fail("send bandwidth: the peer is gone");
   }
-  return valid;
+  return rx.valid();
 }
 
 double elapsed_us(Clock::time_point a, Clock::time_point b) {
@@ -482,13 +590,17 @@ double quantile(const std::vector<double>& v, double q) {
   return v[std::min(idx, v.size() - 1)];
 }
 
+json result_json_bw(const Result& r) {
+  return {{"bytes", r.bytes},         {"iterations", r.iters},
+          {"seconds", r.seconds},     {"bw_peak_MBps", r.bw_peak},
+          {"bw_avg_MBps", r.bw_avg},  {"bw_avg_Gbps", r.bw_avg * 1024 * 1024 * 8 / 1e9},
+          {"msg_rate_Mpps", r.msg_rate}};
+}
+
 json result_json(const BenchOptions& o, const Result& r) {
   json j = {{"bytes", r.bytes}, {"iterations", r.iters}, {"seconds", r.seconds}};
   if (o.bw()) {
-    j["bw_peak_MBps"] = r.bw_peak;
-    j["bw_avg_MBps"] = r.bw_avg;
-    j["bw_avg_Gbps"] = r.bw_avg * 1024 * 1024 * 8 / 1e9;
-    j["msg_rate_Mpps"] = r.msg_rate;
+    j = result_json_bw(r);
   } else {
     const auto& v = r.lat_us;
     const double avg = v.empty() ? 0 : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
@@ -512,8 +624,12 @@ void print_header(const BenchOptions& o, const ConnectionInfo& info, std::uint32
   fmt::print(" device {} port {} ({}), GID [{}] {} {}, path MTU {}\n", info.device, info.port,
              to_string(info.link_layer), info.local.gid_index, info.local_gid.address(),
              to_string(info.local.gid_type), info.path_mtu);
-  fmt::print(" local QPN {:#08x} PSN {:#08x}, remote QPN {:#08x} PSN {:#08x}\n", info.local.qpn,
-             info.local.psn, info.remote.qpn, info.remote.psn);
+  fmt::print(" local QPN {:#08x} PSN {:#08x}, remote QPN {:#08x} PSN {:#08x}{}\n", info.local.qpn,
+             info.local.psn, info.remote.qpn, info.remote.psn,
+             info.qps > 1 ? fmt::format(" (+{} more QPs; >= {} B striped)", info.qps - 1,
+                                        ConnectionConfig{}.stripe_min)
+                          : "");
+  if (o.bidir) fmt::print(" bidirectional: both sides send; figures are the sum of both directions\n");
   fmt::print(" tx depth {}, post list {}, signal every {}, max inline {}, completions by {}\n",
              o.bw() ? o.tx_depth : 1u, o.bw() ? o.post_list : 1u, o.bw() ? signal_every : 1u,
              info.max_inline, o.events ? "events" : "polling");
@@ -555,6 +671,7 @@ ConnectionConfig bench_config(const BenchOptions& o) {
   cfg.recv_depth = std::max<std::uint32_t>(2 * o.tx_depth, 64);
   cfg.max_inline = o.inline_size;
   cfg.completion_events = o.events;
+  cfg.qps = o.qps;  // the server follows the client's count
   return cfg;
 }
 
@@ -568,10 +685,18 @@ int finish(const BenchOptions& o, const json& rows, bool failed) {
   return failed ? 1 : 0;
 }
 
+// perftest reports a bidirectional run as the sum of both directions.
+void add_peer(Result& r, const json& peer) {
+  r.bw_avg += peer.at("bw_avg_MBps").get<double>();
+  r.bw_peak += peer.at("bw_peak_MBps").get<double>();
+  r.msg_rate += peer.at("msg_rate_Mpps").get<double>();
+}
+
 int run_client(const BenchOptions& o) {
   Connection c = Connection::connect(o.net.connect_target(), bench_config(o),
                                      [&](Connection& cc) { bench_setup(o, cc); });
   const MemoryRegion& mine = c.memory(0);
+  auto* base = static_cast<std::uint8_t*>(mine.data());
   if (!o.json_out) print_header(o, c.info(), static_cast<std::uint32_t>(signal_interval(o.tx_depth)));
   json rows = json::array();
   bool failed = false;
@@ -580,17 +705,34 @@ int run_client(const BenchOptions& o) {
     // over 8 MiB of slots made the (software) NIC's copies miss caches at large sizes.
     Phase p{o.op,       o.mode,      size,
             o.iterations(), o.tx_depth, o.post_list,
-            o.validate ? o.slots(size) : 1, o.validate, o.duration};
+            o.validate ? o.slots(size) : 1, o.validate, o.duration, o.bidir, o.half_bytes()};
     // Send with validation: at most one receive per slot is posted, so the sender keeps no more
     // than that in flight.
     if (o.validate && o.op == "send") p.tx_depth = static_cast<std::uint32_t>(std::min<std::size_t>(p.tx_depth, p.slots));
+    // --bidir: the peer READs our first half and SENDs into our second; both are ready before
+    // the peer hears the parameters.
+    std::optional<Receiver> rx;
+    if (p.bidir && p.op == "read") {
+      for (std::size_t s = 0; s < p.slots; ++s) fill(base + s * p.size, p.size, s);
+    }
+    if (p.bidir && p.op == "send") {
+      rx.emplace(c, p, mine, p.half);
+      rx->start();
+    }
     send_json(c, to_json(p));
     (void)recv_json(c, 30s, "ready");
-    Result r = o.bw() ? run_bw_initiator(c, p, mine, !o.json_out) : run_lat(c, p, mine, true);
+    Result r = o.bw() ? run_bw_initiator(c, p, mine, !o.json_out, rx ? &*rx : nullptr)
+                      : run_lat(c, p, mine, true);
     if (p.duration > 0 && p.op == "send") send_json(c, {{"stop", r.iters}});
     send_json(c, {{"done", true}, {"iters", r.iters}});
     const json verdict = recv_json(c, 120s, "verdict");
     if (o.validate) r.validated = r.validated && verdict.value("validated", false);
+    if (p.bidir) {
+      if (o.validate && p.op == "write") {
+        r.validated = r.validated && check_written(base + p.half, p, verdict.at("peer").at("iterations"));
+      }
+      add_peer(r, verdict.at("peer"));
+    }
     json row = result_json(o, r);
     if (o.validate && !r.validated) failed = true;
     if (!o.json_out) print_row(o, row);
@@ -622,7 +764,7 @@ int run_server(const BenchOptions& o) {
                                           o.mode, p.op, p.mode)}});
       return 1;
     }
-    if (p.size * p.slots > mine.size() || (p.mode == "lat" && 2 * p.size > mine.size())) {
+    if (p.half + p.size * p.slots > mine.size() || (p.mode == "lat" && 2 * p.size > mine.size())) {
       send_json(c, {{"error", fmt::format("{} B x {} slots exceeds the server's {} B buffer: give "
                                           "the server the same --size/--all/--tx-depth",
                                           p.size, p.slots, mine.size())}});
@@ -633,7 +775,17 @@ int run_server(const BenchOptions& o) {
       for (std::size_t s = 0; s < p.slots; ++s) fill(base + s * p.size, p.size, s);
     }
     if (p.op == "atomic") std::memset(base, 0, 8);
-    if (p.mode == "bw" && p.op == "send") {
+    std::optional<Result> mine_result;  // --bidir: this side's own direction
+    if (p.mode == "bw" && p.bidir) {
+      std::optional<Receiver> rx;
+      if (p.op == "send") {
+        rx.emplace(c, p, mine, p.half);
+        rx->start();
+      }
+      send_json(c, {{"ready", true}});
+      mine_result = run_bw_initiator(c, p, mine, false, rx ? &*rx : nullptr);
+      valid = mine_result->validated;
+    } else if (p.mode == "bw" && p.op == "send") {
       valid = run_bw_send_target(c, p, mine);
     } else if (p.mode == "lat") {
       if (p.op == "write" || p.op == "send") std::memset(base, 0, 2 * p.size);  // no stale tag
@@ -650,19 +802,16 @@ int run_server(const BenchOptions& o) {
     }
     const json done = recv_json(c, 600s, "end of phase");
     if (p.validate && p.mode == "bw" && p.op == "write") {
-      // Each slot holds what the last write into it carried.
-      const std::uint64_t iters = done.at("iters");
-      for (std::size_t s = 0; s < std::min<std::uint64_t>(p.slots, iters); ++s) {
-        const std::uint64_t last = iters - 1 - ((iters - 1 - s) % p.slots);
-        valid &= check(base + s * p.size, p.size, last);
-      }
+      valid &= check_written(base + (p.bidir ? p.half : 0), p, done.at("iters"));
     }
     if (p.validate && p.op == "atomic") {  // every fetch-and-add added one
       std::uint64_t v;
       std::memcpy(&v, base, 8);
       valid = v == done.at("iters").get<std::uint64_t>();
     }
-    send_json(c, {{"validated", valid}});
+    json verdict = {{"validated", valid}};
+    if (mine_result) verdict["peer"] = result_json_bw(*mine_result);
+    send_json(c, verdict);
     if (!o.json_out) fmt::print(" {} B: done{}\n", p.size, p.validate ? (valid ? ", validated" : ", VALIDATION FAILED") : "");
   }
   c.close(10s);
@@ -692,6 +841,12 @@ void add_bench(CLI::App& app, std::function<int()>& run) {
       ->check(CLI::Range(1u, 4096u))
       ->capture_default_str();
   sub->add_option("-I,--inline", o->inline_size, "inline bytes to ask the QP for")->capture_default_str();
+  sub->add_option("-q,--qps", o->qps,
+                  "QPs per connection (client; write/read bw): chains spread over them, "
+                  "messages of 512 KiB or more striped across all")
+      ->check(CLI::Range(1u, 16u))
+      ->capture_default_str();
+  sub->add_flag("-b,--bidir", o->bidir, "bw: both sides send at once (reported as the sum)");
   sub->add_flag("-e,--events", o->events, "sleep on a completion channel instead of polling");
   sub->add_flag("--validate", o->validate, "check every transfer's data");
   sub->add_flag("--json", o->json_out, "print the results as JSON");
@@ -701,6 +856,16 @@ void add_bench(CLI::App& app, std::function<int()>& run) {
       throw CLI::ValidationError("--size", "atomics are 8 bytes");
     }
     if (o->duration > 0 && !o->bw()) throw CLI::ValidationError("--duration", "--duration is for bw tests");
+    if (o->qps > 1 && (o->op == "send" || o->op == "atomic" || !o->bw())) {
+      throw CLI::ValidationError("--qps", "--qps is for write and read bandwidth: SEND/RECV and "
+                                          "atomics stay on one QP to keep their order");
+    }
+    if (o->bidir && (!o->bw() || o->op == "atomic")) {
+      throw CLI::ValidationError("--bidir", "--bidir is for write, read and send bandwidth");
+    }
+    if (o->bidir && o->duration > 0 && o->op == "send") {
+      throw CLI::ValidationError("--bidir", "send --bidir counts messages: give --iters, not --duration");
+    }
     if (o->duration > 0 && o->iters != 0) throw CLI::ValidationError("--duration", "give --duration or --iters");
     // Receives posted ahead for one size would take the next size's messages.
     if (o->duration > 0 && o->op == "send" && o->all) {
