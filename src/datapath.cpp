@@ -527,24 +527,21 @@ std::uint32_t Connection::outstanding() const noexcept {
 
 WaitResult Connection::wait(std::chrono::milliseconds timeout) noexcept {
   WaitResult r;
-  // A completion that is already there costs one poll and nothing else: no clock read, no
-  // syscall. Busy waiting then spins like perftest does (no sched_yield: a syscall on the spin
-  // path added microseconds to every slow-ish completion); the clock is read every 256 empty
-  // polls, and the control channel (a syscall) looked at about once a millisecond.
-  if (impl_->poll({&r.completion, 1}) == 1) {
-    r.status = WaitStatus::completed;
-    return r;
-  }
-  const Deadline start = Clock::now();
-  const Deadline deadline = start + timeout;
-  Deadline next_control = start;
-  for (std::uint32_t spin = 1;; ++spin) {
+  // A completion that arrives within the first 256 polls costs no clock read and no syscall
+  // (the deadline starts counting after them, a few microseconds late). Busy waiting then spins
+  // like perftest does (no sched_yield: a syscall on the spin path added microseconds to every
+  // slow-ish completion); the clock is read every 256 empty polls, and the control channel (a
+  // syscall) looked at about once a millisecond.
+  Deadline deadline{};
+  Deadline next_control{};
+  for (std::uint32_t spin = 0;; ++spin) {
     if (impl_->poll({&r.completion, 1}) == 1) {
       r.status = WaitStatus::completed;
       return r;
     }
-    if ((spin & 0xff) != 0) continue;
+    if ((spin & 0xff) != 0xff) continue;
     const Deadline now = Clock::now();
+    if (spin == 0xff) deadline = now + timeout;
     if (now >= next_control || impl_->channel) {
       next_control = now + std::chrono::milliseconds{1};
       impl_->pump_control();

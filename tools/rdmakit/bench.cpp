@@ -470,11 +470,14 @@ double elapsed_us(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::micro>(b - a).count();
 }
 
-// Ping-pong samples as perftest takes them: the time between consecutive posts is one round
-// trip; half of it is the one-way latency. The last entry is stamped here, at the end.
-void half_round_trips(std::vector<Clock::time_point>& posted_at, std::vector<double>& out) {
+// Samples as perftest takes them: the time between consecutive posts is one round trip (one
+// clock read per iteration); ping-pongs report half of it as the one-way latency, READ and
+// atomics the whole. The last entry is stamped here, at the end.
+void round_trips(std::vector<Clock::time_point>& posted_at, double factor, std::vector<double>& out) {
   posted_at.back() = Clock::now();
-  for (std::size_t i = 0; i + 1 < posted_at.size(); ++i) out.push_back(elapsed_us(posted_at[i], posted_at[i + 1]) / 2);
+  for (std::size_t i = 0; i + 1 < posted_at.size(); ++i) {
+    out.push_back(elapsed_us(posted_at[i], posted_at[i + 1]) * factor);
+  }
 }
 
 // Latency. WRITE ping-pong: each side watches the last byte of its own buffer for the peer's tag
@@ -528,9 +531,7 @@ Result run_lat(Connection& c, const Phase& p, const MemoryRegion& mine, bool ini
       // Retire the library's periodic signaled write now and then, off the critical path.
       if (c.outstanding() >= 8) (void)reap(c, 0, comps);
     }
-    if (initiator) {
-      half_round_trips(posted_at, res.lat_us);
-    }
+    if (initiator) round_trips(posted_at, 0.5, res.lat_us);
   } else if (p.op == "send") {
     const LocalSlice src = mine.local().subslice(0, p.size);
     const LocalSlice dst = mine.local().subslice(p.size, p.size);
@@ -558,19 +559,18 @@ Result run_lat(Connection& c, const Phase& p, const MemoryRegion& mine, bool ini
       post_one(c, w, comps);
       if (initiator) await_recv();
     }
-    if (initiator) {
-      half_round_trips(posted_at, res.lat_us);
-    }
-  } else if (initiator) {  // read, atomic: only the initiator works
+    if (initiator) round_trips(posted_at, 0.5, res.lat_us);
+  } else if (initiator) {  // read, atomic: only the initiator works, one request at a time
     const LocalSlice dst = mine.local().subslice(0, p.size);
+    std::vector<Clock::time_point> posted_at(p.iters + 1);
     for (std::uint64_t i = 0; i < p.iters; ++i) {
-      const auto t0 = Clock::now();
+      posted_at[i] = Clock::now();
       const PostResult r = p.op == "read" ? c.post_read(dst, theirs, 0, i)
                                           : c.post_fetch_add(dst, theirs, 0, 1, i);
       if (!r.ok()) throw Fail(r.describe());
       (void)wait_ok(c, p.op.c_str());
-      res.lat_us.push_back(elapsed_us(t0, Clock::now()));
     }
+    round_trips(posted_at, 1.0, res.lat_us);
   }
   res.seconds = std::chrono::duration<double>(Clock::now() - t_begin).count();
   std::sort(res.lat_us.begin(), res.lat_us.end());
