@@ -47,6 +47,9 @@ struct PortInfo {
   std::uint32_t max_mtu = 0;       ///< bytes
   std::uint16_t lid = 0;
   std::uint32_t max_msg_size = 0;
+  double speed_gbps = 0;           ///< per lane x lanes, as the port reports it (0: unknown)
+  std::uint32_t width = 0;         ///< lanes (1, 2, 4, 8, 12; 0: unknown)
+  std::string netdev;              ///< the port's Ethernet netdev (RoCE), empty on IB
   std::vector<GidEntry> gids;      ///< valid entries only, by index
 };
 
@@ -59,6 +62,10 @@ struct DeviceInfo {
   std::uint32_t max_sge = 0;       ///< scatter-gather entries per work request
   std::uint32_t max_qp_rd_atom = 0;  ///< incoming RDMA READ/atomic per QP
   bool atomics = false;            ///< remote atomics supported
+  std::string fw_ver;              ///< firmware version, as the driver reports it
+  std::uint32_t vendor_id = 0;
+  std::uint32_t vendor_part_id = 0;
+  int numa_node = -1;              ///< the NIC's NUMA node; -1: none (software device) or unknown
   std::vector<PortInfo> ports;
 };
 

@@ -2,6 +2,7 @@
 #include <net/if.h>
 
 #include <algorithm>
+#include <fstream>
 #include <cerrno>
 #include <string>
 
@@ -137,6 +138,46 @@ std::vector<GidEntry> query_gids(ibv_context* ctx, std::uint8_t port, size_t max
 
 }  // namespace
 
+namespace {
+
+// IB speed codes (ibv_port_attr.active_speed) in Gb/s per lane.
+double lane_gbps(std::uint32_t code) {
+  switch (code) {
+    case 1: return 2.5;       // SDR
+    case 2: return 5.0;       // DDR
+    case 4: return 10.0;      // QDR
+    case 8: return 10.3125;   // FDR10
+    case 16: return 14.0625;  // FDR
+    case 32: return 25.78125; // EDR
+    case 64: return 53.125;   // HDR
+    case 128: return 106.25;  // NDR
+    case 256: return 212.5;   // XDR
+    default: return 0;
+  }
+}
+
+std::uint32_t lanes(std::uint8_t code) {
+  switch (code) {
+    case 1: return 1;
+    case 2: return 4;
+    case 4: return 8;
+    case 8: return 12;
+    case 16: return 2;
+    default: return 0;
+  }
+}
+
+// The device's NUMA node from sysfs; -1 when it has none (a software device such as rxe has no
+// PCI parent) or it cannot be read.
+int numa_node_of(ibv_device* dev) {
+  std::ifstream f(std::string(dev->ibdev_path) + "/device/numa_node");
+  int node = -1;
+  if (!(f >> node)) return -1;
+  return node;
+}
+
+}  // namespace
+
 std::vector<DeviceInfo> list_devices() {
   int n = 0;
   detail::DeviceListPtr list(ibv_get_device_list(&n));
@@ -164,6 +205,10 @@ std::vector<DeviceInfo> list_devices() {
     info.max_sge = static_cast<std::uint32_t>(attr.max_sge);
     info.max_qp_rd_atom = static_cast<std::uint32_t>(attr.max_qp_rd_atom);
     info.atomics = attr.atomic_cap != IBV_ATOMIC_NONE;
+    info.fw_ver = attr.fw_ver;
+    info.vendor_id = attr.vendor_id;
+    info.vendor_part_id = attr.vendor_part_id;
+    info.numa_node = numa_node_of(dev);
     for (std::uint8_t p = 1; p <= attr.phys_port_cnt; ++p) {
       ibv_port_attr pa{};
       if (const int rc = ibv_query_port(ctx.get(), p, &pa); rc != 0) {
@@ -179,8 +224,16 @@ std::vector<DeviceInfo> list_devices() {
       port.max_mtu = detail::mtu_bytes(pa.max_mtu);
       port.lid = pa.lid;
       port.max_msg_size = pa.max_msg_sz;
+      port.width = lanes(pa.active_width);
+      port.speed_gbps = lane_gbps(pa.active_speed) * port.width;
       port.gids = query_gids(ctx.get(), p,
                              static_cast<size_t>(pa.gid_tbl_len) * attr.phys_port_cnt);
+      for (const GidEntry& g : port.gids) {
+        if (!g.netdev.empty()) {
+          port.netdev = g.netdev;
+          break;
+        }
+      }
       info.ports.push_back(std::move(port));
     }
     devices.push_back(std::move(info));
