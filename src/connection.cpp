@@ -12,6 +12,7 @@
 
 #include "connection_impl.hpp"
 #include "rdmakit/error.hpp"
+#include "trace.hpp"
 
 namespace rdmakit {
 
@@ -88,8 +89,53 @@ std::uint32_t random_psn() {
 
 void detail::default_log(std::string_view msg) { fmt::print(stderr, "rdmakit: {}\n", msg); }
 
+namespace {
+
+using Fields = std::vector<std::pair<std::string, std::string>>;
+
+// Everything one side told the other, for a trace. Remote keys stay out of traces: an (address,
+// rkey) pair is a bearer token for the memory.
+Fields endpoint_fields(const wire::EndpointInfo& e, const std::string& peer) {
+  Fields f{{"peer", peer}, {"qpn", fmt::format("{:#x}", e.qpn)}, {"psn", fmt::format("{:#x}", e.psn)}};
+  for (std::size_t k = 0; k < e.extra_qps.size(); ++k) {
+    f.emplace_back(fmt::format("qp{}", k + 1), fmt::format("{:#x}/{:#x}", e.extra_qps[k].qpn, e.extra_qps[k].psn));
+  }
+  f.emplace_back("link_layer", to_string(e.link_layer));
+  f.emplace_back("lid", std::to_string(e.lid));
+  f.emplace_back("gid", GidEntry{e.gid_index, e.gid_type, e.gid, {}}.address());
+  f.emplace_back("gid_index", std::to_string(e.gid_index));
+  f.emplace_back("gid_type", to_string(e.gid_type));
+  f.emplace_back("mtu", std::to_string(e.mtu));
+  f.emplace_back("max_rd_atomic", std::to_string(e.max_rd_atomic));
+  f.emplace_back("max_dest_rd_atomic", std::to_string(e.max_dest_rd_atomic));
+  for (std::size_t k = 0; k < e.regions.size(); ++k) {
+    const RemoteRegion& r = e.regions[k];
+    f.emplace_back(fmt::format("region{}", k),
+                   fmt::format("{:#x}+{} {}", r.addr, r.length, to_string(r.access)));
+  }
+  return f;
+}
+
+TraceEvent transition_event(std::uint32_t qpn, const char* transition,
+                            const std::vector<detail::AttrLine>& attrs) {
+  TraceEvent e{"qp_transition", {{"qp", fmt::format("{:#x}", qpn)}, {"transition", transition}}};
+  for (const detail::AttrLine& a : attrs) {
+    e.fields.emplace_back(a.name, a.origin.empty() ? a.value : fmt::format("{} ({})", a.value, a.origin));
+  }
+  return e;
+}
+
+}  // namespace
+
+void Connection::Impl::trace_failure(const std::string& step, const std::exception& e) noexcept {
+  detail::emit(cfg.trace, [&] {
+    return TraceEvent{"handshake_failed", {{"peer", info.peer_address}, {"step", step}, {"error", e.what()}}};
+  });
+}
+
 Connection::Impl::Impl(ConnectionConfig c) : cfg(std::move(c)) {
   if (!cfg.log) cfg.log = detail::default_log;
+  if (!cfg.trace) cfg.trace = detail::trace_from_environment();
   timeouts = {cfg.ack_timeout, cfg.retry_count, cfg.rnr_timer, cfg.rnr_retry};
   detail::check_retries(timeouts);
   if (cfg.max_sge == 0) throw Error("connection config", EINVAL, "max_sge 0: at least 1 is needed");
@@ -176,6 +222,9 @@ void Connection::Impl::open() {
     info.max_sge = k == 0 ? qattr.cap.max_send_sge : std::min(info.max_sge, qattr.cap.max_send_sge);
     lane.sq.init(cfg.send_depth);
     detail::to_init(lane.qp.get(), p.number);
+    detail::emit(cfg.trace, [&] {
+      return transition_event(lane.qp->qp_num, "RESET->INIT", detail::init_attr_lines(p.number));
+    });
   }
   info.send_depth = cfg.send_depth;
   info.recv_depth = cfg.recv_depth;
@@ -246,8 +295,33 @@ void Connection::Impl::finish(wire::EndpointInfo remote) {
     const auto rtr = detail::derive_rtr(mine, theirs, info.port, timeouts);
     info.path_mtu = detail::mtu_bytes(rtr.path_mtu);
     detail::to_rtr(lanes[k].qp.get(), rtr, mine, theirs);
-    detail::to_rts(lanes[k].qp.get(), detail::derive_rts(mine, theirs, timeouts), mine, theirs);
+    detail::emit(cfg.trace, [&] {
+      return transition_event(mine.qpn, "INIT->RTR", detail::rtr_attr_lines(rtr, mine, theirs));
+    });
+    const auto rts = detail::derive_rts(mine, theirs, timeouts);
+    detail::to_rts(lanes[k].qp.get(), rts, mine, theirs);
+    detail::emit(cfg.trace, [&] {
+      return transition_event(mine.qpn, "RTR->RTS", detail::rts_attr_lines(rts, mine, theirs));
+    });
   }
+}
+
+void Connection::Impl::trace_hello(const char* event, const wire::EndpointInfo& e) noexcept {
+  detail::emit(cfg.trace, [&] { return TraceEvent{event, endpoint_fields(e, info.peer_address)}; });
+}
+
+void Connection::Impl::trace_connected() noexcept {
+  detail::emit(cfg.trace, [&] {
+    return TraceEvent{"connected",
+                      {{"peer", info.peer_address},
+                       {"device", info.device},
+                       {"port", std::to_string(info.port)},
+                       {"qps", std::to_string(info.qps)},
+                       {"path_mtu", std::to_string(info.path_mtu)},
+                       {"max_inline", std::to_string(info.max_inline)},
+                       {"send_depth", std::to_string(info.send_depth)},
+                       {"recv_depth", std::to_string(info.recv_depth)}}};
+  });
 }
 
 // Reads whatever the peer sent on the control channel without blocking: BYE, or EOF/reset (the
@@ -338,6 +412,14 @@ void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
       } catch (...) {
       }
     }
+    detail::emit(cfg.trace, [&] {
+      return TraceEvent{"closed",
+                        {{"peer", info.peer_address},
+                         {"qp", fmt::format("{:#x}", lanes[0].qp->qp_num)},
+                         {"flushed", observable && sends_in_flight() + rq.count() == 0 ? "no" : "yes"},
+                         {"never_completed", std::to_string(sends_in_flight() + rq.count())},
+                         {"peer_said_bye", bye_received ? "yes" : "no"}}};
+    });
   }
   control.reset();
 }
@@ -457,22 +539,36 @@ Connection Connection::connect(const std::string& host_port, const ConnectionCon
   }
   Connection conn(std::make_unique<Impl>(config));
   Impl& m = *conn.impl_;
-  m.open();
-  if (setup) setup(conn);
-  m.control = detail::tcp_connect(to, deadline, config.retry_refused);
   m.info.peer_address = to.to_string();
-  const int fd = m.control.get();
-  detail::send_all(fd, wire::encode_hello(m.info.local), deadline);
-  const detail::Message reply = detail::recv_message(fd, deadline);
-  expect(reply, wire::MessageType::hello, m.info.peer_address);
+  const char* step = "setup";
   try {
-    m.finish(wire::decode_hello(reply.payload));
-  } catch (const Error& e) {
-    send_reject(fd, e.what());
+    m.open();
+    if (setup) setup(conn);
+    step = "TCP connect";
+    m.control = detail::tcp_connect(to, deadline, config.retry_refused);
+    const int fd = m.control.get();
+    step = "HELLO exchange";
+    detail::send_all(fd, wire::encode_hello(m.info.local), deadline);
+    m.trace_hello("hello_sent", m.info.local);
+    const detail::Message reply = detail::recv_message(fd, deadline);
+    expect(reply, wire::MessageType::hello, m.info.peer_address);
+    step = "QP transitions";
+    try {
+      wire::EndpointInfo remote = wire::decode_hello(reply.payload);
+      m.trace_hello("hello_received", remote);
+      m.finish(std::move(remote));
+    } catch (const Error& e) {
+      send_reject(fd, e.what());
+      throw;
+    }
+    step = "READY";
+    detail::send_all(fd, wire::encode_header(wire::MessageType::ready, 0), deadline);
+  } catch (const std::exception& e) {
+    m.trace_failure(step, e);
     throw;
   }
-  detail::send_all(fd, wire::encode_header(wire::MessageType::ready, 0), deadline);
   m.state = Impl::State::connected;
+  m.trace_connected();
   return conn;
 }
 
@@ -498,18 +594,27 @@ Connection Connection::accept_on(int raw_fd, const std::string& peer, const Conn
   Connection conn(std::make_unique<Impl>(std::move(mine)));
   Impl& m = *conn.impl_;
   m.info.peer_address = peer;
+  m.trace_hello("hello_received", remote);
   try {
     m.open();
     if (setup) setup(conn);
     m.finish(std::move(remote));
   } catch (const Error& e) {
+    m.trace_failure("QP transitions", e);
     send_reject(fd.get(), e.what());
     throw;
   }
   m.control = std::move(fd);
-  detail::send_all(m.control.get(), wire::encode_hello(m.info.local), deadline);
-  expect(detail::recv_message(m.control.get(), deadline), wire::MessageType::ready, peer);
+  try {
+    detail::send_all(m.control.get(), wire::encode_hello(m.info.local), deadline);
+    m.trace_hello("hello_sent", m.info.local);
+    expect(detail::recv_message(m.control.get(), deadline), wire::MessageType::ready, peer);
+  } catch (const std::exception& e) {
+    m.trace_failure("READY", e);
+    throw;
+  }
   m.state = Impl::State::connected;
+  m.trace_connected();
   return conn;
 }
 

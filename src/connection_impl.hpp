@@ -170,6 +170,11 @@ struct Connection::Impl {
     }
   }
   void close(std::chrono::milliseconds timeout) noexcept;
+  void trace_hello(const char* event, const wire::EndpointInfo& e) noexcept;
+  void trace_connected() noexcept;
+  void trace_failure(const std::string& step, const std::exception& e) noexcept;
+  // Off the hot path: only error completions are traced.
+  void trace_error(const Completion& c) noexcept;
 
   // datapath.cpp
   template <Opcode Op>

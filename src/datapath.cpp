@@ -12,6 +12,7 @@
 
 #include "connection_impl.hpp"
 #include "rdmakit/error.hpp"
+#include "trace.hpp"
 
 namespace rdmakit {
 
@@ -413,7 +414,21 @@ template <typename Take>
   c.opcode = seg.op;
   c.status = seg.status;
   c.vendor_err = seg.vendor_err;
+  if (!c.ok()) trace_error(c);
   return true;
+}
+
+[[gnu::noinline]] void Connection::Impl::trace_error(const Completion& c) noexcept {
+  detail::emit(cfg.trace, [&] {
+    return TraceEvent{"error_completion",
+                      {{"peer", info.peer_address},
+                       {"qp", fmt::format("{:#x}", lanes[0].qp->qp_num)},
+                       {"opcode", to_string(c.opcode)},
+                       {"wr_id", std::to_string(c.wr_id)},
+                       {"status", c.status_name()},
+                       {"vendor_err", fmt::format("{:#x}", c.vendor_err)},
+                       {"detail", c.describe()}}};
+  });
 }
 
 [[gnu::always_inline]] inline std::size_t Connection::Impl::reap_send(std::span<Completion> out) noexcept {
@@ -426,6 +441,7 @@ template <typename Take>
     // error is always news.
     if (wc.status == IBV_WC_SUCCESS && !slot.user_signaled) return false;
     fill(c, slot.wr_id, slot.op, wc);
+    if (wc.status != IBV_WC_SUCCESS) [[unlikely]] trace_error(c);
     return true;
   });
 }
@@ -434,6 +450,7 @@ std::size_t Connection::Impl::reap_recv(std::span<Completion> out) noexcept {
   return reap(recv_cq.get(), out, [this](const ibv_wc& wc, Completion& c) __attribute__((always_inline)) {
     const detail::WrRing::Slot slot = rq.retire(wc.wr_id);
     fill(c, slot.wr_id, slot.op, wc);
+    if (wc.status != IBV_WC_SUCCESS) [[unlikely]] trace_error(c);
     return true;
   });
 }
@@ -548,6 +565,14 @@ WaitResult Connection::wait(std::chrono::milliseconds timeout) noexcept {
       if (impl_->control_gone) {
         // One last look: the completion may have arrived just before the peer went.
         r.status = impl_->poll({&r.completion, 1}) == 1 ? WaitStatus::completed : WaitStatus::peer_lost;
+        if (r.status == WaitStatus::peer_lost) {
+          detail::emit(impl_->cfg.trace, [&] {
+            return TraceEvent{"peer_lost",
+                              {{"peer", impl_->info.peer_address},
+                               {"outstanding", std::to_string(outstanding())},
+                               {"how", impl_->bye_received ? "BYE" : "control channel closed"}}};
+          });
+        }
         return r;
       }
     }

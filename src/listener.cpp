@@ -11,6 +11,7 @@
 
 #include "bootstrap/socket.hpp"
 #include "connection_impl.hpp"
+#include "trace.hpp"
 #include "rdmakit/connection.hpp"
 #include "rdmakit/error.hpp"
 
@@ -72,6 +73,9 @@ void Listener::Impl::accept_loop() {
           cfg.log(fmt::format("rejected connection from {}: {}", peer, e.what()));
         } catch (...) {
         }
+        detail::emit(cfg.trace, [&] {
+          return TraceEvent{"handshake_rejected", {{"peer", peer}, {"error", e.what()}}};
+        });
       }
       done->store(true);
     });
@@ -83,6 +87,7 @@ void Listener::Impl::accept_loop() {
 Listener::Listener(const std::string& address, ConnectionConfig config, Connection::Setup setup)
     : impl_(std::make_unique<Impl>()) {
   if (!config.log) config.log = detail::default_log;
+  if (!config.trace) config.trace = detail::trace_from_environment();
   impl_->cfg = std::move(config);
   impl_->setup = std::move(setup);
   impl_->fd = detail::tcp_listen(detail::parse_host_port(address, 0), 128);

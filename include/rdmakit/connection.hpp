@@ -8,6 +8,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "rdmakit/device.hpp"
@@ -19,6 +20,20 @@ namespace rdmakit {
 namespace detail {
 struct ConnectionAccess;  // the library's own tests and benchmarks reach the verbs objects
 }
+
+/// One record of what a connection did, for debugging (ConnectionConfig::trace, RDMAKIT_TRACE):
+/// each handshake step, each QP transition with every attribute and where its value came from on
+/// either side, each error completion, the close.
+struct TraceEvent {
+  /// "hello_sent", "hello_received", "qp_transition", "connected", "handshake_failed",
+  /// "handshake_rejected" (a listener's), "error_completion", "peer_lost", "closed"
+  std::string event;
+  std::vector<std::pair<std::string, std::string>> fields;  ///< in a fixed order per event
+  /// One line: `qp_transition qp=0x11 transition=INIT->RTR path_mtu="1024 (local ...)" ...`
+  [[nodiscard]] std::string text() const;
+  /// One JSON object: {"event":"qp_transition","qp":"0x11",...}
+  [[nodiscard]] std::string json() const;
+};
 
 /// Everything a connection is built from, passed by value. The defaults detect a dead peer within
 /// about 4 s (500 ms ACK timeout x 7 tries) and never wait forever.
@@ -58,6 +73,10 @@ struct ConnectionConfig {
   /// Where setup diagnostics go (rejected handshakes on a listener, close problems).
   /// Default: standard error.
   std::function<void(std::string_view)> log;
+  /// Receives a TraceEvent for every handshake step, QP transition, error completion and close
+  /// (never for a successful completion: the data path stays untouched). Unset, the environment
+  /// decides: RDMAKIT_TRACE=1 writes text lines to standard error, RDMAKIT_TRACE=json JSON lines.
+  std::function<void(const TraceEvent&)> trace;
   /// Test seam: sees (and may alter) the peer's decoded parameters before the QP transitions.
   std::function<void(wire::EndpointInfo&)> testing_alter_peer;
 };

@@ -24,16 +24,20 @@ std::string gid_text(const Gid& g) { return format_ip16(g); }
 
 // One line per attribute in the mask: name, the value used, and where it came from on each side.
 struct AttrLines {
-  std::string text;
+  std::vector<AttrLine> lines;
   void add(const char* name, const std::string& value, const std::string& origin = {}) {
-    text += fmt::format("\n    {:<20} {}{}", name, value, origin.empty() ? "" : "  (" + origin + ")");
+    lines.push_back({name, value, origin});
   }
 };
 
-[[noreturn]] void modify_failed(const char* transition, int rc, const AttrLines& attrs,
+[[noreturn]] void modify_failed(const char* transition, int rc, const std::vector<AttrLine>& attrs,
                                 std::string hint) {
-  throw Error(fmt::format("ibv_modify_qp({})", transition), rc,
-              "attributes in the mask:" + attrs.text, std::move(hint));
+  std::string text;
+  for (const AttrLine& a : attrs) {
+    text += fmt::format("\n    {:<20} {}{}", a.name, a.value, a.origin.empty() ? "" : "  (" + a.origin + ")");
+  }
+  throw Error(fmt::format("ibv_modify_qp({})", transition), rc, "attributes in the mask:" + text,
+              std::move(hint));
 }
 
 }  // namespace
@@ -132,6 +136,56 @@ unsigned qp_access_flags(Access access) noexcept {
   return f;
 }
 
+std::vector<AttrLine> init_attr_lines(std::uint8_t port) {
+  AttrLines l;
+  l.add("qp_state", "INIT");
+  l.add("pkey_index", "0");
+  l.add("port_num", std::to_string(port));
+  l.add("qp_access_flags", "0", "granted at RTR, from the advertised regions");
+  return std::move(l.lines);
+}
+
+std::vector<AttrLine> rtr_attr_lines(const RtrAttrs& a, const wire::EndpointInfo& local,
+                                     const wire::EndpointInfo& remote) {
+  AttrLines l;
+  l.add("qp_state", "RTR");
+  l.add("path_mtu", std::to_string(mtu_bytes(a.path_mtu)),
+        fmt::format("local active {}, remote active {}", local.mtu, remote.mtu));
+  l.add("dest_qp_num", fmt::format("{:#x}", a.dest_qpn),
+        fmt::format("remote QPN {:#x}; local QPN {:#x}", remote.qpn, local.qpn));
+  l.add("rq_psn", fmt::format("{:#x}", a.rq_psn), "remote PSN");
+  l.add("max_dest_rd_atomic", std::to_string(a.max_dest_rd_atomic), "local device cap");
+  l.add("min_rnr_timer", std::to_string(a.min_rnr_timer));
+  l.add("qp_access_flags", fmt::format("{:#x}", qp_access_flags(a.access)),
+        fmt::format("{}, the union of the {} advertised regions", to_string(a.access),
+                    local.regions.size()));
+  l.add("ah.port_num", std::to_string(a.port));
+  l.add("ah.dlid", std::to_string(a.dlid), fmt::format("remote LID {}", remote.lid));
+  l.add("ah.is_global", a.is_global ? "1" : "0", to_string(local.link_layer));
+  if (a.is_global) {
+    l.add("ah.grh.dgid", gid_text(a.dgid), fmt::format("remote GID, {}", to_string(remote.gid_type)));
+    l.add("ah.grh.sgid_index", std::to_string(a.sgid_index),
+          fmt::format("local GID {}, {}", gid_text(local.gid), to_string(local.gid_type)));
+    l.add("ah.grh.hop_limit", std::to_string(a.hop_limit));
+  }
+  return std::move(l.lines);
+}
+
+std::vector<AttrLine> rts_attr_lines(const RtsAttrs& a, const wire::EndpointInfo& local,
+                                     const wire::EndpointInfo& remote) {
+  AttrLines l;
+  l.add("qp_state", "RTS");
+  l.add("sq_psn", fmt::format("{:#x}", a.sq_psn), "local PSN");
+  l.add("timeout", std::to_string(a.timeout),
+        fmt::format("{} us", ack_timeout_duration(a.timeout).count()));
+  l.add("retry_cnt", std::to_string(a.retry_cnt));
+  l.add("rnr_retry", std::to_string(a.rnr_retry));
+  l.add("max_rd_atomic", std::to_string(a.max_rd_atomic),
+        fmt::format("min(local {}, remote max_dest_rd_atomic {})", local.max_rd_atomic,
+                    remote.max_dest_rd_atomic));
+  return std::move(l.lines);
+}
+
 void to_init(ibv_qp* qp, std::uint8_t port) {
   ibv_qp_attr attr{};
   attr.qp_state = IBV_QPS_INIT;
@@ -140,13 +194,8 @@ void to_init(ibv_qp* qp, std::uint8_t port) {
   attr.qp_access_flags = 0;
   const int mask = IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS;
   if (const int rc = ibv_modify_qp(qp, &attr, mask); rc != 0) {
-    AttrLines l;
-    l.add("qp_state", "INIT");
-    l.add("pkey_index", "0");
-    l.add("port_num", std::to_string(port));
-    l.add("qp_access_flags", "0", "granted at RTR, from the advertised regions");
     // Some NICs (Intel E810) reject RESET->INIT unless the QP really is in RESET.
-    modify_failed("RESET->INIT", rc, l,
+    modify_failed("RESET->INIT", rc, init_attr_lines(port),
                   fmt::format("is port {} valid and the QP in RESET (it is {})?", port,
                               state_name(query_state(qp))));
   }
@@ -154,30 +203,7 @@ void to_init(ibv_qp* qp, std::uint8_t port) {
 
 void to_rtr(ibv_qp* qp, const RtrAttrs& a, const wire::EndpointInfo& local,
             const wire::EndpointInfo& remote) {
-  auto lines = [&] {
-    AttrLines l;
-    l.add("qp_state", "RTR");
-    l.add("path_mtu", std::to_string(mtu_bytes(a.path_mtu)),
-          fmt::format("local active {}, remote active {}", local.mtu, remote.mtu));
-    l.add("dest_qp_num", fmt::format("{:#x}", a.dest_qpn),
-          fmt::format("remote QPN {:#x}; local QPN {:#x}", remote.qpn, local.qpn));
-    l.add("rq_psn", fmt::format("{:#x}", a.rq_psn), "remote PSN");
-    l.add("max_dest_rd_atomic", std::to_string(a.max_dest_rd_atomic), "local device cap");
-    l.add("min_rnr_timer", std::to_string(a.min_rnr_timer));
-    l.add("qp_access_flags", fmt::format("{:#x}", qp_access_flags(a.access)),
-          fmt::format("{}, the union of the {} advertised regions", to_string(a.access),
-                      local.regions.size()));
-    l.add("ah.port_num", std::to_string(a.port));
-    l.add("ah.dlid", std::to_string(a.dlid), fmt::format("remote LID {}", remote.lid));
-    l.add("ah.is_global", a.is_global ? "1" : "0", to_string(local.link_layer));
-    if (a.is_global) {
-      l.add("ah.grh.dgid", gid_text(a.dgid), fmt::format("remote GID, {}", to_string(remote.gid_type)));
-      l.add("ah.grh.sgid_index", std::to_string(a.sgid_index),
-            fmt::format("local GID {}, {}", gid_text(local.gid), to_string(local.gid_type)));
-      l.add("ah.grh.hop_limit", std::to_string(a.hop_limit));
-    }
-    return l;
-  };
+  auto lines = [&] { return rtr_attr_lines(a, local, remote); };
   // QPNs and PSNs are 24-bit. Checked here rather than left to the provider: mlx5 answers EINVAL,
   // but rxe silently keeps the low 24 bits and would connect to whichever QP has that number.
   if (a.dest_qpn >= (1u << 24) || a.dest_qpn == 0 || a.rq_psn >= (1u << 24)) {
@@ -224,17 +250,8 @@ void to_rts(ibv_qp* qp, const RtsAttrs& a, const wire::EndpointInfo& local,
   const int mask = IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
                    IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC;
   if (const int rc = ibv_modify_qp(qp, &attr, mask); rc != 0) {
-    AttrLines l;
-    l.add("qp_state", "RTS");
-    l.add("sq_psn", fmt::format("{:#x}", a.sq_psn), "local PSN");
-    l.add("timeout", std::to_string(a.timeout),
-          fmt::format("{} us", ack_timeout_duration(a.timeout).count()));
-    l.add("retry_cnt", std::to_string(a.retry_cnt));
-    l.add("rnr_retry", std::to_string(a.rnr_retry));
-    l.add("max_rd_atomic", std::to_string(a.max_rd_atomic),
-          fmt::format("min(local {}, remote max_dest_rd_atomic {})", local.max_rd_atomic,
-                      remote.max_dest_rd_atomic));
-    modify_failed("RTR->RTS", rc, l, "is max_rd_atomic within the device's max_qp_init_rd_atom?");
+    modify_failed("RTR->RTS", rc, rts_attr_lines(a, local, remote),
+                  "is max_rd_atomic within the device's max_qp_init_rd_atom?");
   }
 }
 

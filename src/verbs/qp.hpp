@@ -8,6 +8,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "rdmakit/memory.hpp"
 #include "rdmakit/wire.hpp"
@@ -64,6 +66,17 @@ RtrAttrs derive_rtr(const wire::EndpointInfo& local, const wire::EndpointInfo& r
                     std::uint8_t port, const QpTimeouts& timeouts);
 RtsAttrs derive_rts(const wire::EndpointInfo& local, const wire::EndpointInfo& remote,
                     const QpTimeouts& timeouts);
+
+/// One attribute of a transition: its verbs name, value, and where the value came from (which
+/// side's parameter, which device cap). Errors and traces list the same lines.
+struct AttrLine {
+  std::string name, value, origin;
+};
+std::vector<AttrLine> init_attr_lines(std::uint8_t port);
+std::vector<AttrLine> rtr_attr_lines(const RtrAttrs& a, const wire::EndpointInfo& local,
+                                     const wire::EndpointInfo& remote);
+std::vector<AttrLine> rts_attr_lines(const RtsAttrs& a, const wire::EndpointInfo& local,
+                                     const wire::EndpointInfo& remote);
 
 /// The ibv_access_flags a QP needs so peers may use regions with `access`.
 unsigned qp_access_flags(Access access) noexcept;

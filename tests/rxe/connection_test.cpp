@@ -276,6 +276,62 @@ TEST(Connection, ErrorCompletionIsDataWithLikelyCause) {
   EXPECT_NE(d.find("no receive posted"), std::string::npos) << d;
 }
 
+// ConnectionConfig::trace: every handshake step and QP transition with its attributes (and
+// where each value came from), the connection, an error completion, the peer leaving, the close.
+TEST(Connection, TraceReportsHandshakeTransitionsErrorsAndClose) {
+  std::vector<rdmakit::TraceEvent> events;
+  std::mutex mu;
+  ConnectionConfig cfg = quiet();
+  cfg.trace = [&](const rdmakit::TraceEvent& e) {
+    std::lock_guard lock(mu);
+    events.push_back(e);
+  };
+  Listener listener("127.0.0.1:0", quiet(), server_setup());  // posts no receive: RNR below
+  {
+    Connection client = Connection::connect(target(listener), cfg, client_setup());
+    auto server = listener.accept(5s);
+    ASSERT_TRUE(server.has_value());
+    ASSERT_TRUE(client.post_send(client.memory(0).local().subslice(0, 16), 42).ok());
+    EXPECT_FALSE(client.wait(10s).completion.ok());
+    server->close();
+    EXPECT_EQ(client.wait(5s).status, rdmakit::WaitStatus::peer_lost);
+  }
+  std::lock_guard lock(mu);
+  auto field = [](const rdmakit::TraceEvent& e, const std::string& k) {
+    for (const auto& [key, v] : e.fields) {
+      if (key == k) return v;
+    }
+    return std::string("(absent)");
+  };
+  std::vector<std::string> names;
+  for (const auto& e : events) {
+    names.push_back(e.event == "qp_transition" ? "qp_transition " + field(e, "transition") : e.event);
+  }
+  const std::vector<std::string> want = {"qp_transition RESET->INIT", "hello_sent", "hello_received",
+                                         "qp_transition INIT->RTR", "qp_transition RTR->RTS", "connected",
+                                         "error_completion", "peer_lost", "closed"};
+  EXPECT_EQ(names, want);
+  for (const auto& e : events) {
+    std::printf("%s\n", e.text().c_str());
+    if (e.event == "qp_transition" && field(e, "transition") == "INIT->RTR") {
+      EXPECT_EQ(field(e, "path_mtu"), "1024 (local active 1024, remote active 1024)");
+      EXPECT_NE(field(e, "dest_qp_num").find("remote QPN"), std::string::npos);
+      EXPECT_NE(field(e, "ah.grh.dgid").find("remote GID, RoCE v2"), std::string::npos);
+    }
+    if (e.event == "hello_received") {
+      EXPECT_NE(field(e, "region0"), "(absent)");  // the peer's advertised region ...
+      EXPECT_EQ(e.text().find("rkey"), std::string::npos);  // ... without its key
+    }
+    if (e.event == "error_completion") {
+      EXPECT_EQ(field(e, "status"), "RNR retry counter exceeded");
+      EXPECT_EQ(field(e, "wr_id"), "42");
+    }
+    // Every event is one valid JSON object.
+    EXPECT_EQ(e.json().front(), '{');
+    EXPECT_NE(e.json().find("\"event\":\"" + e.event + "\""), std::string::npos) << e.json();
+  }
+}
+
 TEST(Connection, CloseFlushesOutstandingReceives) {
   Listener listener("127.0.0.1:0", quiet(), server_setup());
   Connection client = Connection::connect(target(listener), quiet(), [](Connection& c) {

@@ -665,7 +665,9 @@ void print_row(const BenchOptions& o, const json& j) {
 // --- the two roles ---------------------------------------------------------------------------
 
 ConnectionConfig bench_config(const BenchOptions& o) {
-  ConnectionConfig cfg = o.net.config();
+  ConnectOptions net = o.net;
+  net.trace_json = o.json_out;
+  ConnectionConfig cfg = net.config();
   cfg.send_depth = std::max<std::uint32_t>(o.tx_depth, 16);
   // Send bandwidth needs receives ahead of the sender; twice its depth keeps RNR away.
   cfg.recv_depth = std::max<std::uint32_t>(2 * o.tx_depth, 64);

@@ -19,6 +19,19 @@ void ConnectOptions::add_to(CLI::App& app) {
                  "for each operation")
       ->check(CLI::Range(1u, 3'600'000u))
       ->capture_default_str();
+  add_trace_flag(app, trace);
+}
+
+void add_trace_flag(CLI::App& app, bool& trace) {
+  app.add_flag("--trace", trace,
+               "log each connection event, QP transition (every attribute of both sides) and error "
+               "completion to standard error (JSON lines with --json); RDMAKIT_TRACE=1 does the "
+               "same for any program using the library");
+}
+
+std::function<void(const TraceEvent&)> trace_sink(bool json) {
+  if (json) return [](const TraceEvent& e) { fmt::print(stderr, "{}\n", e.json()); };
+  return [](const TraceEvent& e) { fmt::print(stderr, "rdmakit trace: {}\n", e.text()); };
 }
 
 namespace {
@@ -52,6 +65,7 @@ ConnectionConfig ConnectOptions::config() const {
   cfg.handshake_timeout = timeout();
   // A server started at the same moment (a script, a job launcher) may not listen yet.
   cfg.retry_refused = true;
+  if (trace) cfg.trace = trace_sink(trace_json);
   return cfg;
 }
 

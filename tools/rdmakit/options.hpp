@@ -23,6 +23,8 @@ struct ConnectOptions {
   unsigned ib_port = 0;
   std::string gid;
   unsigned timeout_ms = 10'000;
+  bool trace = false;       // --trace
+  bool trace_json = false;  // a subcommand's --json makes trace lines JSON too
 
   CLI::Option* listen_opt = nullptr;
   CLI::Option* connect_opt = nullptr;
@@ -36,6 +38,12 @@ struct ConnectOptions {
   [[nodiscard]] ConnectionConfig config() const;
   [[nodiscard]] std::chrono::milliseconds timeout() const { return std::chrono::milliseconds{timeout_ms}; }
 };
+
+/// Where --trace sends a connection's TraceEvents: standard error, one line each (JSON lines
+/// when `json`).
+std::function<void(const TraceEvent&)> trace_sink(bool json);
+/// Adds --trace to a subcommand.
+void add_trace_flag(CLI::App& app, bool& trace);
 
 /// The negotiated parameters, as an indented block of lines.
 std::string describe(const ConnectionInfo& info);
