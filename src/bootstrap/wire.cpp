@@ -270,6 +270,22 @@ void check_compatible(const EndpointInfo& local, const EndpointInfo& remote) {
                             to_string(local.gid_type), to_string(remote.gid_type)),
                 "choose GIDs of the same RoCE version on both hosts (--gid)");
   }
+  // An IPv4 GID cannot reach an IPv6 one: refused here, with both addresses, instead of an
+  // EINVAL from ibv_modify_qp (rxe) or a RETRY_EXC_ERR seconds after the first post (mlx5).
+  if (local.link_layer == LinkLayer::ethernet) {
+    const GidEntry l{local.gid_index, local.gid_type, local.gid, {}};
+    const GidEntry r{remote.gid_index, remote.gid_type, remote.gid, {}};
+    const bool l4 = l.kind() == GidKind::ipv4_mapped, r4 = r.kind() == GidKind::ipv4_mapped;
+    if (l4 != r4) {
+      throw Error("bootstrap handshake", EPROTO,
+                  fmt::format("GID families differ: this side's GID [{}] {} is {}, the peer's [{}] {} is {}",
+                              l.index, l.address(), l4 ? "IPv4" : "IPv6", r.index, r.address(),
+                              r4 ? "IPv4" : "IPv6"),
+                  "RoCE v2 packets of one address family never reach the other: choose GIDs of the "
+                  "same family on both sides (--gid with the IPv4 address, or the index `rdmakit "
+                  "devices` shows)");
+    }
+  }
   if (local.link_layer == LinkLayer::infiniband && remote.lid == 0) {
     throw Error("bootstrap handshake", EPROTO, "the InfiniBand peer has LID 0",
                 "is a subnet manager (opensm) running on the fabric?");

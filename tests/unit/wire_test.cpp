@@ -190,6 +190,15 @@ TEST(Wire, Compatibility) {
   remote = sample();
   remote.gid_type = rdmakit::GidType::roce_v1;
   expect_error([&] { check_compatible(local, remote); }, "RoCE versions differ");
+  remote = sample();
+  remote.gid = {0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+  remote.gid_index = 0;
+  expect_error([&] { check_compatible(local, remote); },
+               "GID families differ: this side's GID [1] ::ffff:198.18.0.1 is IPv4, the peer's [0] fe80::1 is IPv6");
+  local.gid = remote.gid;  // both IPv6: fine (reachability within the family is the network's)
+  EXPECT_NO_THROW(check_compatible(local, remote));
+  remote = sample();
+  local = sample();
   local.link_layer = remote.link_layer = rdmakit::LinkLayer::infiniband;
   remote.lid = 0;
   expect_error([&] { check_compatible(local, remote); }, "subnet manager");
