@@ -8,6 +8,7 @@
 #include <fmt/core.h>
 
 #include "bench.hpp"
+#include "devices.hpp"
 #include "hello.hpp"
 #include "rdmakit/error.hpp"
 #include "rdmakit/version.hpp"
@@ -19,6 +20,8 @@ int main(int argc, char** argv) {
   std::function<int()> run;
   rdmakit::tools::add_hello(app, run);
   rdmakit::tools::add_bench(app, run);
+  rdmakit::tools::add_devices(app, run);
+  rdmakit::tools::add_doctor(app, run);
   CLI11_PARSE(app, argc, argv);
   try {
     return run();
