@@ -16,7 +16,7 @@
 #include <fstream>
 #include <limits>
 #include <memory>
-#include <regex>
+#include <vector>
 #include <sstream>
 #include <string>
 
@@ -131,10 +131,14 @@ HostFacts host_facts() {
   // of the file this process actually loaded.
   Dl_info info{};
   if (::dladdr(reinterpret_cast<void*>(&ibv_get_device_list), &info) != 0 && info.dli_fname != nullptr) {
+    // "libibverbs.so.1.14.44.0" -> fields after ".so.": 1, 14, 44, 0 -> rdma-core 44.0
     const std::string real = fs::canonical(info.dli_fname, ec).filename().string();
-    std::smatch m;
-    if (std::regex_search(real, m, std::regex(R"(libibverbs\.so\.1\.\d+\.(\d+)\.(\d+))"))) {
-      h.rdma_core = m[1].str() + "." + m[2].str();
+    const auto so = real.find(".so.");
+    if (so != std::string::npos) {
+      std::vector<std::string> parts;
+      std::istringstream is(real.substr(so + 4));
+      for (std::string part; std::getline(is, part, '.');) parts.push_back(part);
+      if (parts.size() == 4) h.rdma_core = parts[2] + "." + parts[3];
     }
   }
   utsname u{};
