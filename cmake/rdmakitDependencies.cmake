@@ -22,3 +22,17 @@ if(NOT TARGET rdmakit::ibverbs)
     INTERFACE_INCLUDE_DIRECTORIES ${RDMAKIT_RDMACM_INCLUDE_DIR}
     INTERFACE_LINK_LIBRARIES rdmakit::ibverbs)
 endif()
+
+# libsodium (the authenticated bootstrap's HMAC-SHA256, nonces, constant-time compare): private to
+# the library, but a static librdmakit needs it at link time, so the installed config finds it too.
+if(NOT TARGET rdmakit::sodium)
+  find_path(RDMAKIT_SODIUM_INCLUDE_DIR sodium.h)
+  find_library(RDMAKIT_SODIUM_LIBRARY sodium)
+  if(NOT RDMAKIT_SODIUM_INCLUDE_DIR OR NOT RDMAKIT_SODIUM_LIBRARY)
+    message(FATAL_ERROR "rdmakit needs libsodium (apt-get install libsodium-dev)")
+  endif()
+  add_library(rdmakit::sodium UNKNOWN IMPORTED)
+  set_target_properties(rdmakit::sodium PROPERTIES
+    IMPORTED_LOCATION ${RDMAKIT_SODIUM_LIBRARY}
+    INTERFACE_INCLUDE_DIRECTORIES ${RDMAKIT_SODIUM_INCLUDE_DIR})
+endif()

@@ -6,11 +6,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <thread>
 #include <tuple>
 
 #include <fmt/format.h>
 
 #include "connection_impl.hpp"
+#include "bootstrap/auth.hpp"
 #include "rdmakit/error.hpp"
 #include "trace.hpp"
 
@@ -139,6 +141,7 @@ Connection::Impl::Impl(ConnectionConfig c) : cfg(std::move(c)) {
   timeouts = {cfg.ack_timeout, cfg.retry_count, cfg.rnr_timer, cfg.rnr_retry};
   detail::check_retries(timeouts);
   if (cfg.max_sge == 0) throw Error("connection config", EINVAL, "max_sge 0: at least 1 is needed");
+  detail::check_key(cfg.psk);
 }
 
 // Opens the device and builds PD, CQs and the QP (in INIT), and fills in our EndpointInfo.
@@ -412,6 +415,8 @@ void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
       } catch (...) {
       }
     }
+    // Revocation: once nothing is in flight, no rkey of this connection may keep working.
+    for (MemoryRegion& r : regions) r.deregister();
     detail::emit(cfg.trace, [&] {
       return TraceEvent{"closed",
                         {{"peer", info.peer_address},
@@ -440,6 +445,13 @@ const MemoryRegion& Connection::allocate_memory(std::size_t length, Access acces
   impl_->regions.push_back(
       MemoryRegion(detail::register_region(impl_->dev, p, length, access, std::move(mem))));
   return impl_->regions.back();
+}
+
+void Connection::revoke(const MemoryRegion& region) noexcept {
+  for (MemoryRegion& r : impl_->regions) {
+    if (&r == &region) r.deregister();
+  }
+  // The advertised list is the peer's view at the handshake; it stays as sent.
 }
 
 const MemoryRegion& Connection::memory(std::size_t index) const {
@@ -544,14 +556,32 @@ Connection Connection::connect(const std::string& host_port, const ConnectionCon
   try {
     m.open();
     if (setup) setup(conn);
-    step = "TCP connect";
-    m.control = detail::tcp_connect(to, deadline, config.retry_refused);
+    detail::Message reply;
+    // A listener at its handshake caps answers "busy": like a refused connect, that is worth
+    // retrying until the deadline when the caller asked for retries (the QP and HELLO are reused).
+    for (;;) {
+      step = "TCP connect";
+      m.control = detail::tcp_connect(to, deadline, config.retry_refused);
+      const int fd = m.control.get();
+      try {
+        if (!config.psk.empty()) {
+          step = "authentication";
+          detail::authenticate_client(fd, config.psk, deadline, m.info.peer_address);
+        }
+        step = "HELLO exchange";
+        detail::send_all(fd, wire::encode_hello(m.info.local), deadline);
+        m.trace_hello("hello_sent", m.info.local);
+        reply = detail::recv_message(fd, deadline);
+        expect(reply, wire::MessageType::hello, m.info.peer_address);
+        break;
+      } catch (const Error& e) {
+        const bool busy = std::string_view(e.what()).find(detail::kBusyReason) != std::string_view::npos;
+        if (!busy || !config.retry_refused || Clock::now() + std::chrono::milliseconds{100} >= deadline) throw;
+        m.control.reset();
+        std::this_thread::sleep_for(std::chrono::milliseconds{50 + random_psn() % 100});
+      }
+    }
     const int fd = m.control.get();
-    step = "HELLO exchange";
-    detail::send_all(fd, wire::encode_hello(m.info.local), deadline);
-    m.trace_hello("hello_sent", m.info.local);
-    const detail::Message reply = detail::recv_message(fd, deadline);
-    expect(reply, wire::MessageType::hello, m.info.peer_address);
     step = "QP transitions";
     try {
       wire::EndpointInfo remote = wire::decode_hello(reply.payload);
@@ -576,14 +606,23 @@ Connection Connection::connect(const std::string& host_port, const ConnectionCon
 // client READY. Each side is in RTS before the other may post to it, and a malformed HELLO is
 // refused before the server spends any device resource on it.
 Connection Connection::accept_on(int raw_fd, const std::string& peer, const ConnectionConfig& config,
-                                 const Setup& setup) {
+                                 const Setup& setup, std::shared_ptr<void> admission) {
   detail::Fd fd(raw_fd);
   const Deadline deadline = detail::deadline_in(config.handshake_timeout);
   wire::EndpointInfo remote;
   try {
-    const detail::Message hello = detail::recv_message(fd.get(), deadline);
-    expect(hello, wire::MessageType::hello, peer);
-    remote = wire::decode_hello(hello.payload);
+    detail::Message first = detail::recv_message(fd.get(), deadline);
+    if (!config.psk.empty()) {
+      // Nothing about this side crosses the wire before the client has proven the key.
+      detail::authenticate_server(fd.get(), config.psk, first, deadline, peer);
+      first = detail::recv_message(fd.get(), deadline);
+    } else if (first.header.type == wire::MessageType::auth_challenge) {
+      throw Error("bootstrap authentication", EACCES,
+                  fmt::format("{} asked to authenticate, but this listener has no pre-shared key", peer),
+                  "give both sides the same key");
+    }
+    expect(first, wire::MessageType::hello, peer);
+    remote = wire::decode_hello(first.payload);
   } catch (const Error& e) {
     send_reject(fd.get(), e.what());
     throw;
@@ -593,6 +632,7 @@ Connection Connection::accept_on(int raw_fd, const std::string& peer, const Conn
   mine.qps = static_cast<std::uint32_t>(remote.qp_count());
   Connection conn(std::make_unique<Impl>(std::move(mine)));
   Impl& m = *conn.impl_;
+  m.admission = std::move(admission);
   m.info.peer_address = peer;
   m.trace_hello("hello_received", remote);
   try {

@@ -108,6 +108,7 @@ struct Connection::Impl {
   enum class State { setup, connected, closed };
 
   ConnectionConfig cfg;
+  std::shared_ptr<void> admission;  // a listener's per-peer slot, given back on destruction
   ConnectionInfo info;
   detail::QpTimeouts timeouts;
   // Release order is the reverse of this order: regions, QP, CQs, channel, then (when the last

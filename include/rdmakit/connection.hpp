@@ -43,8 +43,8 @@ struct ConnectionConfig {
   GidSelector gid;          ///< source GID; default: by priority (RoCE v2 IPv4 first)
   /// Bound on the whole handshake (TCP connect, parameter exchange, QP transitions).
   std::chrono::milliseconds handshake_timeout{10'000};
-  /// Keep retrying a refused TCP connect until handshake_timeout (a server started at the same
-  /// moment may not be listening yet). Off: a refused connect fails at once.
+  /// Keep retrying a refused TCP connect, or a listener's "busy", until handshake_timeout (a
+  /// server started at the same moment may not be listening yet). Off: either fails at once.
   bool retry_refused = false;
   /// Time to wait for an ACK before retransmitting. 0 is refused (it means forever).
   std::chrono::milliseconds ack_timeout{500};
@@ -73,6 +73,19 @@ struct ConnectionConfig {
   /// Where setup diagnostics go (rejected handshakes on a listener, close problems).
   /// Default: standard error.
   std::function<void(std::string_view)> log;
+  /// Pre-shared key for the authenticated bootstrap (at least 16 bytes; see read_key_file). When
+  /// set, both sides prove they know it (mutual HMAC-SHA256 challenge-response over fresh nonces)
+  /// before any QPN, GID, address or rkey is sent; a peer without it, or with another, is refused
+  /// and learns nothing. Empty: no authentication, and a listener says once that anyone who can
+  /// reach its port gets the memory it advertises.
+  std::vector<std::uint8_t> psk;
+  /// Listener: handshakes in progress at once (all peers / one peer address); more are refused
+  /// at once ("busy", which a client with retry_refused retries until its deadline), so a flood
+  /// of connects cannot exhaust threads, QPs or memory.
+  std::uint32_t max_handshakes = 128;
+  std::uint32_t max_handshakes_per_peer = 32;
+  /// Listener: established connections from one peer address (0: no limit).
+  std::uint32_t max_connections_per_peer = 64;
   /// Receives a TraceEvent for every handshake step, QP transition, error completion and close
   /// (never for a successful completion: the data path stays untouched). Unset, the environment
   /// decides: RDMAKIT_TRACE=1 writes text lines to standard error, RDMAKIT_TRACE=json JSON lines.
@@ -209,6 +222,10 @@ class Connection {
   [[nodiscard]] std::size_t memory_count() const noexcept;
   /// Offers a region to the peer (only from Setup, before the parameters are exchanged).
   void advertise(const MemoryRegion& region);
+  /// Deregisters `region` now: the peer's rkey for it stops working at once (a later access is
+  /// its REM_ACCESS_ERR) and this side can no longer post with it; the memory stays readable.
+  /// close() revokes every region of the connection once its work has completed or been flushed.
+  void revoke(const MemoryRegion& region) noexcept;
 
   /// The regions the peer advertised to us.
   [[nodiscard]] const std::vector<RemoteRegion>& remote_regions() const noexcept;
@@ -262,7 +279,9 @@ class Connection {
   /// Waits until the peer says BYE or disconnects; false on timeout.
   bool wait_peer_close(std::chrono::milliseconds timeout) noexcept;
   /// Orderly close: tells the peer (BYE), lets outstanding work finish within `timeout`, flushes
-  /// what remains, then releases everything. Idempotent; the destructor does it with 2 s.
+  /// what remains, and deregisters every memory region (their rkeys die with the connection;
+  /// the memory stays readable until the Connection is destroyed). Idempotent; the destructor
+  /// does it with 2 s.
   void close(std::chrono::milliseconds timeout = std::chrono::milliseconds{2000}) noexcept;
 
   struct Impl;
@@ -270,12 +289,18 @@ class Connection {
  private:
   explicit Connection(std::unique_ptr<Impl> impl) noexcept;
   // The listener's side of the handshake on an accepted socket (whose ownership it takes).
+  // `admission` is the listener's per-peer slot, held as long as the connection lives.
   static Connection accept_on(int fd, const std::string& peer, const ConnectionConfig& config,
-                              const Setup& setup);
+                              const Setup& setup, std::shared_ptr<void> admission);
   friend class Listener;
   friend struct detail::ConnectionAccess;
   std::unique_ptr<Impl> impl_;
 };
+
+/// Reads a pre-shared key file (ConnectionConfig::psk): its bytes, without trailing whitespace.
+/// Throws Error when it cannot be read, is shorter than 16 bytes, or can be read by other users
+/// (like ssh with a private key).
+[[nodiscard]] std::vector<std::uint8_t> read_key_file(const std::string& path);
 
 /// Accepts connections on a TCP port. Each client's handshake runs on its own thread with its
 /// own deadline, so a stalled or malicious client delays nobody; rejected handshakes are logged

@@ -107,6 +107,7 @@ struct PeerOptions {
   /// Round trips for the latency measurement.
   std::uint32_t rtt_samples = 200;
   std::function<void(const TraceEvent&)> trace;
+  std::vector<std::uint8_t> psk;  ///< the listener's pre-shared key, if it has one
 };
 
 /// Two-sided doctor: connects to `host_port` (a doctor listener or any rdmakit listener),

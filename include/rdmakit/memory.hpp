@@ -81,6 +81,9 @@ class MemoryRegion {
   [[nodiscard]] void* data() const noexcept;
   [[nodiscard]] std::size_t size() const noexcept;
   [[nodiscard]] Access access() const noexcept;
+  /// False once revoked: when its connection closes (or Connection::revoke), the MR is
+  /// deregistered, so its rkey works for no one; the memory itself stays readable.
+  [[nodiscard]] bool registered() const noexcept;
   /// The whole region as a local scatter-gather source or target.
   [[nodiscard]] LocalSlice local() const noexcept;
   /// The descriptor to advertise to a peer (addr, length, rkey, access).
@@ -91,6 +94,7 @@ class MemoryRegion {
  private:
   friend class Connection;
   explicit MemoryRegion(std::unique_ptr<Impl> impl) noexcept;
+  void deregister() noexcept;
   std::unique_ptr<Impl> impl_;
 };
 

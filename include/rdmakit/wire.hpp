@@ -12,6 +12,10 @@
 // Version 2 added the QP list (a connection may stripe over several QPs); version 1 had a
 // reserved u16 where the QP count is.
 //   READY, BYE: empty.   REJECT: a UTF-8 reason.   USER: application bytes.
+//   With a pre-shared key K, before any HELLO (src/bootstrap/auth.cpp):
+//   AUTH_CHALLENGE (client): nonce_c [32]
+//   AUTH_RESPONSE (server):  nonce_s [32] | HMAC-SHA256(K, "rdmakit server" | nonce_c | nonce_s)
+//   AUTH_PROOF (client):     HMAC-SHA256(K, "rdmakit client" | nonce_c | nonce_s)
 
 #include <cstddef>
 #include <cstdint>
@@ -46,7 +50,11 @@ enum class MessageType : std::uint16_t {
   bye = 3,     ///< orderly close: the sender will post nothing more
   reject = 4,  ///< the sender refuses the connection; the payload says why
   user = 5,    ///< an application message (Connection::send_message) on the control channel
+  auth_challenge = 6,  ///< client's nonce (authenticated bootstrap)
+  auth_response = 7,   ///< server's nonce and its proof of the key
+  auth_proof = 8,      ///< client's proof of the key
 };
+inline constexpr std::uint16_t kLastMessageType = 8;
 
 struct Header {
   MessageType type = MessageType::hello;

@@ -81,6 +81,9 @@ const char* to_string(MessageType type) noexcept {
     case MessageType::bye: return "BYE";
     case MessageType::reject: return "REJECT";
     case MessageType::user: return "USER";
+    case MessageType::auth_challenge: return "AUTH_CHALLENGE";
+    case MessageType::auth_response: return "AUTH_RESPONSE";
+    case MessageType::auth_proof: return "AUTH_PROOF";
   }
   return "?";
 }
@@ -163,7 +166,7 @@ Header decode_header(std::span<const std::uint8_t> bytes) {
            "run the same rdmakit protocol version on both hosts");
   }
   const std::uint16_t type = r.u16();
-  if (type < 1 || type > 5) reject(fmt::format("unknown message type {}", type));
+  if (type < 1 || type > kLastMessageType) reject(fmt::format("unknown message type {}", type));
   Header h{static_cast<MessageType>(type), r.u32()};
   if (h.length > kMaxPayload) {
     reject(fmt::format("oversized {} message: {} bytes (at most {})", to_string(h.type), h.length,
@@ -179,7 +182,7 @@ std::optional<Header> try_decode_header(std::span<const std::uint8_t> bytes) noe
   const std::uint16_t version = r.u16();
   const std::uint16_t type = r.u16();
   const std::uint32_t length = r.u32();
-  if (magic != kMagic || version != kVersion || type < 1 || type > 5 || length > kMaxPayload) {
+  if (magic != kMagic || version != kVersion || type < 1 || type > kLastMessageType || length > kMaxPayload) {
     return std::nullopt;
   }
   return Header{static_cast<MessageType>(type), length};

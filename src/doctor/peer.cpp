@@ -211,6 +211,9 @@ Check diagnose(const Error& e) {
     d.fix = "one side's GID is an IPv4 address and the other's IPv6: RoCE v2 packets of one family "
             "never reach the other; choose GIDs of the same family (--gid with the IPv4 address, or "
             "the index `rdmakit devices` shows, on both sides)";
+  } else if (op == "bootstrap authentication") {
+    d.title = "authentication";
+    if (d.fix.empty()) d.fix = "give both sides the same pre-shared key (--psk-file)";
   } else if (op == "bootstrap handshake" && err == ECONNREFUSED) {
     d.fix = "the peer refused the connection for the reason it gave above";
   } else if (op.rfind("ibv_modify_qp", 0) == 0) {
@@ -312,6 +315,7 @@ Report check_peer(const std::string& host_port, const PeerOptions& o) {
   cfg.rnr_retry = 3;
   cfg.log = [](std::string_view) {};
   cfg.trace = o.trace;
+  cfg.psk = o.psk;
   wire::EndpointInfo seen_local, seen_remote;
   std::string local_netdev;
   bool seen = false;

@@ -36,17 +36,18 @@ MemoryRegion::MemoryRegion(MemoryRegion&&) noexcept = default;
 MemoryRegion& MemoryRegion::operator=(MemoryRegion&&) noexcept = default;
 MemoryRegion::~MemoryRegion() = default;
 
-void* MemoryRegion::data() const noexcept { return impl_->mr->addr; }
-std::size_t MemoryRegion::size() const noexcept { return impl_->mr->length; }
+void* MemoryRegion::data() const noexcept { return impl_->addr; }
+std::size_t MemoryRegion::size() const noexcept { return impl_->length; }
 Access MemoryRegion::access() const noexcept { return impl_->access; }
+bool MemoryRegion::registered() const noexcept { return impl_->mr != nullptr; }
 LocalSlice MemoryRegion::local() const noexcept {
-  return {impl_->mr->addr, impl_->mr->length, impl_->mr->lkey,
+  return {impl_->addr, impl_->length, impl_->lkey,
           (detail::mr_access_flags(impl_->access) & IBV_ACCESS_LOCAL_WRITE) != 0};
 }
 RemoteRegion MemoryRegion::remote() const noexcept {
-  return {reinterpret_cast<std::uint64_t>(impl_->mr->addr), impl_->mr->length, impl_->mr->rkey,
-          impl_->access};
+  return {reinterpret_cast<std::uint64_t>(impl_->addr), impl_->length, impl_->rkey, impl_->access};
 }
+void MemoryRegion::deregister() noexcept { impl_->mr.reset(); }
 
 namespace detail {
 
@@ -87,6 +88,10 @@ std::unique_ptr<MemoryRegion::Impl> register_region(std::shared_ptr<DeviceResour
     throw Error("ibv_reg_mr", err,
                 fmt::format("{} bytes at {} with {}", length, addr, to_string(access)), hint);
   }
+  impl->addr = impl->mr->addr;
+  impl->length = impl->mr->length;
+  impl->lkey = impl->mr->lkey;
+  impl->rkey = impl->mr->rkey;
   return impl;
 }
 

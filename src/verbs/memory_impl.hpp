@@ -38,7 +38,10 @@ namespace rdmakit {
 struct MemoryRegion::Impl {
   std::shared_ptr<detail::DeviceResources> dev;
   detail::OwnedMemory memory;
-  detail::MrPtr mr;
+  detail::MrPtr mr;  // null once deregistered (revoked); the fields below stay valid
   Access access = Access::none;
+  void* addr = nullptr;
+  std::size_t length = 0;
+  std::uint32_t lkey = 0, rkey = 0;
 };
 }  // namespace rdmakit

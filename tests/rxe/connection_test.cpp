@@ -23,6 +23,7 @@
 #include "rdmakit/connection.hpp"
 #include "rdmakit/error.hpp"
 #include "rdmakit/wire.hpp"
+#include "lab_helpers.hpp"
 
 namespace {
 
@@ -32,34 +33,8 @@ using rdmakit::Connection;
 using rdmakit::ConnectionConfig;
 using rdmakit::Listener;
 
-// `rdma resource show` summary for the device: pd, cq, qp, mr, ... counts (all processes).
-std::map<std::string, long> rdma_resources() {
-  std::map<std::string, long> out;
-  FILE* p = ::popen("rdma resource show 2>&1", "r");
-  if (p == nullptr) return out;
-  char line[512];
-  while (std::fgets(line, sizeof line, p) != nullptr) {
-    std::istringstream in(line);
-    std::string word, prev;
-    while (in >> word) {
-      if (!prev.empty() && word.find_first_not_of("0123456789") == std::string::npos) {
-        out[prev] += std::stol(word);
-      }
-      prev = word;
-    }
-  }
-  ::pclose(p);
-  return out;
-}
-
-int open_fds() {
-  int n = 0;
-  if (DIR* d = ::opendir("/proc/self/fd")) {
-    while (::readdir(d) != nullptr) ++n;
-    ::closedir(d);
-  }
-  return n;
-}
+using lab::open_fds;
+using lab::rdma_resources;
 
 std::string target(const Listener& l) { return "127.0.0.1:" + std::to_string(l.port()); }
 

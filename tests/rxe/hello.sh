@@ -33,6 +33,17 @@ one_vm)
   expect "$out/client" 'server read back: "Hello from one VM"'
   check_negotiated "$out/server"
   check_negotiated "$out/client"
+  expect "$out/server" "without a pre-shared key: anyone who can reach this port"
+  # With a key file on both sides it works; a client with another key is refused, and says why.
+  head -c 32 /dev/urandom > "$out/key" && chmod 600 "$out/key"
+  head -c 32 /dev/urandom > "$out/other" && chmod 600 "$out/other"
+  "$R" hello --listen 127.0.0.1:12030 --psk-file "$out/key" > "$out/server-psk" 2>&1 &
+  server=$!
+  client client-wrong --connect 127.0.0.1:12030 --psk-file "$out/other" && fail "a wrong key connected"
+  expect "$out/client-wrong" "failed to prove it knows the pre-shared key"
+  client client-psk --connect 127.0.0.1:12030 --psk-file "$out/key" --message "keyed" || fail "keyed client failed"
+  wait $server || fail "keyed server exited $?"
+  expect "$out/server-psk" 'received: "keyed"'
   cat "$out/server" "$out/client"
   ;;
 two_vms)

@@ -175,6 +175,7 @@ int run_doctor(const DoctorOptions& o) {
     po.local = local;
     po.timeout = o.net.timeout();
     if (o.net.trace) po.trace = trace_sink(o.json_out);
+    if (!o.net.psk_file.empty()) po.psk = read_key_file(o.net.psk_file);
     ConnectOptions target = o.net;
     target.connect = o.peer;
     peer = doctor::check_peer(target.connect_target(), po);

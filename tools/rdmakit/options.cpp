@@ -19,6 +19,9 @@ void ConnectOptions::add_to(CLI::App& app) {
                  "for each operation")
       ->check(CLI::Range(1u, 3'600'000u))
       ->capture_default_str();
+  app.add_option("--psk-file", psk_file,
+                 "pre-shared key (a file of at least 16 bytes, mode 600): both sides prove they know "
+                 "it before any connection parameter or key is exchanged");
   add_trace_flag(app, trace);
 }
 
@@ -66,6 +69,7 @@ ConnectionConfig ConnectOptions::config() const {
   // A server started at the same moment (a script, a job launcher) may not listen yet.
   cfg.retry_refused = true;
   if (trace) cfg.trace = trace_sink(trace_json);
+  if (!psk_file.empty()) cfg.psk = read_key_file(psk_file);
   return cfg;
 }
 

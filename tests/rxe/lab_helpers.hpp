@@ -1,0 +1,92 @@
+#pragma once
+// Helpers the lab's gtest binaries share: device resource counts, open fds, raw bootstrap
+// sockets (to play a misbehaving peer byte by byte).
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "rdmakit/wire.hpp"
+
+namespace lab {
+
+// `rdma resource show` summary for the device: pd, cq, qp, mr, ... counts (all processes).
+inline std::map<std::string, long> rdma_resources() {
+  std::map<std::string, long> out;
+  FILE* p = ::popen("rdma resource show 2>&1", "r");
+  if (p == nullptr) return out;
+  char line[512];
+  while (std::fgets(line, sizeof line, p) != nullptr) {
+    std::istringstream in(line);
+    std::string word, prev;
+    while (in >> word) {
+      if (!prev.empty() && word.find_first_not_of("0123456789") == std::string::npos) {
+        out[prev] += std::stol(word);
+      }
+      prev = word;
+    }
+  }
+  ::pclose(p);
+  return out;
+}
+
+inline int open_fds() {
+  int n = 0;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (::readdir(d) != nullptr) ++n;
+    ::closedir(d);
+  }
+  return n;
+}
+
+/// A blocking TCP connection to ip:port with a receive timeout; -1 on failure.
+inline int raw_connect(const std::string& ip, std::uint16_t port, int recv_timeout_s = 5) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  ::inet_pton(AF_INET, ip.c_str(), &a.sin_addr);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  timeval tv{recv_timeout_s, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return fd;
+}
+
+/// Everything the peer sends until it closes (or the receive timeout), split into messages.
+inline std::vector<std::pair<rdmakit::wire::Header, std::vector<std::uint8_t>>> read_messages(int fd) {
+  std::vector<std::uint8_t> bytes;
+  std::uint8_t buf[4096];
+  for (;;) {
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    bytes.insert(bytes.end(), buf, buf + n);
+  }
+  std::vector<std::pair<rdmakit::wire::Header, std::vector<std::uint8_t>>> out;
+  std::size_t at = 0;
+  while (bytes.size() - at >= rdmakit::wire::kHeaderSize) {
+    const auto h = rdmakit::wire::decode_header(std::span(bytes).subspan(at));
+    if (bytes.size() - at - rdmakit::wire::kHeaderSize < h.length) break;
+    out.emplace_back(h, std::vector<std::uint8_t>(bytes.begin() + static_cast<long>(at + rdmakit::wire::kHeaderSize),
+                                                  bytes.begin() + static_cast<long>(at + rdmakit::wire::kHeaderSize + h.length)));
+    at += rdmakit::wire::kHeaderSize + h.length;
+  }
+  return out;
+}
+
+inline bool send_bytes(int fd, const std::vector<std::uint8_t>& b) {
+  return ::send(fd, b.data(), b.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(b.size());
+}
+
+}  // namespace lab
