@@ -174,6 +174,15 @@ void Connection::Impl::open() {
   }
   dev->pd.reset(ibv_alloc_pd(dev->ctx.get()));
   if (!dev->pd) throw Error("ibv_alloc_pd", errno, d.name);
+  // The context is this connection's own, so its async events (port down, QP fatal) are too;
+  // non-blocking, so wait() can look at them without ever blocking.
+  {
+    const int fd = dev->ctx->async_fd;
+    const int flags = ::fcntl(fd, F_GETFL);
+    if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
+      throw Error("fcntl(O_NONBLOCK)", errno, "async event fd");
+    }
+  }
   if (cfg.completion_events) {
     channel.reset(ibv_create_comp_channel(dev->ctx.get()));
     if (!channel) throw Error("ibv_create_comp_channel", errno, d.name);
@@ -370,6 +379,49 @@ void Connection::Impl::pump_control() noexcept {
   }
 }
 
+bool Connection::Impl::pump_async() noexcept {
+  if (!dev || !dev->ctx) return false;
+  bool broke = false;
+  ibv_async_event ev{};
+  while (ibv_get_async_event(dev->ctx.get(), &ev) == 0) {
+    std::string why;
+    switch (ev.event_type) {
+      case IBV_EVENT_PORT_ERR:
+        if (ev.element.port_num == info.port) {
+          why = fmt::format("port {} of {} went down (IBV_EVENT_PORT_ERR): the link or its netdev is "
+                            "down; check `ip link` / the cable, then reconnect", info.port, info.device);
+        }
+        break;
+      case IBV_EVENT_DEVICE_FATAL:
+        why = fmt::format("device {} failed (IBV_EVENT_DEVICE_FATAL); it must be reset or reloaded", info.device);
+        break;
+      case IBV_EVENT_QP_FATAL:
+      case IBV_EVENT_QP_REQ_ERR:
+      case IBV_EVENT_QP_ACCESS_ERR:
+        for (const detail::Lane& l : lanes) {
+          if (ev.element.qp == l.qp.get()) {
+            why = fmt::format("QP {:#x} failed ({})", l.qp->qp_num, ibv_event_type_str(ev.event_type));
+          }
+        }
+        break;
+      default: break;
+    }
+    ibv_ack_async_event(&ev);
+    if (!why.empty() && failure.empty()) {
+      break_connection(std::move(why), true);
+      broke = true;
+    }
+  }
+  return broke;
+}
+
+void Connection::Impl::break_connection(std::string why, bool device) noexcept {
+  if (!failure.empty()) return;
+  failure = std::move(why);
+  device_failed = device;
+  for (detail::Lane& l : lanes) (void)detail::to_error(l.qp.get());
+}
+
 void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
   if (state == State::closed) return;
   const Deadline deadline = Clock::now() + timeout;
@@ -476,6 +528,7 @@ const std::vector<RemoteRegion>& Connection::remote_regions() const noexcept {
   return impl_->info.remote.regions;
 }
 const ConnectionInfo& Connection::info() const noexcept { return impl_->info; }
+const std::string& Connection::failure() const noexcept { return impl_->failure; }
 
 bool Connection::peer_closed() noexcept {
   impl_->pump_control();

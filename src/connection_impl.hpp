@@ -148,6 +148,11 @@ struct Connection::Impl {
   bool recv_allowed = false;  // receives may be posted from INIT on
   bool bye_received = false;
   bool control_gone = false;
+  // Set once when the connection breaks (peer lost, async device event); the QPs are in ERR
+  // from then on. `broken_reported`: wait() has returned peer_lost/device_error for it.
+  std::string failure;
+  bool device_failed = false;
+  bool broken_reported = false;
   std::array<std::uint8_t, detail::kControlBuffer> cbuf{};
   std::size_t cfill = 0;
   std::deque<std::vector<std::uint8_t>> messages;  // application messages not yet received
@@ -171,6 +176,11 @@ struct Connection::Impl {
     }
   }
   void close(std::chrono::milliseconds timeout) noexcept;
+  /// Reads the device's async events without blocking; true if one broke this connection.
+  bool pump_async() noexcept;
+  /// Records why the connection broke and moves every QP to ERR, so all outstanding work
+  /// completes (flushed) now instead of after the retry timeouts.
+  void break_connection(std::string why, bool device) noexcept;
   void trace_hello(const char* event, const wire::EndpointInfo& e) noexcept;
   void trace_connected() noexcept;
   void trace_failure(const std::string& step, const std::exception& e) noexcept;
@@ -197,6 +207,15 @@ struct Connection::Impl {
   std::size_t reap_send(std::span<Completion> out) noexcept;
   bool finish_part(const detail::WrRing::Slot& slot, const ibv_wc& wc, Completion& c) noexcept;
   std::size_t reap_recv(std::span<Completion> out) noexcept;
+  /// The advertised region with `r`'s rkey that holds [r.addr + offset, + len), or null.
+  [[nodiscard]] const RemoteRegion* advertised(const RemoteRegion& r, std::uint64_t offset,
+                                               std::uint64_t len) const noexcept {
+    const std::uint64_t addr = r.addr + offset;
+    for (const RemoteRegion& a : info.remote.regions) {
+      if (a.rkey == r.rkey && addr >= a.addr && a.contains(addr - a.addr, len)) return &a;
+    }
+    return nullptr;
+  }
   [[nodiscard]] std::uint32_t sends_in_flight() const noexcept {
     std::uint32_t n = 0;
     for (const detail::Lane& l : lanes) n += l.sq.count();

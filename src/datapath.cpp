@@ -34,6 +34,9 @@ std::string PostResult::describe() const {
     case PostStatus::misaligned: return "refused: an atomic's remote address is not 8-byte aligned" + where;
     case PostStatus::bad_length: return "refused: an atomic needs exactly one 8-byte local slice" + where;
     case PostStatus::unsupported: return "refused: the device or QP does not support this operation" + where;
+    case PostStatus::not_advertised:
+      return "refused: the remote descriptor is not inside a region the peer advertised on this "
+             "connection (wrong rkey or address, or taken from another connection)" + where;
     case PostStatus::failed:
       return fmt::format("ibv_post failed: {} ({}){}", errno_name(sys_errno),
                          std::system_category().message(sys_errno), where);
@@ -139,7 +142,12 @@ template <Opcode Op>
       if ((remote.addr + offset) % 8 != 0) return {PostStatus::misaligned, 0};
     }
     if (!remote.contains(offset, total)) [[unlikely]] return {PostStatus::out_of_bounds, 0};
-    if (!allows(remote.access, remote_access_for(Op))) [[unlikely]] return {PostStatus::no_access, 0};
+    // The descriptor must be one the peer advertised here (the access is the advertised one,
+    // not what the caller's copy claims): a wrong rkey is refused now, not as a REM_ACCESS_ERR
+    // that would also put the QP in the error state.
+    const RemoteRegion* adv = advertised(remote, offset, total);
+    if (adv == nullptr) [[unlikely]] return {PostStatus::not_advertised, 0};
+    if (!allows(adv->access, remote_access_for(Op))) [[unlikely]] return {PostStatus::no_access, 0};
     // READ and atomics write into local memory: the NIC needs local write access there, or the
     // operation would fail later as a LOC_PROT_ERR completion.
     if constexpr (Op != Opcode::write && Op != Opcode::write_with_imm) {
@@ -544,43 +552,54 @@ std::uint32_t Connection::outstanding() const noexcept {
 
 WaitResult Connection::wait(std::chrono::milliseconds timeout) noexcept {
   WaitResult r;
+  Impl& m = *impl_;
   // A completion that arrives within the first 256 polls costs no clock read and no syscall
   // (the deadline starts counting after them, a few microseconds late). Busy waiting then spins
   // like perftest does (no sched_yield: a syscall on the spin path added microseconds to every
-  // slow-ish completion); the clock is read every 256 empty polls, and the control channel (a
-  // syscall) looked at about once a millisecond.
+  // slow-ish completion); the clock is read every 256 empty polls, and the control channel and
+  // the async events (syscalls) looked at about once a millisecond.
   Deadline deadline{};
   Deadline next_control{};
   for (std::uint32_t spin = 0;; ++spin) {
-    if (impl_->poll({&r.completion, 1}) == 1) {
+    if (m.poll({&r.completion, 1}) == 1) {
       r.status = WaitStatus::completed;
       return r;
     }
     if ((spin & 0xff) != 0xff) continue;
     const Deadline now = Clock::now();
     if (spin == 0xff) deadline = now + timeout;
-    if (now >= next_control || impl_->channel) {
+    if (now >= next_control || m.channel) {
       next_control = now + std::chrono::milliseconds{1};
-      impl_->pump_control();
-      if (impl_->control_gone) {
-        // One last look: the completion may have arrived just before the peer went.
-        r.status = impl_->poll({&r.completion, 1}) == 1 ? WaitStatus::completed : WaitStatus::peer_lost;
-        if (r.status == WaitStatus::peer_lost) {
-          detail::emit(impl_->cfg.trace, [&] {
-            return TraceEvent{"peer_lost",
-                              {{"peer", impl_->info.peer_address},
-                               {"outstanding", std::to_string(outstanding())},
-                               {"how", impl_->bye_received ? "BYE" : "control channel closed"}}};
-          });
-        }
+      m.pump_control();
+      (void)m.pump_async();
+      if ((m.control_gone || m.bye_received) && m.failure.empty() && m.state == Impl::State::connected) {
+        m.break_connection(m.bye_received ? "the peer closed the connection (BYE)"
+                                          : "the peer is gone: its control channel closed (process "
+                                            "exited or killed, or the host went down)",
+                           false);
+      }
+      if (!m.failure.empty() && !m.broken_reported) {
+        // Reported once; what was outstanding is being flushed and comes in later waits.
+        m.broken_reported = true;
+        r.status = m.device_failed ? WaitStatus::device_error : WaitStatus::peer_lost;
+        detail::emit(m.cfg.trace, [&] {
+          return TraceEvent{m.device_failed ? "device_error" : "peer_lost",
+                            {{"peer", m.info.peer_address},
+                             {"outstanding", std::to_string(outstanding())},
+                             {"why", m.failure}}};
+        });
         return r;
       }
+    }
+    if ((!m.failure.empty() || m.state == Impl::State::closed) && outstanding() == 0) {
+      r.status = WaitStatus::closed;
+      return r;
     }
     if (now >= deadline) {
       r.status = WaitStatus::timeout;
       return r;
     }
-    if (impl_->channel && impl_->sleep_for_event(deadline, r.completion)) {
+    if (m.channel && m.failure.empty() && m.sleep_for_event(deadline, r.completion)) {
       r.status = WaitStatus::completed;
       return r;
     }

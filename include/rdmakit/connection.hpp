@@ -138,6 +138,9 @@ enum class PostStatus : std::uint8_t {
   bad_length,     ///< an atomic's local buffer is not exactly 8 bytes
   unsupported,    ///< the device cannot do this (e.g. no atomics)
   failed,         ///< ibv_post_* returned an error (see sys_errno)
+  /// the remote descriptor is not (inside) a region the peer advertised on this connection:
+  /// a wrong rkey or address, or a descriptor from another connection
+  not_advertised,
 };
 struct PostResult {
   PostStatus status = PostStatus::ok;
@@ -167,7 +170,19 @@ struct WorkRequest {
   bool signaled = true;
 };
 
-enum class WaitStatus : std::uint8_t { completed, timeout, peer_lost };
+enum class WaitStatus : std::uint8_t {
+  completed,  ///< `completion` holds the next completion (which may itself be an error)
+  timeout,    ///< nothing completed before the deadline
+  /// The peer is gone (its process died, or it closed): reported once. The QPs were moved to the
+  /// error state at that moment, so every outstanding request now completes, flushed; later
+  /// waits deliver those completions, then report `closed`.
+  peer_lost,
+  /// The device reported an error that breaks the connection (its port went down, the QP or the
+  /// device failed): reported once, with Connection::failure() saying what; outstanding
+  /// requests are flushed as for peer_lost.
+  device_error,
+  closed,  ///< the connection is closed or broken and nothing is outstanding any more
+};
 struct WaitResult {
   WaitStatus status = WaitStatus::timeout;
   Completion completion;  ///< valid when status == completed (and may itself be an error)
@@ -268,11 +283,14 @@ class Connection {
   /// Copies up to out.size() completions (send and receive side) into `out`; returns how many.
   std::size_t poll(std::span<Completion> out) noexcept;
   /// Waits for the next completion until `timeout`, busy polling or, with completion_events,
-  /// sleeping on the completion channel; reports peer_lost as soon as the control channel says
-  /// the peer is gone.
+  /// sleeping on the completion channel. About once a millisecond it also looks at the control
+  /// channel and the device's async events: a lost peer or a broken port is reported once
+  /// (peer_lost, device_error) and flushes what is outstanding (see WaitStatus).
   WaitResult wait(std::chrono::milliseconds timeout) noexcept;
   /// Work requests posted and not yet completed.
   [[nodiscard]] std::uint32_t outstanding() const noexcept;
+  /// Why the connection broke (peer lost, port down, QP fatal, ...), or empty while it is fine.
+  [[nodiscard]] const std::string& failure() const noexcept;
 
   /// Whether the peer has said BYE or its control channel closed.
   [[nodiscard]] bool peer_closed() noexcept;

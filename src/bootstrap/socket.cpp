@@ -289,7 +289,19 @@ void recv_exact(int fd, std::span<std::uint8_t> bytes, Deadline deadline) {
                               want - bytes.size(), want),
                   "the peer exited or rejected this connection; see its log");
     } else if (errno == EAGAIN || errno == EINTR) {
-      wait_for(fd, POLLIN, deadline, "bootstrap receive");
+      if (Clock::now() >= deadline) {
+        // Say how far it got: nothing at all is a silent client, part of a message a truncated
+        // (or trickled) one.
+        throw Error("bootstrap receive", ETIMEDOUT,
+                    fmt::format("{}: {} of {} bytes arrived before the handshake deadline",
+                                peer_address(fd), want - bytes.size(), want),
+                    "a stalled or truncated message (a slow client, or not an rdmakit peer)");
+      }
+      try {
+        wait_for(fd, POLLIN, deadline, "bootstrap receive");
+      } catch (const Error& e) {
+        if (e.sys_errno() != ETIMEDOUT) throw;
+      }
     } else {
       throw Error("bootstrap receive", errno, peer_address(fd));
     }

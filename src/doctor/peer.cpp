@@ -289,7 +289,10 @@ void serve(Connection& c, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (std::chrono::steady_clock::now() < deadline && !c.peer_closed()) {
     const WaitResult w = c.wait(200ms);
-    if (w.status == WaitStatus::peer_lost) break;
+    if (w.status == WaitStatus::peer_lost || w.status == WaitStatus::device_error ||
+        w.status == WaitStatus::closed) {
+      break;
+    }
     if (w.status != WaitStatus::completed || w.completion.opcode != Opcode::recv) continue;
     // Echo what the SEND carried, so the doctor knows it arrived intact.
     json echo = {{"received", w.completion.ok() ? static_cast<int>(w.completion.byte_len) : -1}};

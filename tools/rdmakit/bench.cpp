@@ -176,7 +176,7 @@ struct Result {
 Completion wait_ok(Connection& c, const char* what) {
   const WaitResult w = c.wait(10s);
   if (w.status == WaitStatus::timeout) throw Fail(fmt::format("{}: no completion within 10 s", what));
-  if (w.status == WaitStatus::peer_lost) throw Fail(fmt::format("{}: the peer is gone", what));
+  if (w.status != WaitStatus::completed) throw Fail(fmt::format("{}: {}", what, c.failure()));
   if (!w.completion.ok()) throw Fail(fmt::format("{}: {}", what, w.completion.describe()));
   return w.completion;
 }

@@ -44,7 +44,7 @@ Completion await(Connection& conn, std::uint64_t wr_id, std::chrono::millisecond
     if (w.status == WaitStatus::timeout) {
       throw Fail(fmt::format("{}: no completion within {} ms", what, timeout.count()));
     }
-    if (w.status == WaitStatus::peer_lost) throw Fail(fmt::format("{}: the peer is gone", what));
+    if (w.status != WaitStatus::completed) throw Fail(fmt::format("{}: {}", what, conn.failure()));
     if (!w.completion.ok()) throw Fail(fmt::format("{}: {}", what, w.completion.describe()));
     if (w.completion.wr_id == wr_id) return w.completion;
   }
