@@ -154,15 +154,20 @@ TEST(Datapath, MessagesLongerThanMaxMsgSizeAreSplit) {
 // A connection over several QPs: the listener follows the client's count; large WRITEs and
 // READs are striped (one completion each, data intact), small ones spread round robin.
 struct StripedPair {
-  StripedPair(std::uint32_t qps, std::size_t bytes, std::uint32_t depth = 64)
-      : cfg(config(qps, depth)),
+  StripedPair(std::uint32_t qps, std::size_t bytes, std::uint32_t depth = 64, bool forge_rkey = false)
+      : cfg(config(qps, depth, forge_rkey)),
         listener("127.0.0.1:0", quiet(), buffer(bytes)),
         client(Connection::connect("127.0.0.1:" + std::to_string(listener.port()), cfg, buffer(bytes))),
         server(*listener.accept(10s)) {}
-  static ConnectionConfig config(std::uint32_t qps, std::uint32_t depth) {
+  static ConnectionConfig config(std::uint32_t qps, std::uint32_t depth, bool forge_rkey) {
     ConnectionConfig c = quiet();
     c.qps = qps;
     c.send_depth = depth;
+    // The test seam: the client believes the peer advertised another rkey, so its posts pass
+    // every local check and the peer's NIC refuses them.
+    if (forge_rkey) {
+      c.testing_alter_peer = [](rdmakit::wire::EndpointInfo& peer) { peer.regions.at(0).rkey ^= 0x5a5a00; };
+    }
     return c;
   }
   static Connection::Setup buffer(std::size_t bytes) {
@@ -259,9 +264,8 @@ TEST(Datapath, SeveralQpsSpreadSmallWritesAndKeepSendsInOrder) {
 }
 
 TEST(Datapath, StripedRequestFailsOnceWithTheFirstError) {
-  StripedPair p(3, 1 << 20);
-  rdmakit::RemoteRegion forged = p.client.remote_regions()[0];
-  forged.rkey ^= 0x5a5a00;  // within bounds, so the local checks pass; the peer refuses the key
+  StripedPair p(3, 1 << 20, 64, true);
+  const rdmakit::RemoteRegion forged = p.client.remote_regions()[0];
   std::memset(p.server.memory(0).data(), 0x11, 1 << 20);
   ASSERT_TRUE(p.client.post_write(p.client.memory(0).local(), forged, 0, 7).ok());
   const auto w = p.client.wait(10s);
@@ -293,6 +297,28 @@ TEST(Datapath, QpCountIsBounded) {
   } catch (const rdmakit::Error& e) {
     EXPECT_NE(std::string(e.what()).find("with 4 QPs"), std::string::npos) << e.what();
   }
+}
+
+TEST(Datapath, DescriptorsThePeerDidNotAdvertiseAreRefusedLocally) {
+  Pair p;
+  const auto theirs = p.client.remote_regions()[0];
+  const auto src = p.client.memory(0).local().subslice(0, 64);
+  auto wrong_key = theirs;
+  wrong_key.rkey ^= 0x100;
+  EXPECT_EQ(p.client.post_write(src, wrong_key, 0, 1).status, PostStatus::not_advertised);
+  auto moved = theirs;
+  moved.addr += kBuf;  // the right key, but past the region
+  EXPECT_EQ(p.client.post_read(p.client.memory(0).local().subslice(0, 64), moved, 0, 2).status,
+            PostStatus::not_advertised);
+  auto bigger = theirs;
+  bigger.length *= 2;  // a copy that claims more than was advertised
+  EXPECT_EQ(p.client.post_write(src, bigger, kBuf, 3).status, PostStatus::not_advertised);
+  auto sub = theirs;  // a sub-range of an advertised region is fine
+  sub.addr += 4096;
+  sub.length = 4096;
+  EXPECT_TRUE(p.client.post_write(src, sub, 100, 4).ok());
+  expect_done(p.client, 4);
+  EXPECT_EQ(p.client.outstanding(), 0u);
 }
 
 TEST(Datapath, ScatterGatherWriteAndRead) {

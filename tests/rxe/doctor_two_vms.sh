@@ -7,15 +7,22 @@ R=$1
 set -- $RDMAKIT_LAB_IPS
 server=$1
 flag=doctor-two-vms.done
+up=doctor-two-vms.listening
 if [ "$RDMAKIT_LAB_INDEX" = 0 ]; then
   rm -f "$flag"
   "$R" doctor --listen 14025 > /tmp/listen.out 2>&1 &
   i=0
+  until grep -q "doctor listening" /tmp/listen.out; do i=$((i + 1)); [ $i -gt 300 ] && { echo "FAIL: no listener"; exit 1; }; sleep 0.1; done
+  : > "$up"
+  i=0
   until [ -e "$flag" ]; do i=$((i + 1)); [ $i -gt 1200 ] && { echo "FAIL: VM 1 never finished"; exit 1; }; sleep 0.1; done
   kill $! 2>/dev/null
-  rm -f "$flag"
+  rm -f "$flag" "$up"
   exit 0
 fi
+# The listener in VM 0 says when it is up (the VMs start together; doctor does not retry).
+i=0
+until [ -e "$up" ]; do i=$((i + 1)); [ $i -gt 300 ] && { echo "FAIL: VM 0's listener never came up"; exit 1; }; sleep 0.1; done
 out=/tmp/doctor2.$$
 mkdir -p "$out"
 done_() { : > "$flag"; }

@@ -136,15 +136,31 @@ TEST(Security, KeysAreShortOrOpenToOthersRefused) {
   ::unlink(path.c_str());
 }
 
+// The client's view of what the peer advertised, replaced by `stolen`: its posts then pass the
+// library's own checks (which refuse a descriptor this connection was not given), as an
+// attacker's raw verbs would, and reach the NIC.
+ConnectionConfig believing(const rdmakit::RemoteRegion& stolen) {
+  ConnectionConfig cfg = quiet(key('k'));
+  cfg.testing_alter_peer = [stolen](rdmakit::wire::EndpointInfo& peer) { peer.regions.at(0) = stolen; };
+  return cfg;
+}
+
 TEST(Security, AnotherPeersRkeyIsUselessOnMyConnection) {
   Listener listener("127.0.0.1:0", quiet(key('k')), buffer());
   Connection a = Connection::connect(target(listener), quiet(key('k')), buffer());
   auto sa = listener.accept(5s);
-  Connection b = Connection::connect(target(listener), quiet(key('k')), buffer());
+  // b learns (as an attacker might) a's address and rkey. Through the library it is refused
+  // before posting; on its own QP anyway, the peer's NIC refuses it.
+  const rdmakit::RemoteRegion stolen = a.remote_regions()[0];
+  {
+    Connection honest = Connection::connect(target(listener), quiet(key('k')), buffer());
+    ASSERT_TRUE(listener.accept(5s).has_value());
+    EXPECT_EQ(honest.post_write(honest.memory(0).local().subslice(0, 64), stolen, 0, 1).status,
+              rdmakit::PostStatus::not_advertised);
+  }
+  Connection b = Connection::connect(target(listener), believing(stolen), buffer());
   auto sb = listener.accept(5s);
   ASSERT_TRUE(sa && sb);
-  // b learns (as an attacker might) a's address and rkey, and uses them on its own QP.
-  const rdmakit::RemoteRegion stolen = a.remote_regions()[0];
   std::memset(b.memory(0).data(), 0x66, 64);
   ASSERT_TRUE(b.post_write(b.memory(0).local().subslice(0, 64), stolen, 0, 1).ok());
   const auto w = b.wait(10s);
@@ -171,7 +187,7 @@ TEST(Security, AClosedConnectionsRkeyIsDead) {
   // Its memory is still there (and readable), but no longer registered.
   EXPECT_FALSE(first_server->memory(0).registered());
   EXPECT_TRUE(all_bytes(first_server->memory(0).data(), 4096, 0x11));
-  Connection b = Connection::connect(target(listener), quiet(key('k')), buffer());
+  Connection b = Connection::connect(target(listener), believing(old), buffer());
   auto sb = listener.accept(5s);
   ASSERT_TRUE(sb.has_value());
   std::memset(b.memory(0).data(), 0x55, 64);

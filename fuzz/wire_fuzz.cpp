@@ -1,0 +1,44 @@
+// libFuzzer target for the bootstrap decoder: whatever bytes a peer sends, decoding either
+// succeeds or throws rdmakit::Error, never crashes or reads out of bounds, and what decodes
+// re-encodes to the same thing.
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <optional>
+#include <span>
+
+#include "rdmakit/error.hpp"
+#include "rdmakit/wire.hpp"
+
+using namespace rdmakit;
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  const std::span<const std::uint8_t> in(data, size);
+  const auto quick = wire::try_decode_header(in);
+  std::optional<wire::Header> full;
+  try {
+    full = wire::decode_header(in);
+  } catch (const Error&) {
+  }
+  // The exception-free check used on the data path agrees with the full one.
+  if (quick.has_value() != full.has_value()) std::abort();
+  if (full && (quick->type != full->type || quick->length != full->length)) std::abort();
+  try {
+    if (!full) return 0;
+    const wire::Header h = *full;
+    const auto payload = in.subspan(wire::kHeaderSize);
+    if (h.type == wire::MessageType::hello) {
+      const wire::EndpointInfo e = wire::decode_hello(payload.first(std::min<std::size_t>(h.length, payload.size())));
+      const auto again = wire::encode_hello(e);
+      if (wire::decode_hello(std::span(again).subspan(wire::kHeaderSize)) != e) std::abort();
+    } else if (h.type == wire::MessageType::reject) {
+      (void)wire::decode_reject(payload);
+    }
+  } catch (const Error&) {
+  }
+  try {
+    (void)wire::decode_hello(in);  // the payload decoder on its own
+  } catch (const Error&) {
+  }
+  return 0;
+}

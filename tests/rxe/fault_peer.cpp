@@ -1,0 +1,52 @@
+// The peer the fault tests kill: connects (or listens), advertises a 64 KiB buffer it lets the
+// other side read and write, keeps receives posted for SENDs, says "ready" on stdout, and serves
+// until it is killed.
+//   rdmakit_rxe_fault_peer connect HOST:PORT | listen PORT
+#include <chrono>
+#include <cstdio>
+#include <optional>
+#include <string>
+
+#include "rdmakit/connection.hpp"
+
+using namespace std::chrono_literals;
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: %s connect HOST:PORT | listen PORT\n", argv[0]);
+    return 2;
+  }
+  const std::string mode = argv[1];
+  rdmakit::ConnectionConfig cfg;
+  cfg.log = [](std::string_view) {};
+  cfg.retry_refused = true;
+  cfg.recv_depth = 128;
+  auto setup = [](rdmakit::Connection& c) {
+    const auto& m = c.allocate_memory(64 * 1024, rdmakit::Access::local_write | rdmakit::Access::remote_read |
+                                                     rdmakit::Access::remote_write);
+    c.advertise(m);
+    for (std::uint64_t i = 0; i < 64; ++i) (void)c.post_recv(m.local().subslice(i * 1024, 1024), i);
+  };
+  std::optional<rdmakit::Listener> listener;
+  std::optional<rdmakit::Connection> conn;
+  if (mode == "listen") {
+    listener.emplace(":" + std::string(argv[2]), cfg, setup);
+    std::printf("listening\n");
+    std::fflush(stdout);
+    while (!(conn = listener->accept(1s))) {
+    }
+  } else {
+    conn.emplace(rdmakit::Connection::connect(argv[2], cfg, setup));
+  }
+  std::printf("ready\n");
+  std::fflush(stdout);
+  for (;;) {
+    const auto w = conn->wait(100ms);
+    if (w.status == rdmakit::WaitStatus::completed && w.completion.ok() &&
+        w.completion.opcode == rdmakit::Opcode::recv) {
+      const std::uint64_t i = w.completion.wr_id % 64;
+      (void)conn->post_recv(conn->memory(0).local().subslice(i * 1024, 1024), w.completion.wr_id + 64);
+    }
+    if (w.status == rdmakit::WaitStatus::peer_lost || w.status == rdmakit::WaitStatus::closed) return 0;
+  }
+}
