@@ -506,6 +506,11 @@ void Connection::revoke(const MemoryRegion& region) noexcept {
   // The advertised list is the peer's view at the handshake; it stays as sent.
 }
 
+const MemoryRegion& Connection::allocate_memory(std::size_t length, Access access, const MemorySpec& spec) {
+  impl_->regions.push_back(MemoryRegion(detail::allocate_region(impl_->dev, length, access, spec)));
+  return impl_->regions.back();
+}
+
 const MemoryRegion& Connection::memory(std::size_t index) const {
   if (index >= impl_->regions.size()) {
     throw Error("memory", EINVAL, fmt::format("no region {} (this connection has {})", index,

@@ -232,6 +232,11 @@ class Connection {
   const MemoryRegion& register_memory(void* addr, std::size_t length, Access access);
   /// Allocates page-aligned, zeroed memory owned by the connection and registers it.
   const MemoryRegion& allocate_memory(std::size_t length, Access access);
+  /// Allocates memory of `spec.kind` (host, huge pages, CUDA, a dma-buf) owned by the connection
+  /// and registers it by the best path the device allows (MemoryRegion::path says which, and
+  /// path_detail why the better ones failed), falling back to a bounce buffer rather than
+  /// failing. Throws Error when the memory cannot be had at all (check_memory says why early).
+  const MemoryRegion& allocate_memory(std::size_t length, Access access, const MemorySpec& spec);
   /// The regions registered or allocated through this connection, in that order.
   [[nodiscard]] const MemoryRegion& memory(std::size_t index) const;
   [[nodiscard]] std::size_t memory_count() const noexcept;

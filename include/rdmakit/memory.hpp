@@ -3,7 +3,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 
 struct ibv_mr;
 
@@ -30,6 +32,39 @@ enum class Access : std::uint32_t {
 }
 /// "remote_read|remote_write".
 [[nodiscard]] std::string to_string(Access access);
+
+/// Where a region's memory comes from (rdmakit hello/bench --mem).
+enum class MemoryKind : std::uint8_t {
+  host,       ///< page-aligned host memory
+  hugepage,   ///< host memory on 2 MiB huge pages (they must be reserved)
+  cuda,       ///< GPU memory (cuMemAlloc)
+  cuda_host,  ///< pinned host memory from CUDA (cuMemHostAlloc: the seed's cudaMallocHost)
+  dmabuf,     ///< memory another driver exports as a dma-buf (the seed's accelerator case)
+};
+/// "host", "hugepage", "cuda", "cuda-host", "dmabuf".
+[[nodiscard]] const char* to_string(MemoryKind kind) noexcept;
+[[nodiscard]] std::optional<MemoryKind> parse_memory_kind(std::string_view text) noexcept;
+
+/// How the NIC reaches a region's memory.
+enum class RegistrationPath : std::uint8_t {
+  host_mr,    ///< ibv_reg_mr on host memory
+  dmabuf_mr,  ///< ibv_reg_dmabuf_mr on the memory's dma-buf
+  device_mr,  ///< ibv_reg_mr on a GPU pointer (what nvidia-peermem makes work)
+  bounce,     ///< a registered host buffer; stage_in/stage_out copy to and from the memory
+};
+[[nodiscard]] const char* to_string(RegistrationPath path) noexcept;
+
+/// What memory to allocate (Connection::allocate_memory).
+struct MemorySpec {
+  MemoryKind kind = MemoryKind::host;
+  int gpu = 0;                      ///< cuda, cuda_host: the CUDA device ordinal
+  int dmabuf_fd = -1;               ///< dmabuf: the exporter's fd (rdmakit keeps its own dup)
+  std::uint64_t dmabuf_offset = 0;  ///< dmabuf: where the region starts in it
+};
+
+/// Throws Error saying why memory of this kind cannot be had on this host ("no CUDA device",
+/// "no huge pages reserved", a bad dma-buf fd), so a program can find out before connecting.
+void check_memory(const MemorySpec& spec, std::size_t length);
 
 /// Local registered memory, as the local NIC sees it: what goes into a scatter-gather entry.
 /// Only a MemoryRegion makes one, so an lkey here is always a real lkey.
@@ -78,9 +113,24 @@ class MemoryRegion {
   MemoryRegion& operator=(MemoryRegion&&) noexcept;
   ~MemoryRegion();
 
+  /// The bytes the NIC reads and writes, when the CPU can reach them (host kinds, a mapped
+  /// dma-buf, a bounce buffer); nullptr for GPU memory registered directly.
   [[nodiscard]] void* data() const noexcept;
   [[nodiscard]] std::size_t size() const noexcept;
   [[nodiscard]] Access access() const noexcept;
+  [[nodiscard]] MemoryKind kind() const noexcept;
+  [[nodiscard]] RegistrationPath path() const noexcept;
+  /// Why this path: what was tried before it and why that failed.
+  [[nodiscard]] const std::string& path_detail() const noexcept;
+  /// The memory itself when the CPU can reach it (host kinds, a mapped dma-buf), else nullptr.
+  /// On the bounce path this is not data(): stage_in/stage_out move bytes between the two.
+  [[nodiscard]] void* home() const noexcept;
+  /// Bounce path: copies [offset, offset + length) from the memory into the registered buffer,
+  /// before the NIC sends it or a peer reads it. No-op on the other paths. Throws Error.
+  void stage_in(std::size_t offset, std::size_t length) const;
+  /// Bounce path: copies [offset, offset + length) from the registered buffer back to the
+  /// memory, after the NIC wrote it. No-op on the other paths. Throws Error.
+  void stage_out(std::size_t offset, std::size_t length) const;
   /// False once revoked: when its connection closes (or Connection::revoke), the MR is
   /// deregistered, so its rkey works for no one; the memory itself stays readable.
   [[nodiscard]] bool registered() const noexcept;

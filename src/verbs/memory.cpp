@@ -36,7 +36,27 @@ MemoryRegion::MemoryRegion(MemoryRegion&&) noexcept = default;
 MemoryRegion& MemoryRegion::operator=(MemoryRegion&&) noexcept = default;
 MemoryRegion::~MemoryRegion() = default;
 
-void* MemoryRegion::data() const noexcept { return impl_->addr; }
+void* MemoryRegion::data() const noexcept { return impl_->cpu; }
+MemoryKind MemoryRegion::kind() const noexcept { return impl_->kind; }
+RegistrationPath MemoryRegion::path() const noexcept { return impl_->path; }
+const std::string& MemoryRegion::path_detail() const noexcept { return impl_->path_detail; }
+void* MemoryRegion::home() const noexcept {
+  return impl_->source ? impl_->source->cpu : impl_->cpu;
+}
+void MemoryRegion::stage_in(std::size_t offset, std::size_t length) const {
+  if (impl_->path != RegistrationPath::bounce) return;
+  if (offset > impl_->length || length > impl_->length - offset) {
+    throw Error("stage_in", ERANGE, fmt::format("[{}, +{}) outside the region's {} bytes", offset, length, impl_->length));
+  }
+  impl_->source->to_bounce(impl_->cpu, offset, length);
+}
+void MemoryRegion::stage_out(std::size_t offset, std::size_t length) const {
+  if (impl_->path != RegistrationPath::bounce) return;
+  if (offset > impl_->length || length > impl_->length - offset) {
+    throw Error("stage_out", ERANGE, fmt::format("[{}, +{}) outside the region's {} bytes", offset, length, impl_->length));
+  }
+  impl_->source->from_bounce(impl_->cpu, offset, length);
+}
 std::size_t MemoryRegion::size() const noexcept { return impl_->length; }
 Access MemoryRegion::access() const noexcept { return impl_->access; }
 bool MemoryRegion::registered() const noexcept { return impl_->mr != nullptr; }
@@ -89,9 +109,28 @@ std::unique_ptr<MemoryRegion::Impl> register_region(std::shared_ptr<DeviceResour
                 fmt::format("{} bytes at {} with {}", length, addr, to_string(access)), hint);
   }
   impl->addr = impl->mr->addr;
+  impl->cpu = impl->mr->addr;
   impl->length = impl->mr->length;
   impl->lkey = impl->mr->lkey;
   impl->rkey = impl->mr->rkey;
+  return impl;
+}
+
+std::unique_ptr<MemoryRegion::Impl> adopt_mr(std::shared_ptr<DeviceResources> dev, MrPtr mr, Access access,
+                                             std::size_t length, std::unique_ptr<MemorySource> source,
+                                             RegistrationPath path, std::string why, void* cpu) {
+  auto impl = std::make_unique<MemoryRegion::Impl>();
+  impl->dev = std::move(dev);
+  impl->access = access;
+  impl->mr = std::move(mr);
+  impl->addr = impl->mr->addr;
+  impl->length = length;
+  impl->lkey = impl->mr->lkey;
+  impl->rkey = impl->mr->rkey;
+  impl->cpu = cpu;
+  impl->source = std::move(source);
+  impl->path = path;
+  impl->path_detail = std::move(why);
   return impl;
 }
 

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <memory>
+#include <string>
 
 #include "rdmakit/memory.hpp"
 #include "verbs/handles.hpp"
@@ -21,12 +22,31 @@ struct FreeDeleter {
 };
 using OwnedMemory = std::unique_ptr<void, FreeDeleter>;
 
+/// Memory that is not plain host memory (huge pages, a dma-buf, CUDA): owns it, and on the
+/// bounce path copies between it and the registered buffer.
+struct MemorySource {
+  virtual ~MemorySource() = default;
+  void* cpu = nullptr;  // the memory, when the CPU can reach it
+  /// Copies `length` bytes at `offset` of the memory into `bounce` (at the same offset), or back.
+  virtual void to_bounce(void* bounce, std::size_t offset, std::size_t length) = 0;
+  virtual void from_bounce(const void* bounce, std::size_t offset, std::size_t length) = 0;
+};
+
 /// ibv_reg_mr flags for `access`: the least the use needs.
 unsigned mr_access_flags(Access access) noexcept;
 
 std::unique_ptr<MemoryRegion::Impl> register_region(std::shared_ptr<DeviceResources> dev, void* addr,
                                                     std::size_t length, Access access,
                                                     OwnedMemory owned = {});
+/// A region around an MR registered some other way (ibv_reg_dmabuf_mr, a GPU pointer), owning
+/// `source`; `cpu` is what data() returns (nullptr when the CPU cannot reach the bytes).
+std::unique_ptr<MemoryRegion::Impl> adopt_mr(std::shared_ptr<DeviceResources> dev, MrPtr mr, Access access,
+                                             std::size_t length, std::unique_ptr<MemorySource> source,
+                                             RegistrationPath path, std::string why, void* cpu);
+/// Allocates memory of spec.kind and registers it by the best path that works (src/memory/).
+std::unique_ptr<MemoryRegion::Impl> allocate_region(std::shared_ptr<DeviceResources> dev,
+                                                    std::size_t length, Access access,
+                                                    const MemorySpec& spec);
 /// Page-aligned, zeroed memory.
 OwnedMemory allocate_pages(std::size_t length);
 
@@ -37,8 +57,13 @@ namespace rdmakit {
 // before the PD it lives in can go.
 struct MemoryRegion::Impl {
   std::shared_ptr<detail::DeviceResources> dev;
-  detail::OwnedMemory memory;
+  detail::OwnedMemory memory;                    // host memory rdmakit allocated (or the bounce buffer)
+  std::unique_ptr<detail::MemorySource> source;  // huge pages, dma-buf, CUDA: outlives the MR
   detail::MrPtr mr;  // null once deregistered (revoked); the fields below stay valid
+  MemoryKind kind = MemoryKind::host;
+  RegistrationPath path = RegistrationPath::host_mr;
+  std::string path_detail;
+  void* cpu = nullptr;  // data(): what the NIC sees, when the CPU can reach it
   Access access = Access::none;
   void* addr = nullptr;
   std::size_t length = 0;

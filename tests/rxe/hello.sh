@@ -44,6 +44,17 @@ one_vm)
   client client-psk --connect 127.0.0.1:12030 --psk-file "$out/key" --message "keyed" || fail "keyed client failed"
   wait $server || fail "keyed server exited $?"
   expect "$out/server-psk" 'received: "keyed"'
+  # Other memory: huge pages, and a vgem dma-buf through the bounce path, on both sides.
+  for mem in hugepage dmabuf; do
+    "$R" hello --listen 127.0.0.1:12031 --mem $mem > "$out/server-$mem" 2>&1 &
+    server=$!
+    client "client-$mem" --connect 127.0.0.1:12031 --mem $mem --message "through $mem" || fail "--mem $mem client failed"
+    wait $server || fail "--mem $mem server exited $?"
+    expect "$out/server-$mem" "received: \"through $mem\""
+    expect "$out/client-$mem" "server read back: \"through $mem\""
+    expect "$out/client-$mem" "memory      $mem memory"
+  done
+  expect "$out/client-dmabuf" "ibv_reg_dmabuf_mr: EOPNOTSUPP (the device cannot register dma-buf MRs); fell back to a bounce buffer"
   cat "$out/server" "$out/client"
   ;;
 two_vms)

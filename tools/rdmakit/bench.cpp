@@ -26,6 +26,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "memory_options.hpp"
 #include "options.hpp"
 #include "rdmakit/connection.hpp"
 #include "rdmakit/error.hpp"
@@ -50,6 +51,7 @@ std::uint64_t signal_interval(std::uint32_t tx_depth) {
 
 struct BenchOptions {
   ConnectOptions net;
+  MemOptions mem;
   std::string op;    // write | read | send | atomic
   std::string mode;  // bw | lat
   std::size_t size = 0;  // 0: the mode's default
@@ -107,6 +109,23 @@ bool check(const std::uint8_t* p, std::size_t n, std::uint64_t iter) {
     if (p[i] != pattern(iter, i)) return false;
   }
   return true;
+}
+
+// Where the CPU fills and checks a region's contents: the memory itself when the CPU can reach
+// it (on the bounce path the staging copies carry it to and from the registered buffer), else
+// the registered bytes.
+std::uint8_t* cpu_view(const MemoryRegion& m) {
+  return static_cast<std::uint8_t*>(m.home() != nullptr ? m.home() : m.data());
+}
+// Fills [off, off + n) with iteration `iter`'s pattern and stages it for the NIC.
+void fill_region(const MemoryRegion& m, std::size_t off, std::size_t n, std::uint64_t iter) {
+  fill(cpu_view(m) + off, n, iter);
+  m.stage_in(off, n);
+}
+// Brings [off, off + n) back from the NIC and checks it holds iteration `iter`'s pattern.
+bool check_region(const MemoryRegion& m, std::size_t off, std::size_t n, std::uint64_t iter) {
+  m.stage_out(off, n);
+  return check(cpu_view(m) + off, n, iter);
 }
 
 // --- control messages ------------------------------------------------------------------------
@@ -242,7 +261,7 @@ class Receiver {
   void on_completion(const Completion& x) {
     const std::uint64_t i = x.wr_id;
     if (p_.validate) {
-      valid_ &= x.byte_len == p_.size && check(slot(i), p_.size, i);
+      valid_ &= x.byte_len == p_.size && check_region(mine_, base_off_ + (i % p_.slots) * p_.size, p_.size, i);
     }
     ++received_;
     post_upto(received_ + ahead_);
@@ -254,9 +273,6 @@ class Receiver {
   [[nodiscard]] std::uint32_t pending() const { return static_cast<std::uint32_t>(next_post_ - received_); }
 
  private:
-  std::uint8_t* slot(std::uint64_t i) const {
-    return static_cast<std::uint8_t*>(mine_.data()) + base_off_ + (i % p_.slots) * p_.size;
-  }
   void post_upto(std::uint64_t upto) {
     for (; next_post_ < upto && next_post_ < target_; ++next_post_) {
       const LocalSlice dst = mine_.local().subslice(base_off_ + (next_post_ % p_.slots) * p_.size, p_.size);
@@ -296,7 +312,6 @@ Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine,
                     : p.op == "send" ? Opcode::send
                                      : Opcode::fetch_add;
   const Targets at = targets_for(p, op);
-  auto* base = static_cast<std::uint8_t*>(mine.data());
   const std::uint32_t qps = c.info().qps;
   const bool in_order = qps == 1;
   // A message that the library stripes across the QPs is one request: post it on its own.
@@ -352,7 +367,7 @@ Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine,
       for (std::uint32_t k = 0; k < n; ++k) {
         const std::uint64_t i = posted + k;
         const std::size_t slot = (i % p.slots) * p.size;
-        if (p.validate && op != Opcode::read) fill(base + at.local_base + slot, p.size, i);
+        if (p.validate && op != Opcode::read) fill_region(mine, at.local_base + slot, p.size, i);
         slices.push_back(mine.local().subslice(at.local_base + slot, p.size));
         WorkRequest& w = reqs[k];
         w = {};
@@ -414,7 +429,7 @@ Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine,
   if (p.validate && op == Opcode::read) {
     // Every slot was last read from the peer's pattern for that slot.
     for (std::size_t s = 0; s < std::min<std::uint64_t>(p.slots, target); ++s) {
-      res.validated &= check(base + at.local_base + s * p.size, p.size, s);
+      res.validated &= check_region(mine, at.local_base + s * p.size, p.size, s);
     }
   }
   if (receiver != nullptr) res.validated &= receiver->valid();
@@ -423,11 +438,11 @@ Result run_bw_initiator(Connection& c, const Phase& p, const MemoryRegion& mine,
 
 // After a WRITE bandwidth phase of `iters` requests: each slot (from `base_off`) holds what the
 // last write into it carried.
-bool check_written(const std::uint8_t* base, const Phase& p, std::uint64_t iters) {
+bool check_written(const MemoryRegion& m, std::size_t base_off, const Phase& p, std::uint64_t iters) {
   bool valid = true;
   for (std::size_t s = 0; s < std::min<std::uint64_t>(p.slots, iters); ++s) {
     const std::uint64_t last = iters - 1 - ((iters - 1 - s) % p.slots);
-    valid &= check(base + s * p.size, p.size, last);
+    valid &= check_region(m, base_off + s * p.size, p.size, last);
   }
   return valid;
 }
@@ -678,8 +693,17 @@ ConnectionConfig bench_config(const BenchOptions& o) {
 }
 
 void bench_setup(const BenchOptions& o, Connection& c) {
-  c.advertise(c.allocate_memory(o.buffer_bytes(), Access::local_write | Access::remote_read |
+  c.advertise(o.mem.allocate(c, o.buffer_bytes(), Access::local_write | Access::remote_read |
                                                       Access::remote_write | Access::remote_atomic));
+}
+
+// Latency tests and validation touch the bytes with the CPU; GPU memory registered directly has
+// none to touch.
+void require_cpu_view(const BenchOptions& o, const MemoryRegion& m) {
+  if (m.data() == nullptr && (!o.bw() || o.validate || o.op == "atomic")) {
+    throw Fail(fmt::format("{}: the CPU cannot reach this memory; only write/read/send bw without "
+                           "--validate run on it", describe_memory(m)));
+  }
 }
 
 int finish(const BenchOptions& o, const json& rows, bool failed) {
@@ -698,8 +722,11 @@ int run_client(const BenchOptions& o) {
   Connection c = Connection::connect(o.net.connect_target(), bench_config(o),
                                      [&](Connection& cc) { bench_setup(o, cc); });
   const MemoryRegion& mine = c.memory(0);
-  auto* base = static_cast<std::uint8_t*>(mine.data());
-  if (!o.json_out) print_header(o, c.info(), static_cast<std::uint32_t>(signal_interval(o.tx_depth)));
+  require_cpu_view(o, mine);
+  if (!o.json_out) {
+    print_header(o, c.info(), static_cast<std::uint32_t>(signal_interval(o.tx_depth)));
+    fmt::print(" memory: {}\n", describe_memory(mine));
+  }
   json rows = json::array();
   bool failed = false;
   for (std::size_t size : o.sizes()) {
@@ -715,7 +742,7 @@ int run_client(const BenchOptions& o) {
     // the peer hears the parameters.
     std::optional<Receiver> rx;
     if (p.bidir && p.op == "read") {
-      for (std::size_t s = 0; s < p.slots; ++s) fill(base + s * p.size, p.size, s);
+      for (std::size_t s = 0; s < p.slots; ++s) fill_region(mine, s * p.size, p.size, s);
     }
     if (p.bidir && p.op == "send") {
       rx.emplace(c, p, mine, p.half);
@@ -731,7 +758,7 @@ int run_client(const BenchOptions& o) {
     if (o.validate) r.validated = r.validated && verdict.value("validated", false);
     if (p.bidir) {
       if (o.validate && p.op == "write") {
-        r.validated = r.validated && check_written(base + p.half, p, verdict.at("peer").at("iterations"));
+        r.validated = r.validated && check_written(mine, p.half, p, verdict.at("peer").at("iterations"));
       }
       add_peer(r, verdict.at("peer"));
     }
@@ -755,8 +782,12 @@ int run_server(const BenchOptions& o) {
   }
   Connection& c = *conn;
   const MemoryRegion& mine = c.memory(0);
+  require_cpu_view(o, mine);
   auto* base = static_cast<std::uint8_t*>(mine.data());
-  if (!o.json_out) print_header(o, c.info(), static_cast<std::uint32_t>(signal_interval(o.tx_depth)));
+  if (!o.json_out) {
+    print_header(o, c.info(), static_cast<std::uint32_t>(signal_interval(o.tx_depth)));
+    fmt::print(" memory: {}\n", describe_memory(mine));
+  }
   for (;;) {
     const json j = recv_json(c, 600s, "phase parameters");
     if (j.contains("finished")) break;
@@ -774,7 +805,7 @@ int run_server(const BenchOptions& o) {
     }
     bool valid = true;
     if (p.op == "read") {
-      for (std::size_t s = 0; s < p.slots; ++s) fill(base + s * p.size, p.size, s);
+      for (std::size_t s = 0; s < p.slots; ++s) fill_region(mine, s * p.size, p.size, s);
     }
     if (p.op == "atomic") std::memset(base, 0, 8);
     std::optional<Result> mine_result;  // --bidir: this side's own direction
@@ -804,7 +835,7 @@ int run_server(const BenchOptions& o) {
     }
     const json done = recv_json(c, 600s, "end of phase");
     if (p.validate && p.mode == "bw" && p.op == "write") {
-      valid &= check_written(base + (p.bidir ? p.half : 0), p, done.at("iters"));
+      valid &= check_written(mine, p.bidir ? p.half : 0, p, done.at("iters"));
     }
     if (p.validate && p.op == "atomic") {  // every fetch-and-add added one
       std::uint64_t v;
@@ -849,6 +880,7 @@ void add_bench(CLI::App& app, std::function<int()>& run) {
       ->check(CLI::Range(1u, 16u))
       ->capture_default_str();
   sub->add_flag("-b,--bidir", o->bidir, "bw: both sides send at once (reported as the sum)");
+  o->mem.add_to(*sub);
   sub->add_flag("-e,--events", o->events, "sleep on a completion channel instead of polling");
   sub->add_flag("--validate", o->validate, "check every transfer's data");
   sub->add_flag("--json", o->json_out, "print the results as JSON");
@@ -873,7 +905,10 @@ void add_bench(CLI::App& app, std::function<int()>& run) {
     if (o->duration > 0 && o->op == "send" && o->all) {
       throw CLI::ValidationError("--duration", "send with --duration measures one size (no --all)");
     }
-    run = guarded("bench", [o] { return o->net.serving() ? run_server(*o) : run_client(*o); });
+    run = guarded("bench", [o] {
+      o->mem.check(o->buffer_bytes());  // no CUDA device, no huge pages: said before connecting
+      return o->net.serving() ? run_server(*o) : run_client(*o);
+    });
   });
 }
 

@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "memory_options.hpp"
 #include "options.hpp"
 #include "rdmakit/connection.hpp"
 #include "rdmakit/error.hpp"
@@ -31,6 +32,7 @@ enum : std::size_t { kClientOutbox = 0, kClientReport = 1 };
 
 struct HelloOptions {
   ConnectOptions net;
+  MemOptions mem;
   std::string message = "Hello,World";
   std::size_t size = 64 * 1024;  // the seed's MSG_SIZE
   bool serve = false;
@@ -68,8 +70,8 @@ void print_block(const std::string& s) {
 // One client, on the server side. Returns true when what was read back equals what was written.
 bool serve_one(Connection& conn, const HelloOptions& o) {
   const std::string who = conn.info().peer_address;
-  print_block(fmt::format("[{}] connected\n{}", who, describe(conn.info())));
   const MemoryRegion& inbox = conn.memory(kServerInbox);
+  print_block(fmt::format("[{}] connected\n{}  memory      {}\n", who, describe(conn.info()), describe_memory(inbox)));
   const MemoryRegion& readback = conn.memory(kServerReadback);
   const Completion imm = await(conn, kWrRecv, o.net.timeout(), "waiting for the client's write");
   if (!imm.has_imm || imm.imm > inbox.size()) {
@@ -77,13 +79,17 @@ bool serve_one(Connection& conn, const HelloOptions& o) {
                            imm.imm, inbox.size()));
   }
   const std::size_t len = imm.imm;
-  print_block(fmt::format("[{}] received: {}\n", who, quoted(inbox.data(), len)));
+  // On the bounce path the NIC wrote the bounce buffer: bring the bytes home first.
+  inbox.stage_out(0, len);
+  const void* got = inbox.home() != nullptr ? inbox.home() : inbox.data();
+  if (got == nullptr) throw Fail("the inbox is GPU memory the CPU cannot read; hello needs host-reachable memory");
+  print_block(fmt::format("[{}] received: {}\n", who, quoted(got, len)));
 
   if (conn.remote_regions().empty()) throw Fail(fmt::format("{} advertised no buffer to read", who));
   const RemoteRegion& theirs = conn.remote_regions().front();
   check_post(conn.post_read(readback.local().subslice(0, len), theirs, 0, kWrRead), "RDMA READ");
   await(conn, kWrRead, o.net.timeout(), "RDMA READ of the client's buffer");
-  const bool same = std::memcmp(readback.data(), inbox.data(), len) == 0;
+  const bool same = std::memcmp(readback.data(), got, len) == 0;
   print_block(fmt::format("[{}] read back: {}{}\n", who, quoted(readback.data(), len),
                           same ? "" : "  (DIFFERENT from what was written)"));
 
@@ -95,8 +101,8 @@ bool serve_one(Connection& conn, const HelloOptions& o) {
 
 int run_server(const HelloOptions& o) {
   const std::size_t size = o.size;
-  Listener listener(o.net.listen_address(), o.net.config(), [size](Connection& c) {
-    const MemoryRegion& inbox = c.allocate_memory(size, Access::remote_write);
+  Listener listener(o.net.listen_address(), o.net.config(), [size, &o](Connection& c) {
+    const MemoryRegion& inbox = o.mem.allocate(c, size, Access::remote_write);
     c.allocate_memory(size, Access::local_write);
     c.advertise(inbox);
     // The client's WRITE_WITH_IMM consumes a receive: post it before the client can send.
@@ -150,14 +156,18 @@ int run_client(const HelloOptions& o) {
   const std::string& msg = o.message;
   const std::size_t size = o.size;
   Connection conn = Connection::connect(o.net.connect_target(), o.net.config(), [&](Connection& c) {
-    const MemoryRegion& outbox = c.allocate_memory(size, Access::remote_read);
+    const MemoryRegion& outbox = o.mem.allocate(c, size, Access::remote_read);
     const MemoryRegion& report = c.allocate_memory(size, Access::local_write);
-    std::memcpy(outbox.data(), msg.data(), msg.size());
+    // Into the memory itself, then (bounce path) staged into what the NIC reads.
+    void* home = outbox.home() != nullptr ? outbox.home() : outbox.data();
+    if (home == nullptr) throw Fail("the outbox is GPU memory the CPU cannot write; hello needs host-reachable memory");
+    std::memcpy(home, msg.data(), msg.size());
+    outbox.stage_in(0, msg.size());
     c.advertise(outbox);
     check_post(c.post_recv(report.local(), kWrRecv), "posting the receive");
   });
-  print_block(fmt::format("connected\n{}", describe(conn.info())));
   const MemoryRegion& outbox = conn.memory(kClientOutbox);
+  print_block(fmt::format("connected\n{}  memory      {}\n", describe(conn.info()), describe_memory(outbox)));
   const MemoryRegion& report = conn.memory(kClientReport);
   if (conn.remote_regions().empty()) throw Fail("the server advertised no buffer");
   const RemoteRegion& theirs = conn.remote_regions().front();
@@ -188,12 +198,16 @@ void add_hello(CLI::App& app, std::function<int()>& run) {
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 30))
       ->capture_default_str();
   sub->add_flag("--serve", opts->serve, "with --listen: keep serving clients until stopped");
+  opts->mem.add_to(*sub);
   sub->callback([opts, &run] {
     require_role(opts->net, "hello");
     if (opts->serve && !opts->net.serving()) {
       throw CLI::ValidationError("--serve", "--serve needs --listen");
     }
-    run = guarded("hello", [opts] { return opts->net.serving() ? run_server(*opts) : run_client(*opts); });
+    run = guarded("hello", [opts] {
+      opts->mem.check(opts->size);  // no CUDA device, no huge pages: said before connecting
+      return opts->net.serving() ? run_server(*opts) : run_client(*opts);
+    });
   });
 }
 

@@ -1,0 +1,23 @@
+// Compiled only where the CUDA toolkit's cuda.h is installed: checks that the types, constants
+// and symbols cuda.cpp loads at run time are the driver API's.
+#include <cuda.h>
+
+#include <type_traits>
+
+#include "memory/cuda.hpp"
+
+namespace rdmakit::detail::cuda {
+static_assert(std::is_same_v<DevicePtr, CUdeviceptr>);
+static_assert(std::is_same_v<Device, CUdevice>);
+static_assert(std::is_same_v<Context, CUcontext> || sizeof(Context) == sizeof(CUcontext));
+static_assert(sizeof(Result) == sizeof(CUresult) && kSuccess == CUDA_SUCCESS);
+static_assert(kRangeHandleDmaBufFd == CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD);
+static_assert(kHostAllocPortable == CU_MEMHOSTALLOC_PORTABLE);
+// The versioned symbols dlsym asks for exist with these signatures.
+[[maybe_unused]] constexpr auto alloc = &::cuMemAlloc_v2;
+[[maybe_unused]] constexpr auto dtoh = &::cuMemcpyDtoH_v2;
+[[maybe_unused]] constexpr auto htod = &::cuMemcpyHtoD_v2;
+[[maybe_unused]] constexpr auto release = &::cuDevicePrimaryCtxRelease_v2;
+[[maybe_unused]] constexpr auto handle = &::cuMemGetHandleForAddressRange;
+static_assert(std::is_same_v<decltype(&::cuMemAlloc_v2), CUresult (*)(CUdeviceptr*, size_t)>);
+}  // namespace rdmakit::detail::cuda

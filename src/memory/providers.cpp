@@ -1,0 +1,224 @@
+// Memory providers: host, huge pages, dma-buf and CUDA memory, each registered by the best path
+// the device allows, falling back instead of failing, and saying which path it took and why.
+#include <fcntl.h>
+#include <infiniband/verbs.h>
+#include <linux/dma-buf.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "memory/cuda.hpp"
+#include "rdmakit/error.hpp"
+#include "verbs/memory_impl.hpp"
+
+namespace rdmakit {
+
+const char* to_string(MemoryKind kind) noexcept {
+  switch (kind) {
+    case MemoryKind::host: return "host";
+    case MemoryKind::hugepage: return "hugepage";
+    case MemoryKind::cuda: return "cuda";
+    case MemoryKind::cuda_host: return "cuda-host";
+    case MemoryKind::dmabuf: return "dmabuf";
+  }
+  return "?";
+}
+
+std::optional<MemoryKind> parse_memory_kind(std::string_view t) noexcept {
+  for (MemoryKind k : {MemoryKind::host, MemoryKind::hugepage, MemoryKind::cuda, MemoryKind::cuda_host,
+                       MemoryKind::dmabuf}) {
+    if (t == to_string(k)) return k;
+  }
+  return std::nullopt;
+}
+
+const char* to_string(RegistrationPath path) noexcept {
+  switch (path) {
+    case RegistrationPath::host_mr: return "ibv_reg_mr on host memory";
+    case RegistrationPath::dmabuf_mr: return "ibv_reg_dmabuf_mr (dma-buf)";
+    case RegistrationPath::device_mr: return "ibv_reg_mr on the device pointer (peer memory)";
+    case RegistrationPath::bounce: return "a registered host bounce buffer with staging copies";
+  }
+  return "?";
+}
+
+namespace detail {
+namespace {
+
+constexpr std::size_t kHugePage = 2u << 20;
+
+std::uint64_t free_hugepages() {
+  std::ifstream f("/proc/meminfo");
+  for (std::string line; std::getline(f, line);) {
+    std::istringstream is(line);
+    std::string key;
+    std::uint64_t v = 0;
+    if (is >> key >> v && key == "HugePages_Free:") return v;
+  }
+  return 0;
+}
+
+struct HugepageSource final : MemorySource {
+  std::size_t bytes = 0;
+  HugepageSource(std::size_t length) : bytes((length + kHugePage - 1) / kHugePage * kHugePage) {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      throw Error("mmap(MAP_HUGETLB)", err,
+                  fmt::format("{} bytes on 2 MiB pages; {} huge pages free", bytes, free_hugepages()),
+                  "reserve huge pages first: echo N > /proc/sys/vm/nr_hugepages (N x 2 MiB)");
+    }
+    cpu = p;
+  }
+  ~HugepageSource() override { ::munmap(cpu, bytes); }
+  void to_bounce(void*, std::size_t, std::size_t) override {}
+  void from_bounce(const void*, std::size_t, std::size_t) override {}
+};
+
+// A dma-buf from another driver: a dup of its fd, and a CPU mapping when the exporter allows one
+// (bracketed by DMA_BUF_IOCTL_SYNC, as the dma-buf rules require).
+struct DmabufSource final : MemorySource {
+  int fd = -1;
+  std::uint64_t offset = 0;
+  std::size_t length = 0;
+  void* map = nullptr;
+  std::size_t map_len = 0;
+  std::string map_error;
+  DmabufSource(int exporter_fd, std::uint64_t off, std::size_t len) : offset(off), length(len) {
+    fd = ::fcntl(exporter_fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) throw Error("dup(dma-buf fd)", errno, fmt::format("fd {}", exporter_fd), "is it an open dma-buf fd?");
+    const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+    const std::uint64_t start = off / page * page;
+    map_len = static_cast<std::size_t>(off - start + len);
+    void* p = ::mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(start));
+    if (p == MAP_FAILED) {
+      map_error = fmt::format("mmap of the dma-buf: {}", errno_name(errno));
+    } else {
+      map = p;
+      cpu = static_cast<char*>(p) + (off - start);
+    }
+  }
+  ~DmabufSource() override {
+    if (map != nullptr) ::munmap(map, map_len);
+    ::close(fd);
+  }
+  void sync(std::uint64_t flags) {
+    dma_buf_sync s{flags};
+    while (::ioctl(fd, DMA_BUF_IOCTL_SYNC, &s) != 0 && errno == EINTR) {
+    }
+  }
+  void to_bounce(void* bounce, std::size_t off, std::size_t len) override {
+    sync(DMA_BUF_SYNC_START | DMA_BUF_SYNC_READ);
+    std::memcpy(static_cast<char*>(bounce) + off, static_cast<char*>(cpu) + off, len);
+    sync(DMA_BUF_SYNC_END | DMA_BUF_SYNC_READ);
+  }
+  void from_bounce(const void* bounce, std::size_t off, std::size_t len) override {
+    sync(DMA_BUF_SYNC_START | DMA_BUF_SYNC_WRITE);
+    std::memcpy(static_cast<char*>(cpu) + off, static_cast<const char*>(bounce) + off, len);
+    sync(DMA_BUF_SYNC_END | DMA_BUF_SYNC_WRITE);
+  }
+};
+
+// Registers a host bounce buffer for `source` (which must let the CPU or a copy engine reach its
+// memory); the region's NIC-visible bytes are the bounce buffer's.
+std::unique_ptr<MemoryRegion::Impl> bounce(std::shared_ptr<DeviceResources> dev, std::size_t length,
+                                           Access access, std::unique_ptr<MemorySource> source,
+                                           std::string why) {
+  auto buf = allocate_pages(length);
+  void* p = buf.get();
+  auto impl = register_region(std::move(dev), p, length, access, std::move(buf));
+  impl->source = std::move(source);
+  impl->path = RegistrationPath::bounce;
+  impl->path_detail = std::move(why);
+  return impl;
+}
+
+}  // namespace
+
+std::unique_ptr<MemoryRegion::Impl> allocate_region(std::shared_ptr<DeviceResources> dev, std::size_t length,
+                                                    Access access, const MemorySpec& spec) {
+  std::unique_ptr<MemoryRegion::Impl> impl;
+  switch (spec.kind) {
+    case MemoryKind::host: {
+      auto mem = allocate_pages(length);
+      void* p = mem.get();
+      impl = register_region(std::move(dev), p, length, access, std::move(mem));
+      break;
+    }
+    case MemoryKind::hugepage: {
+      auto src = std::make_unique<HugepageSource>(length);
+      void* p = src->cpu;
+      impl = register_region(std::move(dev), p, length, access);
+      impl->source = std::move(src);
+      impl->path_detail = "2 MiB pages, registered as host memory";
+      break;
+    }
+    case MemoryKind::dmabuf: {
+      auto src = std::make_unique<DmabufSource>(spec.dmabuf_fd, spec.dmabuf_offset, length);
+      // Direct: the NIC reads and writes the exporter's memory itself. The iova is the CPU
+      // mapping's address when there is one, so data() and the MR's addresses agree.
+      const std::uint64_t iova = src->cpu != nullptr ? reinterpret_cast<std::uint64_t>(src->cpu) : spec.dmabuf_offset;
+      errno = 0;
+      MrPtr mr(ibv_reg_dmabuf_mr(dev->pd.get(), spec.dmabuf_offset, length, iova, src->fd, static_cast<int>(mr_access_flags(access))));
+      if (mr) {
+        void* cpu = src->cpu;
+        impl = adopt_mr(std::move(dev), std::move(mr), access, length, std::move(src), RegistrationPath::dmabuf_mr,
+                        "the device registered the dma-buf directly", cpu);
+        break;
+      }
+      const int err = errno;
+      const std::string why = fmt::format("ibv_reg_dmabuf_mr: {} ({})", errno_name(err),
+                                          err == EOPNOTSUPP ? "the device cannot register dma-buf MRs"
+                                                            : std::system_category().message(err));
+      if (src->cpu == nullptr) {
+        throw Error("register dma-buf", err, why + "; and no bounce buffer either: " + src->map_error,
+                    "the exporter must allow mmap for the bounce path, or the NIC must support dma-buf");
+      }
+      impl = bounce(std::move(dev), length, access, std::move(src), why + "; fell back to a bounce buffer");
+      break;
+    }
+    case MemoryKind::cuda:
+    case MemoryKind::cuda_host:
+      impl = allocate_cuda(std::move(dev), length, access, spec);
+      break;
+  }
+  impl->kind = spec.kind;
+  return impl;
+}
+
+}  // namespace detail
+
+void check_memory(const MemorySpec& spec, std::size_t length) {
+  switch (spec.kind) {
+    case MemoryKind::host: return;
+    case MemoryKind::hugepage: {
+      const std::uint64_t want = (length + detail::kHugePage - 1) / detail::kHugePage;
+      const std::uint64_t have = detail::free_hugepages();
+      if (have < want) {
+        throw Error("huge pages", ENOMEM,
+                    fmt::format("{} bytes need {} free 2 MiB pages; {} are free", length, want, have),
+                    fmt::format("reserve them first: echo {} > /proc/sys/vm/nr_hugepages", want));
+      }
+      return;
+    }
+    case MemoryKind::dmabuf:
+      if (::fcntl(spec.dmabuf_fd, F_GETFD) < 0) {
+        throw Error("dma-buf", EBADF, fmt::format("fd {} is not open", spec.dmabuf_fd));
+      }
+      return;
+    case MemoryKind::cuda:
+    case MemoryKind::cuda_host:
+      detail::check_cuda(spec.gpu);
+      return;
+  }
+}
+
+}  // namespace rdmakit
