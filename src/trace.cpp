@@ -26,15 +26,17 @@ std::string TraceEvent::json() const {
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
+std::function<void(const TraceEvent&)> trace_to_stderr(bool json) {
+  if (json) return [](const TraceEvent& e) { fmt::print(stderr, "{}\n", e.json()); };
+  return [](const TraceEvent& e) { fmt::print(stderr, "rdmakit trace: {}\n", e.text()); };
+}
+
 namespace detail {
 
 std::function<void(const TraceEvent&)> trace_from_environment() {
   const char* v = std::getenv("RDMAKIT_TRACE");
   if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return {};
-  if (std::strcmp(v, "json") == 0) {
-    return [](const TraceEvent& e) { fmt::print(stderr, "{}\n", e.json()); };
-  }
-  return [](const TraceEvent& e) { fmt::print(stderr, "rdmakit trace: {}\n", e.text()); };
+  return trace_to_stderr(std::strcmp(v, "json") == 0);
 }
 
 }  // namespace detail

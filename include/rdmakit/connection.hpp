@@ -35,6 +35,10 @@ struct TraceEvent {
   [[nodiscard]] std::string json() const;
 };
 
+/// A tracer (ConnectionConfig::trace) that writes each event to standard error as one line:
+/// `rdmakit trace: <text>`, or the JSON object when `json`. RDMAKIT_TRACE uses the same.
+[[nodiscard]] std::function<void(const TraceEvent&)> trace_to_stderr(bool json);
+
 /// Everything a connection is built from, passed by value. The defaults detect a dead peer within
 /// about 4 s (500 ms ACK timeout x 7 tries) and never wait forever.
 struct ConnectionConfig {

@@ -74,10 +74,8 @@ int run_devices(const DevicesOptions& o) {
     out.push_back(std::move(dj));
   }
   if (o.trace) {
-    for (const auto& d : out) {
-      fmt::print(stderr, "{}\n", o.json_out ? TraceEvent{"device", {{"name", d["name"]}}}.json()
-                                            : "rdmakit trace: " + TraceEvent{"device", {{"name", d["name"]}}}.text());
-    }
+    const auto sink = trace_to_stderr(o.json_out);
+    for (const auto& d : out) sink({"device", {{"name", d["name"]}}});
   }
   if (o.json_out) {
     fmt::print("{}\n", json{{"devices", out}}.dump(2));
@@ -174,16 +172,16 @@ int run_doctor(const DoctorOptions& o) {
     doctor::PeerOptions po;
     po.local = local;
     po.timeout = o.net.timeout();
-    if (o.net.trace) po.trace = trace_sink(o.json_out);
+    if (o.net.trace) po.trace = trace_to_stderr(o.json_out);
     if (!o.net.psk_file.empty()) po.psk = read_key_file(o.net.psk_file);
     ConnectOptions target = o.net;
     target.connect = o.peer;
     peer = doctor::check_peer(target.connect_target(), po);
   }
   if (o.net.trace) {
+    const auto sink = trace_to_stderr(o.json_out);
     for (const auto& c : r.checks) {
-      const TraceEvent e{"check", {{"id", c.id}, {"verdict", doctor::to_string(c.verdict)}, {"detail", c.detail}}};
-      fmt::print(stderr, "{}\n", o.json_out ? e.json() : "rdmakit trace: " + e.text());
+      sink({"check", {{"id", c.id}, {"verdict", doctor::to_string(c.verdict)}, {"detail", c.detail}}});
     }
   }
   int status = r.exit_status();

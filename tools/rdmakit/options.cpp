@@ -32,10 +32,6 @@ void add_trace_flag(CLI::App& app, bool& trace) {
                "same for any program using the library");
 }
 
-std::function<void(const TraceEvent&)> trace_sink(bool json) {
-  if (json) return [](const TraceEvent& e) { fmt::print(stderr, "{}\n", e.json()); };
-  return [](const TraceEvent& e) { fmt::print(stderr, "rdmakit trace: {}\n", e.text()); };
-}
 
 namespace {
 
@@ -68,7 +64,7 @@ ConnectionConfig ConnectOptions::config() const {
   cfg.handshake_timeout = timeout();
   // A server started at the same moment (a script, a job launcher) may not listen yet.
   cfg.retry_refused = true;
-  if (trace) cfg.trace = trace_sink(trace_json);
+  if (trace) cfg.trace = trace_to_stderr(trace_json);
   if (!psk_file.empty()) cfg.psk = read_key_file(psk_file);
   return cfg;
 }

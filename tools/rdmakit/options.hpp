@@ -40,9 +40,6 @@ struct ConnectOptions {
   [[nodiscard]] std::chrono::milliseconds timeout() const { return std::chrono::milliseconds{timeout_ms}; }
 };
 
-/// Where --trace sends a connection's TraceEvents: standard error, one line each (JSON lines
-/// when `json`).
-std::function<void(const TraceEvent&)> trace_sink(bool json);
 /// Adds --trace to a subcommand.
 void add_trace_flag(CLI::App& app, bool& trace);
 
