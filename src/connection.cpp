@@ -492,11 +492,7 @@ const MemoryRegion& Connection::register_memory(void* addr, std::size_t length, 
 }
 
 const MemoryRegion& Connection::allocate_memory(std::size_t length, Access access) {
-  auto mem = detail::allocate_pages(length);
-  void* p = mem.get();
-  impl_->regions.push_back(
-      MemoryRegion(detail::register_region(impl_->dev, p, length, access, std::move(mem))));
-  return impl_->regions.back();
+  return allocate_memory(length, access, MemorySpec{});
 }
 
 void Connection::revoke(const MemoryRegion& region) noexcept {

@@ -176,13 +176,7 @@ std::unique_ptr<MemoryRegion::Impl> allocate_cuda(std::shared_ptr<DeviceResource
   }
   why += fmt::format("; ibv_reg_mr on the device pointer: {} (is nvidia-peermem loaded?)", errno_name(errno));
   // 3. A host bounce buffer with explicit copies.
-  auto buf = allocate_pages(length);
-  void* p = buf.get();
-  auto impl = register_region(std::move(dev), p, length, access, std::move(buf));
-  impl->source = std::move(src);
-  impl->path = RegistrationPath::bounce;
-  impl->path_detail = why + "; fell back to a bounce buffer";
-  return impl;
+  return bounce_region(std::move(dev), length, access, std::move(src), why + "; fell back to a bounce buffer");
 }
 
 }  // namespace rdmakit::detail

@@ -127,32 +127,32 @@ struct DmabufSource final : MemorySource {
   }
 };
 
-// Registers a host bounce buffer for `source` (which must let the CPU or a copy engine reach its
-// memory); the region's NIC-visible bytes are the bounce buffer's.
-std::unique_ptr<MemoryRegion::Impl> bounce(std::shared_ptr<DeviceResources> dev, std::size_t length,
-                                           Access access, std::unique_ptr<MemorySource> source,
-                                           std::string why) {
-  auto buf = allocate_pages(length);
-  void* p = buf.get();
-  auto impl = register_region(std::move(dev), p, length, access, std::move(buf));
+std::unique_ptr<MemoryRegion::Impl> host_region(std::shared_ptr<DeviceResources> dev, std::size_t length,
+                                                Access access) {
+  auto mem = allocate_pages(length);
+  void* p = mem.get();
+  return register_region(std::move(dev), p, length, access, std::move(mem));
+}
+
+}  // namespace
+
+std::unique_ptr<MemoryRegion::Impl> bounce_region(std::shared_ptr<DeviceResources> dev, std::size_t length,
+                                                  Access access, std::unique_ptr<MemorySource> source,
+                                                  std::string why) {
+  auto impl = host_region(std::move(dev), length, access);
   impl->source = std::move(source);
   impl->path = RegistrationPath::bounce;
   impl->path_detail = std::move(why);
   return impl;
 }
 
-}  // namespace
-
 std::unique_ptr<MemoryRegion::Impl> allocate_region(std::shared_ptr<DeviceResources> dev, std::size_t length,
                                                     Access access, const MemorySpec& spec) {
   std::unique_ptr<MemoryRegion::Impl> impl;
   switch (spec.kind) {
-    case MemoryKind::host: {
-      auto mem = allocate_pages(length);
-      void* p = mem.get();
-      impl = register_region(std::move(dev), p, length, access, std::move(mem));
+    case MemoryKind::host:
+      impl = host_region(std::move(dev), length, access);
       break;
-    }
     case MemoryKind::hugepage: {
       auto src = std::make_unique<HugepageSource>(length);
       void* p = src->cpu;
@@ -182,7 +182,7 @@ std::unique_ptr<MemoryRegion::Impl> allocate_region(std::shared_ptr<DeviceResour
         throw Error("register dma-buf", err, why + "; and no bounce buffer either: " + src->map_error,
                     "the exporter must allow mmap for the bounce path, or the NIC must support dma-buf");
       }
-      impl = bounce(std::move(dev), length, access, std::move(src), why + "; fell back to a bounce buffer");
+      impl = bounce_region(std::move(dev), length, access, std::move(src), why + "; fell back to a bounce buffer");
       break;
     }
     case MemoryKind::cuda:

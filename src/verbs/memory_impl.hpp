@@ -43,6 +43,11 @@ std::unique_ptr<MemoryRegion::Impl> register_region(std::shared_ptr<DeviceResour
 std::unique_ptr<MemoryRegion::Impl> adopt_mr(std::shared_ptr<DeviceResources> dev, MrPtr mr, Access access,
                                              std::size_t length, std::unique_ptr<MemorySource> source,
                                              RegistrationPath path, std::string why, void* cpu);
+/// A registered host buffer standing in for `source`'s memory (the bounce path): the region's
+/// NIC-visible bytes are the buffer's; stage_in/stage_out copy through `source`.
+std::unique_ptr<MemoryRegion::Impl> bounce_region(std::shared_ptr<DeviceResources> dev, std::size_t length,
+                                                  Access access, std::unique_ptr<MemorySource> source,
+                                                  std::string why);
 /// Allocates memory of spec.kind and registers it by the best path that works (src/memory/).
 std::unique_ptr<MemoryRegion::Impl> allocate_region(std::shared_ptr<DeviceResources> dev,
                                                     std::size_t length, Access access,
