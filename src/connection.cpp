@@ -151,8 +151,7 @@ void Connection::Impl::open() {
   const PortInfo& p = pick_port(d, cfg.port);
   const GidChoice gid = choose_gid(p.gids, cfg.gid);
 
-  dev = std::make_shared<detail::DeviceResources>();
-  dev->ctx = detail::open_device(d.name);
+  dev = detail::open_pd(d.name);
   ibv_device_attr dattr{};
   if (const int rc = ibv_query_device(dev->ctx.get(), &dattr); rc != 0) {
     throw Error("ibv_query_device", rc, d.name);
@@ -172,8 +171,6 @@ void Connection::Impl::open() {
                               what, want, d.name, limit, per_cq, d.max_qp_wr, d.max_cqe));
     }
   }
-  dev->pd.reset(ibv_alloc_pd(dev->ctx.get()));
-  if (!dev->pd) throw Error("ibv_alloc_pd", errno, d.name);
   // The context is this connection's own, so its async events (port down, QP fatal) are too;
   // non-blocking, so wait() can look at them without ever blocking.
   {

@@ -23,6 +23,7 @@
 #include <fmt/format.h>
 
 #include "rdmakit/doctor.hpp"
+#include "verbs/memory_impl.hpp"
 
 namespace rdmakit::doctor {
 namespace {
@@ -117,16 +118,10 @@ HostFacts host_facts() {
       }
     }
   }
-  std::ifstream meminfo("/proc/meminfo");
-  for (std::string line; std::getline(meminfo, line);) {
-    std::istringstream is(line);
-    std::string key;
-    std::uint64_t v = 0;
-    is >> key >> v;
-    if (key == "HugePages_Total:") h.hugepages_total = v;
-    if (key == "HugePages_Free:") h.hugepages_free = v;
-    if (key == "Hugepagesize:") h.hugepage_bytes = v * 1024;
-  }
+  const detail::HugePages hp = detail::huge_pages();
+  h.hugepages_total = hp.total;
+  h.hugepages_free = hp.free;
+  h.hugepage_bytes = hp.page_bytes;
   // rdma-core ships libibverbs.so.1.<abi>.<rdma-core major>.<minor>: the version is in the name
   // of the file this process actually loaded.
   Dl_info info{};

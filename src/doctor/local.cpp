@@ -47,10 +47,7 @@ namespace {
 
 using text::bytes_text;
 
-constexpr const char* kMemlockFix =
-    "raise RLIMIT_MEMLOCK: `ulimit -l unlimited` in the shell, `* - memlock unlimited` in "
-    "/etc/security/limits.conf, LimitMEMLOCK=infinity for a systemd service, --ulimit memlock=-1 "
-    "for a container";
+const std::string kMemlockFix = std::string("raise RLIMIT_MEMLOCK: ") + detail::kMemlockAdvice;
 
 Check dev_infiniband(const HostFacts& h) {
   Check c{"dev_infiniband", "/dev/infiniband", Verdict::ok, "", ""};
@@ -75,10 +72,7 @@ Check dev_infiniband(const HostFacts& h) {
 // process has CAP_IPC_LOCK, and this is the only way to know what it will allow.
 int probe_registration(const std::string& device, std::uint64_t bytes) {
   try {
-    auto dev = std::make_shared<detail::DeviceResources>();
-    dev->ctx = detail::open_device(device);
-    dev->pd.reset(ibv_alloc_pd(dev->ctx.get()));
-    if (!dev->pd) return errno;
+    const auto dev = detail::open_pd(device);
     auto mem = detail::allocate_pages(bytes);
     detail::MrPtr mr(ibv_reg_mr(dev->pd.get(), mem.get(), bytes, IBV_ACCESS_LOCAL_WRITE));
     return mr ? 0 : errno;
@@ -142,11 +136,9 @@ Check versions(const HostFacts& h, const DeviceInfo* d) {
 // answers EBADF.
 int dmabuf_probe(const std::string& device) {
   try {
-    detail::ContextPtr ctx = detail::open_device(device);
-    detail::PdPtr pd(ibv_alloc_pd(ctx.get()));
-    if (!pd) return errno;
+    const auto dev = detail::open_pd(device);
     errno = 0;
-    detail::MrPtr mr(ibv_reg_dmabuf_mr(pd.get(), 0, 4096, 0, -1, IBV_ACCESS_LOCAL_WRITE));
+    detail::MrPtr mr(ibv_reg_dmabuf_mr(dev->pd.get(), 0, 4096, 0, -1, IBV_ACCESS_LOCAL_WRITE));
     return mr ? 0 : errno;
   } catch (const Error& e) {
     return e.sys_errno();

@@ -55,17 +55,6 @@ namespace {
 
 constexpr std::size_t kHugePage = 2u << 20;
 
-std::uint64_t free_hugepages() {
-  std::ifstream f("/proc/meminfo");
-  for (std::string line; std::getline(f, line);) {
-    std::istringstream is(line);
-    std::string key;
-    std::uint64_t v = 0;
-    if (is >> key >> v && key == "HugePages_Free:") return v;
-  }
-  return 0;
-}
-
 struct HugepageSource final : MemorySource {
   std::size_t bytes = 0;
   HugepageSource(std::size_t length) : bytes((length + kHugePage - 1) / kHugePage * kHugePage) {
@@ -73,7 +62,7 @@ struct HugepageSource final : MemorySource {
     if (p == MAP_FAILED) {
       const int err = errno;
       throw Error("mmap(MAP_HUGETLB)", err,
-                  fmt::format("{} bytes on 2 MiB pages; {} huge pages free", bytes, free_hugepages()),
+                  fmt::format("{} bytes on 2 MiB pages; {} huge pages free", bytes, huge_pages().free),
                   "reserve huge pages first: echo N > /proc/sys/vm/nr_hugepages (N x 2 MiB)");
     }
     cpu = p;
@@ -201,7 +190,7 @@ void check_memory(const MemorySpec& spec, std::size_t length) {
     case MemoryKind::host: return;
     case MemoryKind::hugepage: {
       const std::uint64_t want = (length + detail::kHugePage - 1) / detail::kHugePage;
-      const std::uint64_t have = detail::free_hugepages();
+      const std::uint64_t have = detail::huge_pages().free;
       if (have < want) {
         throw Error("huge pages", ENOMEM,
                     fmt::format("{} bytes need {} free 2 MiB pages; {} are free", length, want, have),

@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 #include <fmt/format.h>
 
@@ -71,6 +73,29 @@ void MemoryRegion::deregister() noexcept { impl_->mr.reset(); }
 
 namespace detail {
 
+std::shared_ptr<DeviceResources> open_pd(const std::string& name) {
+  auto dev = std::make_shared<DeviceResources>();
+  dev->ctx = open_device(name);
+  dev->pd.reset(ibv_alloc_pd(dev->ctx.get()));
+  if (!dev->pd) throw Error("ibv_alloc_pd", errno, name);
+  return dev;
+}
+
+HugePages huge_pages() {
+  HugePages h;
+  std::ifstream f("/proc/meminfo");
+  for (std::string line; std::getline(f, line);) {
+    std::istringstream is(line);
+    std::string key;
+    std::uint64_t v = 0;
+    is >> key >> v;
+    if (key == "HugePages_Total:") h.total = v;
+    if (key == "HugePages_Free:") h.free = v;
+    if (key == "Hugepagesize:") h.page_bytes = v * 1024;
+  }
+  return h;
+}
+
 unsigned mr_access_flags(Access access) noexcept {
   unsigned f = qp_access_flags(access);
   // Remote write and atomics require local write (ibv_reg_mr(3)).
@@ -95,11 +120,8 @@ std::unique_ptr<MemoryRegion::Impl> register_region(std::shared_ptr<DeviceResour
     rlimit lim{};
     if ((err == ENOMEM || err == EPERM || err == EAGAIN) && ::getrlimit(RLIMIT_MEMLOCK, &lim) == 0 &&
         lim.rlim_cur != RLIM_INFINITY) {
-      hint = fmt::format(
-          "RLIMIT_MEMLOCK is {} KiB and registering pins {} KiB more; raise it (ulimit -l "
-          "unlimited, or memlock in /etc/security/limits.conf, or LimitMEMLOCK= for a systemd "
-          "service, or --ulimit memlock=-1 for a container)",
-          lim.rlim_cur / 1024, (length + 1023) / 1024);
+      hint = fmt::format("RLIMIT_MEMLOCK is {} KiB and registering pins {} KiB more; raise it: {}",
+                         lim.rlim_cur / 1024, (length + 1023) / 1024, kMemlockAdvice);
     } else if (err == EINVAL) {
       hint = "the address range or access flags are not valid for this device";
     } else if (err == EFAULT) {

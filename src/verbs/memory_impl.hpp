@@ -2,6 +2,7 @@
 // What a MemoryRegion owns. The device context and PD are shared with the connection that made
 // the region, so the PD outlives every MR registered in it whatever order the user drops them in.
 
+#include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -16,6 +17,20 @@ struct DeviceResources {
   ContextPtr ctx;
   PdPtr pd;
 };
+
+/// Opens device `name` and allocates a protection domain in it. Throws Error.
+std::shared_ptr<DeviceResources> open_pd(const std::string& name);
+
+/// How to raise RLIMIT_MEMLOCK, said the same way wherever a limit is the problem.
+inline constexpr const char* kMemlockAdvice =
+    "`ulimit -l unlimited` in the shell, `* - memlock unlimited` in /etc/security/limits.conf, "
+    "LimitMEMLOCK=infinity for a systemd service, --ulimit memlock=-1 for a container";
+
+/// The kernel's huge page counts (/proc/meminfo).
+struct HugePages {
+  std::uint64_t total = 0, free = 0, page_bytes = 0;
+};
+[[nodiscard]] HugePages huge_pages();
 
 struct FreeDeleter {
   void operator()(void* p) const noexcept { std::free(p); }
