@@ -45,19 +45,21 @@ const std::string& MemoryRegion::path_detail() const noexcept { return impl_->pa
 void* MemoryRegion::home() const noexcept {
   return impl_->source ? impl_->source->cpu : impl_->cpu;
 }
-void MemoryRegion::stage_in(std::size_t offset, std::size_t length) const {
-  if (impl_->path != RegistrationPath::bounce) return;
-  if (offset > impl_->length || length > impl_->length - offset) {
-    throw Error("stage_in", ERANGE, fmt::format("[{}, +{}) outside the region's {} bytes", offset, length, impl_->length));
+namespace {
+// Whether a staging copy has anything to do; throws for a range outside the region.
+bool must_stage(const MemoryRegion::Impl& m, const char* op, std::size_t offset, std::size_t length) {
+  if (m.path != RegistrationPath::bounce) return false;
+  if (offset > m.length || length > m.length - offset) {
+    throw Error(op, ERANGE, fmt::format("[{}, +{}) outside the region's {} bytes", offset, length, m.length));
   }
-  impl_->source->to_bounce(impl_->cpu, offset, length);
+  return true;
+}
+}  // namespace
+void MemoryRegion::stage_in(std::size_t offset, std::size_t length) const {
+  if (must_stage(*impl_, "stage_in", offset, length)) impl_->source->to_bounce(impl_->cpu, offset, length);
 }
 void MemoryRegion::stage_out(std::size_t offset, std::size_t length) const {
-  if (impl_->path != RegistrationPath::bounce) return;
-  if (offset > impl_->length || length > impl_->length - offset) {
-    throw Error("stage_out", ERANGE, fmt::format("[{}, +{}) outside the region's {} bytes", offset, length, impl_->length));
-  }
-  impl_->source->from_bounce(impl_->cpu, offset, length);
+  if (must_stage(*impl_, "stage_out", offset, length)) impl_->source->from_bounce(impl_->cpu, offset, length);
 }
 std::size_t MemoryRegion::size() const noexcept { return impl_->length; }
 Access MemoryRegion::access() const noexcept { return impl_->access; }
