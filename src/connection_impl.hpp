@@ -94,6 +94,13 @@ struct Segmented {
 };
 
 inline constexpr int kPollBatch = 16;
+// How long wait() keeps polling after the peer said BYE or its control channel closed, before it
+// flushes what is outstanding. What the peer already did can still be on its way into our CQ:
+// rxe acknowledges a SEND before it writes the receiver's completion, so a peer may see its SEND
+// complete and say BYE before our receive completion exists, and an immediate flush would turn
+// that delivered message into WR_FLUSH_ERR. Orders of magnitude above that lag; far below the
+// retry bound a dead peer would otherwise cost.
+inline constexpr std::chrono::milliseconds kPeerGoneGrace{100};
 // Control messages after the handshake are short; a peer sending more than this unread is
 // misbehaving and treated as gone.
 inline constexpr std::size_t kControlBuffer = 1024;
@@ -153,6 +160,7 @@ struct Connection::Impl {
   std::string failure;
   bool device_failed = false;
   bool broken_reported = false;
+  detail::Deadline peer_gone_at{};  // when wait() first saw BYE or EOF; zero until then
   std::array<std::uint8_t, detail::kControlBuffer> cbuf{};
   std::size_t cfill = 0;
   std::deque<std::vector<std::uint8_t>> messages;  // application messages not yet received

@@ -573,10 +573,13 @@ WaitResult Connection::wait(std::chrono::milliseconds timeout) noexcept {
       m.pump_control();
       (void)m.pump_async();
       if ((m.control_gone || m.bye_received) && m.failure.empty() && m.state == Impl::State::connected) {
-        m.break_connection(m.bye_received ? "the peer closed the connection (BYE)"
-                                          : "the peer is gone: its control channel closed (process "
-                                            "exited or killed, or the host went down)",
-                           false);
+        if (m.peer_gone_at == Deadline{}) m.peer_gone_at = now;
+        if (outstanding() == 0 || now - m.peer_gone_at >= detail::kPeerGoneGrace) {
+          m.break_connection(m.bye_received ? "the peer closed the connection (BYE)"
+                                            : "the peer is gone: its control channel closed (process "
+                                              "exited or killed, or the host went down)",
+                             false);
+        }
       }
       if (!m.failure.empty() && !m.broken_reported) {
         // Reported once; what was outstanding is being flushed and comes in later waits.

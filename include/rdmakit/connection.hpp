@@ -177,9 +177,10 @@ struct WorkRequest {
 enum class WaitStatus : std::uint8_t {
   completed,  ///< `completion` holds the next completion (which may itself be an error)
   timeout,    ///< nothing completed before the deadline
-  /// The peer is gone (its process died, or it closed): reported once. The QPs were moved to the
-  /// error state at that moment, so every outstanding request now completes, flushed; later
-  /// waits deliver those completions, then report `closed`.
+  /// The peer is gone (its process died, or it closed): reported once. Completions already on
+  /// their way are given 100 ms to arrive, then the QPs are moved to the error state, so every
+  /// request still outstanding completes, flushed; later waits deliver those completions, then
+  /// report `closed`.
   peer_lost,
   /// The device reported an error that breaks the connection (its port went down, the QP or the
   /// device failed): reported once, with Connection::failure() saying what; outstanding
