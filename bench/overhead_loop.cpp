@@ -15,7 +15,7 @@
 #include <cstring>
 #include <string>
 
-#include "connection_impl.hpp"
+#include "connection/impl.hpp"
 #include "rdmakit/connection.hpp"
 
 namespace {
@@ -85,11 +85,11 @@ int main(int argc, char** argv) {
   const rdmakit::RemoteRegion dst = conn.remote_regions().at(0);
   unsigned long empty;
   if (raw) {
-    auto& m = rdmakit::detail::ConnectionAccess::impl(conn);
+    auto& m = rdmakit::Connection::Impl::of(conn);
     const ibv_sge sge{reinterpret_cast<std::uint64_t>(src.addr()), 8, src.lkey()};
     // The library sends 8 bytes inline (they fit in max_inline); so does the raw loop.
     const unsigned inl = m.info.max_inline >= 8 ? IBV_SEND_INLINE : 0;
-    empty = rdmakit_overhead_raw_loop(m.lanes[0].qp.get(), m.send_cq.get(), sge, dst.addr, dst.rkey, inl, iters);
+    empty = rdmakit_overhead_raw_loop(m.qps[0].get(), m.send_cq.get(), sge, dst.addr, dst.rkey, inl, iters);
   } else {
     empty = rdmakit_overhead_lib_loop(&conn, &src, &dst, iters);
   }

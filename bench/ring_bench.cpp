@@ -4,7 +4,7 @@
 // the whole operation in the lab.
 #include <benchmark/benchmark.h>
 
-#include "connection_impl.hpp"
+#include "datapath/ring.hpp"
 
 namespace {
 
@@ -14,7 +14,7 @@ void BM_RingPushRetireEach(benchmark::State& state) {
   std::uint64_t wr_id = 0;
   for (auto _ : state) {
     const std::uint64_t seq = ring.next_seq();
-    ring.push({wr_id++, rdmakit::Opcode::write, true});
+    ring.push({wr_id++, rdmakit::Opcode::write, rdmakit::detail::WrRing::user, false});
     benchmark::DoNotOptimize(ring.retire(seq));
   }
 }
@@ -25,7 +25,8 @@ void BM_RingSelectiveSignaling32(benchmark::State& state) {
   ring.init(128);
   std::uint64_t wr_id = 0;
   for (auto _ : state) {
-    for (int i = 0; i < 32; ++i) ring.push({wr_id++, rdmakit::Opcode::write, i == 31});
+    for (int i = 0; i < 32; ++i) ring.push({wr_id++, rdmakit::Opcode::write,
+                 i == 31 ? rdmakit::detail::WrRing::user : rdmakit::detail::WrRing::silent, false});
     benchmark::DoNotOptimize(ring.retire(ring.next_seq() - 1));
   }
   state.SetItemsProcessed(state.iterations() * 32);

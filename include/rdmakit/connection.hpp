@@ -17,10 +17,6 @@
 
 namespace rdmakit {
 
-namespace detail {
-struct ConnectionAccess;  // the library's own tests and benchmarks reach the verbs objects
-}
-
 /// One record of what a connection did, for debugging (ConnectionConfig::trace, RDMAKIT_TRACE):
 /// each handshake step, each QP transition with every attribute and where its value came from on
 /// either side, each error completion, the close.
@@ -83,19 +79,41 @@ struct ConnectionConfig {
   /// and learns nothing. Empty: no authentication, and a listener says once that anyone who can
   /// reach its port gets the memory it advertises.
   std::vector<std::uint8_t> psk;
-  /// Listener: handshakes in progress at once (all peers / one peer address); more are refused
-  /// at once ("busy", which a client with retry_refused retries until its deadline), so a flood
-  /// of connects cannot exhaust threads, QPs or memory.
-  std::uint32_t max_handshakes = 128;
-  std::uint32_t max_handshakes_per_peer = 32;
-  /// Listener: established connections from one peer address (0: no limit).
-  std::uint32_t max_connections_per_peer = 64;
+  /// Keepalive on the control channel, so that a peer host that dies without a word (power
+  /// loss, a partition, a paused VM) is noticed on an idle connection too: once nothing has come
+  /// from the peer's host for `keepalive_interval`, a probe goes out every interval, and when
+  /// none is answered for `keepalive_timeout` the peer is lost (wait() reports peer_lost). The
+  /// probes are TCP keepalives, answered by the peer's kernel: they need no thread and no call
+  /// into rdmakit on either side, and a peer application that is merely busy is never taken for
+  /// dead. Whole seconds (rounded up); 0 turns keepalive off.
+  std::chrono::milliseconds keepalive_interval{1000};
+  std::chrono::milliseconds keepalive_timeout{3000};
   /// Receives a TraceEvent for every handshake step, QP transition, error completion and close
   /// (never for a successful completion: the data path stays untouched). Unset, the environment
   /// decides: RDMAKIT_TRACE=1 writes text lines to standard error, RDMAKIT_TRACE=json JSON lines.
+  /// Called on the thread that runs the handshake (a listener's handshake threads, concurrently)
+  /// or uses the connection.
   std::function<void(const TraceEvent&)> trace;
-  /// Test seam: sees (and may alter) the peer's decoded parameters before the QP transitions.
-  std::function<void(wire::EndpointInfo&)> testing_alter_peer;
+};
+
+/// A Listener's settings: those of every connection it accepts, and its own limits.
+struct ListenerConfig {
+  /// Implicit, so a ConnectionConfig can be passed where a ListenerConfig is expected.
+  ListenerConfig(ConnectionConfig c = {}) : connection(std::move(c)) {}  // NOLINT
+  /// Each accepted connection's settings (its QP count is the client's choice, not `qps`).
+  ConnectionConfig connection;
+  /// Handshakes in progress at once (all peers / one peer address); more are refused at once
+  /// ("busy", which a client with retry_refused retries until its deadline), so a flood of
+  /// connects cannot exhaust threads, QPs or memory.
+  std::uint32_t max_handshakes = 128;
+  std::uint32_t max_handshakes_per_peer = 32;
+  /// Established connections from one peer address (0: no limit).
+  std::uint32_t max_connections_per_peer = 64;
+  /// Connections whose handshake succeeded and that accept() has not taken yet, counted
+  /// together with the handshakes in progress (which would join them): beyond this, new clients
+  /// are refused as "busy". Each holds QPs, CQs and memory, so an application that stops
+  /// calling accept() cannot make the listener pile them up.
+  std::uint32_t max_pending = 128;
 };
 
 /// What a work request was.
@@ -131,11 +149,13 @@ struct Completion {
 /// Why a post was refused. Posts never throw; a refused post (or batch) posted nothing.
 enum class PostStatus : std::uint8_t {
   ok,
-  not_ready,      ///< the QP is not in RTS (not connected yet, or closing)
+  not_ready,      ///< the QP is not in RTS: not connected yet, broken, or closed
   out_of_bounds,  ///< the range is outside the remote region
   no_access,      ///< the remote region does not allow this operation
   too_large,      ///< longer than the port's max message size (a SEND, or a request in a batch;
-                  ///< single WRITEs and READs are split instead)
+                  ///< single WRITEs and READs are split instead), more requests or parts than
+                  ///< the queue holds at all (a batch, a split request), or a receive buffer
+                  ///< over 4 GiB
   queue_full,     ///< not enough free entries in the queue for the whole batch
   too_many_sges,  ///< more scatter-gather entries than the QP was created with
   misaligned,     ///< an atomic's remote address is not 8-byte aligned
@@ -182,11 +202,15 @@ enum class WaitStatus : std::uint8_t {
   /// request still outstanding completes, flushed; later waits deliver those completions, then
   /// report `closed`.
   peer_lost,
-  /// The device reported an error that breaks the connection (its port went down, the QP or the
-  /// device failed): reported once, with Connection::failure() saying what; outstanding
+  /// The device reported an error that breaks the connection (its port went down, a QP, CQ or
+  /// the device failed): reported once, with Connection::failure() saying what; outstanding
   /// requests are flushed as for peer_lost.
   device_error,
-  closed,  ///< the connection is closed or broken and nothing is outstanding any more
+  /// The connection is closed or broken and nothing is outstanding any more. An error completion
+  /// on any QP also breaks the whole connection (every QP is moved to the error state, so the
+  /// rest are flushed, and later posts return not_ready): that completion is the report, and
+  /// failure() says the same; then `closed`.
+  closed,
 };
 struct WaitResult {
   WaitStatus status = WaitStatus::timeout;
@@ -208,7 +232,7 @@ struct ConnectionInfo {
   std::uint32_t send_depth = 0;   ///< per QP
   std::uint32_t recv_depth = 0;
   std::uint32_t qps = 1;          ///< QPs the connection stripes over
-  bool atomics = false;           ///< the device supports remote atomics
+  bool atomics = false;           ///< both devices support remote atomics
   std::string peer_address;  ///< the bootstrap peer, "host:port"
   wire::EndpointInfo local;
   wire::EndpointInfo remote;
@@ -216,7 +240,14 @@ struct ConnectionInfo {
 
 /// One reliable-connected RDMA connection to one peer, with its TCP control channel.
 /// Move-only. Destroying it closes it: outstanding work completes (or is flushed) first, then
-/// QP, CQs, memory regions, PD and device context are released in that order.
+/// the QPs are destroyed, then the memory regions deregistered and their memory freed, then the
+/// CQs, PD and device context released: no QP is left that could reach freed memory.
+///
+/// Threads: a Connection is used by one thread at a time (any thread, one after another, with
+/// the hand-over synchronised by the caller); its calls are not safe to make concurrently. The
+/// Setup callback, ConnectionConfig::log and ConnectionConfig::trace run on the thread that runs
+/// the handshake: for a Listener, its handshake threads, several at once, so what they touch
+/// must be thread-safe.
 class Connection {
  public:
   /// Called during the handshake, after the QP exists and before parameters are exchanged:
@@ -306,22 +337,18 @@ class Connection {
   [[nodiscard]] bool peer_closed() noexcept;
   /// Waits until the peer says BYE or disconnects; false on timeout.
   bool wait_peer_close(std::chrono::milliseconds timeout) noexcept;
-  /// Orderly close: tells the peer (BYE), lets outstanding work finish within `timeout`, flushes
-  /// what remains, and deregisters every memory region (their rkeys die with the connection;
-  /// the memory stays readable until the Connection is destroyed). Idempotent; the destructor
-  /// does it with 2 s.
+  /// Orderly close: lets the sends, WRITEs and READs in flight finish within `timeout` (the
+  /// peer's QP still answers), then tells the peer (BYE), flushes what remains (receives, and
+  /// anything that did not finish), destroys the QPs and deregisters every memory region (their
+  /// rkeys die with the connection; the memory stays readable until the Connection is
+  /// destroyed). Completions that arrive meanwhile are not delivered. Idempotent; the
+  /// destructor does it with 2 s.
   void close(std::chrono::milliseconds timeout = std::chrono::milliseconds{2000}) noexcept;
 
   struct Impl;
 
  private:
   explicit Connection(std::unique_ptr<Impl> impl) noexcept;
-  // The listener's side of the handshake on an accepted socket (whose ownership it takes).
-  // `admission` is the listener's per-peer slot, held as long as the connection lives.
-  static Connection accept_on(int fd, const std::string& peer, const ConnectionConfig& config,
-                              const Setup& setup, std::shared_ptr<void> admission);
-  friend class Listener;
-  friend struct detail::ConnectionAccess;
   std::unique_ptr<Impl> impl_;
 };
 
@@ -332,12 +359,16 @@ class Connection {
 
 /// Accepts connections on a TCP port. Each client's handshake runs on its own thread with its
 /// own deadline, so a stalled or malicious client delays nobody; rejected handshakes are logged
-/// (config.log) and counted, and the listener keeps serving.
+/// (config.connection.log) and counted, and the listener keeps serving, also when a thread
+/// cannot be started or memory runs out (that client is refused as "busy").
+///
+/// Threads: accept(), port() and rejected() may be called from any thread, concurrently. The
+/// Setup callback runs on the handshake threads, several at once.
 class Listener {
  public:
   /// Listens on "[host]:port" (":port" or "port": all addresses, IPv6 and IPv4; port 0: any free
   /// port, see port()). Throws Error if it cannot listen.
-  Listener(const std::string& address, ConnectionConfig config, Connection::Setup setup = {});
+  Listener(const std::string& address, ListenerConfig config, Connection::Setup setup = {});
   Listener(const Listener&) = delete;
   Listener& operator=(const Listener&) = delete;
   /// Stops accepting; waits for running handshakes (each bounded by its deadline).

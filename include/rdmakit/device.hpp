@@ -5,6 +5,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace rdmakit {
@@ -73,13 +74,18 @@ struct DeviceInfo {
 /// library cannot list devices; an empty result means there are none.
 [[nodiscard]] std::vector<DeviceInfo> list_devices();
 
-/// Picks a device by name, or when `name` is empty the first one with an ACTIVE port. Throws
-/// Error naming the available devices (and their port states) when none fits.
+/// Picks a device by name, or when `name` is empty the one with an ACTIVE port that has a GID
+/// with `route_address` (the bootstrap socket's own address: the NIC the kernel routes to the
+/// peer through), else the first one with an ACTIVE port. Throws Error naming the available
+/// devices (and their port states) when none fits.
 [[nodiscard]] const DeviceInfo& pick_device(const std::vector<DeviceInfo>& devices,
-                                            const std::string& name);
+                                            const std::string& name,
+                                            std::string_view route_address = {});
 
-/// Picks a port: `number` if non-zero (it must exist), else the device's first ACTIVE port.
-[[nodiscard]] const PortInfo& pick_port(const DeviceInfo& device, std::uint8_t number);
+/// Picks a port: `number` if non-zero (it must exist), else the ACTIVE port with a GID of
+/// `route_address`, else the device's first ACTIVE port.
+[[nodiscard]] const PortInfo& pick_port(const DeviceInfo& device, std::uint8_t number,
+                                        std::string_view route_address = {});
 
 /// How to choose the source GID. By default the highest-priority entry wins: RoCE v2 with an
 /// IPv4 address first, then routable RoCE v2 IPv6, then RoCE v1 (IPv4, then IPv6), then
@@ -92,13 +98,17 @@ struct GidSelector {
   static GidSelector parse(const std::string& text);
 };
 
-/// Chooses a GID from a port's table following `selector`, with the reason for the choice.
-/// Throws Error when the selector matches nothing or the table has no usable entry.
+/// Chooses a GID from a port's table following `selector`, with the reason for the choice. An
+/// automatic selector takes the entry whose address is `route_address` (the bootstrap socket's
+/// own address, as rdma_cm takes the route's source address; RoCE v2 before v1) and falls back
+/// to the priority order when none has it. Throws Error when the selector matches nothing or the
+/// table has no usable entry.
 struct GidChoice {
   GidEntry entry;
   std::string reason;
 };
-[[nodiscard]] GidChoice choose_gid(std::span<const GidEntry> table, const GidSelector& selector);
+[[nodiscard]] GidChoice choose_gid(std::span<const GidEntry> table, const GidSelector& selector,
+                                   std::string_view route_address = {});
 
 /// "IB", "RoCE v1", "RoCE v2".
 [[nodiscard]] const char* to_string(GidType type) noexcept;

@@ -142,9 +142,7 @@ class MemoryRegion {
   struct Impl;
 
  private:
-  friend class Connection;
   explicit MemoryRegion(std::unique_ptr<Impl> impl) noexcept;
-  void deregister() noexcept;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -1,15 +1,16 @@
 #pragma once
-// The bootstrap wire format, version 2. Every message is a 12-byte header followed by a payload;
+// The bootstrap wire format, version 3. Every message is a 12-byte header followed by a payload;
 // every field has a fixed width and network byte order, and the decoder checks each one. No C
 // struct is ever copied onto the socket.
 //
 //   header:  magic u32 "RDKT" | version u16 | type u16 | payload length u32
 //   HELLO:   qpn u32 | psn u32 | lid u16 | link layer u8 | gid type u8 | gid [16] |
 //            gid index u32 | mtu u16 (bytes) | max_rd_atomic u8 | max_dest_rd_atomic u8 |
-//            region count u16 | QP count u16 (1..16) | the QPs after the first: qpn u32,
-//            psn u32 (each 8 bytes) | regions: addr u64, length u64, rkey u32, access u32
-//            (each 24 bytes)
-// Version 2 added the QP list (a connection may stripe over several QPs); version 1 had a
+//            region count u16 | QP count u16 (1..16) | flags u16 | the QPs after the first:
+//            qpn u32, psn u32 (each 8 bytes) | regions: addr u64, length u64, rkey u32,
+//            access u32 (each 24 bytes)
+// Version 3 added the flags (bit 0: the sender's device serves remote atomics; other bits are
+// refused); version 2 the QP list (a connection may stripe over several QPs); version 1 had a
 // reserved u16 where the QP count is.
 //   READY, BYE: empty.   REJECT: a UTF-8 reason.   USER: application bytes.
 //   With a pre-shared key K, before any HELLO (src/bootstrap/auth.cpp):
@@ -31,9 +32,9 @@
 namespace rdmakit::wire {
 
 inline constexpr std::uint32_t kMagic = 0x52444b54;  // "RDKT"
-inline constexpr std::uint16_t kVersion = 2;
+inline constexpr std::uint16_t kVersion = 3;
 inline constexpr std::size_t kHeaderSize = 12;
-inline constexpr std::size_t kHelloFixedSize = 40;
+inline constexpr std::size_t kHelloFixedSize = 42;
 inline constexpr std::size_t kRegionSize = 24;
 inline constexpr std::size_t kQpSize = 8;
 /// Most QPs one connection may have.
@@ -68,6 +69,10 @@ struct QpAddress {
   friend bool operator==(const QpAddress&, const QpAddress&) = default;
 };
 
+/// EndpointInfo::flags: the sender's device can serve remote atomics (as responder).
+inline constexpr std::uint16_t kFlagAtomics = 1u << 0;
+inline constexpr std::uint16_t kKnownFlags = kFlagAtomics;
+
 /// What one side of a connection tells the other.
 struct EndpointInfo {
   std::uint32_t qpn = 0;  ///< the first (or only) QP: 24 bits, non-zero
@@ -80,6 +85,7 @@ struct EndpointInfo {
   std::uint32_t mtu = 0;        ///< the sender port's active MTU in bytes
   std::uint8_t max_rd_atomic = 0;       ///< READs/atomics the sender will have in flight
   std::uint8_t max_dest_rd_atomic = 0;  ///< incoming READs/atomics the sender can serve
+  std::uint16_t flags = 0;              ///< kFlag* capabilities
   /// The connection's other QPs, when it stripes over several (ConnectionConfig::qps).
   std::vector<QpAddress> extra_qps;
   std::vector<RemoteRegion> regions;

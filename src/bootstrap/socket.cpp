@@ -45,21 +45,22 @@ void set_nonblocking(int fd) {
   }
 }
 
-std::string sockaddr_text(const sockaddr* sa) {
+// "10.0.0.1:5", "[fe80::1]:5"; without the port when `with_port` is false ("10.0.0.1", "fe80::1").
+std::string sockaddr_text(const sockaddr* sa, bool with_port = true) {
   char host[INET6_ADDRSTRLEN] = {};
   if (sa->sa_family == AF_INET) {
     auto* in = reinterpret_cast<const sockaddr_in*>(sa);
     ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
-    return fmt::format("{}:{}", host, ntohs(in->sin_port));
+    return with_port ? fmt::format("{}:{}", host, ntohs(in->sin_port)) : std::string(host);
   }
   if (sa->sa_family == AF_INET6) {
     auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
     if (IN6_IS_ADDR_V4MAPPED(&in6->sin6_addr)) {  // an IPv4 client of a dual-stack listener
       ::inet_ntop(AF_INET, &in6->sin6_addr.s6_addr[12], host, sizeof host);
-      return fmt::format("{}:{}", host, ntohs(in6->sin6_port));
+      return with_port ? fmt::format("{}:{}", host, ntohs(in6->sin6_port)) : std::string(host);
     }
     ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
-    return fmt::format("[{}]:{}", host, ntohs(in6->sin6_port));
+    return with_port ? fmt::format("[{}]:{}", host, ntohs(in6->sin6_port)) : std::string(host);
   }
   return "?";
 }
@@ -256,6 +257,13 @@ std::uint16_t local_port(int fd) {
                                   : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
 }
 
+std::string local_address(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return {};
+  return sockaddr_text(reinterpret_cast<sockaddr*>(&ss), false);
+}
+
 std::string peer_address(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
@@ -317,12 +325,13 @@ Message recv_message(int fd, Deadline deadline) {
   return m;
 }
 
-long recv_nonblocking(int fd, std::span<std::uint8_t> buf) noexcept {
+long recv_nonblocking(int fd, std::span<std::uint8_t> buf, int* error) noexcept {
   for (;;) {
     const ssize_t n = ::recv(fd, buf.data(), buf.size(), MSG_DONTWAIT);
     if (n > 0) return static_cast<long>(n);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return kRecvWouldBlock;
+    if (error != nullptr) *error = n < 0 ? errno : 0;
     return kRecvClosed;
   }
 }

@@ -9,14 +9,10 @@
 #include <utility>
 #include <vector>
 
+#include "common/clock.hpp"
 #include "rdmakit/wire.hpp"
 
 namespace rdmakit::detail {
-
-using Clock = std::chrono::steady_clock;
-using Deadline = Clock::time_point;
-
-inline Deadline deadline_in(std::chrono::milliseconds d) { return Clock::now() + d; }
 
 /// An owned file descriptor.
 class Fd {
@@ -54,6 +50,8 @@ Fd tcp_listen(const HostPort& at, int backlog);
 /// Accepts one connection if one is waiting within `timeout`, else returns an empty Fd.
 Fd tcp_accept(int listen_fd, std::chrono::milliseconds timeout, std::string* peer);
 std::uint16_t local_port(int fd);
+/// The socket's own IP address, without port ("10.0.0.1", "fe80::1"); empty if unknown.
+std::string local_address(int fd);
 std::string peer_address(int fd);
 
 void send_all(int fd, std::span<const std::uint8_t> bytes, Deadline deadline);
@@ -67,10 +65,11 @@ struct Message {
 Message recv_message(int fd, Deadline deadline);
 
 /// Reads what is there without blocking: the byte count, kRecvWouldBlock when nothing is, or
-/// kRecvClosed on EOF or a socket error (the peer is gone either way).
+/// kRecvClosed on EOF or a socket error (the peer is gone either way; `error` says which: 0 for
+/// EOF, else the errno, e.g. ETIMEDOUT when keepalive gave up).
 inline constexpr long kRecvWouldBlock = -1;
 inline constexpr long kRecvClosed = 0;
-long recv_nonblocking(int fd, std::span<std::uint8_t> buf) noexcept;
+long recv_nonblocking(int fd, std::span<std::uint8_t> buf, int* error = nullptr) noexcept;
 
 /// Waits up to `timeout` for `fd` to become readable (data, EOF or error).
 bool wait_readable(int fd, std::chrono::milliseconds timeout) noexcept;

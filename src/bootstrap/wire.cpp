@@ -108,6 +108,9 @@ std::vector<std::uint8_t> encode_hello(const EndpointInfo& info) {
                   fmt::format("QP {}: QPN {:#x} / PSN {:#x} do not fit in 24 bits", k, q.qpn, q.psn));
     }
   }
+  if ((info.flags & ~kKnownFlags) != 0) {
+    throw Error("bootstrap encode", EINVAL, fmt::format("unknown capability flags {:#x}", info.flags));
+  }
   if (info.regions.size() > kMaxRegions) {
     throw Error("bootstrap encode", E2BIG,
                 fmt::format("{} regions advertised; at most {}", info.regions.size(), kMaxRegions));
@@ -128,6 +131,7 @@ std::vector<std::uint8_t> encode_hello(const EndpointInfo& info) {
   w.u8(info.max_dest_rd_atomic);
   w.u16(static_cast<std::uint16_t>(info.regions.size()));
   w.u16(static_cast<std::uint16_t>(info.qp_count()));
+  w.u16(info.flags);
   for (const QpAddress& q : info.extra_qps) {
     w.u32(q.qpn);
     w.u32(q.psn);
@@ -217,6 +221,11 @@ EndpointInfo decode_hello(std::span<const std::uint8_t> payload) {
   }
   const std::uint16_t qps = r.u16();
   if (qps == 0 || qps > kMaxQps) reject(fmt::format("absurd QP count {} (1..{})", qps, kMaxQps));
+  info.flags = r.u16();
+  if ((info.flags & ~kKnownFlags) != 0) {
+    reject(fmt::format("unknown capability flags {:#x}", info.flags & ~kKnownFlags),
+           "the peer speaks a newer protocol revision");
+  }
   const std::size_t want = kHelloFixedSize + (qps - 1u) * kQpSize + std::size_t{count} * kRegionSize;
   if (payload.size() < want) {
     reject(fmt::format("truncated HELLO: QP count {} and region count {} need {} bytes, got {}", qps, count,

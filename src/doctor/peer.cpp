@@ -12,8 +12,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "rdmakit/doctor.hpp"
+#include "connection/impl.hpp"
 #include "doctor/text.hpp"
+#include "rdmakit/doctor.hpp"
 #include "rdmakit/error.hpp"
 
 namespace rdmakit::doctor {
@@ -324,17 +325,18 @@ Report check_peer(const std::string& host_port, const PeerOptions& o) {
   bool seen = false;
   // The hook sees the peer's parameters before they are checked or used, so a connection that
   // fails in its QP transitions can still be explained by comparing both sides.
-  cfg.testing_alter_peer = [&](wire::EndpointInfo& remote) {
+  detail::HandshakeHooks hooks;
+  hooks.peer_hello = [&](wire::EndpointInfo& remote) {
     seen_remote = remote;
     seen = true;
   };
   std::optional<Connection> conn;
   try {
-    conn.emplace(Connection::connect(host_port, cfg, [&](Connection& c) {
+    conn.emplace(Connection::Impl::connect(host_port, cfg, [&](Connection& c) {
       seen_local = c.info().local;
       local_netdev = c.info().local_gid.netdev;
       c.allocate_memory(kBuffer, Access::local_write);
-    }));
+    }, hooks));
   } catch (const Error& e) {
     if (seen) {
       // The HELLOs crossed: the comparison usually says why the transitions failed.

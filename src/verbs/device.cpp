@@ -258,11 +258,35 @@ std::string describe_ports(const std::vector<DeviceInfo>& devices) {
 
 }  // namespace
 
-const DeviceInfo& pick_device(const std::vector<DeviceInfo>& devices, const std::string& name) {
+namespace {
+
+// Whether a port has a GID with the (bootstrap socket's) address `route`.
+bool has_route_gid(const PortInfo& p, const std::optional<detail::Ip16>& route) {
+  return route && std::any_of(p.gids.begin(), p.gids.end(), [&](const GidEntry& g) { return g.gid == *route; });
+}
+
+std::optional<detail::Ip16> route_ip(std::string_view route_address) {
+  return route_address.empty() ? std::nullopt : detail::parse_ip16(std::string(route_address));
+}
+
+}  // namespace
+
+const DeviceInfo& pick_device(const std::vector<DeviceInfo>& devices, const std::string& name,
+                              std::string_view route_address) {
   if (devices.empty()) {
     throw Error("pick device", ENODEV, "no RDMA devices found",
                 "load a NIC driver, or add a Soft-RoCE device: rdma link add rxe0 type rxe netdev "
                 "eth0 (in a container, pass /dev/infiniband through)");
+  }
+  if (name.empty()) {
+    // The device whose ACTIVE port carries the route's address: the NIC the kernel sends the
+    // bootstrap traffic through.
+    const auto route = route_ip(route_address);
+    for (const auto& d : devices) {
+      if (std::any_of(d.ports.begin(), d.ports.end(), [&](auto& p) { return p.active && has_route_gid(p, route); })) {
+        return d;
+      }
+    }
   }
   for (const auto& d : devices) {
     if (name.empty() ? std::any_of(d.ports.begin(), d.ports.end(), [](auto& p) { return p.active; })
@@ -279,7 +303,13 @@ const DeviceInfo& pick_device(const std::vector<DeviceInfo>& devices, const std:
               "bring the link up (ip link set DEV up) and check the cable or the switch port");
 }
 
-const PortInfo& pick_port(const DeviceInfo& device, std::uint8_t number) {
+const PortInfo& pick_port(const DeviceInfo& device, std::uint8_t number, std::string_view route_address) {
+  if (number == 0) {
+    const auto route = route_ip(route_address);
+    for (const auto& p : device.ports) {
+      if (p.active && has_route_gid(p, route)) return p;
+    }
+  }
   for (const auto& p : device.ports) {
     if (number != 0 ? p.number == number : p.active) {
       if (!p.active) {
@@ -355,7 +385,8 @@ std::string table_text(std::span<const GidEntry> table) {
 
 }  // namespace
 
-GidChoice choose_gid(std::span<const GidEntry> table, const GidSelector& selector) {
+GidChoice choose_gid(std::span<const GidEntry> table, const GidSelector& selector,
+                     std::string_view route_address) {
   if (selector.index) {
     for (const auto& e : table) {
       if (e.index == *selector.index) {
@@ -380,6 +411,18 @@ GidChoice choose_gid(std::span<const GidEntry> table, const GidSelector& selecto
     }
     return {*best, fmt::format("address {} requested ({})", selector.address, to_string(best->type))};
   }
+  // The entry with the bootstrap connection's own address is on the interface and address the
+  // kernel's route picked for the peer (rdma_cm chooses the same way); RoCE v2 before v1.
+  if (const auto route = route_ip(route_address)) {
+    const GidEntry* best = nullptr;
+    for (const auto& e : table) {
+      if (e.gid == *route && (best == nullptr || rank(e) < rank(*best))) best = &e;
+    }
+    if (best != nullptr) {
+      return {*best, fmt::format("the bootstrap connection's local address {} ({}), the route to the peer",
+                                 route_address, to_string(best->type))};
+    }
+  }
   const GidEntry* best = nullptr;
   for (const auto& e : table) {
     // An all-zero GID is an unused slot some providers still report.
@@ -389,6 +432,10 @@ GidChoice choose_gid(std::span<const GidEntry> table, const GidSelector& selecto
   if (best == nullptr) {
     throw Error("choose GID", EADDRNOTAVAIL, "the port's GID table has no valid entry",
                 "on RoCE, give the netdev an IP address (GIDs follow the netdev's addresses)");
+  }
+  if (!route_address.empty()) {
+    return {*best, fmt::format("{}; no GID has the bootstrap connection's local address {}",
+                               rank_reason(rank(*best)), route_address)};
   }
   return {*best, rank_reason(rank(*best))};
 }

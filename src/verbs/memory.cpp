@@ -71,7 +71,6 @@ LocalSlice MemoryRegion::local() const noexcept {
 RemoteRegion MemoryRegion::remote() const noexcept {
   return {reinterpret_cast<std::uint64_t>(impl_->addr), impl_->length, impl_->rkey, impl_->access};
 }
-void MemoryRegion::deregister() noexcept { impl_->mr.reset(); }
 
 namespace detail {
 

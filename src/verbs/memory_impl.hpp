@@ -88,5 +88,10 @@ struct MemoryRegion::Impl {
   void* addr = nullptr;
   std::size_t length = 0;
   std::uint32_t lkey = 0, rkey = 0;
+
+  /// A MemoryRegion around `impl` (only the library makes one).
+  static MemoryRegion wrap(std::unique_ptr<Impl> impl) noexcept { return MemoryRegion(std::move(impl)); }
+  /// Deregisters now (revocation); the memory stays until the region is destroyed.
+  static void deregister(MemoryRegion& r) noexcept { r.impl_->mr.reset(); }
 };
 }  // namespace rdmakit

@@ -27,6 +27,7 @@
 #include "rdmakit/connection.hpp"
 #include "rdmakit/error.hpp"
 #include "rdmakit/wire.hpp"
+#include "forge.hpp"
 #include "lab_helpers.hpp"
 
 namespace {
@@ -178,10 +179,10 @@ TEST(Connection, CorruptRemoteQpnFailsWithClearModifyQpErrorAndFreesEverything) 
     };
     Listener listener("127.0.0.1:0", scfg, server_setup());
     ConnectionConfig cfg = quiet();
-    // The seed article's bug: one byte off in the QPN.
-    cfg.testing_alter_peer = [](rdmakit::wire::EndpointInfo& peer) { peer.qpn |= 0x01000000; };
     try {
-      (void)Connection::connect(target(listener), cfg, client_setup());
+      // The seed article's bug: one byte off in the QPN.
+      (void)lab::connect_altered(target(listener), cfg, client_setup(),
+                                 [](rdmakit::wire::EndpointInfo& peer) { peer.qpn |= 0x01000000; });
       ADD_FAILURE() << "connected with a corrupt QPN";
     } catch (const rdmakit::Error& e) {
       const std::string what = e.what();
@@ -210,13 +211,12 @@ TEST(Connection, CorruptQpnOfALaterQpFailsNamingThatPair) {
     ConnectionConfig cfg = quiet();
     cfg.qps = 3;
     std::uint32_t bad_qpn = 0;
-    cfg.testing_alter_peer = [&](rdmakit::wire::EndpointInfo& peer) {
-      ASSERT_EQ(peer.extra_qps.size(), 2u);
-      peer.extra_qps[1].qpn |= 0x01000000;
-      bad_qpn = peer.extra_qps[1].qpn;
-    };
     try {
-      (void)Connection::connect(target(listener), cfg, client_setup());
+      (void)lab::connect_altered(target(listener), cfg, client_setup(), [&](rdmakit::wire::EndpointInfo& peer) {
+        ASSERT_EQ(peer.extra_qps.size(), 2u);
+        peer.extra_qps[1].qpn |= 0x01000000;
+        bad_qpn = peer.extra_qps[1].qpn;
+      });
       ADD_FAILURE() << "connected with a corrupt QPN on the third QP";
     } catch (const rdmakit::Error& e) {
       const std::string what = e.what();
@@ -256,7 +256,8 @@ TEST(Connection, ErrorCompletionIsDataWithLikelyCause) {
 }
 
 // ConnectionConfig::trace: every handshake step and QP transition with its attributes (and
-// where each value came from), the connection, an error completion, the peer leaving, the close.
+// where each value came from), the connection, an error completion (which breaks the connection:
+// it is the report, so the peer leaving afterwards is not reported again), the close.
 TEST(Connection, TraceReportsHandshakeTransitionsErrorsAndClose) {
   std::vector<rdmakit::TraceEvent> events;
   std::mutex mu;
@@ -272,8 +273,11 @@ TEST(Connection, TraceReportsHandshakeTransitionsErrorsAndClose) {
     ASSERT_TRUE(server.has_value());
     ASSERT_TRUE(client.post_send(client.memory(0).local().subslice(0, 16), 42).ok());
     EXPECT_FALSE(client.wait(10s).completion.ok());
+    EXPECT_NE(client.failure().find("RNR retry counter exceeded"), std::string::npos) << client.failure();
+    EXPECT_EQ(client.post_send(client.memory(0).local().subslice(0, 16), 43).status,
+              rdmakit::PostStatus::not_ready);
     server->close();
-    EXPECT_EQ(client.wait(5s).status, rdmakit::WaitStatus::peer_lost);
+    EXPECT_EQ(client.wait(5s).status, rdmakit::WaitStatus::closed);
   }
   std::lock_guard lock(mu);
   auto field = [](const rdmakit::TraceEvent& e, const std::string& k) {
@@ -288,7 +292,7 @@ TEST(Connection, TraceReportsHandshakeTransitionsErrorsAndClose) {
   }
   const std::vector<std::string> want = {"qp_transition RESET->INIT", "hello_sent", "hello_received",
                                          "qp_transition INIT->RTR", "qp_transition RTR->RTS", "connected",
-                                         "error_completion", "peer_lost", "closed"};
+                                         "error_completion", "closed"};
   EXPECT_EQ(names, want);
   for (const auto& e : events) {
     std::printf("%s\n", e.text().c_str());
@@ -329,7 +333,8 @@ TEST(Connection, MalformedBootstrapInputIsRejectedClearlyWhileOthersAreServed) {
   fake.qpn = 5;
   fake.mtu = 1024;
   fake.gid = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 198, 18, 0, 1};
-  const auto hello = encode_hello(fake);  // 12-byte header + 40-byte payload
+  const auto hello = encode_hello(fake);  // 12-byte header + 42-byte payload
+  constexpr std::size_t kFixed = rdmakit::wire::kHelloFixedSize;
   auto with = [&](std::size_t at, std::vector<std::uint8_t> bytes) {
     auto h = hello;
     std::copy(bytes.begin(), bytes.end(), h.begin() + static_cast<long>(at));
@@ -339,7 +344,7 @@ TEST(Connection, MalformedBootstrapInputIsRejectedClearlyWhileOthersAreServed) {
     auto f = fake;
     f.regions = {{0xfffffffffffff000ull, 0x1000, 1, Access::remote_read}};
     auto h = encode_hello(f);
-    h[12 + 40 + 8 + 6] = 0x20;  // length 0x2000: address + length wraps past 2^64
+    h[12 + kFixed + 8 + 6] = 0x20;  // length 0x2000: address + length wraps past 2^64
     return h;
   };
   std::vector<std::uint8_t> noise(64);
@@ -350,7 +355,7 @@ TEST(Connection, MalformedBootstrapInputIsRejectedClearlyWhileOthersAreServed) {
     const char* reason;
   } bad[] = {
       {"random bytes", noise, "bad magic"},
-      {"truncated", std::vector<std::uint8_t>(hello.begin(), hello.end() - 10), "30 of 40 bytes arrived before the handshake deadline"},
+      {"truncated", std::vector<std::uint8_t>(hello.begin(), hello.end() - 10), "32 of 42 bytes arrived before the handshake deadline"},
       {"wrong magic", with(0, {'X'}), "bad magic"},
       {"wrong version", with(5, {9}), "protocol version mismatch: peer speaks 9"},
       {"QPN 0", with(12, {0, 0, 0, 0}), "QPN 0x0 out of range"},

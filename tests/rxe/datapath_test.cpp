@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <infiniband/verbs.h>
 
+#include "forge.hpp"
 #include "rdmakit/connection.hpp"
 #include "rdmakit/error.hpp"
 
@@ -155,19 +156,15 @@ TEST(Datapath, MessagesLongerThanMaxMsgSizeAreSplit) {
 // READs are striped (one completion each, data intact), small ones spread round robin.
 struct StripedPair {
   StripedPair(std::uint32_t qps, std::size_t bytes, std::uint32_t depth = 64, bool forge_rkey = false)
-      : cfg(config(qps, depth, forge_rkey)),
+      : cfg(config(qps, depth)),
         listener("127.0.0.1:0", quiet(), buffer(bytes)),
-        client(Connection::connect("127.0.0.1:" + std::to_string(listener.port()), cfg, buffer(bytes))),
+        client(lab::connect_altered("127.0.0.1:" + std::to_string(listener.port()), cfg, buffer(bytes),
+                                    forge_rkey ? lab::forged_rkey() : lab::Alter{})),
         server(*listener.accept(10s)) {}
-  static ConnectionConfig config(std::uint32_t qps, std::uint32_t depth, bool forge_rkey) {
+  static ConnectionConfig config(std::uint32_t qps, std::uint32_t depth) {
     ConnectionConfig c = quiet();
     c.qps = qps;
     c.send_depth = depth;
-    // The test seam: the client believes the peer advertised another rkey, so its posts pass
-    // every local check and the peer's NIC refuses them.
-    if (forge_rkey) {
-      c.testing_alter_peer = [](rdmakit::wire::EndpointInfo& peer) { peer.regions.at(0).rkey ^= 0x5a5a00; };
-    }
     return c;
   }
   static Connection::Setup buffer(std::size_t bytes) {

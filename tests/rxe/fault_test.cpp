@@ -22,6 +22,7 @@
 #include <gtest/gtest.h>
 #include <infiniband/verbs.h>
 
+#include "forge.hpp"
 #include "lab_helpers.hpp"
 #include "rdmakit/connection.hpp"
 #include "rdmakit/error.hpp"
@@ -258,14 +259,13 @@ TEST(Fault, RnrIsReportedWithinItsBound) {
 }
 
 TEST(Fault, ForgedDescriptorGivesRemAccessErrAndFlushesTheRest) {
-  ConnectionConfig cfg = quiet();
-  cfg.testing_alter_peer = [](rdmakit::wire::EndpointInfo& peer) { peer.regions.at(0).rkey ^= 0x5a5a00; };
   Listener listener("127.0.0.1:0", quiet(), [](Connection& c) {
     const auto& m = c.allocate_memory(64 * 1024, Access::local_write | Access::remote_write);
     std::memset(m.data(), 0x11, 64 * 1024);
     c.advertise(m);
   });
-  Connection c = Connection::connect("127.0.0.1:" + std::to_string(listener.port()), cfg, buffer());
+  Connection c = lab::connect_altered("127.0.0.1:" + std::to_string(listener.port()), quiet(), buffer(),
+                                      lab::forged_rkey());
   auto s = listener.accept(5s);
   ASSERT_TRUE(s.has_value());
   const auto forged = c.remote_regions()[0];
@@ -315,9 +315,8 @@ TEST(Fault, LocalMisuseIsRefusedSynchronously) {
 
 TEST(Fault, RecoveryByReconnectingAfterAQpError) {
   Listener listener("127.0.0.1:0", quiet(), buffer());
-  ConnectionConfig bad = quiet();
-  bad.testing_alter_peer = [](rdmakit::wire::EndpointInfo& peer) { peer.regions.at(0).rkey ^= 0x5a5a00; };
-  Connection c = Connection::connect("127.0.0.1:" + std::to_string(listener.port()), bad, buffer());
+  Connection c = lab::connect_altered("127.0.0.1:" + std::to_string(listener.port()), quiet(), buffer(),
+                                      lab::forged_rkey());
   auto s1 = listener.accept(5s);
   ASSERT_TRUE(c.post_write(c.memory(0).local().subslice(0, 64), c.remote_regions()[0], 0, 1).ok());
   ASSERT_FALSE(c.wait(5s).completion.ok());  // the QP is in error now: the connection is spent

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <infiniband/verbs.h>
 
+#include "forge.hpp"
 #include "lab_helpers.hpp"
 #include "rdmakit/connection.hpp"
 #include "rdmakit/error.hpp"
@@ -139,10 +140,10 @@ TEST(Security, KeysAreShortOrOpenToOthersRefused) {
 // The client's view of what the peer advertised, replaced by `stolen`: its posts then pass the
 // library's own checks (which refuse a descriptor this connection was not given), as an
 // attacker's raw verbs would, and reach the NIC.
-ConnectionConfig believing(const rdmakit::RemoteRegion& stolen) {
-  ConnectionConfig cfg = quiet(key('k'));
-  cfg.testing_alter_peer = [stolen](rdmakit::wire::EndpointInfo& peer) { peer.regions.at(0) = stolen; };
-  return cfg;
+Connection connect_believing(const std::string& to, const rdmakit::RemoteRegion& stolen,
+                              const Connection::Setup& setup) {
+  return lab::connect_altered(to, quiet(key('k')), setup,
+                              [stolen](rdmakit::wire::EndpointInfo& peer) { peer.regions.at(0) = stolen; });
 }
 
 TEST(Security, AnotherPeersRkeyIsUselessOnMyConnection) {
@@ -158,7 +159,7 @@ TEST(Security, AnotherPeersRkeyIsUselessOnMyConnection) {
     EXPECT_EQ(honest.post_write(honest.memory(0).local().subslice(0, 64), stolen, 0, 1).status,
               rdmakit::PostStatus::not_advertised);
   }
-  Connection b = Connection::connect(target(listener), believing(stolen), buffer());
+  Connection b = connect_believing(target(listener), stolen, buffer());
   auto sb = listener.accept(5s);
   ASSERT_TRUE(sa && sb);
   std::memset(b.memory(0).data(), 0x66, 64);
@@ -187,7 +188,7 @@ TEST(Security, AClosedConnectionsRkeyIsDead) {
   // Its memory is still there (and readable), but no longer registered.
   EXPECT_FALSE(first_server->memory(0).registered());
   EXPECT_TRUE(all_bytes(first_server->memory(0).data(), 4096, 0x11));
-  Connection b = Connection::connect(target(listener), believing(old), buffer());
+  Connection b = connect_believing(target(listener), old, buffer());
   auto sb = listener.accept(5s);
   ASSERT_TRUE(sb.has_value());
   std::memset(b.memory(0).data(), 0x55, 64);
@@ -202,7 +203,7 @@ TEST(Security, AFloodOfConnectsIsCapped) {
   const char* ip = std::getenv("RDMAKIT_LAB_IP");
   ASSERT_NE(ip, nullptr);
   const auto before = lab::rdma_resources();
-  ConnectionConfig cfg = quiet(key('k'));
+  rdmakit::ListenerConfig cfg = quiet(key('k'));
   cfg.max_connections_per_peer = 3;
   Listener listener(":0", cfg, buffer());  // all addresses: the flood and the good client differ
   const auto unloaded_t0 = std::chrono::steady_clock::now();
@@ -253,7 +254,7 @@ TEST(Security, AFloodOfConnectsIsCapped) {
 }
 
 TEST(Security, BusyListenerIsRetriedByClientsThatAskForRetries) {
-  ConnectionConfig cfg = quiet(key('k'));
+  rdmakit::ListenerConfig cfg = quiet(key('k'));
   cfg.max_handshakes_per_peer = 1;  // one handshake at a time from 127.0.0.1
   Listener listener("127.0.0.1:0", cfg, buffer());
   ConnectionConfig client_cfg = quiet(key('k'));

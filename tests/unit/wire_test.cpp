@@ -1,6 +1,8 @@
 #include "rdmakit/wire.hpp"
 
 #include <cstdint>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -26,6 +28,7 @@ EndpointInfo sample() {
   i.mtu = 1024;
   i.max_rd_atomic = 16;
   i.max_dest_rd_atomic = 16;
+  i.flags = kFlagAtomics;
   i.regions = {{0x7f0000001000, 65536, 0x1234, Access::remote_read | Access::remote_write},
                {0x7f0000100000, 4096, 0x99, Access::remote_read}};
   return i;
@@ -60,8 +63,8 @@ TEST(Wire, RoundTrip) {
 
 TEST(Wire, FieldsAreBigEndianAtFixedOffsets) {
   const auto msg = encode_hello(sample());
-  // "RDKT", version 2, type HELLO, then the payload length.
-  const std::vector<std::uint8_t> header = {'R', 'D', 'K', 'T', 0, 2, 0, 1, 0, 0, 0, 88};
+  // "RDKT", version 3, type HELLO, then the payload length.
+  const std::vector<std::uint8_t> header = {'R', 'D', 'K', 'T', 0, 3, 0, 1, 0, 0, 0, 90};
   EXPECT_EQ(std::vector<std::uint8_t>(msg.begin(), msg.begin() + 12), header);
   const std::uint8_t* p = msg.data() + kHeaderSize;
   EXPECT_EQ((std::vector<std::uint8_t>{p, p + 8}),
@@ -73,7 +76,9 @@ TEST(Wire, FieldsAreBigEndianAtFixedOffsets) {
   EXPECT_EQ(p[33], 0x00);
   EXPECT_EQ(p[37], 2);     // two regions
   EXPECT_EQ(p[39], 1);     // one QP
-  EXPECT_EQ(p[40 + 6], 0x10);  // first region's address 0x00007f0000001000
+  EXPECT_EQ(p[40], 0x00);  // flags: atomics, big-endian u16
+  EXPECT_EQ(p[41], 0x01);
+  EXPECT_EQ(p[42 + 6], 0x10);  // first region's address 0x00007f0000001000
 }
 
 TEST(Wire, RejectAndReady) {
@@ -92,12 +97,12 @@ TEST(Wire, HeaderRejections) {
   expect_error([&] { (void)decode_header(bad); }, "bad magic");
   bad = msg;
   bad[5] = 1;
-  expect_error([&] { (void)decode_header(bad); }, "protocol version mismatch: peer speaks 1, this side speaks 2");
+  expect_error([&] { (void)decode_header(bad); }, "protocol version mismatch: peer speaks 1, this side speaks 3");
   bad = msg;
   bad[7] = 9;
   expect_error([&] { (void)decode_header(bad); }, "unknown message type 9");
   bad = msg;
-  bad[8] = 0xff;  // length 0xff000058
+  bad[8] = 0xff;  // length 0xff00005a
   expect_error([&] { (void)decode_header(bad); }, "oversized HELLO message");
 }
 
@@ -123,9 +128,9 @@ TEST(Wire, HelloRejections) {
     p[off] = v;
     return p;
   };
-  expect_error([&] { (void)decode_hello(std::span(good).first(39)); }, "truncated HELLO");
+  expect_error([&] { (void)decode_hello(std::span(good).first(41)); }, "truncated HELLO");
   expect_error([&] { (void)decode_hello(std::span(good).first(good.size() - 1)); },
-               "truncated HELLO: QP count 1 and region count 2 need 88 bytes, got 87");
+               "truncated HELLO: QP count 1 and region count 2 need 90 bytes, got 89");
   auto longer = good;
   longer.push_back(0);
   expect_error([&] { (void)decode_hello(longer); }, "1 trailing bytes");
@@ -140,12 +145,14 @@ TEST(Wire, HelloRejections) {
   expect_error([&] { (void)decode_hello(with(39, 17)); }, "absurd QP count 17");
   // A count of 2 without the second QP's 8 bytes.
   expect_error([&] { (void)decode_hello(with(39, 2)); },
-               "truncated HELLO: QP count 2 and region count 2 need 96 bytes, got 88");
+               "truncated HELLO: QP count 2 and region count 2 need 98 bytes, got 90");
+  expect_error([&] { (void)decode_hello(with(41, 0x81)); }, "unknown capability flags 0x80");
+  expect_error([&] { (void)decode_hello(with(40, 0x02)); }, "unknown capability flags 0x200");
   // Region 0: address 0x7f0000001000 with a length that wraps past 2^64.
   auto wrap = good;
-  for (int i = 0; i < 8; ++i) wrap[40 + 8 + static_cast<std::size_t>(i)] = 0xff;
+  for (int i = 0; i < 8; ++i) wrap[42 + 8 + static_cast<std::size_t>(i)] = 0xff;
   expect_error([&] { (void)decode_hello(wrap); }, "overflows");
-  expect_error([&] { (void)decode_hello(with(40 + 23, 0x10)); }, "unknown access bits 0x10");
+  expect_error([&] { (void)decode_hello(with(42 + 23, 0x10)); }, "unknown access bits 0x10");
 }
 
 TEST(Wire, SeveralQps) {
@@ -155,17 +162,17 @@ TEST(Wire, SeveralQps) {
   ASSERT_EQ(msg.size(), kHeaderSize + kHelloFixedSize + 2 * kQpSize + 2 * kRegionSize);
   const auto p = payload_of(msg);
   EXPECT_EQ(p[39], 3);  // three QPs
-  EXPECT_EQ((std::vector<std::uint8_t>{p.begin() + 40, p.begin() + 48}),
+  EXPECT_EQ((std::vector<std::uint8_t>{p.begin() + 42, p.begin() + 50}),
             (std::vector<std::uint8_t>{0, 0, 0, 0x12, 0, 0, 0, 1}));  // QP 1: QPN, PSN
   const EndpointInfo out = decode_hello(p);
   EXPECT_EQ(out, in);
   EXPECT_EQ(out.qp_count(), 3u);
   EXPECT_EQ(out.qp(2), (QpAddress{0xffffff, 0xfffffe}));
   auto bad = p;
-  for (std::size_t i = 48; i < 52; ++i) bad[i] = 0;  // QP 2's QPN
+  for (std::size_t i = 50; i < 54; ++i) bad[i] = 0;  // QP 2's QPN
   expect_error([&] { (void)decode_hello(bad); }, "QP 2: QPN 0x0 out of range");
   bad = p;
-  bad[44] = 1;  // QP 1's PSN gets bit 24
+  bad[46] = 1;  // QP 1's PSN gets bit 24
   expect_error([&] { (void)decode_hello(bad); }, "QP 1: PSN 0x1000001 does not fit in 24 bits");
   in.extra_qps.resize(kMaxQps);
   expect_error([&] { (void)encode_hello(in); }, "17 QPs; at most 16");
@@ -178,6 +185,9 @@ TEST(Wire, EncodeRefusesWhatCannotBeDecoded) {
   i = sample();
   i.regions.resize(kMaxRegions + 1);
   expect_error([&] { (void)encode_hello(i); }, "at most 1024");
+  i = sample();
+  i.flags = 0x8000;
+  expect_error([&] { (void)encode_hello(i); }, "unknown capability flags 0x8000");
 }
 
 TEST(Wire, Compatibility) {
@@ -204,6 +214,25 @@ TEST(Wire, Compatibility) {
   expect_error([&] { check_compatible(local, remote); }, "subnet manager");
   remote.lid = 7;
   EXPECT_NO_THROW(check_compatible(local, remote));
+}
+
+}  // namespace
+
+namespace {
+
+// The fuzzer's seed corpus is in the current format, so the fuzzer starts from messages that
+// decode rather than from ones the header check throws out.
+TEST(Wire, FuzzSeedCorpusDecodes) {
+  for (const char* name : {"hello", "hello-regions-qps", "ready", "reject", "auth-challenge"}) {
+    std::ifstream in(std::string(RDMAKIT_SOURCE_DIR) + "/fuzz/corpus/wire/" + name, std::ios::binary);
+    ASSERT_TRUE(in) << name;
+    const std::vector<std::uint8_t> msg{std::istreambuf_iterator<char>(in), {}};
+    const Header h = decode_header(msg);
+    ASSERT_EQ(h.length, msg.size() - kHeaderSize) << name;
+    if (h.type == MessageType::hello) {
+      EXPECT_NO_THROW((void)decode_hello(payload_of(msg))) << name;
+    }
+  }
 }
 
 }  // namespace

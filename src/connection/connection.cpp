@@ -1,0 +1,376 @@
+// Connection's lifecycle: the verbs objects of one RC connection (open), joining them with the
+// peer's (finish), close, and the memory and information calls.
+#include <fcntl.h>
+#include <infiniband/verbs.h>
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <tuple>
+
+#include <fmt/format.h>
+
+#include "bootstrap/auth.hpp"
+#include "connection/impl.hpp"
+#include "rdmakit/error.hpp"
+#include "trace.hpp"
+
+namespace rdmakit {
+
+using detail::Clock;
+using detail::Deadline;
+
+void detail::default_log(std::string_view msg) { fmt::print(stderr, "rdmakit: {}\n", msg); }
+
+namespace {
+
+std::uint32_t random_psn() {
+  std::uint32_t v = 0;
+  // A CSPRNG, so PSNs are not predictable by an off-path attacker injecting packets.
+  if (::getrandom(&v, sizeof v, 0) != sizeof v) throw Error("getrandom", errno, "choosing a PSN");
+  return v & 0xffffff;
+}
+
+using Fields = std::vector<std::pair<std::string, std::string>>;
+
+// Everything one side told the other, for a trace. Remote keys stay out of traces: an (address,
+// rkey) pair is a bearer token for the memory.
+Fields endpoint_fields(const wire::EndpointInfo& e, const std::string& peer) {
+  Fields f{{"peer", peer}, {"qpn", fmt::format("{:#x}", e.qpn)}, {"psn", fmt::format("{:#x}", e.psn)}};
+  for (std::size_t k = 0; k < e.extra_qps.size(); ++k) {
+    f.emplace_back(fmt::format("qp{}", k + 1), fmt::format("{:#x}/{:#x}", e.extra_qps[k].qpn, e.extra_qps[k].psn));
+  }
+  f.emplace_back("link_layer", to_string(e.link_layer));
+  f.emplace_back("lid", std::to_string(e.lid));
+  f.emplace_back("gid", GidEntry{e.gid_index, e.gid_type, e.gid, {}}.address());
+  f.emplace_back("gid_index", std::to_string(e.gid_index));
+  f.emplace_back("gid_type", to_string(e.gid_type));
+  f.emplace_back("mtu", std::to_string(e.mtu));
+  f.emplace_back("max_rd_atomic", std::to_string(e.max_rd_atomic));
+  f.emplace_back("max_dest_rd_atomic", std::to_string(e.max_dest_rd_atomic));
+  f.emplace_back("atomics", (e.flags & wire::kFlagAtomics) != 0 ? "yes" : "no");
+  for (std::size_t k = 0; k < e.regions.size(); ++k) {
+    const RemoteRegion& r = e.regions[k];
+    f.emplace_back(fmt::format("region{}", k),
+                   fmt::format("{:#x}+{} {}", r.addr, r.length, to_string(r.access)));
+  }
+  return f;
+}
+
+TraceEvent transition_event(std::uint32_t qpn, const char* transition,
+                            const std::vector<detail::AttrLine>& attrs) {
+  TraceEvent e{"qp_transition", {{"qp", fmt::format("{:#x}", qpn)}, {"transition", transition}}};
+  for (const detail::AttrLine& a : attrs) {
+    e.fields.emplace_back(a.name, a.origin.empty() ? a.value : fmt::format("{} ({})", a.value, a.origin));
+  }
+  return e;
+}
+
+void set_nonblocking(int fd, const char* what) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) throw Error("fcntl(O_NONBLOCK)", errno, what);
+}
+
+}  // namespace
+
+void Connection::Impl::trace_failure(const std::string& step, const std::exception& e) noexcept {
+  detail::emit(cfg.trace, [&] {
+    return TraceEvent{"handshake_failed", {{"peer", info.peer_address}, {"step", step}, {"error", e.what()}}};
+  });
+}
+
+void Connection::Impl::trace_hello(const char* event, const wire::EndpointInfo& e) noexcept {
+  detail::emit(cfg.trace, [&] { return TraceEvent{event, endpoint_fields(e, info.peer_address)}; });
+}
+
+void Connection::Impl::log(const std::string& msg) noexcept {
+  try {
+    cfg.log(msg);
+  } catch (...) {
+    // A logger that throws must not take the connection down with it.
+  }
+}
+
+Connection::Impl::Impl(ConnectionConfig c) : cfg(std::move(c)) {
+  if (!cfg.log) cfg.log = detail::default_log;
+  if (!cfg.trace) cfg.trace = detail::trace_from_environment();
+  timeouts = {cfg.ack_timeout, cfg.retry_count, cfg.rnr_timer, cfg.rnr_retry};
+  detail::check_retries(timeouts);
+  if (cfg.max_sge == 0) throw Error("connection config", EINVAL, "max_sge 0: at least 1 is needed");
+  if (cfg.qps == 0 || cfg.qps > wire::kMaxQps) {
+    throw Error("connection config", EINVAL,
+                fmt::format("qps {}: 1..{} QPs per connection", cfg.qps, wire::kMaxQps));
+  }
+  if (cfg.keepalive_interval.count() < 0 || cfg.keepalive_timeout.count() < 0 ||
+      (cfg.keepalive_interval.count() > 0) != (cfg.keepalive_timeout.count() > 0)) {
+    throw Error("connection config", EINVAL,
+                fmt::format("keepalive interval {} ms, timeout {} ms", cfg.keepalive_interval.count(),
+                            cfg.keepalive_timeout.count()),
+                "both positive (keepalive on), or both 0 (off)");
+  }
+  detail::check_key(cfg.psk);
+}
+
+void Connection::Impl::open(const std::string& local_address) {
+  const auto devices = list_devices();
+  const DeviceInfo& d = pick_device(devices, cfg.device, local_address);
+  const PortInfo& p = pick_port(d, cfg.port, local_address);
+  const GidChoice gid = choose_gid(p.gids, cfg.gid, local_address);
+
+  dev = detail::open_pd(d.name);
+  ibv_device_attr dattr{};
+  if (const int rc = ibv_query_device(dev->ctx.get(), &dattr); rc != 0) {
+    throw Error("ibv_query_device", rc, d.name);
+  }
+  // One send CQ serves every QP and must hold one entry per work request of all of them, so a
+  // depth is bounded by both limits: then the CQ can never overrun, whatever the signaling.
+  for (auto [what, want, per_cq] : {std::tuple{"send_depth", cfg.send_depth, cfg.qps},
+                                    std::tuple{"recv_depth", cfg.recv_depth, 1u}}) {
+    const auto limit = std::min(d.max_qp_wr, d.max_cqe / per_cq);
+    if (want == 0 || want > limit) {
+      throw Error("connection config", EINVAL,
+                  fmt::format("{} {} (device {} allows 1..{} with {} QPs: max_qp_wr {}, max_cqe {})",
+                              what, want, d.name, limit, per_cq, d.max_qp_wr, d.max_cqe));
+    }
+  }
+  // The context is this connection's own, so its async events (port down, QP fatal) are too;
+  // non-blocking, so wait() can look at them without ever blocking.
+  set_nonblocking(dev->ctx->async_fd, "async event fd");
+  if (cfg.completion_events) {
+    channel.reset(ibv_create_comp_channel(dev->ctx.get()));
+    if (!channel) throw Error("ibv_create_comp_channel", errno, d.name);
+    // Non-blocking, so a spurious wakeup can never leave ibv_get_cq_event blocked past a deadline.
+    set_nonblocking(channel->fd, "completion channel");
+  }
+  const std::uint32_t send_cqe = cfg.send_depth * cfg.qps;
+  send_cq.reset(ibv_create_cq(dev->ctx.get(), static_cast<int>(send_cqe), nullptr, channel.get(), 0));
+  if (!send_cq) throw Error("ibv_create_cq", errno, fmt::format("send CQ, {} entries", send_cqe));
+  recv_cq.reset(ibv_create_cq(dev->ctx.get(), static_cast<int>(cfg.recv_depth), nullptr,
+                              channel.get(), 0));
+  if (!recv_cq) throw Error("ibv_create_cq", errno, fmt::format("receive CQ, {} entries", cfg.recv_depth));
+
+  qps.reserve(cfg.qps);
+  std::vector<ibv_qp*> raw;
+  for (std::uint32_t k = 0; k < cfg.qps; ++k) {
+    ibv_qp_init_attr qattr{};
+    qattr.send_cq = send_cq.get();
+    qattr.recv_cq = recv_cq.get();
+    qattr.qp_type = IBV_QPT_RC;
+    qattr.sq_sig_all = 0;
+    qattr.cap.max_send_wr = cfg.send_depth;
+    // Only the first QP receives (SEND/RECV stay there, in order); the others keep one entry
+    // because some providers refuse a receive queue of zero.
+    qattr.cap.max_recv_wr = k == 0 ? cfg.recv_depth : 1;
+    qattr.cap.max_send_sge = cfg.max_sge;
+    qattr.cap.max_recv_sge = 1;
+    qattr.cap.max_inline_data = cfg.max_inline;
+    detail::QpPtr qp(ibv_create_qp(dev->pd.get(), &qattr));
+    if (!qp) {
+      throw Error("ibv_create_qp", errno,
+                  fmt::format("RC QP {} of {}, send {} / recv {} entries, {} SGEs, {} inline bytes on {}",
+                              k + 1, cfg.qps, cfg.send_depth, cfg.recv_depth, cfg.max_sge,
+                              cfg.max_inline, d.name),
+                  errno == ENOMEM ? "out of QPs or memory on the device; are QPs leaking?"
+                  : errno == EINVAL
+                      ? fmt::format("the device allows at most {} SGEs, {} work requests per queue "
+                                    "(and its own limit of inline bytes)",
+                                    dattr.max_sge, dattr.max_qp_wr)
+                      : "");
+    }
+    // ibv_create_qp writes back what the device actually granted; the data path trusts only
+    // that (the smallest grant of all the QPs).
+    info.max_inline = k == 0 ? qattr.cap.max_inline_data : std::min(info.max_inline, qattr.cap.max_inline_data);
+    info.max_sge = k == 0 ? qattr.cap.max_send_sge : std::min(info.max_sge, qattr.cap.max_send_sge);
+    raw.push_back(qp.get());
+    qps.push_back(std::move(qp));
+    detail::to_init(raw.back(), p.number);
+    detail::emit(cfg.trace, [&] {
+      return transition_event(raw.back()->qp_num, "RESET->INIT", detail::init_attr_lines(p.number));
+    });
+  }
+  info.send_depth = cfg.send_depth;
+  info.recv_depth = cfg.recv_depth;
+  info.qps = cfg.qps;
+  info.device = d.name;
+  info.port = p.number;
+  info.link_layer = p.link_layer;
+  info.local_gid = gid.entry;
+  info.gid_reason = gid.reason;
+  info.local_mtu = p.active_mtu;
+  info.max_msg_size = p.max_msg_size;
+  wire::EndpointInfo& l = info.local;
+  l.qpn = raw[0]->qp_num;
+  l.psn = random_psn();
+  for (std::size_t k = 1; k < raw.size(); ++k) l.extra_qps.push_back({raw[k]->qp_num, random_psn()});
+  l.lid = p.lid;
+  l.link_layer = p.link_layer;
+  l.gid_type = gid.entry.type;
+  l.gid = gid.entry.gid;
+  l.gid_index = gid.entry.index;
+  l.mtu = p.active_mtu;
+  // As many READs/atomics in flight as the device allows (mlx5: 16, rxe: 128): reads are
+  // latency-bound, so this depth is their bandwidth. The attribute is 8 bits wide.
+  l.max_rd_atomic = static_cast<std::uint8_t>(std::clamp(dattr.max_qp_init_rd_atom, 0, 255));
+  l.max_dest_rd_atomic = static_cast<std::uint8_t>(std::clamp(dattr.max_qp_rd_atom, 0, 255));
+  l.flags = dattr.atomic_cap != IBV_ATOMIC_NONE ? wire::kFlagAtomics : 0;
+
+  dp.init({cfg.send_depth, cfg.recv_depth, info.max_sge, info.max_inline, p.max_msg_size, cfg.stripe_min},
+          raw, send_cq.get(), recv_cq.get(), channel.get(), detail::real_verbs());
+  dp.observe(cfg.trace, info.peer_address);
+}
+
+void Connection::Impl::finish(wire::EndpointInfo remote) {
+  if (hooks.peer_hello) hooks.peer_hello(remote);
+  info.remote = std::move(remote);
+  info.remote_mtu = info.remote.mtu;
+  wire::check_compatible(info.local, info.remote);
+  if (info.remote.qp_count() != qps.size()) {
+    throw Error("bootstrap handshake", EPROTO,
+                fmt::format("the peer has {} QPs for this connection, this side {}",
+                            info.remote.qp_count(), qps.size()),
+                "a listener creates as many QPs as its client asks for; is the peer an rdmakit "
+                "listener?");
+  }
+  // Atomics need a requester here and a responder there that both support them.
+  info.atomics = (info.local.flags & wire::kFlagAtomics) != 0 && (info.remote.flags & wire::kFlagAtomics) != 0;
+  // QP k joins the peer's QP k. Each transition sees both sides' parameters with that QP's
+  // number and PSN, so an error names exactly the pair that failed.
+  for (std::size_t k = 0; k < qps.size(); ++k) {
+    wire::EndpointInfo mine = info.local;
+    wire::EndpointInfo theirs = info.remote;
+    mine.qpn = info.local.qp(k).qpn;
+    mine.psn = info.local.qp(k).psn;
+    theirs.qpn = info.remote.qp(k).qpn;
+    theirs.psn = info.remote.qp(k).psn;
+    const auto rtr = detail::derive_rtr(mine, theirs, info.port, timeouts);
+    info.path_mtu = detail::mtu_bytes(rtr.path_mtu);
+    detail::to_rtr(qps[k].get(), rtr, mine, theirs);
+    detail::emit(cfg.trace, [&] {
+      return transition_event(mine.qpn, "INIT->RTR", detail::rtr_attr_lines(rtr, mine, theirs));
+    });
+    const auto rts = detail::derive_rts(mine, theirs, timeouts);
+    detail::to_rts(qps[k].get(), rts, mine, theirs);
+    detail::emit(cfg.trace, [&] {
+      return transition_event(mine.qpn, "RTR->RTS", detail::rts_attr_lines(rts, mine, theirs));
+    });
+  }
+  dp.set_remote(info.remote.regions, info.atomics);
+}
+
+void Connection::Impl::connected() noexcept {
+  state = State::connected;
+  dp.start();
+  detail::emit(cfg.trace, [&] {
+    return TraceEvent{"connected",
+                      {{"peer", info.peer_address},
+                       {"device", info.device},
+                       {"port", std::to_string(info.port)},
+                       {"qps", std::to_string(info.qps)},
+                       {"path_mtu", std::to_string(info.path_mtu)},
+                       {"max_inline", std::to_string(info.max_inline)},
+                       {"send_depth", std::to_string(info.send_depth)},
+                       {"recv_depth", std::to_string(info.recv_depth)},
+                       {"gid", info.local_gid.address()},
+                       {"gid_reason", info.gid_reason}}};
+  });
+}
+
+// Safe on every partially built state: whatever open() got to is released, nothing is assumed
+// to exist (a QP, a context) that may not.
+void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
+  if (state == State::closed) return;
+  const bool was_connected = state == State::connected;
+  state = State::closed;
+  const Deadline deadline = Clock::now() + timeout;
+  // 1. Let what is in flight finish while the peer's QPs still answer; 2. then say BYE (the
+  // peer flushes its side on it); 3. flush whatever is left here.
+  if (was_connected) dp.settle(deadline, *this);
+  if (was_connected && control && !control_gone) {
+    try {
+      detail::send_all(control.get(), wire::encode_header(wire::MessageType::bye, 0),
+                       std::max(deadline, Clock::now() + std::chrono::milliseconds{100}));
+    } catch (const std::exception&) {
+      // The peer is already gone; nothing to tell it.
+    }
+  }
+  const std::uint32_t outstanding_at_close = dp.outstanding();
+  const std::uint32_t left = dp.shut(Clock::now() + std::chrono::milliseconds{1000});
+  if (left > 0) {
+    log(fmt::format("close: {} work requests never completed on QP {:#x}; releasing anyway", left,
+                    info.local.qpn));
+  }
+  if (!qps.empty()) {
+    detail::emit(cfg.trace, [&] {
+      return TraceEvent{"closed",
+                        {{"peer", info.peer_address},
+                         {"qp", fmt::format("{:#x}", info.local.qpn)},
+                         {"flushed", outstanding_at_close > 0 ? "yes" : "no"},
+                         {"flushed_requests", std::to_string(outstanding_at_close)},
+                         {"never_completed", std::to_string(left)},
+                         {"unobservable_qps", std::to_string(dp.unobservable())},
+                         {"peer_said_bye", bye_received ? "yes" : "no"}}};
+    });
+  }
+  // Release order: the QPs first, so no QP is left that could touch the memory; then the
+  // regions' registrations (revocation: no rkey of this connection works any more).
+  dp.forget_qps();
+  qps.clear();
+  for (MemoryRegion& r : regions) MemoryRegion::Impl::deregister(r);
+  control.reset();
+}
+
+Connection::Connection(std::unique_ptr<Impl> impl) noexcept : impl_(std::move(impl)) {}
+Connection::Connection(Connection&&) noexcept = default;
+Connection& Connection::operator=(Connection&&) noexcept = default;
+Connection::~Connection() = default;
+
+const MemoryRegion& Connection::register_memory(void* addr, std::size_t length, Access access) {
+  impl_->regions.push_back(MemoryRegion::Impl::wrap(detail::register_region(impl_->dev, addr, length, access)));
+  return impl_->regions.back();
+}
+
+const MemoryRegion& Connection::allocate_memory(std::size_t length, Access access) {
+  return allocate_memory(length, access, MemorySpec{});
+}
+
+const MemoryRegion& Connection::allocate_memory(std::size_t length, Access access, const MemorySpec& spec) {
+  impl_->regions.push_back(MemoryRegion::Impl::wrap(detail::allocate_region(impl_->dev, length, access, spec)));
+  return impl_->regions.back();
+}
+
+void Connection::revoke(const MemoryRegion& region) noexcept {
+  for (MemoryRegion& r : impl_->regions) {
+    if (&r == &region) MemoryRegion::Impl::deregister(r);
+  }
+  // The advertised list is the peer's view at the handshake; it stays as sent.
+}
+
+const MemoryRegion& Connection::memory(std::size_t index) const {
+  if (index >= impl_->regions.size()) {
+    throw Error("memory", EINVAL, fmt::format("no region {} (this connection has {})", index,
+                                              impl_->regions.size()));
+  }
+  return impl_->regions[index];
+}
+
+std::size_t Connection::memory_count() const noexcept { return impl_->regions.size(); }
+
+void Connection::advertise(const MemoryRegion& region) {
+  if (impl_->state != Impl::State::setup) {
+    throw Error("advertise", EINVAL, "regions can only be advertised during setup",
+                "call advertise() from the Setup callback");
+  }
+  impl_->info.local.regions.push_back(region.remote());
+}
+
+const std::vector<RemoteRegion>& Connection::remote_regions() const noexcept {
+  return impl_->info.remote.regions;
+}
+const ConnectionInfo& Connection::info() const noexcept { return impl_->info; }
+const std::string& Connection::failure() const noexcept { return impl_->dp.failure(); }
+
+void Connection::close(std::chrono::milliseconds timeout) noexcept {
+  if (impl_) impl_->close(timeout);
+}
+
+}  // namespace rdmakit

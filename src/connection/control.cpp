@@ -1,0 +1,136 @@
+// The control channel after the handshake: BYE, application messages, keepalive, and noticing
+// that the peer is gone. The data path never throws, so neither does reading it.
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include <fmt/format.h>
+
+#include "connection/impl.hpp"
+#include "rdmakit/error.hpp"
+
+namespace rdmakit {
+
+namespace {
+
+int whole_seconds(std::chrono::milliseconds d) {
+  return static_cast<int>(std::max<long long>(1, (d.count() + 999) / 1000));
+}
+
+}  // namespace
+
+// TCP keepalive does the heartbeat: after `interval` with nothing from the peer's host, a probe
+// every `interval`; TCP_USER_TIMEOUT ends the connection when nothing has been acknowledged for
+// `timeout` (with probes out, or with data unacknowledged). The socket then reports ETIMEDOUT,
+// which pump_control sees like an EOF.
+void Connection::Impl::set_keepalive(int fd) const {
+  if (cfg.keepalive_interval.count() == 0) return;
+  const int on = 1;
+  const int interval = whole_seconds(cfg.keepalive_interval);
+  const int probes = std::max(1, whole_seconds(cfg.keepalive_timeout) / interval);
+  const auto user_timeout = static_cast<unsigned>(cfg.keepalive_timeout.count());
+  if (::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on) != 0 ||
+      ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &interval, sizeof interval) != 0 ||
+      ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval) != 0 ||
+      ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes) != 0 ||
+      ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout) != 0) {
+    throw Error("setsockopt(keepalive)", errno,
+                fmt::format("interval {} s, timeout {} ms", interval, cfg.keepalive_timeout.count()));
+  }
+}
+
+std::string Connection::Impl::control_gone_reason() const {
+  if (bye_received) return "the peer closed the connection (BYE)";
+  switch (control_errno) {
+    case 0:
+      return "the peer is gone: its control channel closed (process exited or killed, or the "
+             "host went down)";
+    case ETIMEDOUT:
+      return fmt::format("the peer's host stopped answering: no keepalive reply for {} ms (the host "
+                         "is down, paused or partitioned from this one)",
+                         cfg.keepalive_timeout.count());
+    case EPROTO:
+      return "the peer is treated as gone: it sent garbage or more than the control channel "
+             "holds on its control channel";
+    default:
+      return fmt::format("the peer is gone: its control channel failed ({})", errno_name(control_errno));
+  }
+}
+
+// Reads whatever the peer sent on the control channel without blocking: BYE, application
+// messages, or EOF/reset/keepalive timeout (the peer is gone).
+void Connection::Impl::pump_control() noexcept {
+  if (!control || control_gone) return;
+  auto gone = [this](int err) {
+    control_gone = true;
+    control_errno = err;
+  };
+  for (;;) {
+    int err = 0;
+    const long n = detail::recv_nonblocking(control.get(), {cbuf.data() + cfill, cbuf.size() - cfill}, &err);
+    if (n == detail::kRecvClosed) return gone(err);
+    if (n == detail::kRecvWouldBlock) break;
+    cfill += static_cast<std::size_t>(n);
+    while (cfill >= wire::kHeaderSize) {
+      const auto h = wire::try_decode_header({cbuf.data(), cfill});
+      // A peer that garbles its control channel is treated as lost.
+      if (!h || h->length > cbuf.size() - wire::kHeaderSize) return gone(EPROTO);
+      const std::size_t len = h->length;
+      if (cfill < wire::kHeaderSize + len) break;
+      if (h->type == wire::MessageType::bye || h->type == wire::MessageType::reject) {
+        bye_received = true;
+      } else if (h->type == wire::MessageType::user) {
+        // Only application messages allocate, and only when one arrives.
+        try {
+          messages.emplace_back(cbuf.begin() + static_cast<std::ptrdiff_t>(wire::kHeaderSize),
+                                cbuf.begin() + static_cast<std::ptrdiff_t>(wire::kHeaderSize + len));
+        } catch (...) {
+          return gone(ENOMEM);
+        }
+      }
+      std::copy(cbuf.begin() + static_cast<std::ptrdiff_t>(wire::kHeaderSize + len),
+                cbuf.begin() + static_cast<std::ptrdiff_t>(cfill), cbuf.begin());
+      cfill -= wire::kHeaderSize + len;
+    }
+    if (cfill == cbuf.size()) return gone(EPROTO);
+  }
+}
+
+bool Connection::peer_closed() noexcept {
+  impl_->pump_control();
+  return impl_->bye_received || impl_->control_gone;
+}
+
+bool Connection::wait_peer_close(std::chrono::milliseconds timeout) noexcept {
+  return impl_->await_control(detail::deadline_in(timeout),
+                              [this] { return impl_->bye_received || impl_->control_gone; });
+}
+
+void Connection::send_message(std::span<const std::uint8_t> payload,
+                              std::chrono::milliseconds timeout) {
+  if (payload.size() > max_message_size) {
+    throw Error("send_message", EMSGSIZE,
+                fmt::format("{} bytes; at most {}", payload.size(), max_message_size));
+  }
+  if (impl_->state != Impl::State::connected || !impl_->control) {
+    throw Error("send_message", ENOTCONN, "the connection is not established or already closed");
+  }
+  auto msg = wire::encode_header(wire::MessageType::user, static_cast<std::uint32_t>(payload.size()));
+  msg.insert(msg.end(), payload.begin(), payload.end());
+  detail::send_all(impl_->control.get(), msg, detail::deadline_in(timeout));
+}
+
+std::optional<std::vector<std::uint8_t>> Connection::receive_message(std::chrono::milliseconds timeout) {
+  Impl& m = *impl_;
+  m.await_control(detail::deadline_in(timeout),
+                  [&m] { return !m.messages.empty() || m.control_gone || m.bye_received; });
+  if (m.messages.empty()) return std::nullopt;
+  auto msg = std::move(m.messages.front());
+  m.messages.pop_front();
+  return msg;
+}
+
+}  // namespace rdmakit

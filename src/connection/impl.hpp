@@ -1,0 +1,139 @@
+#pragma once
+// Connection's state, shared by its lifecycle (connection.cpp), control channel (control.cpp),
+// housekeeping (events.cpp), the two handshakes (connect.cpp, accept.cpp) and the public
+// data-path calls (calls.cpp), which forward to the data path (src/datapath/).
+
+#include <infiniband/verbs.h>
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "bootstrap/socket.hpp"
+#include "datapath/datapath.hpp"
+#include "rdmakit/connection.hpp"
+#include "verbs/handles.hpp"
+#include "verbs/memory_impl.hpp"
+#include "verbs/qp.hpp"
+
+namespace rdmakit::detail {
+
+/// Where setup diagnostics go when ConnectionConfig::log is not set.
+void default_log(std::string_view msg);
+
+// How long wait() keeps polling after the peer said BYE or its control channel closed, before it
+// flushes what is outstanding. What the peer already did can still be on its way into our CQ:
+// rxe acknowledges a SEND before it writes the receiver's completion, so a peer may see its SEND
+// complete and say BYE before our receive completion exists, and an immediate flush would turn
+// that delivered message into WR_FLUSH_ERR. Orders of magnitude above that lag; far below the
+// retry bound a dead peer would otherwise cost.
+inline constexpr std::chrono::milliseconds kPeerGoneGrace{100};
+// Control messages after the handshake are short; a peer sending more than this unread is
+// misbehaving and treated as gone.
+inline constexpr std::size_t kControlBuffer = 1024;
+static_assert(Connection::max_message_size + wire::kHeaderSize <= kControlBuffer,
+              "a maximal application message must fit the control buffer");
+
+/// The library's own hooks into a handshake, for the doctor (which explains a failed connection
+/// by comparing both sides' parameters) and the library's tests (which forge a peer's values).
+/// Not part of the public API.
+struct HandshakeHooks {
+  /// Sees (and may alter) the peer's decoded parameters before they are checked or used.
+  std::function<void(wire::EndpointInfo&)> peer_hello;
+};
+
+}  // namespace rdmakit::detail
+
+namespace rdmakit {
+
+struct Connection::Impl final : detail::Housekeeping {
+  enum class State { setup, connected, closed };
+
+  ConnectionConfig cfg;
+  detail::HandshakeHooks hooks;
+  std::shared_ptr<void> admission;  // a listener's per-peer slot, given back on destruction
+  ConnectionInfo info;
+  detail::QpTimeouts timeouts;
+
+  // The verbs objects, in creation order, so destruction (the reverse) releases the QPs first,
+  // then the CQs and the channel, then the regions (each deregistered, then its memory freed),
+  // and the PD and context last, when the last region lets go of them. close() already destroys
+  // the QPs and deregisters the regions, in that order: no QP can reach memory being freed.
+  std::shared_ptr<detail::DeviceResources> dev;
+  std::deque<MemoryRegion> regions;
+  detail::CompChannelPtr channel;  // before the CQs: it must outlive them
+  detail::CqPtr send_cq;
+  detail::CqPtr recv_cq;
+  std::vector<detail::QpPtr> qps;  // qps[0] carries SEND/RECV, WRITE_WITH_IMM and atomics
+  detail::DataPath dp;             // posts to and polls the objects above; owns none of them
+
+  // Control channel.
+  detail::Fd control;
+  State state = State::setup;
+  bool bye_received = false;
+  bool control_gone = false;
+  int control_errno = 0;            // why it went: 0 for EOF, else the socket error
+  detail::Deadline peer_gone_at{};  // when housekeeping first saw BYE or EOF; zero until then
+  std::array<std::uint8_t, detail::kControlBuffer> cbuf{};
+  std::size_t cfill = 0;
+  std::deque<std::vector<std::uint8_t>> messages;  // application messages not yet received
+
+  explicit Impl(ConnectionConfig c);
+  ~Impl() { close(std::chrono::milliseconds{2000}); }
+
+  /// The implementation behind a Connection (for the library's own code and tests).
+  static Impl& of(Connection& c) noexcept { return *c.impl_; }
+  static Connection wrap(std::unique_ptr<Impl> impl) noexcept { return Connection(std::move(impl)); }
+  /// Connection::connect, with the library's hooks (connect.cpp).
+  static Connection connect(const std::string& host_port, const ConnectionConfig& config,
+                            const Setup& setup, const detail::HandshakeHooks& hooks);
+  /// The listener's side of the handshake on an accepted socket, whose ownership it takes
+  /// (accept.cpp). `admission` is the listener's per-peer slot, held while the connection lives.
+  static Connection accept(int fd, const std::string& peer, const ConnectionConfig& config,
+                           const Setup& setup, std::shared_ptr<void> admission);
+
+  // connection.cpp
+  /// Opens the device, builds CQs and QPs (in INIT) and the data path, and fills in our
+  /// EndpointInfo. `local_address` is the bootstrap socket's own address: the GID (and device)
+  /// with that address is the one the kernel's route uses, so it is chosen unless configured.
+  void open(const std::string& local_address);
+  /// Both sides' parameters are known: check they can talk, then INIT -> RTR -> RTS.
+  void finish(wire::EndpointInfo remote);
+  void connected() noexcept;
+  void close(std::chrono::milliseconds timeout) noexcept;
+  void trace_hello(const char* event, const wire::EndpointInfo& e) noexcept;
+  void trace_failure(const std::string& step, const std::exception& e) noexcept;
+  void log(const std::string& msg) noexcept;
+
+  // control.cpp
+  /// Keepalive probes on the control socket (ConnectionConfig::keepalive_*).
+  void set_keepalive(int fd) const;
+  void pump_control() noexcept;
+  /// Reads the control channel until `done()` holds (true) or the deadline passes (false).
+  template <typename Done>
+  bool await_control(detail::Deadline deadline, Done done) noexcept {
+    for (;;) {
+      pump_control();
+      if (done()) return true;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - detail::Clock::now());
+      if (left.count() <= 0) return false;
+      detail::wait_readable(control.get(), std::min(left, std::chrono::milliseconds{100}));
+    }
+  }
+  [[nodiscard]] std::string control_gone_reason() const;
+
+  // events.cpp: the data path's housekeeping, about once a millisecond in wait().
+  void tick(detail::Deadline now) noexcept override;
+  [[nodiscard]] int wake_fd() const noexcept override { return control ? control.get() : -1; }
+  /// Reads the device's async events without blocking; breaks the connection on one that
+  /// concerns it (port down, QP, CQ or device fatal).
+  void pump_async() noexcept;
+};
+
+}  // namespace rdmakit

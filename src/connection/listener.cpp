@@ -1,0 +1,239 @@
+// Listener: accepts on one thread, runs each client's handshake on a thread of its own with its
+// own deadline, and hands out the connections whose handshake succeeded.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <list>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "bootstrap/auth.hpp"
+#include "bootstrap/socket.hpp"
+#include "connection/handshake.hpp"
+#include "connection/impl.hpp"
+#include "rdmakit/connection.hpp"
+#include "rdmakit/error.hpp"
+#include "trace.hpp"
+
+namespace rdmakit {
+
+namespace {
+
+// Established connections per peer address, shared with the connections themselves: each holds
+// a token that gives its slot back when it is destroyed, even after the listener is gone.
+struct PeerCounts {
+  std::mutex mu;
+  std::map<std::string, std::uint32_t> count;
+
+  static std::shared_ptr<void> take(const std::shared_ptr<PeerCounts>& self, const std::string& host) {
+    {
+      std::lock_guard lock(self->mu);
+      ++self->count[host];
+    }
+    return {nullptr, [self, host](void*) {
+              std::lock_guard lock(self->mu);
+              if (--self->count[host] == 0) self->count.erase(host);
+            }};
+  }
+  std::uint32_t of(const std::string& host) {
+    std::lock_guard lock(mu);
+    const auto it = count.find(host);
+    return it == count.end() ? 0 : it->second;
+  }
+};
+
+// "[::1]:5" -> "::1", "10.0.0.1:5" -> "10.0.0.1": limits are per address, not per source port.
+std::string host_of(const std::string& peer) {
+  const auto colon = peer.rfind(':');
+  std::string h = colon == std::string::npos ? peer : peer.substr(0, colon);
+  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  return h;
+}
+
+struct Handshake {
+  std::thread thread;
+  std::string host;
+  std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
+};
+
+}  // namespace
+
+struct Listener::Impl {
+  ListenerConfig cfg;
+  std::shared_ptr<PeerCounts> established = std::make_shared<PeerCounts>();
+  Connection::Setup setup;
+  detail::Fd fd;
+  std::uint16_t port = 0;
+  std::mutex mu;
+  std::condition_variable ready_cv;
+  std::deque<Connection> ready;  // bounded by cfg.max_pending (with the handshakes running)
+  std::atomic<bool> stop{false};
+  std::atomic<std::size_t> rejected{0};
+  std::thread acceptor;  // last member: started last, joined first
+
+  void accept_loop() noexcept;
+  void serve(detail::Fd& client, const std::string& peer, std::list<Handshake>& running);
+  void refuse(int client, const std::string& peer, const std::string& why) noexcept;
+  void log(const std::string& msg) noexcept {
+    try {
+      cfg.connection.log(msg);
+    } catch (...) {
+    }
+  }
+  std::size_t pending() {
+    std::lock_guard lock(mu);
+    return ready.size();
+  }
+};
+
+// Refused at once, without a thread: a flood costs one accept and one short write each.
+void Listener::Impl::refuse(int client, const std::string& peer, const std::string& why) noexcept {
+  try {
+    detail::send_all(client, wire::encode_reject(why), detail::deadline_in(std::chrono::milliseconds{20}));
+  } catch (...) {
+  }
+  rejected.fetch_add(1);
+  try {
+    log(fmt::format("refused connection from {}: {}", peer, why));
+  } catch (...) {
+  }
+}
+
+// One accepted client: refused at a limit, else its handshake on a thread of its own. Throws
+// (std::system_error when no thread can be started, bad_alloc) only before the thread owns the
+// socket; the caller then refuses the client.
+void Listener::Impl::serve(detail::Fd& client, const std::string& peer, std::list<Handshake>& running) {
+  const std::string host = host_of(peer);
+  const auto from_host = static_cast<std::uint32_t>(
+      std::count_if(running.begin(), running.end(), [&](const Handshake& x) { return x.host == host; }));
+  std::string busy;
+  if (running.size() >= cfg.max_handshakes) {
+    busy = fmt::format("{}{} handshakes in progress", detail::kBusyReason, running.size());
+  } else if (from_host >= cfg.max_handshakes_per_peer) {
+    busy = fmt::format("{}{} handshakes in progress from {}", detail::kBusyReason, from_host, host);
+  } else if (const std::size_t waiting = pending(); waiting + running.size() >= cfg.max_pending) {
+    busy = fmt::format("{}{} connections wait to be accepted and {} handshakes are in progress (at most "
+                       "{} in all)",
+                       detail::kBusyReason, waiting, running.size(), cfg.max_pending);
+  } else if (cfg.max_connections_per_peer != 0 && established->of(host) >= cfg.max_connections_per_peer) {
+    busy = fmt::format("too many connections from {} (at most {})", host, cfg.max_connections_per_peer);
+  }
+  if (!busy.empty()) return refuse(client.get(), peer, busy);
+
+  Handshake& h = running.emplace_back();
+  try {
+    h.host = host;
+    auto slot = PeerCounts::take(established, host);
+    // The socket moves into the thread only once the thread exists: if it cannot be started,
+    // the client is still ours to refuse.
+    const int raw = client.get();
+    h.thread = std::thread([this, raw, peer, done = h.done, slot = std::move(slot)]() mutable {
+      try {
+        Connection conn = Connection::Impl::accept(raw, peer, cfg.connection, setup, std::move(slot));
+        {
+          std::lock_guard lock(mu);
+          ready.push_back(std::move(conn));
+        }
+        ready_cv.notify_one();
+      } catch (const std::exception& e) {
+        rejected.fetch_add(1);
+        log(fmt::format("rejected connection from {}: {}", peer, e.what()));
+        detail::emit(cfg.connection.trace, [&] {
+          return TraceEvent{"handshake_rejected", {{"peer", peer}, {"error", e.what()}}};
+        });
+      } catch (...) {
+        rejected.fetch_add(1);
+        log(fmt::format("rejected connection from {}: a non-standard exception", peer));
+      }
+      done->store(true);
+    });
+    (void)client.release();  // the thread owns it now
+  } catch (...) {
+    running.pop_back();
+    throw;
+  }
+}
+
+void Listener::Impl::accept_loop() noexcept {
+  std::list<Handshake> running;
+  auto reap = [&](bool all) {
+    for (auto it = running.begin(); it != running.end();) {
+      if (all || it->done->load()) {
+        it->thread.join();
+        it = running.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  };
+  while (!stop.load()) {
+    std::string peer;
+    detail::Fd client;
+    try {
+      client = detail::tcp_accept(fd.get(), std::chrono::milliseconds{100}, &peer);
+      reap(false);
+      if (!client) continue;
+      serve(client, peer, running);
+    } catch (const std::exception& e) {
+      // A thread that cannot be started (EAGAIN), memory that runs out, an accept that fails:
+      // this client is refused, the listener keeps serving the others.
+      if (client) refuse(client.get(), peer, fmt::format("{}the server cannot take it now ({})", detail::kBusyReason, e.what()));
+      if (!client) {
+        log(fmt::format("accept failed: {}", e.what()));
+        std::this_thread::sleep_for(std::chrono::milliseconds{10});
+      }
+    } catch (...) {
+      if (client) refuse(client.get(), peer, fmt::format("{}the server cannot take it now", detail::kBusyReason));
+    }
+  }
+  // Every handshake has a deadline, so this join is bounded by handshake_timeout.
+  reap(true);
+}
+
+Listener::Listener(const std::string& address, ListenerConfig config, Connection::Setup setup)
+    : impl_(std::make_unique<Impl>()) {
+  ConnectionConfig& c = config.connection;
+  if (!c.log) c.log = detail::default_log;
+  if (!c.trace) c.trace = detail::trace_from_environment();
+  detail::check_key(c.psk);
+  if (config.max_pending == 0 || config.max_handshakes == 0 || config.max_handshakes_per_peer == 0) {
+    throw Error("listener config", EINVAL,
+                fmt::format("max_pending {}, max_handshakes {}, max_handshakes_per_peer {}: each at least 1",
+                            config.max_pending, config.max_handshakes, config.max_handshakes_per_peer));
+  }
+  impl_->cfg = std::move(config);
+  impl_->setup = std::move(setup);
+  impl_->fd = detail::tcp_listen(detail::parse_host_port(address, 0), 128);
+  impl_->port = detail::local_port(impl_->fd.get());
+  if (impl_->cfg.connection.psk.empty()) {
+    impl_->log(fmt::format(
+        "listening on port {} without a pre-shared key: anyone who can reach this port can connect "
+        "and use the memory it advertises (set a key: --psk-file, ConnectionConfig::psk)",
+        impl_->port));
+  }
+  impl_->acceptor = std::thread([this] { impl_->accept_loop(); });
+}
+
+Listener::~Listener() {
+  impl_->stop.store(true);
+  impl_->acceptor.join();
+}
+
+std::uint16_t Listener::port() const noexcept { return impl_->port; }
+std::size_t Listener::rejected() const noexcept { return impl_->rejected.load(); }
+
+std::optional<Connection> Listener::accept(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(impl_->mu);
+  if (!impl_->ready_cv.wait_for(lock, timeout, [&] { return !impl_->ready.empty(); })) {
+    return std::nullopt;
+  }
+  Connection c = std::move(impl_->ready.front());
+  impl_->ready.pop_front();
+  return c;
+}
+
+}  // namespace rdmakit

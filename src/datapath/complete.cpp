@@ -1,0 +1,144 @@
+// The data path's setup and its completion bookkeeping off the hot path: segmented requests'
+// parts, error completions (which break the connection), tracing.
+#include <algorithm>
+#include <cerrno>
+
+#include <fmt/format.h>
+
+#include "datapath/datapath.hpp"
+#include "rdmakit/error.hpp"
+#include "trace.hpp"
+#include "verbs/qp.hpp"
+
+namespace rdmakit::detail {
+
+namespace {
+
+int real_to_error(ibv_qp* qp) noexcept { return to_error(qp); }
+int real_get_cq_event(ibv_comp_channel* ch, ibv_cq** cq, void** ctx) noexcept {
+  return ibv_get_cq_event(ch, cq, ctx);
+}
+void real_ack_cq_events(ibv_cq* cq, unsigned n) noexcept { ibv_ack_cq_events(cq, n); }
+
+}  // namespace
+
+const VerbsOps& real_verbs() noexcept {
+  static constexpr VerbsOps ops{real_to_error, real_get_cq_event, real_ack_cq_events};
+  return ops;
+}
+
+void DataPath::init(const DataPathLimits& limits, std::span<ibv_qp* const> qps, ibv_cq* send_cq,
+                    ibv_cq* recv_cq, ibv_comp_channel* channel, const VerbsOps& ops) {
+  if (qps.empty() || limits.send_depth == 0 || limits.recv_depth == 0 || limits.max_sge == 0 ||
+      limits.max_msg_size == 0) {
+    throw Error("data path", EINVAL, "no QP, or a depth, SGE count or message size of 0");
+  }
+  limits_ = limits;
+  ops_ = &ops;
+  send_cq_ = send_cq;
+  recv_cq_ = recv_cq;
+  channel_ = channel;
+  lanes_.resize(qps.size());
+  lane_count_ = static_cast<std::uint32_t>(qps.size());
+  for (std::uint32_t k = 0; k < lane_count_; ++k) {
+    Lane& l = lanes_[k];
+    l.qp = qps[k];
+    l.qpn = qps[k]->qp_num;
+    l.id = k;
+    l.sq.init(limits.send_depth);
+  }
+  rq_.init(limits.recv_depth);
+  forced_signal_interval_ = std::max<std::uint32_t>(1, limits.send_depth / 2);
+  send_wrs_.resize(limits.send_depth);
+  send_sges_.resize(static_cast<std::size_t>(limits.send_depth) * limits.max_sge);
+  recv_wrs_.resize(limits.recv_depth);
+  recv_sges_.resize(limits.recv_depth);
+  part_reqs_.resize(limits.send_depth);
+  part_slices_.assign(limits.send_depth, LocalSlice::empty());
+  segmented_.resize(static_cast<std::size_t>(limits.send_depth) * lane_count_);
+  free_segmented_.resize(segmented_.size());
+  for (std::size_t i = 0; i < free_segmented_.size(); ++i) {
+    free_segmented_[i] = static_cast<std::uint32_t>(free_segmented_.size() - 1 - i);
+  }
+  segment_min_ordered_ = std::uint64_t{limits.max_msg_size} + 1;
+  segment_min_spread_ = lane_count_ > 1 ? std::min(limits.stripe_min, segment_min_ordered_) : segment_min_ordered_;
+  mode_ = Mode::idle;
+}
+
+void DataPath::observe(std::function<void(const TraceEvent&)> trace, std::string peer) {
+  trace_ = std::move(trace);
+  peer_ = std::move(peer);
+}
+
+void DataPath::set_remote(std::vector<RemoteRegion> regions, bool atomics) {
+  remote_ = std::move(regions);
+  atomics_ = atomics;
+}
+
+// A completion of one part of a segmented request: records the first error; true (and `c`
+// filled) when it was the last counted part. Off the hot path.
+[[gnu::noinline]] bool DataPath::finish_part(const WrRing::Slot& slot, const ibv_wc& wc,
+                                             Completion& c) noexcept {
+  const auto index = static_cast<std::uint32_t>(slot.wr_id);
+  if (index >= segmented_.size()) return false;
+  Segmented& seg = segmented_[index];
+  // A part of an earlier request that held this entry (only a partly posted one can outlive
+  // its entry): nothing of it belongs to the current one, but its error still breaks the
+  // connection, like any other.
+  const bool current = seg.generation == static_cast<std::uint32_t>(slot.wr_id >> 32);
+  if (wc.status != IBV_WC_SUCCESS) {
+    if (current && seg.status == 0) {
+      seg.status = wc.status;
+      seg.vendor_err = wc.vendor_err;
+    }
+    Completion e{};
+    e.wr_id = current ? seg.wr_id : 0;
+    e.opcode = current ? seg.op : slot.op;
+    e.status = wc.status;
+    e.vendor_err = wc.vendor_err;
+    on_error(e, 0);
+  }
+  if (!current || !slot.counted || seg.pending == 0 || --seg.pending > 0) return false;
+  const bool silent = seg.silent;
+  c = {};
+  c.wr_id = seg.wr_id;
+  c.opcode = seg.op;
+  c.status = seg.status;
+  c.vendor_err = seg.vendor_err;
+  release_segmented(index);
+  return !silent;
+}
+
+void DataPath::release_segmented(std::uint32_t index) noexcept {
+  ++segmented_[index].generation;
+  free_segmented_.push_back(index);  // within capacity: it was taken from this vector
+}
+
+// The first error completion on any QP breaks the whole connection: its QP is in ERR already,
+// and leaving the others in RTS would let round robin half-succeed on a broken connection.
+// The failed completion is the caller's report of it; failure() says the same.
+[[gnu::noinline]] void DataPath::on_error(const Completion& c, std::uint32_t qpn) noexcept {
+  if (c.status != IBV_WC_WR_FLUSH_ERR) {
+    emit(trace_, [&] {
+      return TraceEvent{"error_completion",
+                        {{"peer", peer_},
+                         {"qp", fmt::format("{:#x}", qpn != 0 ? qpn : lanes_[0].qpn)},
+                         {"opcode", to_string(c.opcode)},
+                         {"wr_id", std::to_string(c.wr_id)},
+                         {"status", c.status_name()},
+                         {"vendor_err", fmt::format("{:#x}", c.vendor_err)},
+                         {"detail", c.describe()}}};
+    });
+  }
+  if (mode_ != Mode::ready) return;
+  std::string why;
+  try {
+    why = fmt::format("QP {:#x} failed: {}", qpn != 0 ? qpn : lanes_[0].qpn, c.describe());
+  } catch (...) {
+    // Out of memory while formatting: the break itself must still happen.
+  }
+  break_connection(std::move(why), BreakCause::completion);
+  break_reported_ = true;  // the error completion is the report
+}
+
+}  // namespace rdmakit::detail

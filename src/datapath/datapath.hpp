@@ -1,0 +1,477 @@
+#pragma once
+// The data path: posting, the work-request rings, segmentation, completions, and the one break
+// and one drain routine. Connection uses it, and so will the engine: there is no second copy.
+//
+// It owns no verbs handle. Whoever builds it (Connection::Impl) owns the QPs, CQs and completion
+// channel, keeps them alive while it is used, and calls forget_qps() before destroying the QPs.
+//
+// post/poll go through the provider's inline calls (ibv_post_send, ibv_poll_cq,
+// ibv_req_notify_cq dispatch through the context's ops table); the few verbs libibverbs does not
+// dispatch that way go through VerbsOps. A fake provider for unit tests plugs in at exactly those
+// two places (tests/unit/fake_verbs.hpp), so the code under test is the code that runs.
+//
+// Not thread-safe: one thread at a time, like the Connection that holds it.
+
+#include <infiniband/verbs.h>
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/clock.hpp"
+#include "datapath/ring.hpp"
+#include "rdmakit/connection.hpp"
+
+namespace rdmakit::detail {
+
+/// The verbs the data path calls that are not inline dispatches through the context's ops.
+struct VerbsOps {
+  int (*to_error)(ibv_qp* qp) noexcept;  ///< ibv_modify_qp(qp, state = ERR)
+  int (*get_cq_event)(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) noexcept;
+  void (*ack_cq_events)(ibv_cq* cq, unsigned n) noexcept;
+};
+/// libibverbs' own.
+const VerbsOps& real_verbs() noexcept;
+
+// A send WR's verbs wr_id is its QP's index in the top byte and the ring sequence number below:
+// one shared send CQ serves every QP of a connection.
+inline constexpr int kLaneShift = 56;
+inline constexpr std::uint64_t kSeqMask = (std::uint64_t{1} << kLaneShift) - 1;
+inline constexpr int kPollBatch = 16;
+
+// One QP and the bookkeeping of its send queue.
+struct Lane {
+  ibv_qp* qp = nullptr;
+  WrRing sq;
+  std::uint32_t unsignaled_run = 0;  // WRs posted unsignaled since the last signaled one
+  std::uint32_t id = 0;              // index in the data path's lanes
+  std::uint32_t qpn = 0;             // kept for messages after the QP is gone
+  bool in_error = false;             // moved to ERR by the drain routine
+  bool needs_marker = false;         // a drain marker is owed (posted once there is room)
+};
+
+// A WRITE or READ posted as several parts (striped across QPs, or split at max_msg_sz): the
+// user's completion is delivered once, when the last counted part has completed, with the first
+// error any part had. A part's ring slot holds index | generation << 32, so a completion of a
+// part of an earlier request that used the same entry is recognised and ignored.
+struct Segmented {
+  std::uint64_t wr_id = 0;
+  Opcode op = Opcode::write;
+  std::uint32_t pending = 0;  // counted parts (one per QP used) not yet completed
+  std::uint32_t generation = 0;
+  int status = 0;
+  std::uint32_t vendor_err = 0;
+  bool silent = false;  // only partly posted and already reported as a failed post
+};
+
+/// Why the data path stopped accepting work.
+enum class BreakCause : std::uint8_t {
+  none,
+  peer,        ///< the peer is gone (reported once by wait() as peer_lost)
+  device,      ///< port down, QP/CQ/device fatal (reported once as device_error)
+  completion,  ///< an error completion on any QP (that completion is the report)
+};
+
+/// The sizes and device limits the data path works within, fixed at setup.
+struct DataPathLimits {
+  std::uint32_t send_depth = 64;  ///< per QP
+  std::uint32_t recv_depth = 64;
+  std::uint32_t max_sge = 1;      ///< granted
+  std::uint32_t max_inline = 0;   ///< granted
+  std::uint32_t max_msg_size = 1u << 31;
+  std::uint64_t stripe_min = 512 * 1024;
+};
+
+/// What the wait loop does besides polling, about once a millisecond (control channel, device
+/// events); it may break the data path. Implemented by Connection.
+class Housekeeping {
+ public:
+  virtual void tick(Deadline now) noexcept = 0;
+  /// A descriptor whose readability should end a sleep on the completion channel (-1: none).
+  [[nodiscard]] virtual int wake_fd() const noexcept = 0;
+
+ protected:
+  ~Housekeeping() = default;
+};
+
+class DataPath {
+ public:
+  enum class Mode : std::uint8_t {
+    idle,    ///< built: receives may be posted, nothing else (the QPs are not in RTS)
+    ready,   ///< connected: everything may be posted
+    broken,  ///< failed: the QPs are in ERR, what was outstanding completes flushed
+    closed,  ///< closed: as broken, and by choice
+  };
+
+  /// Takes the QPs (in RTS order: lanes[0] first) and CQs; allocates everything posting needs.
+  void init(const DataPathLimits& limits, std::span<ibv_qp* const> qps, ibv_cq* send_cq,
+            ibv_cq* recv_cq, ibv_comp_channel* channel, const VerbsOps& ops);
+  /// Tracing of error completions and breaks (off the hot path).
+  void observe(std::function<void(const TraceEvent&)> trace, std::string peer);
+  /// What the peer advertised, and whether atomics work end to end.
+  void set_remote(std::vector<RemoteRegion> regions, bool atomics);
+  /// The QPs are in RTS: everything may be posted.
+  void start() noexcept {
+    if (mode_ == Mode::idle) mode_ = Mode::ready;
+  }
+
+  // --- posting (noexcept, no allocation) ----------------------------------------------------
+  template <Opcode Op>
+  PostResult post_one(const LocalSlice& local, const RemoteRegion& remote, std::uint64_t offset,
+                      std::uint32_t imm, std::uint64_t compare_add, std::uint64_t swap,
+                      std::uint64_t wr_id) noexcept;
+  PostResult post_batch(std::span<const WorkRequest> batch) noexcept;
+  PostResult post_recvs(std::span<const LocalSlice> dsts, std::uint64_t first_wr_id) noexcept;
+
+  // --- completions ------------------------------------------------------------------------------
+  std::size_t poll(std::span<Completion> out) noexcept;
+  /// Waits for the next completion (see Connection::wait), calling `hk.tick` about once a
+  /// millisecond; a break is reported once, then `closed` once nothing is outstanding.
+  WaitResult wait(std::chrono::milliseconds timeout, Housekeeping& hk) noexcept;
+  [[nodiscard]] std::uint32_t outstanding() const noexcept { return sends_in_flight() + rq_.count(); }
+  [[nodiscard]] std::uint32_t sends_in_flight() const noexcept {
+    std::uint32_t n = 0;
+    for (const Lane& l : lanes_) n += l.sq.count();
+    return n;
+  }
+
+  // --- ending -------------------------------------------------------------------------------
+  /// The one break routine: records why (the first reason wins), refuses posts from now on, and
+  /// moves every QP to ERR with a drain marker, so everything outstanding completes (flushed)
+  /// and outstanding() reaches zero. Safe to call from anywhere, repeatedly.
+  void break_connection(std::string why, BreakCause cause) noexcept;
+  /// Close, step 1 (before saying BYE): lets the sends in flight finish, until `deadline` or
+  /// until the data path breaks (hk.tick sees the peer go). A QP whose newest request is
+  /// unsignaled gets a signaled zero-length WRITE (or READ) into a region the peer advertised,
+  /// so its completion shows when the earlier ones are done. Completions are discarded.
+  void settle(Deadline deadline, Housekeeping& hk) noexcept;
+  /// Close, step 2: refuses posts, flushes whatever is left (receives included) with the drain
+  /// routine and reaps it until `deadline`. Returns how many requests never completed.
+  std::uint32_t shut(Deadline deadline) noexcept;
+  /// The QPs are about to be destroyed: nothing of theirs is in flight any more.
+  void forget_qps() noexcept;
+
+  [[nodiscard]] Mode mode() const noexcept { return mode_; }
+  [[nodiscard]] BreakCause cause() const noexcept { return cause_; }
+  [[nodiscard]] const std::string& failure() const noexcept { return failure_; }
+  [[nodiscard]] const std::vector<RemoteRegion>& remote() const noexcept { return remote_; }
+  [[nodiscard]] const DataPathLimits& limits() const noexcept { return limits_; }
+  [[nodiscard]] bool atomics() const noexcept { return atomics_; }
+  /// QPs whose newest request was unsignaled with no advertised region to aim a marker at when
+  /// the last settle() ran: their requests were flushed rather than waited for.
+  [[nodiscard]] std::uint32_t unobservable() const noexcept { return unobservable_; }
+  [[nodiscard]] const std::vector<Lane>& lanes() const noexcept { return lanes_; }
+
+ private:
+  template <Opcode Op>
+  PostResult check(std::span<const LocalSlice> local, const RemoteRegion& remote,
+                   std::uint64_t offset, std::uint64_t total) const noexcept;
+  PostResult check(Opcode op, std::span<const LocalSlice> local, const RemoteRegion& remote,
+                   std::uint64_t offset, std::uint64_t total) const noexcept;
+  Lane& pick_lane() noexcept;
+  PostResult post_chain(Lane& lane, std::span<const WorkRequest> batch, bool parts,
+                        std::uint64_t part_handle) noexcept;
+  PostResult post_segmented(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
+                            std::uint64_t offset, std::uint32_t imm, std::uint64_t wr_id) noexcept;
+  const RemoteRegion* advertised(const RemoteRegion& r, std::uint64_t offset,
+                                 std::uint64_t len) const noexcept;
+
+  std::size_t reap_send(std::span<Completion> out) noexcept;
+  std::size_t reap_recv(std::span<Completion> out) noexcept;
+  bool take_send(const ibv_wc& wc, Completion& c) noexcept;
+  bool take_recv(const ibv_wc& wc, Completion& c) noexcept;
+  bool finish_part(const WrRing::Slot& slot, const ibv_wc& wc, Completion& c) noexcept;
+  void on_error(const Completion& c, std::uint32_t qpn) noexcept;
+  void release_segmented(std::uint32_t index) noexcept;
+
+  // The drain routine: every QP to ERR, and a marker where trailing unsignaled requests would
+  // otherwise never be retired.
+  void flush_all() noexcept;
+  void post_markers() noexcept;
+  bool post_settle_marker(Lane& lane) noexcept;
+  // Polls until a completion for the caller turns up (true) or both CQs are empty.
+  bool poll_until_news(Completion& out) noexcept;
+  bool sleep_until_event(Deadline deadline, int wake_fd, Completion& out) noexcept;
+  void reap_until(Deadline deadline, bool receives) noexcept;
+
+  DataPathLimits limits_;
+  const VerbsOps* ops_ = nullptr;
+  // The QPs. lanes_[0] carries SEND/RECV, WRITE_WITH_IMM and atomics, so those stay in order;
+  // WRITEs and READs go to any lane. Never resized after init(), so references stay valid.
+  std::vector<Lane> lanes_;
+  std::uint32_t lane_count_ = 0;  // lanes_.size(), kept apart: size() divides, and this is hot
+  ibv_cq* send_cq_ = nullptr;
+  ibv_cq* recv_cq_ = nullptr;
+  ibv_comp_channel* channel_ = nullptr;
+  WrRing rq_;  // lanes_[0]'s receive queue
+  Mode mode_ = Mode::idle;
+  bool markers_pending_ = false;  // checked once per poll: a drain marker waits for room
+  bool atomics_ = false;
+  std::vector<RemoteRegion> remote_;
+
+  // Preallocated so posting never allocates.
+  std::vector<ibv_send_wr> send_wrs_;
+  ibv_send_wr single_wr_{};  // post_one's WR: next and the unused unions stay zero
+  std::vector<WorkRequest> part_reqs_;  // one lane's parts of a segmented request (send_depth)
+  std::vector<LocalSlice> part_slices_;
+  std::vector<Segmented> segmented_;         // qps * send_depth entries
+  std::vector<std::uint32_t> free_segmented_;  // indexes into segmented_ not in use
+  std::vector<ibv_sge> send_sges_;
+  std::vector<ibv_recv_wr> recv_wrs_;
+  std::vector<ibv_sge> recv_sges_;
+  std::uint32_t forced_signal_interval_ = 1;  // max(1, send_depth / 2)
+  std::uint32_t next_lane_ = 0;               // round robin for WRITE/READ
+  // WRITE/READ of at least this many bytes are segmented: striped when there are several
+  // lanes, split at max_msg_sz otherwise. WRITE_WITH_IMM only splits (its immediate must arrive
+  // last, which only one QP guarantees).
+  std::uint64_t segment_min_spread_ = 0;
+  std::uint64_t segment_min_ordered_ = 0;
+
+  // Why it broke, and whether wait() has said so.
+  std::string failure_;
+  BreakCause cause_ = BreakCause::none;
+  bool break_reported_ = false;
+  std::uint32_t unobservable_ = 0;
+
+  std::function<void(const TraceEvent&)> trace_;
+  std::string peer_;
+};
+
+// --- the hot path, inline so a public post_* or poll is one function ---------------------------
+
+namespace dp {
+
+constexpr bool is_atomic(Opcode op) { return op == Opcode::fetch_add || op == Opcode::compare_swap; }
+// WRITE and READ may go to any QP of the connection; everything else stays on the first.
+constexpr bool spreads(Opcode op) { return op == Opcode::write || op == Opcode::read; }
+
+constexpr Access remote_access_for(Opcode op) {
+  switch (op) {
+    case Opcode::read: return Access::remote_read;
+    case Opcode::write:
+    case Opcode::write_with_imm: return Access::remote_write;
+    case Opcode::fetch_add:
+    case Opcode::compare_swap: return Access::remote_atomic;
+    default: return Access::none;
+  }
+}
+
+constexpr ibv_wr_opcode verbs_opcode(Opcode op) {
+  switch (op) {
+    case Opcode::write: return IBV_WR_RDMA_WRITE;
+    case Opcode::write_with_imm: return IBV_WR_RDMA_WRITE_WITH_IMM;
+    case Opcode::read: return IBV_WR_RDMA_READ;
+    case Opcode::fetch_add: return IBV_WR_ATOMIC_FETCH_AND_ADD;
+    case Opcode::compare_swap: return IBV_WR_ATOMIC_CMP_AND_SWP;
+    default: return IBV_WR_SEND;
+  }
+}
+
+// An SGE's length is 32 bits. Every caller has refused longer slices before (a send-queue
+// request by its total against max_msg_sz, a receive explicitly), so nothing is cut here.
+inline ibv_sge to_sge(const LocalSlice& s) noexcept {
+  return {reinterpret_cast<std::uint64_t>(s.addr()), static_cast<std::uint32_t>(s.length()), s.lkey()};
+}
+
+template <Opcode Op>
+constexpr bool may_inline(std::uint64_t total, std::uint32_t max_inline) {
+  if constexpr (Op == Opcode::send || Op == Opcode::write || Op == Opcode::write_with_imm) {
+    return total > 0 && total <= max_inline;
+  } else {
+    return false;
+  }
+}
+
+// The fields every send WR gets, from one request (the SGEs are already in place).
+template <Opcode Op>
+[[gnu::always_inline]] inline void fill_wr(ibv_send_wr& v, const RemoteRegion& remote,
+                                           std::uint64_t offset, std::uint32_t imm,
+                                           std::uint64_t compare_add, std::uint64_t swap) {
+  v.opcode = verbs_opcode(Op);
+  v.imm_data = Op == Opcode::write_with_imm ? htobe32(imm) : 0;
+  if constexpr (is_atomic(Op)) {
+    v.wr.atomic.remote_addr = remote.addr + offset;
+    v.wr.atomic.rkey = remote.rkey;
+    v.wr.atomic.compare_add = compare_add;
+    v.wr.atomic.swap = swap;
+  } else if constexpr (Op != Opcode::send) {
+    v.wr.rdma.remote_addr = remote.addr + offset;
+    v.wr.rdma.rkey = remote.rkey;
+  }
+}
+
+inline void fill(Completion& c, std::uint64_t wr_id, Opcode op, const ibv_wc& wc) noexcept {
+  c.wr_id = wr_id;
+  c.opcode = op;
+  c.status = wc.status;
+  c.vendor_err = wc.vendor_err;
+  c.byte_len = wc.byte_len;
+  c.has_imm = wc.status == IBV_WC_SUCCESS && (wc.wc_flags & IBV_WC_WITH_IMM) != 0;
+  c.imm = c.has_imm ? be32toh(wc.imm_data) : 0;
+}
+
+}  // namespace dp
+
+inline const RemoteRegion* DataPath::advertised(const RemoteRegion& r, std::uint64_t offset,
+                                                std::uint64_t len) const noexcept {
+  const std::uint64_t addr = r.addr + offset;
+  for (const RemoteRegion& a : remote_) {
+    if (a.rkey == r.rkey && addr >= a.addr && a.contains(addr - a.addr, len)) return &a;
+  }
+  return nullptr;
+}
+
+// Everything a request must satisfy before it may be posted, apart from its size against
+// max_msg_sz (which decides whether a WRITE or READ is split instead). Ordered so the common
+// case (a write, read or send within bounds) takes the fewest branches.
+template <Opcode Op>
+[[gnu::always_inline]] inline PostResult DataPath::check(std::span<const LocalSlice> local,
+                                                         const RemoteRegion& remote,
+                                                         std::uint64_t offset,
+                                                         std::uint64_t total) const noexcept {
+  if constexpr (Op == Opcode::send) {
+    return {};
+  } else if constexpr (Op == Opcode::recv) {
+    return {PostStatus::unsupported, 0};  // a receive is not a send-queue request
+  } else {
+    if constexpr (dp::is_atomic(Op)) {
+      if (!atomics_) return {PostStatus::unsupported, 0};
+      if (local.size() != 1 || total != 8) return {PostStatus::bad_length, 0};
+      if ((remote.addr + offset) % 8 != 0) return {PostStatus::misaligned, 0};
+    }
+    if (!remote.contains(offset, total)) [[unlikely]] return {PostStatus::out_of_bounds, 0};
+    // The descriptor must be one the peer advertised here (the access is the advertised one,
+    // not what the caller's copy claims): a wrong rkey is refused now, not as a REM_ACCESS_ERR
+    // that would also break the connection.
+    const RemoteRegion* adv = advertised(remote, offset, total);
+    if (adv == nullptr) [[unlikely]] return {PostStatus::not_advertised, 0};
+    if (!allows(adv->access, dp::remote_access_for(Op))) [[unlikely]] return {PostStatus::no_access, 0};
+    // READ and atomics write into local memory: the NIC needs local write access there, or the
+    // operation would fail later as a LOC_PROT_ERR completion.
+    if constexpr (Op != Opcode::write && Op != Opcode::write_with_imm) {
+      for (const LocalSlice& s : local) {
+        if (!s.writable()) return {PostStatus::no_access, 0};
+      }
+    }
+    return {};
+  }
+}
+
+// The next QP for a WRITE or READ: round robin, passing over QPs whose queue is full.
+inline Lane& DataPath::pick_lane() noexcept {
+  const std::uint32_t n = lane_count_;
+  for (std::uint32_t i = 0; i < n; ++i) {
+    if (++next_lane_ == n) next_lane_ = 0;
+    if (lanes_[next_lane_].sq.free() > 0) break;
+  }
+  return lanes_[next_lane_];
+}
+
+// One signaled request with one SGE: post_write, post_read, post_send, the atomics. The same
+// checks as a batch, without the batch machinery, and the opcode known at compile time (this is
+// the path latency-bound code takes).
+template <Opcode Op>
+[[gnu::always_inline]] inline PostResult DataPath::post_one(
+    const LocalSlice& local, const RemoteRegion& remote, std::uint64_t offset, std::uint32_t imm,
+    std::uint64_t compare_add, std::uint64_t swap, std::uint64_t wr_id) noexcept {
+  if (mode_ != Mode::ready) [[unlikely]] return {PostStatus::not_ready, 0};
+  const std::uint64_t total = local.length();
+  if constexpr (dp::spreads(Op) || Op == Opcode::write_with_imm) {
+    if (total >= (dp::spreads(Op) ? segment_min_spread_ : segment_min_ordered_)) [[unlikely]] {
+      return post_segmented(Op, local, remote, offset, imm, wr_id);
+    }
+  } else {
+    if (total > limits_.max_msg_size) [[unlikely]] return {PostStatus::too_large, 0};
+  }
+  if (const PostResult r = check<Op>({&local, 1}, remote, offset, total); !r.ok()) [[unlikely]] {
+    return r;
+  }
+  Lane& lane = dp::spreads(Op) && lane_count_ > 1 ? pick_lane() : lanes_[0];
+  if (lane.sq.free() == 0) [[unlikely]] return {PostStatus::queue_full, 0};
+  ibv_sge sge = dp::to_sge(local);
+  // Fields this path never sets stay zero from setup, so the WR is not cleared per call.
+  ibv_send_wr& v = single_wr_;
+  v.wr_id = (std::uint64_t{lane.id} << kLaneShift) | lane.sq.next_seq();
+  v.sg_list = &sge;
+  v.num_sge = total == 0 ? 0 : 1;
+  v.send_flags = IBV_SEND_SIGNALED | (dp::may_inline<Op>(total, limits_.max_inline) ? IBV_SEND_INLINE : 0);
+  dp::fill_wr<Op>(v, remote, offset, imm, compare_add, swap);
+  ibv_send_wr* bad = nullptr;
+  if (const int rc = ibv_post_send(lane.qp, &v, &bad); rc != 0) [[unlikely]] {
+    return {PostStatus::failed, rc, 0};
+  }
+  lane.unsignaled_run = 0;
+  lane.sq.push({wr_id, Op, WrRing::user, false});
+  return {};
+}
+
+// Polls `cq` in batches until `out` is full or the CQ is empty; `take` turns each work
+// completion into news for the caller (returns true) or bookkeeping (false). A caller asking
+// for one completion (wait(), a latency loop) gets a single-entry poll without the batch loop.
+template <typename Take>
+[[gnu::always_inline]] inline std::size_t reap(ibv_cq* cq, std::span<Completion> out, Take take) noexcept {
+  if (out.size() == 1) {
+    ibv_wc wc;
+    return ibv_poll_cq(cq, 1, &wc) == 1 && take(wc, out[0]) ? 1 : 0;
+  }
+  std::size_t n = 0;
+  ibv_wc wc[kPollBatch];
+  while (n < out.size()) {
+    const int want = static_cast<int>(std::min<std::size_t>(kPollBatch, out.size() - n));
+    const int got = ibv_poll_cq(cq, want, wc);
+    for (int i = 0; i < got; ++i) {
+      if (take(wc[i], out[n])) ++n;
+    }
+    if (got < want) break;
+  }
+  return n;
+}
+
+[[gnu::always_inline]] inline bool DataPath::take_send(const ibv_wc& wc, Completion& c) noexcept {
+  const std::uint64_t lane = wc.wr_id >> kLaneShift;
+  if (lane >= lane_count_) [[unlikely]] return false;  // not ours: nothing posts such an id
+  const WrRing::Slot slot = lanes_[lane].sq.retire(wc.wr_id & kSeqMask);
+  if (slot.kind == WrRing::user && wc.status == IBV_WC_SUCCESS) [[likely]] {
+    dp::fill(c, slot.wr_id, slot.op, wc);
+    return true;
+  }
+  if (slot.kind == WrRing::part) return finish_part(slot, wc, c);
+  // A completion the library forced (selective signaling) or its own marker is bookkeeping; a
+  // failed request of the caller's is always news.
+  if (wc.status == IBV_WC_SUCCESS) return false;
+  dp::fill(c, slot.wr_id, slot.op, wc);
+  on_error(c, lanes_[lane].qpn);
+  return slot.kind != WrRing::marker;
+}
+
+[[gnu::always_inline]] inline bool DataPath::take_recv(const ibv_wc& wc, Completion& c) noexcept {
+  const WrRing::Slot slot = rq_.retire(wc.wr_id);
+  dp::fill(c, slot.wr_id, slot.op, wc);
+  if (wc.status != IBV_WC_SUCCESS) [[unlikely]] on_error(c, lanes_[0].qpn);
+  return true;
+}
+
+[[gnu::always_inline]] inline std::size_t DataPath::reap_send(std::span<Completion> out) noexcept {
+  return reap(send_cq_, out, [this](const ibv_wc& wc, Completion& c)
+                                 __attribute__((always_inline)) { return take_send(wc, c); });
+}
+
+[[gnu::always_inline]] inline std::size_t DataPath::reap_recv(std::span<Completion> out) noexcept {
+  return reap(recv_cq_, out, [this](const ibv_wc& wc, Completion& c)
+                                 __attribute__((always_inline)) { return take_recv(wc, c); });
+}
+
+[[gnu::always_inline]] inline std::size_t DataPath::poll(std::span<Completion> out) noexcept {
+  // A queue with nothing in flight has nothing to report: skip its provider call (it costs real
+  // time per spin in a latency loop).
+  std::size_t n = lane_count_ > 1 || lanes_[0].sq.count() != 0 ? reap_send(out) : 0;
+  if (rq_.count() != 0 && n < out.size()) n += reap_recv(out.subspan(n));
+  if (markers_pending_) [[unlikely]] post_markers();
+  return n;
+}
+
+}  // namespace rdmakit::detail

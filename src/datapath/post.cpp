@@ -1,0 +1,220 @@
+// Posting beyond the single-request fast path: batches, segmented (split or striped) requests
+// and receives. Nothing here allocates, throws or logs: a refused post is a PostResult.
+#include <algorithm>
+#include <cerrno>
+#include <limits>
+#include <type_traits>
+
+#include "datapath/datapath.hpp"
+
+namespace rdmakit::detail {
+
+namespace {
+
+// Calls f with the opcode as a compile-time constant, so the per-opcode code is generated once
+// per opcode (the single-request calls name theirs statically and skip this switch).
+template <typename F>
+[[gnu::always_inline]] inline decltype(auto) with_opcode(Opcode op, F&& f) {
+  switch (op) {
+    case Opcode::write: return f(std::integral_constant<Opcode, Opcode::write>{});
+    case Opcode::write_with_imm: return f(std::integral_constant<Opcode, Opcode::write_with_imm>{});
+    case Opcode::read: return f(std::integral_constant<Opcode, Opcode::read>{});
+    case Opcode::send: return f(std::integral_constant<Opcode, Opcode::send>{});
+    case Opcode::fetch_add: return f(std::integral_constant<Opcode, Opcode::fetch_add>{});
+    case Opcode::compare_swap: return f(std::integral_constant<Opcode, Opcode::compare_swap>{});
+    case Opcode::recv: break;
+  }
+  return f(std::integral_constant<Opcode, Opcode::recv>{});
+}
+
+std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return (a + b - 1) / b; }
+
+constexpr std::uint64_t part_handle(std::uint32_t index, std::uint32_t generation) {
+  return index | (std::uint64_t{generation} << 32);
+}
+
+}  // namespace
+
+PostResult DataPath::check(Opcode op, std::span<const LocalSlice> local, const RemoteRegion& remote,
+                           std::uint64_t offset, std::uint64_t total) const noexcept {
+  return with_opcode(op, [&](auto o) { return check<decltype(o)::value>(local, remote, offset, total); });
+}
+
+// A WRITE or READ of at least segment_min bytes: with several QPs, striped across all of them
+// (QP k moves the k-th contiguous share), and each share split at max_msg_sz. RC keeps each QP's
+// parts in order; the QPs finish in any order. Every QP's last part is signaled and counted; the
+// caller gets one completion when all counted parts are in, with the first error any part had.
+// A WRITE_WITH_IMM is only split, on the first QP, with the immediate on its last part, so the
+// peer sees it after all the data. A SEND cannot be split: the receiver would see several
+// messages.
+PostResult DataPath::post_segmented(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
+                                    std::uint64_t offset, std::uint32_t imm,
+                                    std::uint64_t wr_id) noexcept {
+  const std::uint64_t total = local.length();
+  if (PostResult r = check(op, {&local, 1}, remote, offset, total); !r.ok()) return r;
+  const bool stripe = dp::spreads(op) && lane_count_ > 1;
+  const std::uint64_t n = stripe ? lane_count_ : 1;
+  // Each QP's share is a whole number of 4 KiB pages, so the parts of a page-aligned buffer
+  // stay page-aligned.
+  const std::uint64_t share = stripe ? ceil_div(ceil_div(total, n), 4096) * 4096 : total;
+  const std::uint64_t chunk = limits_.max_msg_size;
+  std::uint32_t used = 0;
+  // Room on every QP first: a request that cannot be posted whole posts nothing. One that could
+  // never fit, even into empty queues, is too large rather than waiting for room forever.
+  bool full = false;
+  for (std::uint64_t k = 0; k < n && k * share < total; ++k, ++used) {
+    const std::uint64_t parts = ceil_div(std::min(share, total - k * share), chunk);
+    if (parts > lanes_[k].sq.capacity() || parts > part_reqs_.size()) return {PostStatus::too_large, 0};
+    if (parts > lanes_[k].sq.free()) full = true;
+  }
+  if (full || free_segmented_.empty()) return {PostStatus::queue_full, 0};
+  const std::uint32_t index = free_segmented_.back();
+  free_segmented_.pop_back();  // never frees: the vector keeps its capacity
+  Segmented& seg = segmented_[index];
+  seg = {wr_id, op, used, seg.generation, 0, 0, false};
+  const std::uint64_t handle = part_handle(index, seg.generation);
+
+  for (std::uint32_t k = 0; k < used; ++k) {
+    const std::uint64_t begin = k * share;
+    const std::uint64_t len = std::min(share, total - begin);
+    const std::uint64_t parts = ceil_div(len, chunk);
+    for (std::uint64_t j = 0; j < parts; ++j) {
+      const bool last = j + 1 == parts;
+      part_slices_[j] = local.subslice(begin + j * chunk, std::min(chunk, len - j * chunk));
+      WorkRequest& w = part_reqs_[j];
+      w = {};
+      w.opcode = op == Opcode::write_with_imm && !last ? Opcode::write : op;
+      w.local = {&part_slices_[j], 1};
+      w.remote = remote;
+      w.remote_offset = offset + begin + j * chunk;
+      w.imm = imm;
+      w.signaled = last;  // the counted part
+    }
+    if (const PostResult r = post_chain(lanes_[k], {part_reqs_.data(), parts}, true, handle); !r.ok()) {
+      // The QPs before this one are on the wire with their counted parts: those completions are
+      // retired without a word, and the caller learns of the failure from this result. Parts of
+      // this QP's chain that the provider took are never counted; if one of them completes after
+      // the entry is reused, its generation no longer matches and it is ignored.
+      seg.silent = true;
+      seg.pending = k;
+      if (k == 0) release_segmented(index);
+      return r;
+    }
+  }
+  return {};
+}
+
+PostResult DataPath::post_batch(std::span<const WorkRequest> batch) noexcept {
+  if (mode_ != Mode::ready) [[unlikely]] return {PostStatus::not_ready, 0};
+  if (batch.empty()) return {};
+  // A batch stays on one QP, chained. Only a batch of WRITEs and READs may go to any QP.
+  Lane* lane = &lanes_[0];
+  if (lane_count_ > 1 &&
+      std::all_of(batch.begin(), batch.end(), [](const WorkRequest& w) { return dp::spreads(w.opcode); })) {
+    lane = &pick_lane();
+  }
+  return post_chain(*lane, batch, false, 0);
+}
+
+// Each request is checked and written into the preallocated WR/SGE arrays; only when all passed
+// is the chain handed to ibv_post_send, so a refused batch posts nothing. For the parts of a
+// segmented request (`parts`), every slot holds `part_handle`, and a request's `signaled` marks
+// the part its completion counts on.
+PostResult DataPath::post_chain(Lane& lane, std::span<const WorkRequest> batch, bool parts,
+                                std::uint64_t part_handle) noexcept {
+  if (batch.size() > lane.sq.capacity()) [[unlikely]] return {PostStatus::too_large, 0};
+  if (batch.size() > lane.sq.free()) [[unlikely]] return {PostStatus::queue_full, 0};
+  const std::uint64_t seq0 = lane.sq.next_seq();
+  const std::uint64_t lane_bits = std::uint64_t{lane.id} << kLaneShift;
+  std::uint32_t run = lane.unsignaled_run;
+  ibv_sge* sge = send_sges_.data();
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    const WorkRequest& w = batch[i];
+    if (w.local.size() > limits_.max_sge) [[unlikely]] return {PostStatus::too_many_sges, 0, i};
+    ibv_send_wr& v = send_wrs_[i];
+    v.sg_list = sge;
+    std::uint64_t total = 0;
+    for (const LocalSlice& s : w.local) {
+      *sge++ = dp::to_sge(s);
+      total += s.length();
+    }
+    // Also what keeps every SGE within its 32 bits: max_msg_sz is a 32-bit value.
+    if (total > limits_.max_msg_size) [[unlikely]] return {PostStatus::too_large, 0, i};
+    // Signal when asked, and at least once every half queue: otherwise the queue could fill with
+    // requests whose completion is never reported, and nothing could reclaim them. Half, not
+    // all: the forced completion then arrives while the other half can still be posted.
+    const bool signal = w.signaled || run + 1 >= forced_signal_interval_;
+    run = signal ? 0 : run + 1;
+    v.wr_id = lane_bits | (seq0 + i);
+    v.next = send_wrs_.data() + i + 1;
+    // Zero-length SGEs are dropped: a 0-byte operation carries no SGE at all.
+    v.num_sge = total == 0 ? 0 : static_cast<int>(w.local.size());
+    const PostResult r = with_opcode(w.opcode, [&](auto o) -> PostResult {
+      constexpr Opcode op = decltype(o)::value;
+      if (PostResult c = check<op>(w.local, w.remote, w.remote_offset, total); !c.ok()) return c;
+      // Inline: the CPU copies the payload, so the NIC needs no DMA read and no lkey.
+      v.send_flags = (signal ? IBV_SEND_SIGNALED : 0) |
+                     (dp::may_inline<op>(total, limits_.max_inline) ? IBV_SEND_INLINE : 0);
+      dp::fill_wr<op>(v, w.remote, w.remote_offset, w.imm, w.compare_add, w.swap);
+      return {};
+    });
+    if (!r.ok()) [[unlikely]] return {r.status, r.sys_errno, i};
+  }
+  send_wrs_[batch.size() - 1].next = nullptr;
+
+  auto slot = [&](const WorkRequest& w) -> WrRing::Slot {
+    if (parts) return {part_handle, w.opcode, WrRing::part, w.signaled};
+    return {w.wr_id, w.opcode, w.signaled ? WrRing::user : WrRing::silent, false};
+  };
+  ibv_send_wr* bad = nullptr;
+  const int rc = ibv_post_send(lane.qp, send_wrs_.data(), &bad);
+  if (rc == 0) [[likely]] {
+    lane.unsignaled_run = run;
+    for (const WorkRequest& w : batch) lane.sq.push(slot(w));
+    return {};
+  }
+  // The provider may have posted the requests before `bad`: account for exactly those.
+  const std::size_t posted =
+      bad != nullptr && bad >= send_wrs_.data() && bad < send_wrs_.data() + batch.size()
+          ? static_cast<std::size_t>(bad - send_wrs_.data())
+          : 0;
+  for (std::size_t i = 0; i < posted; ++i) {
+    lane.unsignaled_run = (send_wrs_[i].send_flags & IBV_SEND_SIGNALED) != 0 ? 0 : lane.unsignaled_run + 1;
+    lane.sq.push(slot(batch[i]));
+  }
+  return {PostStatus::failed, rc, posted};
+}
+
+PostResult DataPath::post_recvs(std::span<const LocalSlice> dsts, std::uint64_t first_wr_id) noexcept {
+  if (mode_ != Mode::idle && mode_ != Mode::ready) return {PostStatus::not_ready, 0};
+  if (dsts.empty()) return {};
+  if (dsts.size() > rq_.capacity()) return {PostStatus::too_large, 0};
+  if (dsts.size() > rq_.free()) return {PostStatus::queue_full, 0};
+  for (std::size_t i = 0; i < dsts.size(); ++i) {
+    if (!dsts[i].writable()) return {PostStatus::no_access, 0, i};
+    // An SGE's length has 32 bits; a longer buffer would be cut silently.
+    if (dsts[i].length() > std::numeric_limits<std::uint32_t>::max()) return {PostStatus::too_large, 0, i};
+  }
+  const std::uint64_t seq0 = rq_.next_seq();
+  for (std::size_t i = 0; i < dsts.size(); ++i) {
+    recv_sges_[i] = dp::to_sge(dsts[i]);
+    ibv_recv_wr& v = recv_wrs_[i];
+    v = ibv_recv_wr{};
+    v.wr_id = seq0 + i;
+    v.sg_list = &recv_sges_[i];
+    v.num_sge = dsts[i].length() > 0 ? 1 : 0;
+    v.next = i + 1 < dsts.size() ? &recv_wrs_[i + 1] : nullptr;
+  }
+  ibv_recv_wr* bad = nullptr;
+  const int rc = ibv_post_recv(lanes_[0].qp, recv_wrs_.data(), &bad);
+  const std::size_t posted =
+      rc == 0 ? dsts.size()
+      : bad != nullptr && bad >= recv_wrs_.data() && bad < recv_wrs_.data() + dsts.size()
+          ? static_cast<std::size_t>(bad - recv_wrs_.data())
+          : 0;
+  for (std::size_t i = 0; i < posted; ++i) rq_.push({first_wr_id + i, Opcode::recv, WrRing::user, false});
+  if (rc != 0) return {PostStatus::failed, rc, posted};
+  return {};
+}
+
+}  // namespace rdmakit::detail

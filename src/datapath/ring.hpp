@@ -1,0 +1,68 @@
+#pragma once
+// The bookkeeping of one work queue: what each posted work request was, in post order.
+
+#include <cstdint>
+#include <vector>
+
+#include "rdmakit/connection.hpp"
+
+namespace rdmakit::detail {
+
+// Work requests in flight on one queue, in post order. Each is posted with a sequence number as
+// its verbs wr_id; the user's wr_id, the opcode and what kind of request it was stay here. RC
+// completes a queue in order, so the completion of sequence s also retires every unsignaled
+// request posted before it, and an error completion (whose opcode field the verbs leave
+// undefined) is still reported with its opcode. Sized once, at setup.
+class WrRing {
+ public:
+  enum Kind : std::uint8_t {
+    user = 0,    // the caller's request; its completion is the caller's news
+    silent = 1,  // unsignaled by the caller: news only if it fails
+    part = 2,    // one part of a segmented request (wr_id: the Segmented handle)
+    marker = 3,  // the library's own (drain marker): never news
+  };
+  struct Slot {
+    std::uint64_t wr_id = 0;  // the user's wr_id, or for a part its Segmented handle
+    Opcode op = Opcode::send;
+    Kind kind = user;
+    bool counted = false;  // for a part: the one its request's completion counts on
+  };
+
+  /// Room for `capacity` requests; the storage is rounded up to a power of two so a slot is a
+  /// mask away from its sequence number (no division on the hot path).
+  void init(std::uint32_t capacity) {
+    capacity_ = capacity;
+    std::size_t n = 1;
+    while (n < capacity) n *= 2;
+    slots_.assign(n, {});
+    mask_ = n - 1;
+    head_ = tail_ = 0;
+  }
+  [[nodiscard]] std::uint32_t capacity() const noexcept { return capacity_; }
+  [[nodiscard]] std::uint32_t count() const noexcept {
+    return static_cast<std::uint32_t>(tail_ - head_);
+  }
+  [[nodiscard]] std::uint32_t free() const noexcept { return capacity_ - count(); }
+  [[nodiscard]] std::uint64_t next_seq() const noexcept { return tail_; }
+  /// The newest request in flight (count() > 0).
+  [[nodiscard]] const Slot& newest() const noexcept { return slots_[(tail_ - 1) & mask_]; }
+  void push(const Slot& s) noexcept { slots_[tail_++ & mask_] = s; }
+  /// Retires everything up to and including `seq`; returns the slot of `seq`. A sequence number
+  /// that is not in flight (a bug or a stale completion) retires nothing and reads as a marker.
+  Slot retire(std::uint64_t seq) noexcept {
+    if (seq < head_ || seq >= tail_) [[unlikely]] return {seq, Opcode::send, marker, false};
+    head_ = seq + 1;
+    return slots_[seq & mask_];
+  }
+  /// Forgets everything in flight (the queue is gone).
+  void clear() noexcept { head_ = tail_; }
+
+ private:
+  std::vector<Slot> slots_;
+  std::uint64_t mask_ = 0;
+  std::uint32_t capacity_ = 0;
+  std::uint64_t head_ = 0;
+  std::uint64_t tail_ = 0;
+};
+
+}  // namespace rdmakit::detail

@@ -1,0 +1,377 @@
+// The data path's bookkeeping against the fake provider (fake_verbs.hpp): selective signaling,
+// segmented requests and partial posts, the one break and one drain routine, settle before
+// close, and the sleep on the completion channel. Deterministic and without a VM; what a real
+// device does is tested in the lab (tests/rxe).
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "datapath/datapath.hpp"
+#include "fake_verbs.hpp"
+#include "verbs/memory_impl.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+using rdmakit::Access;
+using rdmakit::Completion;
+using rdmakit::LocalSlice;
+using rdmakit::MemoryRegion;
+using rdmakit::Opcode;
+using rdmakit::PostStatus;
+using rdmakit::RemoteRegion;
+using rdmakit::WaitStatus;
+using rdmakit::WorkRequest;
+using rdmakit::detail::BreakCause;
+using rdmakit::detail::DataPath;
+
+// A region the fake never touches: only its address, length and keys matter.
+MemoryRegion region(std::uintptr_t addr, std::size_t length, Access access) {
+  auto impl = std::make_unique<MemoryRegion::Impl>();
+  impl->addr = reinterpret_cast<void*>(addr);
+  impl->length = length;
+  impl->lkey = 0x10;
+  impl->rkey = 0x11;
+  impl->access = access;
+  return MemoryRegion::Impl::wrap(std::move(impl));
+}
+
+struct Housekeeping final : rdmakit::detail::Housekeeping {
+  std::function<void()> on_tick;
+  int ticks = 0;
+  void tick(rdmakit::detail::Deadline) noexcept override {
+    ++ticks;
+    if (on_tick) on_tick();
+  }
+  [[nodiscard]] int wake_fd() const noexcept override { return -1; }
+};
+
+struct Options {
+  std::uint32_t lanes = 1;
+  std::uint32_t depth = 8;
+  std::uint32_t max_msg = 1 << 20;
+  bool events = false;
+};
+
+// A connected data path over fake QPs, with one local buffer and a peer that advertised one
+// region it may read, write and run atomics on.
+struct Rig {
+  explicit Rig(Options o = {}) {
+    ch = o.events ? v.channel() : nullptr;
+    scq = v.cq(ch);
+    rcq = v.cq(ch);
+    for (std::uint32_t k = 0; k < o.lanes; ++k) qps.push_back(v.qp(scq, rcq, 0x100 + k));
+    dp.init({o.depth, o.depth, 4, 64, o.max_msg, 4 * 4096}, qps, scq, rcq, ch, v.ops());
+    dp.set_remote({peer}, true);
+    dp.start();
+  }
+  LocalSlice slice(std::size_t offset, std::size_t len) const { return mem.local().subslice(offset, len); }
+  WorkRequest write(std::size_t len, std::uint64_t wr_id, bool signaled) const {
+    WorkRequest w;
+    w.opcode = Opcode::write;
+    slices.push_back(slice(0, len));
+    w.local = {&slices.back(), 1};
+    w.remote = peer;
+    w.wr_id = wr_id;
+    w.signaled = signaled;
+    return w;
+  }
+  // Everything wait() delivers until it says something else.
+  std::vector<Completion> drain_completions(WaitStatus* last = nullptr) {
+    std::vector<Completion> out;
+    for (int i = 0; i < 1000; ++i) {
+      const auto r = dp.wait(200ms, hk);
+      if (r.status != WaitStatus::completed) {
+        if (last != nullptr) *last = r.status;
+        break;
+      }
+      out.push_back(r.completion);
+    }
+    return out;
+  }
+
+  fake::Verbs v;
+  ibv_comp_channel* ch = nullptr;
+  ibv_cq* scq = nullptr;
+  ibv_cq* rcq = nullptr;
+  std::vector<ibv_qp*> qps;
+  DataPath dp;
+  Housekeeping hk;
+  MemoryRegion mem = region(0x100000, 1 << 24, Access::local_write);
+  RemoteRegion peer{0x7000'0000, 1 << 24, 0x99, Access::remote_read | Access::remote_write | Access::remote_atomic};
+  mutable std::deque<LocalSlice> slices;
+};
+
+TEST(DataPathFake, UnsignaledRequestsRetireWithTheNextSignaledCompletion) {
+  Rig r;
+  const WorkRequest batch[] = {r.write(8, 1, false), r.write(8, 2, false), r.write(8, 3, true)};
+  ASSERT_TRUE(r.dp.post_batch(batch).ok());
+  EXPECT_EQ(r.dp.outstanding(), 3u);
+  r.v.complete(r.qps[0], 3);
+  EXPECT_EQ(r.v.cq_entries(r.scq), 1u);  // only the signaled one left a completion
+  Completion c[4];
+  ASSERT_EQ(r.dp.poll(c), 1u);
+  EXPECT_EQ(c[0].wr_id, 3u);
+  EXPECT_EQ(r.dp.outstanding(), 0u);  // and it retired the two before it
+}
+
+TEST(DataPathFake, TheLibrarySignalsAtLeastEveryHalfQueue) {
+  Rig r({.depth = 8});
+  std::vector<WorkRequest> batch;
+  for (std::uint64_t i = 0; i < 8; ++i) batch.push_back(r.write(8, i, false));
+  ASSERT_TRUE(r.dp.post_batch(batch).ok());
+  const auto& posted = r.v.posted(r.qps[0]);
+  ASSERT_EQ(posted.size(), 8u);
+  for (std::size_t i = 0; i < 8; ++i) EXPECT_EQ(posted[i].signaled(), i % 4 == 3) << i;
+  r.v.complete(r.qps[0], 8);
+  Completion c[4];
+  EXPECT_EQ(r.dp.poll(c), 0u);  // forced completions are bookkeeping, not news
+  EXPECT_EQ(r.dp.outstanding(), 0u);
+}
+
+// Defect: after a break, trailing unsignaled requests that had already succeeded left no
+// completion, so outstanding() never reached zero and wait() never said `closed`.
+TEST(DataPathFake, BreakAfterUnsignaledSuccessesStillReachesClosed) {
+  Rig r;
+  const WorkRequest batch[] = {r.write(8, 1, false), r.write(8, 2, false), r.write(8, 3, false)};
+  ASSERT_TRUE(r.dp.post_batch(batch).ok());
+  r.v.complete(r.qps[0], 3);  // all done, none signaled: no completion at all
+  ASSERT_EQ(r.v.cq_entries(r.scq), 0u);
+  r.dp.break_connection("the peer is gone", BreakCause::peer);
+  EXPECT_TRUE(r.v.in_error(r.qps[0]));
+  EXPECT_EQ(r.dp.post_batch(batch).status, PostStatus::not_ready);  // posts after a break
+  EXPECT_EQ(r.dp.wait(1s, r.hk).status, WaitStatus::peer_lost);     // reported once
+  EXPECT_EQ(r.dp.wait(1s, r.hk).status, WaitStatus::closed);
+  EXPECT_EQ(r.dp.outstanding(), 0u);
+  // The drain marker: a signaled request posted after the QP went to ERR.
+  const auto& posted = r.v.posted(r.qps[0]);
+  ASSERT_EQ(posted.size(), 4u);
+  EXPECT_TRUE(posted.back().signaled());
+  EXPECT_EQ(posted.back().num_sge, 0);
+  EXPECT_EQ(r.dp.failure(), "the peer is gone");
+}
+
+// Defect (the same, with completion events): wait() spun to its deadline instead of sleeping.
+TEST(DataPathFake, BreakInEventModeReachesClosedWithoutWaitingOutTheDeadline) {
+  Rig r({.events = true});
+  const WorkRequest batch[] = {r.write(8, 1, false), r.write(8, 2, false)};
+  ASSERT_TRUE(r.dp.post_batch(batch).ok());
+  r.v.complete(r.qps[0], 2);
+  r.dp.break_connection("port down", BreakCause::device);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(r.dp.wait(5s, r.hk).status, WaitStatus::device_error);
+  EXPECT_EQ(r.dp.wait(5s, r.hk).status, WaitStatus::closed);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+}
+
+TEST(DataPathFake, BreakWithAFullQueuePostsTheMarkerOnceThereIsRoom) {
+  Rig r({.depth = 5});  // forced signal every 2: u s u s u, the newest unsignaled
+  std::vector<WorkRequest> batch;
+  for (std::uint64_t i = 0; i < 5; ++i) batch.push_back(r.write(8, i, false));
+  ASSERT_TRUE(r.dp.post_batch(batch).ok());
+  r.v.complete(r.qps[0], 5);  // two forced completions wait in the CQ, unpolled
+  r.dp.break_connection("gone", BreakCause::peer);
+  EXPECT_EQ(r.v.posted(r.qps[0]).size(), 5u);  // no room for a marker yet
+  WaitStatus last = WaitStatus::timeout;
+  const auto delivered = r.drain_completions(&last);
+  EXPECT_TRUE(delivered.empty());
+  EXPECT_EQ(last, WaitStatus::peer_lost);
+  EXPECT_EQ(r.dp.wait(1s, r.hk).status, WaitStatus::closed);
+  EXPECT_EQ(r.v.posted(r.qps[0]).size(), 6u);  // the marker, once the forced ones were polled
+}
+
+// Defect: one QP's error left the others in RTS, so round robin half-succeeded.
+TEST(DataPathFake, AnErrorOnOneQpBreaksEveryQp) {
+  Rig r({.lanes = 3});
+  for (std::uint64_t i = 0; i < 3; ++i) {
+    ASSERT_TRUE(r.dp.post_one<Opcode::write>(r.slice(0, 64), r.peer, 0, 0, 0, 0, i).ok());
+  }
+  for (ibv_qp* q : r.qps) ASSERT_EQ(r.v.held(q), 1u);  // one per QP
+  r.v.complete(r.qps[1], 1, IBV_WC_REM_ACCESS_ERR);
+  Completion c{};
+  ASSERT_EQ(r.dp.poll({&c, 1}), 1u);
+  EXPECT_EQ(c.status, IBV_WC_REM_ACCESS_ERR);
+  for (ibv_qp* q : r.qps) EXPECT_TRUE(r.v.in_error(q));
+  EXPECT_NE(r.dp.failure().find("QP 0x101 failed"), std::string::npos) << r.dp.failure();
+  EXPECT_NE(r.dp.failure().find("remote access error"), std::string::npos) << r.dp.failure();
+  EXPECT_EQ(r.dp.post_one<Opcode::write>(r.slice(0, 64), r.peer, 0, 0, 0, 0, 9).status, PostStatus::not_ready);
+  WaitStatus last = WaitStatus::timeout;
+  const auto rest = r.drain_completions(&last);
+  ASSERT_EQ(rest.size(), 2u);  // the other QPs' requests, flushed
+  for (const Completion& x : rest) EXPECT_EQ(x.status, IBV_WC_WR_FLUSH_ERR);
+  EXPECT_EQ(last, WaitStatus::closed);  // the error completion was the report: no peer_lost
+}
+
+// Defect: a partly posted chain freed its entry at once, and a request that reused it took on
+// the old parts' errors.
+TEST(DataPathFake, APartlyPostedSplitRequestLeaksNothingIntoTheNext) {
+  Rig r({.depth = 8, .max_msg = 4096});  // forced signal every 4
+  r.v.fail_post_at(4);                  // parts 0..3 taken, the counted 5th refused
+  const auto first = r.dp.post_one<Opcode::write>(r.slice(0, 5 * 4096), r.peer, 0, 0, 0, 0, 1);
+  EXPECT_EQ(first.status, PostStatus::failed);
+  EXPECT_EQ(r.v.held(r.qps[0]), 4u);
+  EXPECT_EQ(r.dp.outstanding(), 4u);
+  // The next split request (two parts) takes the freed entry.
+  ASSERT_TRUE(r.dp.post_one<Opcode::write>(r.slice(0, 2 * 4096), r.peer, 0, 0, 0, 0, 2).ok());
+  // The first chain's first part fails at the peer; the QP flushes the rest.
+  r.v.complete(r.qps[0], 1, IBV_WC_REM_ACCESS_ERR);
+  WaitStatus last = WaitStatus::timeout;
+  const auto got = r.drain_completions(&last);
+  ASSERT_EQ(got.size(), 1u);  // the failed post was already reported: one completion, for wr_id 2
+  EXPECT_EQ(got[0].wr_id, 2u);
+  EXPECT_EQ(got[0].status, IBV_WC_WR_FLUSH_ERR) << "inherited the earlier request's error";
+  EXPECT_EQ(last, WaitStatus::closed);
+  EXPECT_EQ(r.dp.outstanding(), 0u);
+}
+
+// Striped over two QPs, the second QP's chain refused after two parts: the caller hears of it
+// once, from the post; the first QP's counted part and the second's stray parts complete later
+// without a word, and the entry is free again afterwards.
+TEST(DataPathFake, APartlyPostedStripedRequestIsReportedOnceByItsPost) {
+  Rig r({.lanes = 2, .depth = 8, .max_msg = 4096});  // 8 parts: 4 per QP
+  r.v.fail_post_at(2, 1);                              // QP 0's chain goes in, QP 1's fails at 2
+  EXPECT_EQ(r.dp.post_one<Opcode::write>(r.slice(0, 8 * 4096), r.peer, 0, 0, 0, 0, 8).status,
+            PostStatus::failed);
+  EXPECT_EQ(r.v.held(r.qps[0]), 4u);
+  EXPECT_EQ(r.v.held(r.qps[1]), 2u);
+  r.v.complete(r.qps[1], 2);  // stray parts, unsignaled: no completion
+  r.v.complete(r.qps[0], 4);  // the counted part: the entry is released, silently
+  Completion c[4];
+  EXPECT_EQ(r.dp.poll(c), 0u);
+  EXPECT_EQ(r.dp.outstanding(), 2u);  // QP 1's strays, retired by its next signaled completion
+  ASSERT_TRUE(r.dp.post_one<Opcode::write>(r.slice(0, 8 * 4096), r.peer, 0, 0, 0, 0, 9).ok());
+  r.v.complete(r.qps[0], 4);
+  r.v.complete(r.qps[1], 4);
+  ASSERT_EQ(r.dp.poll(c), 1u);
+  EXPECT_EQ(c[0].wr_id, 9u);
+  EXPECT_TRUE(c[0].ok());
+  EXPECT_EQ(r.dp.outstanding(), 0u);
+}
+
+TEST(DataPathFake, ARequestNeedingMorePartsThanTheQueueHoldsIsTooLarge) {
+  Rig r({.depth = 4, .max_msg = 4096});
+  EXPECT_EQ(r.dp.post_one<Opcode::write>(r.slice(0, 5 * 4096), r.peer, 0, 0, 0, 0, 1).status,
+            PostStatus::too_large);
+  // One that fits an empty queue but not the room left waits for room instead.
+  ASSERT_TRUE(r.dp.post_one<Opcode::write>(r.slice(0, 64), r.peer, 0, 0, 0, 0, 2).ok());
+  ASSERT_TRUE(r.dp.post_one<Opcode::write>(r.slice(0, 64), r.peer, 0, 0, 0, 0, 3).ok());
+  EXPECT_EQ(r.dp.post_one<Opcode::write>(r.slice(0, 3 * 4096), r.peer, 0, 0, 0, 0, 4).status,
+            PostStatus::queue_full);
+  // A batch larger than the queue can never be posted either.
+  std::vector<WorkRequest> batch;
+  for (std::uint64_t i = 0; i < 5; ++i) batch.push_back(r.write(8, i, true));
+  EXPECT_EQ(r.dp.post_batch(batch).status, PostStatus::too_large);
+}
+
+TEST(DataPathFake, AReceiveBufferOver4GiBIsRefusedNotCut) {
+  Rig r;
+  const MemoryRegion huge = region(0x10'0000'0000, (std::size_t{5} << 30), Access::local_write);
+  const LocalSlice all = huge.local();
+  const auto res = r.dp.post_recvs({&all, 1}, 1);
+  EXPECT_EQ(res.status, PostStatus::too_large);
+  EXPECT_TRUE(r.v.recvs_posted(r.qps[0]).empty());
+  // At exactly 4 GiB - 1 it fits an SGE.
+  const MemoryRegion edge = region(0x10'0000'0000, 0xffffffffu, Access::local_write);
+  const LocalSlice most = edge.local();
+  ASSERT_TRUE(r.dp.post_recvs({&most, 1}, 2).ok());
+  EXPECT_EQ(r.v.recvs_posted(r.qps[0]).back().sges.at(0).length, 0xffffffffu);
+}
+
+// Defect: after arming, the sleep polled one entry; when that was bookkeeping, the caller's
+// completion behind it raised no event and wait() slept to its deadline.
+TEST(DataPathFake, SleepPollsPastBookkeepingBeforeItSleeps) {
+  Rig r({.depth = 4, .events = true});  // forced signal every 2
+  const WorkRequest batch[] = {r.write(8, 1, false), r.write(8, 2, false)};  // u, forced s
+  ASSERT_TRUE(r.dp.post_batch(batch).ok());
+  ASSERT_TRUE(r.dp.post_one<Opcode::write>(r.slice(0, 8), r.peer, 0, 0, 0, 0, 3).ok());
+  // The NIC finishes all three between wait()'s last poll and its arming of the CQs: a
+  // bookkeeping completion, then the caller's, and no event.
+  r.v.on_arm = [&] { r.v.complete(r.qps[0], 3); };
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto w = r.dp.wait(3s, r.hk);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  ASSERT_EQ(w.status, WaitStatus::completed);
+  EXPECT_EQ(w.completion.wr_id, 3u);
+  EXPECT_LT(took, 1s) << "slept although a completion was waiting";
+  EXPECT_EQ(r.v.events(), 0);
+}
+
+TEST(DataPathFake, EventModeSleepsUntilACompletionArrives) {
+  Rig r({.events = true});
+  ASSERT_TRUE(r.dp.post_one<Opcode::write>(r.slice(0, 8), r.peer, 0, 0, 0, 0, 5).ok());
+  // Nothing completes: the wait sleeps (armed CQs) and times out.
+  EXPECT_EQ(r.dp.wait(50ms, r.hk).status, WaitStatus::timeout);
+  EXPECT_TRUE(r.v.armed(r.scq));
+  r.v.complete(r.qps[0], 1);
+  EXPECT_EQ(r.v.events(), 1);
+  const auto w = r.dp.wait(1s, r.hk);
+  ASSERT_EQ(w.status, WaitStatus::completed);
+  EXPECT_EQ(w.completion.wr_id, 5u);
+}
+
+// Close, step 1: unsignaled work in flight is waited for (a zero-length signaled WRITE behind
+// it shows when it is done), with the QP still in RTS; nothing is flushed.
+TEST(DataPathFake, SettleWaitsForUnsignaledWorkBehindAZeroLengthMarker) {
+  Rig r;
+  const WorkRequest batch[] = {r.write(4096, 1, false), r.write(4096, 2, false), r.write(4096, 3, false)};
+  ASSERT_TRUE(r.dp.post_batch(batch).ok());
+  r.hk.on_tick = [&] {
+    if (r.hk.ticks == 3) r.v.complete(r.qps[0], 4);  // the NIC gets there a little later
+  };
+  r.dp.settle(rdmakit::detail::deadline_in(2s), r.hk);
+  EXPECT_EQ(r.dp.outstanding(), 0u);
+  EXPECT_FALSE(r.v.in_error(r.qps[0]));
+  const auto& posted = r.v.posted(r.qps[0]);
+  ASSERT_EQ(posted.size(), 4u);
+  EXPECT_EQ(posted[3].opcode, IBV_WR_RDMA_WRITE);
+  EXPECT_EQ(posted[3].num_sge, 0);
+  EXPECT_TRUE(posted[3].signaled());
+  EXPECT_EQ(posted[3].rkey, r.peer.rkey);
+  EXPECT_EQ(r.dp.unobservable(), 0u);
+  EXPECT_EQ(r.dp.shut(rdmakit::detail::deadline_in(1s)), 0u);
+}
+
+TEST(DataPathFake, SettleStopsWhenThePeerGoesAndShutFlushesTheRest) {
+  Rig r;
+  ASSERT_TRUE(r.dp.post_one<Opcode::write>(r.slice(0, 8), r.peer, 0, 0, 0, 0, 1).ok());
+  const rdmakit::LocalSlice rx = r.slice(4096, 64);
+  ASSERT_TRUE(r.dp.post_recvs({&rx, 1}, 9).ok());
+  r.hk.on_tick = [&] { r.dp.break_connection("gone", BreakCause::peer); };
+  const auto t0 = std::chrono::steady_clock::now();
+  r.dp.settle(rdmakit::detail::deadline_in(5s), r.hk);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+  EXPECT_EQ(r.dp.shut(rdmakit::detail::deadline_in(1s)), 0u);  // the write and the receive, flushed
+  EXPECT_EQ(r.dp.outstanding(), 0u);
+  EXPECT_EQ(r.dp.mode(), DataPath::Mode::closed);
+}
+
+TEST(DataPathFake, SettleCannotObserveSendsWithoutAnAdvertisedRegion) {
+  Rig r;
+  r.dp.set_remote({}, false);
+  WorkRequest s;
+  s.opcode = Opcode::send;
+  const LocalSlice one = r.slice(0, 8);
+  s.local = {&one, 1};
+  s.signaled = false;
+  ASSERT_TRUE(r.dp.post_batch({&s, 1}).ok());
+  r.dp.settle(rdmakit::detail::deadline_in(2s), r.hk);
+  EXPECT_EQ(r.dp.unobservable(), 1u);
+  EXPECT_EQ(r.v.posted(r.qps[0]).size(), 1u);  // no marker: nothing to aim it at
+  EXPECT_EQ(r.dp.shut(rdmakit::detail::deadline_in(1s)), 0u);
+}
+
+TEST(DataPathFake, ForgetQpsLeavesNothingOutstanding) {
+  Rig r;
+  ASSERT_TRUE(r.dp.post_one<Opcode::write>(r.slice(0, 8), r.peer, 0, 0, 0, 0, 1).ok());
+  r.dp.forget_qps();
+  EXPECT_EQ(r.dp.outstanding(), 0u);
+  EXPECT_EQ(r.dp.post_one<Opcode::write>(r.slice(0, 8), r.peer, 0, 0, 0, 0, 2).status, PostStatus::not_ready);
+  EXPECT_EQ(r.dp.wait(10ms, r.hk).status, WaitStatus::closed);
+}
+
+}  // namespace
