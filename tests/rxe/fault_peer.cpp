@@ -1,13 +1,16 @@
 // The peer the fault tests kill: connects (or listens), advertises a 64 KiB buffer it lets the
 // other side read and write, keeps receives posted for SENDs, says "ready" on stdout, and serves
-// until it is killed.
-//   rdmakit_rxe_fault_peer connect HOST:PORT | listen PORT
+// until it is killed. With try-connect, a client in a process of its own: one connect attempt
+// per line on stdin, "connected" or "refused: WHY" on stdout for each.
+//   rdmakit_rxe_fault_peer connect HOST:PORT | listen PORT | try-connect HOST:PORT
 #include <chrono>
 #include <cstdio>
+#include <iostream>
 #include <optional>
 #include <string>
 
 #include "rdmakit/connection.hpp"
+#include "rdmakit/error.hpp"
 
 using namespace std::chrono_literals;
 
@@ -29,6 +32,20 @@ int main(int argc, char** argv) {
   };
   std::optional<rdmakit::Listener> listener;
   std::optional<rdmakit::Connection> conn;
+  if (mode == "try-connect") {
+    cfg.retry_refused = false;
+    cfg.handshake_timeout = 5s;
+    for (std::string line; std::getline(std::cin, line);) {
+      try {
+        rdmakit::Connection c = rdmakit::Connection::connect(argv[2], cfg, setup);
+        std::printf("connected\n");
+      } catch (const rdmakit::Error& e) {
+        std::printf("refused: %s\n", e.what());
+      }
+      std::fflush(stdout);
+    }
+    return 0;
+  }
   if (mode == "listen") {
     listener.emplace(":" + std::string(argv[2]), cfg, setup);
     std::printf("listening\n");
