@@ -2,23 +2,25 @@
 
 #include <dlfcn.h>
 #include <infiniband/verbs.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 #include <string>
+#include <utility>
 
 #include <fmt/format.h>
 
 #include "rdmakit/error.hpp"
 
 namespace rdmakit::detail {
-namespace {
 
 using namespace cuda;
 
 // The driver API, loaded per use (dlopen counts references): no global state.
-class Api {
+class CudaApi {
  public:
-  Api() {
+  CudaApi() {
     lib_ = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib_ == nullptr) {
       throw Error("CUDA", ENODEV,
@@ -30,9 +32,12 @@ class Api {
     load(device_get, "cuDeviceGet");
     load(ctx_retain, "cuDevicePrimaryCtxRetain");
     load(ctx_release, "cuDevicePrimaryCtxRelease_v2");
-    load(ctx_set, "cuCtxSetCurrent");
+    load(ctx_push, "cuCtxPushCurrent_v2");
+    load(ctx_pop, "cuCtxPopCurrent_v2");
+    load(ctx_synchronize, "cuCtxSynchronize");
     load(mem_alloc, "cuMemAlloc_v2");
     load(mem_free, "cuMemFree_v2");
+    load(memset_d8, "cuMemsetD8_v2");
     load(host_alloc, "cuMemHostAlloc");
     load(host_free, "cuMemFreeHost");
     load(dtoh, "cuMemcpyDtoH_v2");
@@ -41,9 +46,9 @@ class Api {
     // CUDA 11.7+; older drivers lack it and the dma-buf path is skipped.
     handle_for_range = reinterpret_cast<decltype(handle_for_range)>(::dlsym(lib_, "cuMemGetHandleForAddressRange"));
   }
-  Api(const Api&) = delete;
-  Api& operator=(const Api&) = delete;
-  ~Api() { ::dlclose(lib_); }
+  CudaApi(const CudaApi&) = delete;
+  CudaApi& operator=(const CudaApi&) = delete;
+  ~CudaApi() { ::dlclose(lib_); }
 
   std::string name(Result r) const {
     const char* s = nullptr;
@@ -52,15 +57,31 @@ class Api {
   void check(Result r, const char* what) const {
     if (r != kSuccess) throw Error(what, EIO, name(r));
   }
+  void check_device(int gpu) const {
+    if (const Result r = init(0); r != kSuccess) {
+      throw Error("CUDA", ENODEV, fmt::format("no CUDA device: cuInit failed ({})", name(r)),
+                  "is an NVIDIA GPU present and its driver loaded (nvidia-smi)?");
+    }
+    int n = 0;
+    if (device_count(&n) != kSuccess || n == 0) {
+      throw Error("CUDA", ENODEV, "no CUDA device: the driver sees no GPU", "use host memory here");
+    }
+    if (gpu < 0 || gpu >= n) {
+      throw Error("CUDA", ENODEV, fmt::format("no CUDA device {}: there are {} (0..{})", gpu, n, n - 1));
+    }
+  }
 
   Result (*init)(unsigned) = nullptr;
   Result (*device_count)(int*) = nullptr;
   Result (*device_get)(Device*, int) = nullptr;
   Result (*ctx_retain)(Context*, Device) = nullptr;
   Result (*ctx_release)(Device) = nullptr;
-  Result (*ctx_set)(Context) = nullptr;
+  Result (*ctx_push)(Context) = nullptr;
+  Result (*ctx_pop)(Context*) = nullptr;
+  Result (*ctx_synchronize)() = nullptr;
   Result (*mem_alloc)(DevicePtr*, std::size_t) = nullptr;
   Result (*mem_free)(DevicePtr) = nullptr;
+  Result (*memset_d8)(DevicePtr, unsigned char, std::size_t) = nullptr;
   Result (*host_alloc)(void**, std::size_t, unsigned) = nullptr;
   Result (*host_free)(void*) = nullptr;
   Result (*dtoh)(void*, DevicePtr, std::size_t) = nullptr;
@@ -77,102 +98,154 @@ class Api {
   void* lib_ = nullptr;
 };
 
-// A device's primary context, current on this thread while the memory lives.
-struct CudaSource final : MemorySource {
-  std::unique_ptr<Api> api = std::make_unique<Api>();
-  Device device = 0;
-  Context ctx = nullptr;
-  DevicePtr dptr = 0;
-  void* host = nullptr;
-  int dmabuf_fd = -1;
+namespace {
 
-  explicit CudaSource(int gpu) {
-    check_cuda_with(*api, gpu);
-    api->check(api->device_get(&device, gpu), "cuDeviceGet");
-    api->check(api->ctx_retain(&ctx, device), "cuDevicePrimaryCtxRetain");
-    api->check(api->ctx_set(ctx), "cuCtxSetCurrent");
+// The device's context, current on this thread for one scope; whatever was current before is
+// current again afterwards.
+class Pushed {
+ public:
+  Pushed(const CudaApi& api, Context ctx) : api_(api) { api_.check(api_.ctx_push(ctx), "cuCtxPushCurrent"); }
+  ~Pushed() {
+    Context popped = nullptr;
+    (void)api_.ctx_pop(&popped);
   }
-  ~CudaSource() override {
-    if (dmabuf_fd >= 0) ::close(dmabuf_fd);
-    if (dptr != 0) api->mem_free(dptr);
-    if (host != nullptr) api->host_free(host);
-    if (ctx != nullptr) api->ctx_release(device);
-  }
-  static void check_cuda_with(Api& api, int gpu) {
-    if (const Result r = api.init(0); r != kSuccess) {
-      throw Error("CUDA", ENODEV, fmt::format("no CUDA device: cuInit failed ({})", api.name(r)),
-                  "is an NVIDIA GPU present and its driver loaded (nvidia-smi)?");
-    }
-    int n = 0;
-    if (api.device_count(&n) != kSuccess || n == 0) {
-      throw Error("CUDA", ENODEV, "no CUDA device: the driver sees no GPU", "use host memory here");
-    }
-    if (gpu < 0 || gpu >= n) {
-      throw Error("CUDA", ENODEV, fmt::format("no CUDA device {}: there are {} (0..{})", gpu, n, n - 1));
-    }
-  }
-  void to_bounce(void* bounce, std::size_t off, std::size_t len) override {
-    api->check(api->dtoh(static_cast<char*>(bounce) + off, dptr + off, len), "cuMemcpyDtoH");
-  }
-  void from_bounce(const void* bounce, std::size_t off, std::size_t len) override {
-    api->check(api->htod(dptr + off, static_cast<const char*>(bounce) + off, len), "cuMemcpyHtoD");
-  }
+  Pushed(const Pushed&) = delete;
+  Pushed& operator=(const Pushed&) = delete;
+
+ private:
+  const CudaApi& api_;
 };
 
-std::unique_ptr<MemoryRegion::Impl> wrap(std::shared_ptr<DeviceResources> dev, MrPtr mr, Access access,
-                                         std::size_t length, std::unique_ptr<CudaSource> src,
-                                         RegistrationPath path, std::string why) {
-  void* cpu = path == RegistrationPath::host_mr ? src->host : nullptr;
-  return adopt_mr(std::move(dev), std::move(mr), access, length, std::move(src), path, std::move(why), cpu);
+std::size_t whole_pages(std::size_t n) {
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  return (n + page - 1) / page * page;
 }
 
 }  // namespace
 
+CudaMemory::CudaMemory(int gpu, std::size_t length)
+    : api_(std::make_unique<CudaApi>()), length_(length), allocated_(whole_pages(length)) {
+  api_->check_device(gpu);
+  api_->check(api_->device_get(&device_, gpu), "cuDeviceGet");
+  api_->check(api_->ctx_retain(&ctx_, device_), "cuDevicePrimaryCtxRetain");
+}
+
+CudaMemory CudaMemory::device(int gpu, std::size_t length) {
+  CudaMemory m(gpu, length);
+  const Pushed on(*m.api_, m.ctx_);
+  m.api_->check(m.api_->mem_alloc(&m.dptr_, m.allocated_), "cuMemAlloc");
+  m.api_->check(m.api_->memset_d8(m.dptr_, 0, m.allocated_), "cuMemsetD8");
+  m.api_->check(m.api_->ctx_synchronize(), "cuCtxSynchronize");  // the memset is done before use
+  return m;
+}
+
+CudaMemory CudaMemory::host(int gpu, std::size_t length) {
+  CudaMemory m(gpu, length);
+  const Pushed on(*m.api_, m.ctx_);
+  m.api_->check(m.api_->host_alloc(&m.host_, m.allocated_, kHostAllocPortable), "cuMemHostAlloc");
+  std::memset(m.host_, 0, m.allocated_);
+  return m;
+}
+
+CudaMemory::CudaMemory(CudaMemory&& o) noexcept
+    : api_(std::move(o.api_)),
+      device_(o.device_),
+      ctx_(std::exchange(o.ctx_, nullptr)),
+      dptr_(std::exchange(o.dptr_, 0)),
+      host_(std::exchange(o.host_, nullptr)),
+      length_(o.length_),
+      allocated_(o.allocated_),
+      dmabuf_fd_(std::exchange(o.dmabuf_fd_, -1)) {}
+
+CudaMemory::~CudaMemory() {
+  if (dmabuf_fd_ >= 0) ::close(dmabuf_fd_);
+  if (!api_ || ctx_ == nullptr) return;
+  try {
+    const Pushed on(*api_, ctx_);
+    if (dptr_ != 0) (void)api_->mem_free(dptr_);
+    if (host_ != nullptr) (void)api_->host_free(host_);
+  } catch (const std::exception&) {
+    // The context cannot be made current (the driver is failing): the memory goes with it.
+  }
+  (void)api_->ctx_release(device_);
+}
+
+int CudaMemory::export_dmabuf(std::string& why) {
+  if (dmabuf_fd_ >= 0) return dmabuf_fd_;
+  if (api_->handle_for_range == nullptr) {
+    why = "the driver has no cuMemGetHandleForAddressRange (CUDA < 11.7)";
+    return -1;
+  }
+  int fd = -1;
+  const Pushed on(*api_, ctx_);
+  // The range must be whole pages; the allocation was rounded up so that it is.
+  const Result r = api_->handle_for_range(&fd, dptr_, allocated_, kRangeHandleDmaBufFd, 0);
+  if (r != kSuccess || fd < 0) {
+    why = fmt::format("cuMemGetHandleForAddressRange({} bytes): {}", allocated_, api_->name(r));
+    return -1;
+  }
+  dmabuf_fd_ = fd;
+  return fd;
+}
+
+void CudaMemory::to_host(void* dst, std::size_t off, std::size_t len) const {
+  const Pushed on(*api_, ctx_);
+  api_->check(api_->dtoh(static_cast<char*>(dst) + off, dptr_ + off, len), "cuMemcpyDtoH");
+}
+
+void CudaMemory::from_host(const void* src, std::size_t off, std::size_t len) {
+  const Pushed on(*api_, ctx_);
+  api_->check(api_->htod(dptr_ + off, static_cast<const char*>(src) + off, len), "cuMemcpyHtoD");
+}
+
+namespace {
+
+// Staging for the bounce path: the registered host buffer <-> the GPU memory.
+struct CudaSource final : MemorySource {
+  CudaMemory mem;
+  explicit CudaSource(CudaMemory m) : mem(std::move(m)) { cpu = mem.host_ptr(); }
+  void to_bounce(void* bounce, std::size_t off, std::size_t len) override { mem.to_host(bounce, off, len); }
+  void from_bounce(const void* bounce, std::size_t off, std::size_t len) override { mem.from_host(bounce, off, len); }
+};
+
+}  // namespace
+
 void check_cuda(int gpu) {
-  Api api;
-  CudaSource::check_cuda_with(api, gpu);
+  CudaApi api;
+  api.check_device(gpu);
 }
 
 std::unique_ptr<MemoryRegion::Impl> allocate_cuda(std::shared_ptr<DeviceResources> dev, std::size_t length,
                                                   Access access, const MemorySpec& spec) {
-  auto src = std::make_unique<CudaSource>(spec.gpu);
   const unsigned flags = mr_access_flags(access);
   if (spec.kind == MemoryKind::cuda_host) {
-    src->api->check(src->api->host_alloc(&src->host, length, kHostAllocPortable), "cuMemHostAlloc");
-    src->cpu = src->host;
-    MrPtr mr(ibv_reg_mr(dev->pd.get(), src->host, length, flags));
+    auto src = std::make_unique<CudaSource>(CudaMemory::host(spec.gpu, length));
+    void* p = src->mem.host_ptr();
+    MrPtr mr(ibv_reg_mr(dev->pd.get(), p, length, flags));
     if (!mr) throw Error("ibv_reg_mr", errno, fmt::format("{} bytes of CUDA pinned host memory", length));
-    return wrap(std::move(dev), std::move(mr), access, length, std::move(src), RegistrationPath::host_mr,
-                "pinned host memory from cuMemHostAlloc");
+    return adopt_mr(std::move(dev), std::move(mr), access, length, std::move(src), RegistrationPath::host_mr,
+                    "pinned host memory from cuMemHostAlloc", p);
   }
-  src->api->check(src->api->mem_alloc(&src->dptr, length), "cuMemAlloc");
+  auto src = std::make_unique<CudaSource>(CudaMemory::device(spec.gpu, length));
+  const DevicePtr dptr = src->mem.device_ptr();
   std::string why;
   // 1. dma-buf: the NIC reads GPU memory directly, no peermem module needed. The iova is the
   //    device pointer, so peers address the region by it.
-  if (src->api->handle_for_range != nullptr) {
-    int fd = -1;
-    const Result r = src->api->handle_for_range(&fd, src->dptr, length, kRangeHandleDmaBufFd, 0);
-    if (r == kSuccess && fd >= 0) {
-      src->dmabuf_fd = fd;
-      errno = 0;
-      MrPtr mr(ibv_reg_dmabuf_mr(dev->pd.get(), 0, length, src->dptr, fd, static_cast<int>(flags)));
-      if (mr) {
-        return wrap(std::move(dev), std::move(mr), access, length, std::move(src), RegistrationPath::dmabuf_mr,
-                    "GPU memory exported as a dma-buf (cuMemGetHandleForAddressRange)");
-      }
-      why = fmt::format("ibv_reg_dmabuf_mr: {}", errno_name(errno));
-    } else {
-      why = fmt::format("cuMemGetHandleForAddressRange: {}", src->api->name(r));
+  if (const int fd = src->mem.export_dmabuf(why); fd >= 0) {
+    errno = 0;
+    MrPtr mr(ibv_reg_dmabuf_mr(dev->pd.get(), 0, length, dptr, fd, static_cast<int>(flags)));
+    if (mr) {
+      return adopt_mr(std::move(dev), std::move(mr), access, length, std::move(src), RegistrationPath::dmabuf_mr,
+                      "GPU memory exported as a dma-buf (cuMemGetHandleForAddressRange)", nullptr);
     }
-  } else {
-    why = "the driver has no cuMemGetHandleForAddressRange (CUDA < 11.7)";
+    why = fmt::format("ibv_reg_dmabuf_mr: {}", errno_name(errno));
   }
   // 2. The device pointer itself: works when nvidia-peermem lets the kernel pin GPU memory.
   errno = 0;
-  MrPtr mr(ibv_reg_mr(dev->pd.get(), reinterpret_cast<void*>(src->dptr), length, flags));
+  MrPtr mr(ibv_reg_mr(dev->pd.get(), reinterpret_cast<void*>(dptr), length, flags));
   if (mr) {
-    return wrap(std::move(dev), std::move(mr), access, length, std::move(src), RegistrationPath::device_mr,
-                why + "; ibv_reg_mr on the device pointer worked (nvidia-peermem)");
+    return adopt_mr(std::move(dev), std::move(mr), access, length, std::move(src), RegistrationPath::device_mr,
+                    why + "; ibv_reg_mr on the device pointer worked (nvidia-peermem)", nullptr);
   }
   why += fmt::format("; ibv_reg_mr on the device pointer: {} (is nvidia-peermem loaded?)", errno_name(errno));
   // 3. A host bounce buffer with explicit copies.

@@ -19,5 +19,12 @@ static_assert(kHostAllocPortable == CU_MEMHOSTALLOC_PORTABLE);
 [[maybe_unused]] constexpr auto htod = &::cuMemcpyHtoD_v2;
 [[maybe_unused]] constexpr auto release = &::cuDevicePrimaryCtxRelease_v2;
 [[maybe_unused]] constexpr auto handle = &::cuMemGetHandleForAddressRange;
+[[maybe_unused]] constexpr auto push = &::cuCtxPushCurrent_v2;
+[[maybe_unused]] constexpr auto pop = &::cuCtxPopCurrent_v2;
+[[maybe_unused]] constexpr auto memset8 = &::cuMemsetD8_v2;
+[[maybe_unused]] constexpr auto sync = &::cuCtxSynchronize;
+static_assert(std::is_same_v<decltype(&::cuCtxPushCurrent_v2), CUresult (*)(CUcontext)>);
+static_assert(std::is_same_v<decltype(&::cuCtxPopCurrent_v2), CUresult (*)(CUcontext*)>);
+static_assert(std::is_same_v<decltype(&::cuMemsetD8_v2), CUresult (*)(CUdeviceptr, unsigned char, size_t)>);
 static_assert(std::is_same_v<decltype(&::cuMemAlloc_v2), CUresult (*)(CUdeviceptr*, size_t)>);
 }  // namespace rdmakit::detail::cuda
