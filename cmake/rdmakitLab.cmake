@@ -24,3 +24,34 @@ function(rdmakit_add_rxe_test)
   set_tests_properties(rxe.${ARG_NAME} PROPERTIES
     LABELS rxe TIMEOUT ${backstop} RUN_SERIAL TRUE)
 endfunction()
+
+# rdmakit_add_rxe_suite(NAME name [VMS n] CASES case timeout "command" [case timeout "command"...])
+#
+# Many cases in one lab boot (tests/rxe/suite.sh runs them in turn and reports each, with its
+# wall time): a boot costs seconds, so cases that can share one do. Commands may use generator
+# expressions ($<TARGET_FILE:...>); each case's timeout is enforced inside the guest, the
+# suite's lab timeout is their sum.
+function(rdmakit_add_rxe_suite)
+  cmake_parse_arguments(ARG "" "NAME;VMS" "CASES" ${ARGN})
+  list(LENGTH ARG_CASES n)
+  math(EXPR rem "${n} % 3")
+  if(n EQUAL 0 OR NOT rem EQUAL 0)
+    message(FATAL_ERROR "rdmakit_add_rxe_suite(${ARG_NAME}): CASES takes triples: name timeout command")
+  endif()
+  set(content "")
+  set(total 30)
+  math(EXPR last "${n} - 1")
+  foreach(i RANGE 0 ${last} 3)
+    math(EXPR t "${i} + 1")
+    math(EXPR c "${i} + 2")
+    list(GET ARG_CASES ${i} case_name)
+    list(GET ARG_CASES ${t} case_timeout)
+    list(GET ARG_CASES ${c} case_command)
+    string(APPEND content "${case_name}\t${case_timeout}\t${case_command}\n")
+    math(EXPR total "${total} + ${case_timeout}")
+  endforeach()
+  set(file ${CMAKE_CURRENT_BINARY_DIR}/suites/${ARG_NAME}.cases)
+  file(GENERATE OUTPUT ${file} CONTENT "${content}")
+  rdmakit_add_rxe_test(NAME ${ARG_NAME} VMS ${ARG_VMS} TIMEOUT ${total}
+                       COMMAND sh ${PROJECT_SOURCE_DIR}/tests/rxe/suite.sh ${file})
+endfunction()

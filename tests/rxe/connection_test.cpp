@@ -439,7 +439,10 @@ TEST(Connection, FiftyStalledClientsDoNotSlowAGoodOne) {
   const double loaded = median_connect();
   for (int fd : stalled) ::close(fd);
   std::printf("connect: median %.1f ms unloaded, %.1f ms with 50 stalled clients\n", unloaded, loaded);
-  EXPECT_LE(loaded, 2 * unloaded);
+  // A good client queued behind the stalled ones would wait out their 10 s deadline; the bound
+  // is generous so that a loaded machine does not fail it (typically loaded is within 1.5x).
+  EXPECT_LT(loaded, 1000.0);
+  std::printf("loaded / unloaded: %.2fx\n", loaded / unloaded);
 }
 
 TEST(Connection, CloseFlushesOutstandingReceives) {
@@ -453,7 +456,10 @@ TEST(Connection, CloseFlushesOutstandingReceives) {
   client.close();
   EXPECT_EQ(client.outstanding(), 0u);  // flushed and reaped before anything was released
   // Receives wait for a peer that is leaving: they are flushed at once, not waited for.
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+  // A close that waited for them would take its whole 2 s timeout.
+  const auto took = std::chrono::steady_clock::now() - t0;
+  std::printf("close flushed 8 receives in %.1f ms\n", std::chrono::duration<double, std::milli>(took).count());
+  EXPECT_LT(took, 1500ms);
 }
 
 TEST(Connection, CompletionEventsSleepInsteadOfSpinning) {
@@ -479,7 +485,9 @@ TEST(Connection, CompletionEventsSleepInsteadOfSpinning) {
   EXPECT_EQ(w.completion.wr_id, 5u);
   EXPECT_EQ(w.completion.byte_len, 64u);
   // Half a second of waiting; a spinning wait would burn about that much CPU.
-  EXPECT_LT(cpu_s, 0.15) << "CPU seconds spent waiting";
+  // A spinning wait would burn most of the half second even when sharing a loaded core.
+  EXPECT_LT(cpu_s, 0.3) << "CPU seconds spent waiting";
+  std::printf("waiting 500 ms for a completion cost %.3f CPU seconds\n", cpu_s);
   const auto s = client.wait(5s);
   EXPECT_EQ(s.status, rdmakit::WaitStatus::completed);
   // Nothing outstanding and no traffic: the wait sleeps to its deadline.
@@ -488,12 +496,16 @@ TEST(Connection, CompletionEventsSleepInsteadOfSpinning) {
   EXPECT_GE(std::chrono::steady_clock::now() - t0, 300ms);
 }
 
-TEST(Connection, ThousandCyclesLeaveNothingBehind) {
+// Connect, write, verify, close, again and again (200 times in CI, 1,000 with
+// RDMAKIT_TEST_LONG=1): nothing is left behind.
+TEST(Connection, CyclesLeaveNothingBehind) {
   const auto before = rdma_resources();
   const int fds_before = open_fds();
+  const int cycles = lab::soak(200, 1000);
+  const auto t0 = std::chrono::steady_clock::now();
   {
     Listener listener("127.0.0.1:0", quiet(), server_setup());
-    for (int i = 0; i < 1000; ++i) {
+    for (int i = 0; i < cycles; ++i) {
       Connection client = Connection::connect(target(listener), quiet(), client_setup());
       auto server = listener.accept(5s);
       ASSERT_TRUE(server.has_value()) << "cycle " << i;
@@ -507,6 +519,8 @@ TEST(Connection, ThousandCyclesLeaveNothingBehind) {
     }
     EXPECT_EQ(listener.rejected(), 0u);
   }
+  std::printf("%d connect/write/close cycles in %.1f s\n", cycles,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   EXPECT_EQ(rdma_resources(), before);
   EXPECT_EQ(open_fds(), fds_before);
 }

@@ -199,8 +199,9 @@ TEST(Datapath, SeveralQpsStripeLargeWritesAndReads) {
                                  p.client.remote_regions()[0], 100, 2).ok());
   expect_done(p.client, 2);
   EXPECT_EQ(std::memcmp(theirs + 100, mine, kLen), 0);
-  Completion extra;
-  EXPECT_EQ(p.client.poll({&extra, 1}), 0u);  // one completion per request, not per part
+  // One completion per request, not per part: nothing else arrives (a wait that polls for a
+  // while, not one poll that a late or bookkeeping entry could pass).
+  EXPECT_EQ(p.client.wait(300ms).status, WaitStatus::timeout);
 }
 
 TEST(Datapath, StripedSharesLongerThanMaxMsgSizeAreSplitToo) {
@@ -270,8 +271,9 @@ TEST(Datapath, StripedRequestFailsOnceWithTheFirstError) {
   EXPECT_EQ(w.completion.wr_id, 7u);
   EXPECT_EQ(w.completion.status, IBV_WC_REM_ACCESS_ERR) << w.completion.describe();
   EXPECT_EQ(p.client.outstanding(), 0u);
-  Completion extra;
-  EXPECT_EQ(p.client.poll({&extra, 1}), 0u);  // the other QPs' errors are folded into that one
+  // The other QPs' errors are folded into that one: the error broke the connection, and the next
+  // wait says `closed` rather than delivering anything more.
+  EXPECT_EQ(p.client.wait(2s).status, WaitStatus::closed);
   const auto* t = static_cast<const std::uint8_t*>(p.server.memory(0).data());
   EXPECT_TRUE(std::all_of(t, t + (1 << 20), [](std::uint8_t v) { return v == 0x11; }));
 }
@@ -498,7 +500,10 @@ TEST(Datapath, EventModeHonoursItsDeadline) {
     EXPECT_EQ(p.client.wait(d).status, WaitStatus::timeout);
     const auto took = std::chrono::steady_clock::now() - t0;
     EXPECT_GE(took, d);
-    EXPECT_LT(took, d + 100ms);
+    // Generous, so a loaded machine does not fail it; a wait that overslept would be far off.
+    EXPECT_LT(took, d + 1s);
+    std::printf("wait(%lld ms) in event mode returned after %.1f ms\n", static_cast<long long>(d.count()),
+                std::chrono::duration<double, std::milli>(took).count());
   }
 }
 

@@ -8,6 +8,17 @@ out=/tmp/doctor.$$
 mkdir -p "$out"
 fail() { echo "FAIL: $*"; for f in "$out"/*; do echo "--- $f"; cat "$f"; done; exit 1; }
 dev=$RDMAKIT_LAB_DEVICE
+# Whatever happens, leave the VM as it was for the cases after this one in the suite: the link up,
+# the device there, its port ACTIVE.
+restore() {
+  ip link set eth0 up
+  [ -e /sys/class/infiniband/$dev ] || rdma link add "$dev" type rxe netdev eth0
+  i=0
+  until grep -q ACTIVE /sys/class/infiniband/$dev/ports/1/state 2>/dev/null; do
+    i=$((i + 1)); [ $i -gt 100 ] && break; sleep 0.1
+  done
+}
+trap restore EXIT
 
 # devices: rxe0, and the GID rdmakit uses is index 1, RoCE v2 with the VM's IPv4 address.
 "$R" devices > "$out/devices.txt" 2>&1 || fail "devices exited $?"

@@ -189,7 +189,8 @@ struct Serving {
     t = std::thread([this, post_recv_after] {
       if (post_recv_after.count() >= 0) {
         std::this_thread::sleep_for(post_recv_after);
-        EXPECT_TRUE(c.post_recv(c.memory(0).local().subslice(0, 4096), 77).ok());
+        // Into the buffer's last 4 KiB, clear of what the tests WRITE.
+        EXPECT_TRUE(c.post_recv(c.memory(0).local().subslice(c.memory(0).size() - 4096, 4096), 77).ok());
       }
       while (!stop.load()) {
         const auto w = c.wait(20ms);
@@ -230,26 +231,36 @@ TEST(Edges, CloseLetsAStripedWriteFinishBeforeSayingBye) {
       << "the write was cut off by the close";
 }
 
-TEST(Edges, CloseWaitsForUnsignaledWrites) {
+// Unsignaled work in flight at close: four 1 MiB WRITEs and, behind them, a SEND the peer cannot
+// take for 150 ms (RNR). Nothing of it would ever complete visibly; close puts a signaled
+// zero-length WRITE behind it and waits for that, so all of it lands.
+TEST(Edges, CloseWaitsForUnsignaledWork) {
   constexpr std::size_t kLen = 4u << 20;
-  Pair p(quiet(), quiet(), kLen);
+  ConnectionConfig scfg = quiet();
+  scfg.rnr_timer = 40ms;  // the sender retries every 40 ms, 6 times
+  Pair p(quiet(), scfg, kLen + 4096);
   fill(p.client.memory(0).data(), kLen, 5);
   std::memset(p.server.memory(0).data(), 0, kLen);
-  Serving s(p.server);
-  std::vector<WorkRequest> batch(4);
+  std::memcpy(static_cast<char*>(p.client.memory(0).data()) + kLen, "unsignaled", 10);
+  Serving s(p.server, 150ms);
+  std::vector<WorkRequest> batch(5);
   std::vector<rdmakit::LocalSlice> src;
   for (std::size_t i = 0; i < 4; ++i) src.push_back(p.client.memory(0).local().subslice(i << 20, 1 << 20));
-  for (std::size_t i = 0; i < 4; ++i) {
+  src.push_back(p.client.memory(0).local().subslice(kLen, 10));
+  for (std::size_t i = 0; i < 5; ++i) {
+    batch[i].opcode = i < 4 ? Opcode::write : Opcode::send;
     batch[i].local = {&src[i], 1};
     batch[i].remote = p.client.remote_regions()[0];
     batch[i].remote_offset = i << 20;
     batch[i].signaled = false;
   }
   ASSERT_TRUE(p.client.post_batch(batch).ok());
-  p.client.close(10s);
+  p.client.close(5s);
   EXPECT_TRUE(s.finish(5s));
   EXPECT_EQ(std::memcmp(p.client.memory(0).data(), p.server.memory(0).data(), kLen), 0)
       << "unsignaled writes were flushed instead of finished";
+  ASSERT_FALSE(s.got.empty()) << "the unsignaled SEND was flushed instead of delivered";
+  EXPECT_TRUE(s.got[0].ok()) << s.got[0].describe();
 }
 
 TEST(Edges, CloseWaitsForAnRnrDelayedSend) {
@@ -264,7 +275,8 @@ TEST(Edges, CloseWaitsForAnRnrDelayedSend) {
   EXPECT_TRUE(s.finish(5s));
   ASSERT_FALSE(s.got.empty()) << "the SEND was flushed instead of delivered";
   EXPECT_TRUE(s.got[0].ok()) << s.got[0].describe();
-  EXPECT_EQ(std::memcmp(p.server.memory(0).data(), "delayed but delivered", 22), 0);
+  const auto* tail = static_cast<const char*>(p.server.memory(0).data()) + p.server.memory(0).size() - 4096;
+  EXPECT_EQ(std::memcmp(tail, "delayed but delivered", 22), 0);
 }
 
 // 5. One QP's error completion breaks all of them: the others go to ERR too, posts are refused,

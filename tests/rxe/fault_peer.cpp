@@ -2,7 +2,7 @@
 // other side read and write, keeps receives posted for SENDs, says "ready" on stdout, and serves
 // until it is killed. With try-connect, a client in a process of its own: one connect attempt
 // per line on stdin, "connected" or "refused: WHY" on stdout for each.
-//   rdmakit_rxe_fault_peer connect HOST:PORT | listen PORT | try-connect HOST:PORT
+//   rdmakit_rxe_fault_peer connect HOST:PORT | listen PORT | try-connect HOST:PORT [no-keepalive]
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -15,8 +15,9 @@
 using namespace std::chrono_literals;
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: %s connect HOST:PORT | listen PORT\n", argv[0]);
+  if (argc != 3 && argc != 4) {
+    std::fprintf(stderr, "usage: %s connect HOST:PORT | listen PORT | try-connect HOST:PORT [no-keepalive]\n",
+                 argv[0]);
     return 2;
   }
   const std::string mode = argv[1];
@@ -24,6 +25,7 @@ int main(int argc, char** argv) {
   cfg.log = [](std::string_view) {};
   cfg.retry_refused = true;
   cfg.recv_depth = 128;
+  if (argc == 4 && std::string(argv[3]) == "no-keepalive") cfg.keepalive_interval = cfg.keepalive_timeout = 0ms;
   auto setup = [](rdmakit::Connection& c) {
     const auto& m = c.allocate_memory(64 * 1024, rdmakit::Access::local_write | rdmakit::Access::remote_read |
                                                      rdmakit::Access::remote_write);

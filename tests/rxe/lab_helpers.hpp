@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <sstream>
 #include <string>
@@ -18,6 +19,14 @@
 #include "rdmakit/wire.hpp"
 
 namespace lab {
+
+/// How many rounds a soak runs: `ci` by default, `full` with RDMAKIT_TEST_LONG=1 (what
+/// scripts/test --long sets). CI runs the CI size every time; the full one is run by hand and
+/// its figures are in docs/development.md.
+inline int soak(int ci, int full) {
+  const char* v = std::getenv("RDMAKIT_TEST_LONG");
+  return v != nullptr && v[0] == '1' ? full : ci;
+}
 
 // `rdma resource show` summary for the device: pd, cq, qp, mr, ... counts (all processes).
 inline std::map<std::string, long> rdma_resources() {

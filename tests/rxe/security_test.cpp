@@ -231,7 +231,9 @@ TEST(Security, AFloodOfConnectsIsCapped) {
   std::printf("connect: %.1f ms unloaded, %.1f ms with 500 stalled connects\n",
               std::chrono::duration<double, std::milli>(unloaded).count(),
               std::chrono::duration<double, std::milli>(loaded).count());
-  EXPECT_LT(loaded, std::max<std::chrono::steady_clock::duration>(2 * unloaded, 500ms));
+  // Served while the flood waits (typically within 2x of unloaded); a client queued behind the
+  // flood's handshakes would wait out their deadline. Generous, so a loaded machine passes.
+  EXPECT_LT(loaded, 2s);
   // Only the per-address handshake cap's worth of the flood got a handshake (and no device
   // resource: nothing is built before authentication); the rest were refused at once.
   EXPECT_GE(listener.rejected(), 500u - cfg.max_handshakes_per_peer);
