@@ -41,7 +41,9 @@ int main(int argc, char** argv) try {
     std::fprintf(stderr, "write failed: %s\n", done.completion.describe().c_str());
     return 1;
   }
-  return 0;  // ~Connection says BYE, then releases QP, CQs, MRs, PD, context in that order
+  // ~Connection lets the write finish, says BYE, destroys the QP, deregisters the MRs (then
+  // frees their memory), and releases the CQs, PD and context last.
+  return 0;
 } catch (const rdmakit::Error& e) {
   std::fprintf(stderr, "%s\n", e.what());
   return 1;

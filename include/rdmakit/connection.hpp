@@ -76,8 +76,12 @@ struct ConnectionConfig {
   /// Pre-shared key for the authenticated bootstrap (at least 16 bytes; see read_key_file). When
   /// set, both sides prove they know it (mutual HMAC-SHA256 challenge-response over fresh nonces)
   /// before any QPN, GID, address or rkey is sent; a peer without it, or with another, is refused
-  /// and learns nothing. Empty: no authentication, and a listener says once that anyone who can
-  /// reach its port gets the memory it advertises.
+  /// and learns nothing. Every later control-channel message (HELLO, READY, BYE, application
+  /// messages) travels sealed (XChaCha20-Poly1305) under per-direction keys derived from the key
+  /// and both nonces: a relay or a reader of the bootstrap traffic learns no address or rkey and
+  /// can inject nothing. The connection or listener keeps its own copy, wiped when it goes (the
+  /// caller's is the caller's to wipe). Empty: no authentication, and a listener says once that
+  /// anyone who can reach its port gets the memory it advertises.
   std::vector<std::uint8_t> psk;
   /// Keepalive on the control channel, so that a peer host that dies without a word (power
   /// loss, a partition, a paused VM) is noticed on an idle connection too: once nothing has come
@@ -102,13 +106,22 @@ struct ListenerConfig {
   ListenerConfig(ConnectionConfig c = {}) : connection(std::move(c)) {}  // NOLINT
   /// Each accepted connection's settings (its QP count is the client's choice, not `qps`).
   ConnectionConfig connection;
-  /// Handshakes in progress at once (all peers / one peer address); more are refused at once
-  /// ("busy", which a client with retry_refused retries until its deadline), so a flood of
-  /// connects cannot exhaust threads, QPs or memory.
+  /// Handshakes in progress at once (all peers / one peer); more are refused at once ("busy",
+  /// which a client with retry_refused retries until its deadline), so a flood of connects
+  /// cannot exhaust threads, QPs or memory.
   std::uint32_t max_handshakes = 128;
   std::uint32_t max_handshakes_per_peer = 32;
-  /// Established connections from one peer address (0: no limit).
+  /// Established connections from one peer (0: no limit).
   std::uint32_t max_connections_per_peer = 64;
+  /// What counts as one peer for the limits above: an IPv4 address, or an IPv6 prefix of this
+  /// many bits (a host usually holds a whole /64 and could otherwise dodge the limits by
+  /// switching addresses; 128: each address alone).
+  std::uint32_t ipv6_peer_prefix = 64;
+  /// Bytes that the Setup callbacks of handshakes in progress may register in all: beyond it a
+  /// handshake is refused as "busy", so a flood of HELLOs (on a listener without a key, anyone
+  /// may send one) cannot pin memory without bound. A connection's memory stops counting once
+  /// accept() could hand it out. 0: no limit.
+  std::uint64_t max_handshake_memory = std::uint64_t{1} << 30;
   /// Connections whose handshake succeeded and that accept() has not taken yet, counted
   /// together with the handshakes in progress (which would join them): beyond this, new clients
   /// are refused as "busy". Each holds QPs, CQs and memory, so an application that stops
@@ -352,10 +365,16 @@ class Connection {
   std::unique_ptr<Impl> impl_;
 };
 
-/// Reads a pre-shared key file (ConnectionConfig::psk): its bytes, without trailing whitespace.
-/// Throws Error when it cannot be read, is shorter than 16 bytes, or can be read by other users
-/// (like ssh with a private key).
+/// Reads a pre-shared key file (ConnectionConfig::psk). The format is raw bytes: the file's
+/// bytes, all of them, are the key (nothing is trimmed, so a binary key reads back exactly as
+/// given programmatically). Throws Error when it cannot be read, is a symbolic link, is not a
+/// regular file, belongs to another user, can be read or written by others (mode and owner are
+/// checked on the open file), or holds fewer than 16 or more than 4096 bytes.
 [[nodiscard]] std::vector<std::uint8_t> read_key_file(const std::string& path);
+
+/// Writes a fresh 32-byte random key to a new file `path` with mode 0600 (`rdmakit keygen`).
+/// Never overwrites: throws Error if the file exists, or cannot be written.
+void generate_key_file(const std::string& path);
 
 /// Accepts connections on a TCP port. Each client's handshake runs on its own thread with its
 /// own deadline, so a stalled or malicious client delays nobody; rejected handshakes are logged

@@ -1,11 +1,11 @@
 #include "bootstrap/auth.hpp"
 
+#include <fcntl.h>
 #include <sodium.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <array>
-#include <fstream>
-#include <iterator>
 #include <vector>
 #include <cerrno>
 #include <string_view>
@@ -71,11 +71,12 @@ void send_message(int fd, wire::MessageType type, std::span<const std::uint8_t> 
 void check_key(std::span<const std::uint8_t> key) {
   if (!key.empty() && key.size() < kMinKeySize) {
     throw Error("pre-shared key", EINVAL, fmt::format("{} bytes; at least {}", key.size(), kMinKeySize),
-                "use 32 random bytes, e.g. `head -c 32 /dev/urandom > key; chmod 600 key`");
+                "use 32 random bytes: `rdmakit keygen FILE` writes them with the right mode");
   }
 }
 
-void authenticate_client(int fd, std::span<const std::uint8_t> key, Deadline deadline, const std::string& peer) {
+std::unique_ptr<Session> authenticate_client(int fd, std::span<const std::uint8_t> key, Deadline deadline,
+                                             const std::string& peer) {
   init_sodium();
   const Nonce mine = fresh_nonce();
   send_message(fd, wire::MessageType::auth_challenge, mine, deadline);
@@ -104,10 +105,11 @@ void authenticate_client(int fd, std::span<const std::uint8_t> key, Deadline dea
            "the server uses another key (or is not the intended server): give both sides the same key");
   }
   send_message(fd, wire::MessageType::auth_proof, mac(key, kClientLabel, mine, theirs), deadline);
+  return std::make_unique<Session>(key, mine, theirs, Role::client);
 }
 
-void authenticate_server(int fd, std::span<const std::uint8_t> key, const Message& first, Deadline deadline,
-                         const std::string& peer) {
+std::unique_ptr<Session> authenticate_server(int fd, std::span<const std::uint8_t> key, const Message& first,
+                                             Deadline deadline, const std::string& peer) {
   init_sodium();
   if (first.header.type != wire::MessageType::auth_challenge) {
     refuse(peer, "this listener requires authentication with a pre-shared key",
@@ -129,32 +131,88 @@ void authenticate_server(int fd, std::span<const std::uint8_t> key, const Messag
       !same(mac(key, kClientLabel, theirs, mine), answer.payload)) {
     refuse(peer, "authentication failed", "the client does not know the pre-shared key");
   }
+  return std::make_unique<Session>(key, theirs, mine, Role::server);
 }
 
 }  // namespace rdmakit::detail
 
 namespace rdmakit {
 
+// A key file holds the key's bytes, all of them and nothing else: no newline is trimmed, so a
+// binary key reads back exactly (a key given programmatically is the same bytes). It is opened
+// without following a symbolic link, and its owner and mode are checked on the open file, so no
+// one can swap it between the check and the read.
 std::vector<std::uint8_t> read_key_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    const int err = errno;
+    throw Error("read key file", err, path,
+                err == ELOOP ? "it is a symbolic link: give the key file itself (a link could be "
+                               "pointed elsewhere by whoever can change it)"
+                             : "");
+  }
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) throw Error("read key file", errno, path);
+  if (::fstat(fd, &st) != 0) throw Error("read key file", errno, path);
+  if (!S_ISREG(st.st_mode)) throw Error("read key file", EINVAL, fmt::format("{} is not a regular file", path));
+  if (st.st_uid != ::geteuid()) {
+    throw Error("read key file", EPERM,
+                fmt::format("{} belongs to uid {}, not to this process's uid {}", path, st.st_uid, ::geteuid()),
+                "a key file must belong to the user that reads it (whoever owns it can change it)");
+  }
   if ((st.st_mode & 077) != 0) {
     throw Error("read key file", EPERM,
-                fmt::format("{} can be read by other users (mode {:o})", path, st.st_mode & 0777),
+                fmt::format("{} can be read or written by other users (mode {:o})", path, st.st_mode & 0777),
                 fmt::format("a key others can read is no secret: chmod 600 {}", path));
   }
-  std::ifstream f(path, std::ios::binary);
-  std::vector<std::uint8_t> key((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  if (!f.good() && !f.eof()) throw Error("read key file", EIO, path);
-  while (!key.empty() && (key.back() == '\n' || key.back() == '\r' || key.back() == ' ' || key.back() == '\t')) {
-    key.pop_back();
+  if (st.st_size > static_cast<off_t>(detail::kMaxKeySize)) {
+    throw Error("read key file", EFBIG,
+                fmt::format("{}: {} bytes; a key file holds at most {}", path, st.st_size, detail::kMaxKeySize),
+                "is it the key? `rdmakit keygen FILE` writes one");
+  }
+  std::vector<std::uint8_t> key(static_cast<std::size_t>(st.st_size));
+  std::size_t got = 0;
+  while (got < key.size()) {
+    const ssize_t n = ::read(fd, key.data() + got, key.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      detail::wipe(key);
+      throw Error("read key file", n < 0 ? errno : EIO, path);
+    }
+    got += static_cast<std::size_t>(n);
   }
   if (key.size() < detail::kMinKeySize) {
+    const std::size_t n = key.size();
+    detail::wipe(key);
     throw Error("read key file", EINVAL,
-                fmt::format("{}: {} bytes; a key needs at least {}", path, key.size(), detail::kMinKeySize),
-                "use 32 random bytes, e.g. `head -c 32 /dev/urandom > key; chmod 600 key`");
+                fmt::format("{}: {} bytes; a key needs at least {}", path, n, detail::kMinKeySize),
+                "`rdmakit keygen FILE` writes a fresh 32-byte key");
   }
   return key;
+}
+
+void generate_key_file(const std::string& path) {
+  if (::sodium_init() < 0) throw Error("sodium_init", EIO, "libsodium could not initialise (no random source?)");
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    const int err = errno;
+    throw Error("write key file", err, path,
+                err == EEXIST ? "it exists already; a key is not overwritten (remove it first)" : "");
+  }
+  std::array<std::uint8_t, 32> key{};
+  ::randombytes_buf(key.data(), key.size());
+  const bool ok = ::fchmod(fd, 0600) == 0 && ::write(fd, key.data(), key.size()) == static_cast<ssize_t>(key.size()) &&
+                  ::fsync(fd) == 0;
+  const int err = errno;
+  ::sodium_memzero(key.data(), key.size());
+  ::close(fd);
+  if (!ok) {
+    ::unlink(path.c_str());
+    throw Error("write key file", err, path);
+  }
 }
 
 }  // namespace rdmakit

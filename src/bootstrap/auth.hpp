@@ -2,12 +2,15 @@
 // The authenticated bootstrap: with a pre-shared key both sides prove they know it (mutual
 // HMAC-SHA256 challenge-response over fresh nonces from both) before either sends a QPN, GID,
 // address or rkey. A side that fails to prove it gets a REJECT that says only that, and nothing
-// else crosses the wire.
+// else crosses the wire. After the proof, everything travels sealed in the session it yields
+// (session.hpp), so a relay that forwarded the proof can neither read nor inject anything.
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 
+#include "bootstrap/session.hpp"
 #include "bootstrap/socket.hpp"
 
 namespace rdmakit::detail {
@@ -16,6 +19,8 @@ inline constexpr std::size_t kNonceSize = 32;
 inline constexpr std::size_t kMacSize = 32;
 /// Shorter keys are refused: 16 random bytes is the least that resists guessing.
 inline constexpr std::size_t kMinKeySize = 16;
+/// A key file larger than this is not a key.
+inline constexpr std::size_t kMaxKeySize = 4096;
 
 /// How a listener at its handshake caps begins its REJECT: a client may retry.
 inline constexpr const char* kBusyReason = "busy: ";
@@ -24,14 +29,16 @@ inline constexpr const char* kBusyReason = "busy: ";
 void check_key(std::span<const std::uint8_t> key);
 
 /// The client's side, run right after the TCP connect: challenge, verify the server's proof
-/// (throws if it does not know the key), send ours. The server may still reject us afterwards:
-/// its REJECT arrives instead of its HELLO.
-void authenticate_client(int fd, std::span<const std::uint8_t> key, Deadline deadline,
-                         const std::string& peer);
+/// (throws if it does not know the key), send ours. Returns the session every later message
+/// travels in. The server may still reject us afterwards: its sealed REJECT arrives instead of
+/// its HELLO.
+std::unique_ptr<Session> authenticate_client(int fd, std::span<const std::uint8_t> key, Deadline deadline,
+                                             const std::string& peer);
 
 /// The server's side, given the client's first message: answers the challenge, checks the proof;
 /// throws Error (after sending a REJECT) when the client sent no challenge or a wrong proof.
-void authenticate_server(int fd, std::span<const std::uint8_t> key, const Message& first,
-                         Deadline deadline, const std::string& peer);
+/// Returns the session every later message travels in.
+std::unique_ptr<Session> authenticate_server(int fd, std::span<const std::uint8_t> key, const Message& first,
+                                             Deadline deadline, const std::string& peer);
 
 }  // namespace rdmakit::detail

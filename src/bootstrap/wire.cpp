@@ -68,6 +68,10 @@ QpAddress read_qp(Reader& r, std::size_t k) {
   return q;
 }
 
+std::size_t max_payload(MessageType t) {
+  return t == MessageType::sealed ? kMaxSealedPayload : kMaxPayload;
+}
+
 bool valid_mtu(std::uint32_t mtu) {
   return mtu == 256 || mtu == 512 || mtu == 1024 || mtu == 2048 || mtu == 4096;
 }
@@ -84,6 +88,7 @@ const char* to_string(MessageType type) noexcept {
     case MessageType::auth_challenge: return "AUTH_CHALLENGE";
     case MessageType::auth_response: return "AUTH_RESPONSE";
     case MessageType::auth_proof: return "AUTH_PROOF";
+    case MessageType::sealed: return "SEALED";
   }
   return "?";
 }
@@ -172,9 +177,9 @@ Header decode_header(std::span<const std::uint8_t> bytes) {
   const std::uint16_t type = r.u16();
   if (type < 1 || type > kLastMessageType) reject(fmt::format("unknown message type {}", type));
   Header h{static_cast<MessageType>(type), r.u32()};
-  if (h.length > kMaxPayload) {
+  if (h.length > max_payload(h.type)) {
     reject(fmt::format("oversized {} message: {} bytes (at most {})", to_string(h.type), h.length,
-                       kMaxPayload));
+                       max_payload(h.type)));
   }
   return h;
 }
@@ -186,7 +191,8 @@ std::optional<Header> try_decode_header(std::span<const std::uint8_t> bytes) noe
   const std::uint16_t version = r.u16();
   const std::uint16_t type = r.u16();
   const std::uint32_t length = r.u32();
-  if (magic != kMagic || version != kVersion || type < 1 || type > kLastMessageType || length > kMaxPayload) {
+  if (magic != kMagic || version != kVersion || type < 1 || type > kLastMessageType ||
+      length > max_payload(static_cast<MessageType>(type))) {
     return std::nullopt;
   }
   return Header{static_cast<MessageType>(type), length};

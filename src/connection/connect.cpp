@@ -54,9 +54,10 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
       const int fd = m.control.get();
       m.set_keepalive(fd);
       try {
-        if (!config.psk.empty()) {
+        m.session.reset();
+        if (m.psk) {
           step = "authentication";
-          detail::authenticate_client(fd, config.psk, deadline, m.info.peer_address);
+          m.session = detail::authenticate_client(fd, m.psk->bytes(), deadline, m.info.peer_address);
         }
         if (m.qps.empty()) {
           // The device, port and GID follow the route the kernel picked for the bootstrap
@@ -66,9 +67,10 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
           if (setup) setup(conn);
         }
         step = "HELLO exchange";
-        detail::send_all(fd, wire::encode_hello(m.info.local), deadline);
+        const auto hello = wire::encode_hello(m.info.local);
+        m.send_control(wire::MessageType::hello, std::span(hello).subspan(wire::kHeaderSize), deadline);
         m.trace_hello("hello_sent", m.info.local);
-        reply = detail::recv_message(fd, deadline);
+        reply = detail::recv_control(fd, m.session.get(), deadline, m.info.peer_address);
         detail::expect(reply, wire::MessageType::hello, m.info.peer_address);
         break;
       } catch (const Error& e) {
@@ -85,11 +87,11 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
       m.trace_hello("hello_received", remote);
       m.finish(std::move(remote));
     } catch (const std::exception& e) {
-      detail::send_reject(fd, e.what());
+      detail::send_reject(fd, m.session.get(), e.what());
       throw;
     }
     step = "READY";
-    detail::send_all(fd, wire::encode_header(wire::MessageType::ready, 0), deadline);
+    m.send_control(wire::MessageType::ready, {}, deadline);
   } catch (const std::exception& e) {
     m.trace_failure(step, e);
     throw;

@@ -91,7 +91,12 @@ void Connection::Impl::log(const std::string& msg) noexcept {
   }
 }
 
-Connection::Impl::Impl(ConnectionConfig c) : cfg(std::move(c)) {
+Connection::Impl::Impl(ConnectionConfig c, std::shared_ptr<const detail::Secret> key)
+    : cfg(std::move(c)), psk(std::move(key)) {
+  // One copy of the key per connection (or the listener's, shared), wiped when it goes.
+  detail::check_key(cfg.psk);
+  if (!psk && !cfg.psk.empty()) psk = std::make_shared<const detail::Secret>(cfg.psk);
+  detail::wipe(cfg.psk);
   if (!cfg.log) cfg.log = detail::default_log;
   if (!cfg.trace) cfg.trace = detail::trace_from_environment();
   timeouts = {cfg.ack_timeout, cfg.retry_count, cfg.rnr_timer, cfg.rnr_retry};
@@ -108,7 +113,35 @@ Connection::Impl::Impl(ConnectionConfig c) : cfg(std::move(c)) {
                             cfg.keepalive_timeout.count()),
                 "both positive (keepalive on), or both 0 (off)");
   }
-  detail::check_key(cfg.psk);
+}
+
+void detail::PinBudget::take(std::uint64_t n) {
+  std::lock_guard lock(mu_);
+  if (used_ + n > limit_) {
+    throw Error("listener memory budget", ENOMEM,
+                fmt::format("{}handshakes in progress have pinned {} bytes; {} more would pass the "
+                            "listener's budget of {}",
+                            detail::kBusyReason, used_, n, limit_),
+                "raise ListenerConfig::max_handshake_memory, or the connections wait until others "
+                "finish their handshakes");
+  }
+  used_ += n;
+}
+
+void detail::PinBudget::give(std::uint64_t n) noexcept {
+  std::lock_guard lock(mu_);
+  used_ -= std::min(used_, n);
+}
+
+void Connection::Impl::charge(std::uint64_t bytes) {
+  if (!budget || state != State::setup) return;
+  budget->take(bytes);
+  budget_held += bytes;
+}
+
+void Connection::Impl::release_budget() noexcept {
+  if (budget && budget_held > 0) budget->give(budget_held);
+  budget_held = 0;
 }
 
 void Connection::Impl::open(const std::string& local_address) {
@@ -259,6 +292,8 @@ void Connection::Impl::finish(wire::EndpointInfo remote) {
 
 void Connection::Impl::connected() noexcept {
   state = State::connected;
+  // Handed out: what it pinned is its owner's now, not the listener's handshakes'.
+  release_budget();
   dp.start();
   detail::emit(cfg.trace, [&] {
     return TraceEvent{"connected",
@@ -287,8 +322,7 @@ void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
   if (was_connected) dp.settle(deadline, *this);
   if (was_connected && control && !control_gone) {
     try {
-      detail::send_all(control.get(), wire::encode_header(wire::MessageType::bye, 0),
-                       std::max(deadline, Clock::now() + std::chrono::milliseconds{100}));
+      send_control(wire::MessageType::bye, {}, std::max(deadline, Clock::now() + std::chrono::milliseconds{100}));
     } catch (const std::exception&) {
       // The peer is already gone; nothing to tell it.
     }
@@ -325,6 +359,7 @@ Connection& Connection::operator=(Connection&&) noexcept = default;
 Connection::~Connection() = default;
 
 const MemoryRegion& Connection::register_memory(void* addr, std::size_t length, Access access) {
+  impl_->charge(length);
   impl_->regions.push_back(MemoryRegion::Impl::wrap(detail::register_region(impl_->dev, addr, length, access)));
   return impl_->regions.back();
 }
@@ -334,6 +369,7 @@ const MemoryRegion& Connection::allocate_memory(std::size_t length, Access acces
 }
 
 const MemoryRegion& Connection::allocate_memory(std::size_t length, Access access, const MemorySpec& spec) {
+  impl_->charge(length);
   impl_->regions.push_back(MemoryRegion::Impl::wrap(detail::allocate_region(impl_->dev, length, access, spec)));
   return impl_->regions.back();
 }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -42,10 +43,20 @@ void Connection::Impl::set_keepalive(int fd) const {
   }
 }
 
+void Connection::Impl::send_control(wire::MessageType type, std::span<const std::uint8_t> payload,
+                                    detail::Deadline deadline) {
+  detail::send_control(control.get(), session.get(), type, payload, deadline);
+}
+
 std::string Connection::Impl::control_gone_reason() const {
   if (bye_received) return "the peer closed the connection (BYE)";
   switch (control_errno) {
     case 0:
+      if (control_partial > 0) {
+        return fmt::format("the peer is gone: its control channel closed in the middle of a frame "
+                           "({} bytes of it had come; cut off on the way?)",
+                           control_partial);
+      }
       return "the peer is gone: its control channel closed (process exited or killed, or the "
              "host went down)";
     case ETIMEDOUT:
@@ -55,6 +66,10 @@ std::string Connection::Impl::control_gone_reason() const {
     case EPROTO:
       return "the peer is treated as gone: it sent garbage or more than the control channel "
              "holds on its control channel";
+    case EBADMSG:
+      return "the connection is not trusted any more: a control-channel frame failed to "
+             "authenticate (altered, replayed, reordered or injected on the way, or sent in the "
+             "clear); nothing in it was used";
     default:
       return fmt::format("the peer is gone: its control channel failed ({})", errno_name(control_errno));
   }
@@ -67,6 +82,7 @@ void Connection::Impl::pump_control() noexcept {
   auto gone = [this](int err) {
     control_gone = true;
     control_errno = err;
+    control_partial = cfill;
   };
   for (;;) {
     int err = 0;
@@ -80,13 +96,31 @@ void Connection::Impl::pump_control() noexcept {
       if (!h || h->length > cbuf.size() - wire::kHeaderSize) return gone(EPROTO);
       const std::size_t len = h->length;
       if (cfill < wire::kHeaderSize + len) break;
-      if (h->type == wire::MessageType::bye || h->type == wire::MessageType::reject) {
+      const std::span<const std::uint8_t> body(cbuf.data() + wire::kHeaderSize, len);
+      wire::MessageType type = h->type;
+      std::optional<detail::Message> opened;
+      if (session) {
+        // With a key, only sealed frames that open count; anything else ends the connection,
+        // and nothing in it is acted on.
+        opened = h->type == wire::MessageType::sealed ? session->open(*h, body) : std::nullopt;
+        if (!opened) {
+          try {
+            log(fmt::format("connection with {}: a control frame ({}, {} bytes) failed to "
+                            "authenticate; the connection is closed",
+                            info.peer_address, wire::to_string(h->type), len));
+          } catch (...) {
+          }
+          return gone(EBADMSG);
+        }
+        type = opened->header.type;
+      }
+      const std::span<const std::uint8_t> payload = opened ? std::span<const std::uint8_t>(opened->payload) : body;
+      if (type == wire::MessageType::bye || type == wire::MessageType::reject) {
         bye_received = true;
-      } else if (h->type == wire::MessageType::user) {
+      } else if (type == wire::MessageType::user) {
         // Only application messages allocate, and only when one arrives.
         try {
-          messages.emplace_back(cbuf.begin() + static_cast<std::ptrdiff_t>(wire::kHeaderSize),
-                                cbuf.begin() + static_cast<std::ptrdiff_t>(wire::kHeaderSize + len));
+          messages.emplace_back(payload.begin(), payload.end());
         } catch (...) {
           return gone(ENOMEM);
         }
@@ -118,9 +152,7 @@ void Connection::send_message(std::span<const std::uint8_t> payload,
   if (impl_->state != Impl::State::connected || !impl_->control) {
     throw Error("send_message", ENOTCONN, "the connection is not established or already closed");
   }
-  auto msg = wire::encode_header(wire::MessageType::user, static_cast<std::uint32_t>(payload.size()));
-  msg.insert(msg.end(), payload.begin(), payload.end());
-  detail::send_all(impl_->control.get(), msg, detail::deadline_in(timeout));
+  impl_->send_control(wire::MessageType::user, payload, detail::deadline_in(timeout));
 }
 
 std::optional<std::vector<std::uint8_t>> Connection::receive_message(std::chrono::milliseconds timeout) {

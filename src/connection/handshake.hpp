@@ -3,13 +3,15 @@
 
 #include <string>
 
+#include "bootstrap/session.hpp"
 #include "bootstrap/socket.hpp"
 #include "rdmakit/wire.hpp"
 
 namespace rdmakit::detail {
 
-/// Sends a REJECT with `reason` (best effort, bounded to 500 ms); never throws.
-void send_reject(int fd, const std::string& reason) noexcept;
+/// Sends a REJECT with `reason` (best effort, bounded to 500 ms; sealed when there is a
+/// session); never throws.
+void send_reject(int fd, Session* session, const std::string& reason) noexcept;
 /// Throws Error unless `m` is of `type`: the peer's reason when it is a REJECT, else what came.
 void expect(const Message& m, wire::MessageType type, const std::string& peer);
 

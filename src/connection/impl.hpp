@@ -11,10 +11,12 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "bootstrap/session.hpp"
 #include "bootstrap/socket.hpp"
 #include "datapath/datapath.hpp"
 #include "rdmakit/connection.hpp"
@@ -36,9 +38,24 @@ void default_log(std::string_view msg);
 inline constexpr std::chrono::milliseconds kPeerGoneGrace{100};
 // Control messages after the handshake are short; a peer sending more than this unread is
 // misbehaving and treated as gone.
-inline constexpr std::size_t kControlBuffer = 1024;
-static_assert(Connection::max_message_size + wire::kHeaderSize <= kControlBuffer,
-              "a maximal application message must fit the control buffer");
+inline constexpr std::size_t kControlBuffer = 2048;
+static_assert(Connection::max_message_size + wire::kHeaderSize + kSealOverhead <= kControlBuffer,
+              "a maximal application message, sealed, must fit the control buffer");
+
+/// Bytes that connections still in their handshake may pin (a Listener's
+/// max_handshake_memory), shared by the listener and those connections.
+class PinBudget {
+ public:
+  explicit PinBudget(std::uint64_t limit) : limit_(limit) {}
+  /// Takes `n` bytes, or throws Error ("busy: ...") when that would pass the limit.
+  void take(std::uint64_t n);
+  void give(std::uint64_t n) noexcept;
+
+ private:
+  std::mutex mu_;
+  std::uint64_t used_ = 0;
+  std::uint64_t limit_;
+};
 
 /// The library's own hooks into a handshake, for the doctor (which explains a failed connection
 /// by comparing both sides' parameters) and the library's tests (which forge a peer's values).
@@ -55,9 +72,13 @@ namespace rdmakit {
 struct Connection::Impl final : detail::Housekeeping {
   enum class State { setup, connected, closed };
 
-  ConnectionConfig cfg;
+  ConnectionConfig cfg;  // its psk is moved into `psk` and wiped
+  std::shared_ptr<const detail::Secret> psk;  // null without a key; the listener's, on its side
   detail::HandshakeHooks hooks;
   std::shared_ptr<void> admission;  // a listener's per-peer slot, given back on destruction
+  // A listener's budget for memory pinned during handshakes, and what this one holds of it.
+  std::shared_ptr<detail::PinBudget> budget;
+  std::uint64_t budget_held = 0;
   ConnectionInfo info;
   detail::QpTimeouts timeouts;
 
@@ -73,19 +94,24 @@ struct Connection::Impl final : detail::Housekeeping {
   std::vector<detail::QpPtr> qps;  // qps[0] carries SEND/RECV, WRITE_WITH_IMM and atomics
   detail::DataPath dp;             // posts to and polls the objects above; owns none of them
 
-  // Control channel.
+  // Control channel, and with a key the session every message after the proof travels in.
   detail::Fd control;
+  std::unique_ptr<detail::Session> session;
   State state = State::setup;
   bool bye_received = false;
   bool control_gone = false;
   int control_errno = 0;            // why it went: 0 for EOF, else the socket error
+  std::size_t control_partial = 0;  // bytes of an unfinished frame when it went
   detail::Deadline peer_gone_at{};  // when housekeeping first saw BYE or EOF; zero until then
   std::array<std::uint8_t, detail::kControlBuffer> cbuf{};
   std::size_t cfill = 0;
   std::deque<std::vector<std::uint8_t>> messages;  // application messages not yet received
 
-  explicit Impl(ConnectionConfig c);
-  ~Impl() { close(std::chrono::milliseconds{2000}); }
+  explicit Impl(ConnectionConfig c, std::shared_ptr<const detail::Secret> key = {});
+  ~Impl() {
+    close(std::chrono::milliseconds{2000});
+    release_budget();
+  }
 
   /// The implementation behind a Connection (for the library's own code and tests).
   static Impl& of(Connection& c) noexcept { return *c.impl_; }
@@ -96,7 +122,8 @@ struct Connection::Impl final : detail::Housekeeping {
   /// The listener's side of the handshake on an accepted socket, whose ownership it takes
   /// (accept.cpp). `admission` is the listener's per-peer slot, held while the connection lives.
   static Connection accept(int fd, const std::string& peer, const ConnectionConfig& config,
-                           const Setup& setup, std::shared_ptr<void> admission);
+                           std::shared_ptr<const detail::Secret> key, const Setup& setup,
+                           std::shared_ptr<void> admission, std::shared_ptr<detail::PinBudget> budget);
 
   // connection.cpp
   /// Opens the device, builds CQs and QPs (in INIT) and the data path, and fills in our
@@ -106,6 +133,9 @@ struct Connection::Impl final : detail::Housekeeping {
   /// Both sides' parameters are known: check they can talk, then INIT -> RTR -> RTS.
   void finish(wire::EndpointInfo remote);
   void connected() noexcept;
+  /// Counts `bytes` about to be pinned against the listener's handshake budget (Setup only).
+  void charge(std::uint64_t bytes);
+  void release_budget() noexcept;
   void close(std::chrono::milliseconds timeout) noexcept;
   void trace_hello(const char* event, const wire::EndpointInfo& e) noexcept;
   void trace_failure(const std::string& step, const std::exception& e) noexcept;
@@ -114,6 +144,8 @@ struct Connection::Impl final : detail::Housekeeping {
   // control.cpp
   /// Keepalive probes on the control socket (ConnectionConfig::keepalive_*).
   void set_keepalive(int fd) const;
+  /// One message on the control channel, sealed when there is a session.
+  void send_control(wire::MessageType type, std::span<const std::uint8_t> payload, detail::Deadline deadline);
   void pump_control() noexcept;
   /// Reads the control channel until `done()` holds (true) or the deadline passes (false).
   template <typename Done>

@@ -1,5 +1,8 @@
 // Listener: accepts on one thread, runs each client's handshake on a thread of its own with its
 // own deadline, and hands out the connections whose handshake succeeded.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -46,12 +49,22 @@ struct PeerCounts {
   }
 };
 
-// "[::1]:5" -> "::1", "10.0.0.1:5" -> "10.0.0.1": limits are per address, not per source port.
-std::string host_of(const std::string& peer) {
+// Who a peer is, for the per-peer limits: "10.0.0.1:5" -> "10.0.0.1" (an address, not a source
+// port), and an IPv6 address -> its prefix ("[2001:db8::7]:5" -> "2001:db8::/64" with prefix 64),
+// since a host typically holds a whole /64 and could otherwise dodge the limits by switching
+// addresses.
+std::string peer_group(const std::string& peer, std::uint32_t ipv6_prefix) {
   const auto colon = peer.rfind(':');
   std::string h = colon == std::string::npos ? peer : peer.substr(0, colon);
   if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
-  return h;
+  in6_addr a{};
+  if (ipv6_prefix >= 128 || ::inet_pton(AF_INET6, h.c_str(), &a) != 1 || IN6_IS_ADDR_V4MAPPED(&a)) return h;
+  for (std::uint32_t bit = ipv6_prefix; bit < 128; ++bit) {
+    a.s6_addr[bit / 8] = static_cast<std::uint8_t>(a.s6_addr[bit / 8] & ~(0x80u >> (bit % 8)));
+  }
+  char text[INET6_ADDRSTRLEN] = {};
+  ::inet_ntop(AF_INET6, &a, text, sizeof text);
+  return fmt::format("{}/{}", text, ipv6_prefix);
 }
 
 struct Handshake {
@@ -63,7 +76,9 @@ struct Handshake {
 }  // namespace
 
 struct Listener::Impl {
-  ListenerConfig cfg;
+  ListenerConfig cfg;  // its connection.psk is moved into `psk` and wiped
+  std::shared_ptr<const detail::Secret> psk;  // the one copy every handshake uses
+  std::shared_ptr<detail::PinBudget> budget;
   std::shared_ptr<PeerCounts> established = std::make_shared<PeerCounts>();
   Connection::Setup setup;
   detail::Fd fd;
@@ -107,7 +122,7 @@ void Listener::Impl::refuse(int client, const std::string& peer, const std::stri
 // (std::system_error when no thread can be started, bad_alloc) only before the thread owns the
 // socket; the caller then refuses the client.
 void Listener::Impl::serve(detail::Fd& client, const std::string& peer, std::list<Handshake>& running) {
-  const std::string host = host_of(peer);
+  const std::string host = peer_group(peer, cfg.ipv6_peer_prefix);
   const auto from_host = static_cast<std::uint32_t>(
       std::count_if(running.begin(), running.end(), [&](const Handshake& x) { return x.host == host; }));
   std::string busy;
@@ -133,7 +148,8 @@ void Listener::Impl::serve(detail::Fd& client, const std::string& peer, std::lis
     const int raw = client.get();
     h.thread = std::thread([this, raw, peer, done = h.done, slot = std::move(slot)]() mutable {
       try {
-        Connection conn = Connection::Impl::accept(raw, peer, cfg.connection, setup, std::move(slot));
+        Connection conn =
+            Connection::Impl::accept(raw, peer, cfg.connection, psk, setup, std::move(slot), budget);
         {
           std::lock_guard lock(mu);
           ready.push_back(std::move(conn));
@@ -200,16 +216,24 @@ Listener::Listener(const std::string& address, ListenerConfig config, Connection
   if (!c.log) c.log = detail::default_log;
   if (!c.trace) c.trace = detail::trace_from_environment();
   detail::check_key(c.psk);
-  if (config.max_pending == 0 || config.max_handshakes == 0 || config.max_handshakes_per_peer == 0) {
+  if (config.max_pending == 0 || config.max_handshakes == 0 || config.max_handshakes_per_peer == 0 ||
+      config.ipv6_peer_prefix > 128) {
     throw Error("listener config", EINVAL,
-                fmt::format("max_pending {}, max_handshakes {}, max_handshakes_per_peer {}: each at least 1",
-                            config.max_pending, config.max_handshakes, config.max_handshakes_per_peer));
+                fmt::format("max_pending {}, max_handshakes {}, max_handshakes_per_peer {} (each at least 1), "
+                            "ipv6_peer_prefix {} (at most 128)",
+                            config.max_pending, config.max_handshakes, config.max_handshakes_per_peer,
+                            config.ipv6_peer_prefix));
+  }
+  if (!c.psk.empty()) impl_->psk = std::make_shared<const detail::Secret>(c.psk);
+  detail::wipe(c.psk);
+  if (config.max_handshake_memory != 0) {
+    impl_->budget = std::make_shared<detail::PinBudget>(config.max_handshake_memory);
   }
   impl_->cfg = std::move(config);
   impl_->setup = std::move(setup);
   impl_->fd = detail::tcp_listen(detail::parse_host_port(address, 0), 128);
   impl_->port = detail::local_port(impl_->fd.get());
-  if (impl_->cfg.connection.psk.empty()) {
+  if (!impl_->psk) {
     impl_->log(fmt::format(
         "listening on port {} without a pre-shared key: anyone who can reach this port can connect "
         "and use the memory it advertises (set a key: --psk-file, ConnectionConfig::psk)",

@@ -41,7 +41,12 @@ one_vm)
   check_negotiated "$out/client"
   expect "$out/server" "without a pre-shared key: anyone who can reach this port"
   # With a key file on both sides it works; a client with another key is refused, and says why.
-  head -c 32 /dev/urandom > "$out/key" && chmod 600 "$out/key"
+  # rdmakit keygen writes one (mode 0600); any file of raw bytes with that mode is one too.
+  "$R" keygen "$out/key" > "$out/keygen" 2>&1 || fail "keygen exited $?"
+  expect "$out/keygen" "wrote a 32-byte key to $out/key (mode 0600)"
+  [ "$(stat -c %a "$out/key")" = 600 ] || fail "keygen: mode $(stat -c %a "$out/key")"
+  "$R" keygen "$out/key" > "$out/keygen-again" 2>&1 && fail "keygen overwrote a key"
+  expect "$out/keygen-again" "exists already"
   head -c 32 /dev/urandom > "$out/other" && chmod 600 "$out/other"
   "$R" hello --listen 127.0.0.1:12030 --psk-file "$out/key" > "$out/server-psk" 2>&1 &
   server=$!

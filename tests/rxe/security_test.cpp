@@ -133,7 +133,9 @@ TEST(Security, KeysAreShortOrOpenToOthersRefused) {
     EXPECT_NE(std::string(e.what()).find("chmod 600"), std::string::npos) << e.what();
   }
   ::chmod(path.c_str(), 0600);
-  EXPECT_EQ(rdmakit::read_key_file(path).size(), 32u);  // the newline is not part of the key
+  // The file's bytes, all of them, are the key: the newline too (nothing is trimmed, so a binary
+  // key reads back exactly).
+  EXPECT_EQ(rdmakit::read_key_file(path).size(), 33u);
   ::unlink(path.c_str());
 }
 

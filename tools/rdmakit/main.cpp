@@ -10,6 +10,7 @@
 #include "bench.hpp"
 #include "devices.hpp"
 #include "hello.hpp"
+#include "keygen.hpp"
 #include "rdmakit/error.hpp"
 #include "rdmakit/version.hpp"
 
@@ -22,6 +23,7 @@ int main(int argc, char** argv) {
   rdmakit::tools::add_bench(app, run);
   rdmakit::tools::add_devices(app, run);
   rdmakit::tools::add_doctor(app, run);
+  rdmakit::tools::add_keygen(app, run);
   CLI11_PARSE(app, argc, argv);
   try {
     return run();

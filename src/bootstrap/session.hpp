@@ -1,0 +1,80 @@
+#pragma once
+// The keyed session: after the mutual proof of the pre-shared key, every control-channel message
+// travels sealed in an AEAD frame (XChaCha20-Poly1305, libsodium) under a key of its direction,
+// derived from the PSK and both sides' nonces, with a per-direction sequence number as the nonce.
+// Confidentiality for addresses and rkeys, integrity, no replay, no reordering, no reflection: a
+// frame that was altered, repeated, dropped, reordered or sent back the other way fails to open.
+//
+//   SEALED frame: header (type SEALED, length n) | ciphertext of the inner message (its own
+//   12-byte header and payload) | 16-byte tag. The outer header is authenticated too.
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "bootstrap/socket.hpp"
+
+namespace rdmakit::detail {
+
+inline constexpr std::size_t kSessionKeySize = 32;
+inline constexpr std::size_t kSealTagSize = 16;
+/// The most bytes sealing adds to a message.
+inline constexpr std::size_t kSealOverhead = wire::kHeaderSize + kSealTagSize;
+
+/// A copy of a secret that is wiped when it goes: keys, and the pre-shared key itself. The
+/// library keeps one per listener and one per connection.
+class Secret {
+ public:
+  Secret() = default;
+  explicit Secret(std::span<const std::uint8_t> bytes);
+  Secret(const Secret&) = delete;
+  Secret& operator=(const Secret&) = delete;
+  ~Secret();
+  [[nodiscard]] std::span<const std::uint8_t> bytes() const noexcept { return bytes_; }
+  [[nodiscard]] bool empty() const noexcept { return bytes_.empty(); }
+
+ private:
+  std::vector<std::uint8_t> bytes_;
+};
+
+/// Wipes `v` (sodium_memzero) and empties it.
+void wipe(std::vector<std::uint8_t>& v) noexcept;
+
+/// Which side of the session this is (each seals with its own direction's key).
+enum class Role : std::uint8_t { client, server };
+
+class Session {
+ public:
+  /// Keys for both directions from the PSK and both nonces (HKDF-SHA256: extract with the
+  /// nonces as salt, expand with a label per direction).
+  Session(std::span<const std::uint8_t> psk, std::span<const std::uint8_t> client_nonce,
+          std::span<const std::uint8_t> server_nonce, Role role);
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+  ~Session();
+
+  /// A whole SEALED frame carrying a message of `type` with `payload`.
+  [[nodiscard]] std::vector<std::uint8_t> seal(wire::MessageType type, std::span<const std::uint8_t> payload);
+  /// Opens a SEALED frame's payload (`outer` is its header); the inner message, or nullopt when
+  /// it fails to authenticate (tampered, replayed, reordered, reflected, truncated) or is
+  /// malformed inside. Never throws. A failed frame consumes no sequence number.
+  [[nodiscard]] std::optional<Message> open(const wire::Header& outer, std::span<const std::uint8_t> sealed) noexcept;
+
+ private:
+  std::array<std::uint8_t, kSessionKeySize> tx_{};
+  std::array<std::uint8_t, kSessionKeySize> rx_{};
+  std::uint64_t tx_seq_ = 0;
+  std::uint64_t rx_seq_ = 0;
+};
+
+/// Sends a message on the control channel: sealed when there is a session, plain otherwise.
+void send_control(int fd, Session* session, wire::MessageType type, std::span<const std::uint8_t> payload,
+                  Deadline deadline);
+/// Receives one message: with a session it must be a SEALED frame that opens (else Error naming
+/// what came: a message in the clear, or a frame that failed to authenticate).
+Message recv_control(int fd, Session* session, Deadline deadline, const std::string& peer);
+
+}  // namespace rdmakit::detail

@@ -1,0 +1,12 @@
+#pragma once
+
+#include <functional>
+
+#include <CLI/CLI.hpp>
+
+namespace rdmakit::tools {
+
+/// Adds `rdmakit keygen FILE`: a fresh pre-shared key, written with mode 0600.
+void add_keygen(CLI::App& app, std::function<int()>& run);
+
+}  // namespace rdmakit::tools
