@@ -86,3 +86,52 @@ TEST(ChooseGid, OverrideByIndexOrAddress) {
 }
 
 }  // namespace
+
+namespace {
+
+// The route: the entry with the bootstrap socket's own address wins over the priority order,
+// RoCE v2 over v1 for the same address; an explicit selector still wins over the route.
+TEST(ChooseGid, FollowsTheBootstrapRoute) {
+  const std::vector<GidEntry> t = {entry(0, GidType::roce_v2, "fe80::1"), entry(1, GidType::roce_v2, "198.18.0.1"),
+                                   entry(2, GidType::roce_v1, "10.0.0.5"), entry(3, GidType::roce_v2, "10.0.0.5"),
+                                   entry(4, GidType::roce_v2, "2001:db8::5")};
+  const auto c = rdmakit::choose_gid(t, {}, "10.0.0.5");
+  EXPECT_EQ(c.entry.index, 3u);
+  EXPECT_EQ(c.reason, "the bootstrap connection's local address 10.0.0.5 (RoCE v2), the route to the peer");
+  EXPECT_EQ(rdmakit::choose_gid(t, {}, "2001:db8::5").entry.index, 4u);
+  // An IPv4 client of a dual-stack listener shows as ::ffff:a.b.c.d; that is the same GID.
+  EXPECT_EQ(rdmakit::choose_gid(t, {}, "::ffff:10.0.0.5").entry.index, 3u);
+  // No GID has the address (loopback): the priority order, and the reason says why.
+  const auto lo = rdmakit::choose_gid(t, {}, "127.0.0.1");
+  EXPECT_EQ(lo.entry.index, 1u);
+  EXPECT_NE(lo.reason.find("no GID has the bootstrap connection's local address 127.0.0.1"), std::string::npos)
+      << lo.reason;
+  // Configured beats routed.
+  EXPECT_EQ(rdmakit::choose_gid(t, GidSelector::parse("1"), "10.0.0.5").entry.index, 1u);
+  EXPECT_EQ(rdmakit::choose_gid(t, GidSelector::parse("198.18.0.1"), "10.0.0.5").entry.index, 1u);
+}
+
+// The device and port follow the route too, when none is configured.
+TEST(PickDevice, FollowsTheBootstrapRoute) {
+  rdmakit::PortInfo up1;
+  up1.number = 1;
+  up1.active = true;
+  up1.gids = {entry(1, GidType::roce_v2, "198.18.0.1")};
+  rdmakit::PortInfo up2 = up1;
+  up2.number = 2;
+  up2.gids = {entry(1, GidType::roce_v2, "198.18.1.1")};
+  rdmakit::DeviceInfo a, b;
+  a.name = "mlx5_0";
+  b.name = "mlx5_1";
+  a.ports = {up1};
+  b.ports = {up1, up2};
+  b.ports[0].gids = {entry(1, GidType::roce_v2, "198.18.2.1")};
+  const std::vector<rdmakit::DeviceInfo> devices = {a, b};
+  EXPECT_EQ(rdmakit::pick_device(devices, "").name, "mlx5_0");  // the first ACTIVE one
+  EXPECT_EQ(rdmakit::pick_device(devices, "", "198.18.1.1").name, "mlx5_1");
+  EXPECT_EQ(rdmakit::pick_port(devices[1], 0, "198.18.1.1").number, 2);
+  EXPECT_EQ(rdmakit::pick_port(devices[1], 0).number, 1);
+  EXPECT_EQ(rdmakit::pick_device(devices, "mlx5_0", "198.18.1.1").name, "mlx5_0");  // configured wins
+}
+
+}  // namespace
