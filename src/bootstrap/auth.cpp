@@ -54,12 +54,6 @@ Nonce fresh_nonce() {
   return n;
 }
 
-void send_message(int fd, wire::MessageType type, std::span<const std::uint8_t> payload, Deadline deadline) {
-  auto msg = wire::encode_header(type, static_cast<std::uint32_t>(payload.size()));
-  msg.insert(msg.end(), payload.begin(), payload.end());
-  send_all(fd, msg, deadline);
-}
-
 // The server's refusals are sent as REJECT by the handshake that catches them; the client sends
 // its own, since nothing above it talks to the server again.
 [[noreturn]] void refuse(const std::string& peer, const std::string& why, std::string hint = {}) {
@@ -79,7 +73,7 @@ std::unique_ptr<Session> authenticate_client(int fd, std::span<const std::uint8_
                                              const std::string& peer) {
   init_sodium();
   const Nonce mine = fresh_nonce();
-  send_message(fd, wire::MessageType::auth_challenge, mine, deadline);
+  send_control(fd, nullptr, wire::MessageType::auth_challenge, mine, deadline);  // before any session
   const Message reply = recv_message(fd, deadline);
   if (reply.header.type == wire::MessageType::reject) {
     throw Error("bootstrap authentication", ECONNREFUSED,
@@ -104,7 +98,7 @@ std::unique_ptr<Session> authenticate_client(int fd, std::span<const std::uint8_
     refuse(peer, "the server failed to prove it knows the pre-shared key",
            "the server uses another key (or is not the intended server): give both sides the same key");
   }
-  send_message(fd, wire::MessageType::auth_proof, mac(key, kClientLabel, mine, theirs), deadline);
+  send_control(fd, nullptr, wire::MessageType::auth_proof, mac(key, kClientLabel, mine, theirs), deadline);
   return std::make_unique<Session>(key, mine, theirs, Role::client);
 }
 
@@ -125,7 +119,7 @@ std::unique_ptr<Session> authenticate_server(int fd, std::span<const std::uint8_
   const Mac proof = mac(key, kServerLabel, theirs, mine);
   std::copy(mine.begin(), mine.end(), response.begin());
   std::copy(proof.begin(), proof.end(), response.begin() + kNonceSize);
-  send_message(fd, wire::MessageType::auth_response, response, deadline);
+  send_control(fd, nullptr, wire::MessageType::auth_response, response, deadline);
   const Message answer = recv_message(fd, deadline);
   if (answer.header.type != wire::MessageType::auth_proof ||
       !same(mac(key, kClientLabel, theirs, mine), answer.payload)) {

@@ -73,6 +73,19 @@ void DataPath::observe(std::function<void(const TraceEvent&)> trace, std::string
 void DataPath::set_remote(std::vector<RemoteRegion> regions, bool atomics) {
   remote_ = std::move(regions);
   atomics_ = atomics;
+  // What settle() aims its zero-length marker at: a writable region, else a readable one.
+  settle_target_ = nullptr;
+  for (const RemoteRegion& r : remote_) {
+    if (allows(r.access, Access::remote_write)) {
+      settle_target_ = &r;
+      settle_opcode_ = IBV_WR_RDMA_WRITE;
+      break;
+    }
+    if (settle_target_ == nullptr && allows(r.access, Access::remote_read)) {
+      settle_target_ = &r;
+      settle_opcode_ = IBV_WR_RDMA_READ;
+    }
+  }
 }
 
 // A completion of one part of a segmented request: records the first error; true (and `c`

@@ -192,7 +192,7 @@ class DataPath {
   // otherwise never be retired.
   void flush_all() noexcept;
   void post_markers() noexcept;
-  bool post_settle_marker(Lane& lane) noexcept;
+  bool post_marker(Lane& lane, ibv_wr_opcode opcode, const RemoteRegion* target) noexcept;
   // Polls until a completion for the caller turns up (true) or both CQs are empty.
   bool poll_until_news(Completion& out) noexcept;
   bool sleep_until_event(Deadline deadline, int wake_fd, Completion& out) noexcept;
@@ -212,6 +212,8 @@ class DataPath {
   bool markers_pending_ = false;  // checked once per poll: a drain marker waits for room
   bool atomics_ = false;
   std::vector<RemoteRegion> remote_;
+  const RemoteRegion* settle_target_ = nullptr;  // in remote_; null when none can take a marker
+  ibv_wr_opcode settle_opcode_ = IBV_WR_RDMA_WRITE;
 
   // Preallocated so posting never allocates.
   std::vector<ibv_send_wr> send_wrs_;

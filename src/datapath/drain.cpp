@@ -55,43 +55,29 @@ void DataPath::post_markers() noexcept {
       markers_pending_ = true;
       continue;
     }
-    ibv_send_wr marker{};
-    marker.wr_id = (std::uint64_t{l.id} << kLaneShift) | l.sq.next_seq();
-    marker.opcode = IBV_WR_SEND;  // never executed: the QP is in ERR
-    marker.send_flags = IBV_SEND_SIGNALED;
-    ibv_send_wr* bad = nullptr;
-    if (ibv_post_send(l.qp, &marker, &bad) == 0) {
-      l.sq.push({0, Opcode::send, WrRing::marker, false});
-      l.unsignaled_run = 0;
-    }
+    // Never executed (the QP is in ERR): only its flush completion matters.
+    (void)post_marker(l, IBV_WR_SEND, nullptr);
     l.needs_marker = false;
   }
 }
 
-// A signaled zero-length request behind the unsignaled ones of a QP in RTS: a WRITE into a
-// region the peer advertised as writable, else a READ of a readable one (with no SGE, neither
-// touches memory). Its completion says the requests before it are done.
-bool DataPath::post_settle_marker(Lane& lane) noexcept {
-  const RemoteRegion* target = nullptr;
-  bool write = false;
-  for (const RemoteRegion& r : remote_) {
-    if (allows(r.access, Access::remote_write)) {
-      target = &r;
-      write = true;
-      break;
-    }
-    if (target == nullptr && allows(r.access, Access::remote_read)) target = &r;
-  }
-  if (target == nullptr || lane.sq.free() == 0) return false;
+// A signaled request with no SGE behind a QP's unsignaled ones: its completion retires them
+// (the drain routine's, on a QP in ERR) or shows they are done (settle's, on a QP in RTS: a
+// zero-length WRITE or READ into a region the peer advertised touches no memory).
+bool DataPath::post_marker(Lane& lane, ibv_wr_opcode opcode, const RemoteRegion* target) noexcept {
   ibv_send_wr v{};
   v.wr_id = (std::uint64_t{lane.id} << kLaneShift) | lane.sq.next_seq();
-  v.opcode = write ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
+  v.opcode = opcode;
   v.send_flags = IBV_SEND_SIGNALED;
-  v.wr.rdma.remote_addr = target->addr;
-  v.wr.rdma.rkey = target->rkey;
+  if (target != nullptr) {
+    v.wr.rdma.remote_addr = target->addr;
+    v.wr.rdma.rkey = target->rkey;
+  }
   ibv_send_wr* bad = nullptr;
   if (ibv_post_send(lane.qp, &v, &bad) != 0) return false;
-  lane.sq.push({0, write ? Opcode::write : Opcode::read, WrRing::marker, false});
+  const Opcode op = opcode == IBV_WR_RDMA_WRITE ? Opcode::write : opcode == IBV_WR_RDMA_READ ? Opcode::read
+                                                                                               : Opcode::send;
+  lane.sq.push({0, op, WrRing::marker, false});
   lane.unsignaled_run = 0;
   return true;
 }
@@ -105,7 +91,8 @@ void DataPath::settle(Deadline deadline, Housekeeping& hk) noexcept {
     std::uint32_t blind = 0;
     for (Lane& l : lanes_) {
       if (l.sq.count() == 0) continue;
-      if (l.unsignaled_run > 0 && !post_settle_marker(l)) {
+      if (l.unsignaled_run > 0 &&
+          !(settle_target_ != nullptr && l.sq.free() > 0 && post_marker(l, settle_opcode_, settle_target_))) {
         // A full queue makes room as its signaled requests complete (one is at most half a
         // queue back); with nothing to aim a marker at, the QP's requests cannot be observed.
         if (l.sq.free() == 0) {
