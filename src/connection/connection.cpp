@@ -145,16 +145,16 @@ void Connection::Impl::release_budget() noexcept {
 }
 
 void Connection::Impl::open(const std::string& local_address) {
-  const auto devices = list_devices();
+  if (!layer) layer = detail::DeviceLayer::acquire();
+  const auto devices = layer->catalog();
   const DeviceInfo& d = pick_device(devices, cfg.device, local_address);
   const PortInfo& p = pick_port(d, cfg.port, local_address);
   const GidChoice gid = choose_gid(p.gids, cfg.gid, local_address);
 
-  dev = detail::open_pd(d.name);
-  ibv_device_attr dattr{};
-  if (const int rc = ibv_query_device(dev->ctx.get(), &dattr); rc != 0) {
-    throw Error("ibv_query_device", rc, d.name);
-  }
+  dev = detail::open_pd(layer->device(d.name));
+  const ibv_device_attr& dattr = dev->device->attr();
+  // The device is shared; its events for our port, CQs and QPs come to on_device_event.
+  dev->device->subscribe(this, p.number);
   // One send CQ serves every QP and must hold one entry per work request of all of them, so a
   // depth is bounded by both limits: then the CQ can never overrun, whatever the signaling.
   for (auto [what, want, per_cq] : {std::tuple{"send_depth", cfg.send_depth, cfg.qps},
@@ -166,21 +166,20 @@ void Connection::Impl::open(const std::string& local_address) {
                               what, want, d.name, limit, per_cq, d.max_qp_wr, d.max_cqe));
     }
   }
-  // The context is this connection's own, so its async events (port down, QP fatal) are too;
-  // non-blocking, so wait() can look at them without ever blocking.
-  set_nonblocking(dev->ctx->async_fd, "async event fd");
   if (cfg.completion_events) {
-    channel.reset(ibv_create_comp_channel(dev->ctx.get()));
+    channel.reset(ibv_create_comp_channel(dev->ctx()));
     if (!channel) throw Error("ibv_create_comp_channel", errno, d.name);
     // Non-blocking, so a spurious wakeup can never leave ibv_get_cq_event blocked past a deadline.
     set_nonblocking(channel->fd, "completion channel");
   }
   const std::uint32_t send_cqe = cfg.send_depth * cfg.qps;
-  send_cq.reset(ibv_create_cq(dev->ctx.get(), static_cast<int>(send_cqe), nullptr, channel.get(), 0));
+  send_cq.reset(ibv_create_cq(dev->ctx(), static_cast<int>(send_cqe), nullptr, channel.get(), 0));
   if (!send_cq) throw Error("ibv_create_cq", errno, fmt::format("send CQ, {} entries", send_cqe));
-  recv_cq.reset(ibv_create_cq(dev->ctx.get(), static_cast<int>(cfg.recv_depth), nullptr,
+  recv_cq.reset(ibv_create_cq(dev->ctx(), static_cast<int>(cfg.recv_depth), nullptr,
                               channel.get(), 0));
   if (!recv_cq) throw Error("ibv_create_cq", errno, fmt::format("receive CQ, {} entries", cfg.recv_depth));
+  dev->device->watch(this, send_cq.get());
+  dev->device->watch(this, recv_cq.get());
 
   qps.reserve(cfg.qps);
   std::vector<ibv_qp*> raw;
@@ -215,6 +214,7 @@ void Connection::Impl::open(const std::string& local_address) {
     info.max_inline = k == 0 ? qattr.cap.max_inline_data : std::min(info.max_inline, qattr.cap.max_inline_data);
     info.max_sge = k == 0 ? qattr.cap.max_send_sge : std::min(info.max_sge, qattr.cap.max_send_sge);
     raw.push_back(qp.get());
+    dev->device->watch(this, qp.get());
     qps.push_back(std::move(qp));
     detail::to_init(raw.back(), p.number);
     detail::emit(cfg.trace, [&] {
@@ -349,6 +349,8 @@ void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
   // regions' registrations (revocation: no rkey of this connection works any more).
   dp.forget_qps();
   qps.clear();
+  // No event of ours can be delivered any more (and a new QP at a freed address is not ours).
+  if (dev) dev->device->unsubscribe(this);
   for (MemoryRegion& r : regions) MemoryRegion::Impl::deregister(r);
   control.reset();
 }

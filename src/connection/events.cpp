@@ -28,48 +28,51 @@ void Connection::Impl::tick(detail::Deadline now) noexcept {
 }
 
 void Connection::Impl::pump_async() noexcept {
-  if (!dev || !dev->ctx) return;
-  ibv_async_event ev{};
-  while (ibv_get_async_event(dev->ctx.get(), &ev) == 0) {
-    std::string why;
-    try {
-      switch (ev.event_type) {
-        case IBV_EVENT_PORT_ERR:
-          if (ev.element.port_num == info.port) {
-            why = fmt::format("port {} of {} went down (IBV_EVENT_PORT_ERR): the link or its netdev "
-                              "is down; check `ip link` / the cable, then reconnect",
-                              info.port, info.device);
-          }
-          break;
-        case IBV_EVENT_DEVICE_FATAL:
-          why = fmt::format("device {} failed (IBV_EVENT_DEVICE_FATAL); it must be reset or reloaded",
-                            info.device);
-          break;
-        case IBV_EVENT_CQ_ERR:
-          // A CQ overrun: completions were lost, so nothing outstanding can be accounted for.
-          if (ev.element.cq == send_cq.get() || ev.element.cq == recv_cq.get()) {
-            why = fmt::format("the {} CQ of {} failed (IBV_EVENT_CQ_ERR, usually an overrun): "
-                              "completions were lost",
-                              ev.element.cq == send_cq.get() ? "send" : "receive", info.device);
-          }
-          break;
-        case IBV_EVENT_QP_FATAL:
-        case IBV_EVENT_QP_REQ_ERR:
-        case IBV_EVENT_QP_ACCESS_ERR:
-          for (const detail::QpPtr& qp : qps) {
-            if (ev.element.qp == qp.get()) {
-              why = fmt::format("QP {:#x} failed ({})", qp->qp_num, ibv_event_type_str(ev.event_type));
-            }
-          }
-          break;
-        default: break;
-      }
-    } catch (...) {
-      why = "device event (no memory to describe it)";
-    }
-    ibv_ack_async_event(&ev);
-    if (!why.empty()) dp.break_connection(std::move(why), detail::BreakCause::device);
+  if (!dev) return;
+  dev->device->pump();
+  if (!device_failed.load(std::memory_order_acquire)) return;
+  std::string why;
+  {
+    std::lock_guard lock(device_mu);
+    why = std::move(device_failure);
   }
+  device_failed.store(false, std::memory_order_relaxed);
+  dp.break_connection(std::move(why), detail::BreakCause::device);
+}
+
+// Runs on whichever thread pumped the event: it only records why, for our own thread to act on.
+void Connection::Impl::on_device_event(const detail::Device& device, const detail::DeviceEvent& e) noexcept {
+  std::string why;
+  try {
+    switch (e.type) {
+      case IBV_EVENT_PORT_ERR:
+        why = fmt::format("port {} of {} went down (IBV_EVENT_PORT_ERR): the link or its netdev "
+                          "is down; check `ip link` / the cable, then reconnect",
+                          e.port, device.name());
+        break;
+      case IBV_EVENT_DEVICE_FATAL:
+        why = fmt::format("device {} failed (IBV_EVENT_DEVICE_FATAL); it must be reset or reloaded",
+                          device.name());
+        break;
+      case IBV_EVENT_CQ_ERR:
+        // A CQ overrun: completions were lost, so nothing outstanding can be accounted for.
+        why = fmt::format("the {} CQ of {} failed (IBV_EVENT_CQ_ERR, usually an overrun): "
+                          "completions were lost",
+                          e.cq == send_cq.get() ? "send" : "receive", device.name());
+        break;
+      case IBV_EVENT_QP_FATAL:
+      case IBV_EVENT_QP_REQ_ERR:
+      case IBV_EVENT_QP_ACCESS_ERR:
+        why = fmt::format("QP {:#x} failed ({})", e.qp->qp_num, ibv_event_type_str(e.type));
+        break;
+      default: return;
+    }
+  } catch (...) {
+    why = "device event (no memory to describe it)";
+  }
+  std::lock_guard lock(device_mu);
+  if (device_failure.empty()) device_failure = std::move(why);
+  device_failed.store(true, std::memory_order_release);
 }
 
 }  // namespace rdmakit

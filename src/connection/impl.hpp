@@ -6,6 +6,7 @@
 #include <infiniband/verbs.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -20,6 +21,7 @@
 #include "bootstrap/socket.hpp"
 #include "datapath/datapath.hpp"
 #include "rdmakit/connection.hpp"
+#include "verbs/device_layer.hpp"
 #include "verbs/handles.hpp"
 #include "verbs/memory_impl.hpp"
 #include "verbs/qp.hpp"
@@ -69,7 +71,7 @@ struct HandshakeHooks {
 
 namespace rdmakit {
 
-struct Connection::Impl final : detail::Housekeeping {
+struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   enum class State { setup, connected, closed };
 
   ConnectionConfig cfg;  // its psk is moved into `psk` and wiped
@@ -86,7 +88,8 @@ struct Connection::Impl final : detail::Housekeeping {
   // then the CQs and the channel, then the regions (each deregistered, then its memory freed),
   // and the PD and context last, when the last region lets go of them. close() already destroys
   // the QPs and deregisters the regions, in that order: no QP can reach memory being freed.
-  std::shared_ptr<detail::DeviceResources> dev;
+  std::shared_ptr<detail::DeviceLayer> layer;  // the process's devices, opened once
+  std::shared_ptr<detail::DeviceResources> dev;  // our device, and a PD of our own on it
   std::deque<MemoryRegion> regions;
   detail::CompChannelPtr channel;  // before the CQs: it must outlive them
   detail::CqPtr send_cq;
@@ -106,6 +109,12 @@ struct Connection::Impl final : detail::Housekeeping {
   std::array<std::uint8_t, detail::kControlBuffer> cbuf{};
   std::size_t cfill = 0;
   std::deque<std::vector<std::uint8_t>> messages;  // application messages not yet received
+
+  // A device event that breaks this connection, left here by whichever thread pumped it
+  // (on_device_event) and taken by this connection's own thread (pump_async).
+  std::mutex device_mu;
+  std::string device_failure;
+  std::atomic<bool> device_failed{false};
 
   explicit Impl(ConnectionConfig c, std::shared_ptr<const detail::Secret> key = {});
   ~Impl() {
@@ -163,9 +172,11 @@ struct Connection::Impl final : detail::Housekeeping {
   // events.cpp: the data path's housekeeping, about once a millisecond in wait().
   void tick(detail::Deadline now) noexcept override;
   [[nodiscard]] int wake_fd() const noexcept override { return control ? control.get() : -1; }
-  /// Reads the device's async events without blocking; breaks the connection on one that
-  /// concerns it (port down, QP, CQ or device fatal).
+  /// Pumps the device's async events without blocking; breaks the connection on one that
+  /// concerns it (port down, QP, CQ or device fatal), whichever thread read it.
   void pump_async() noexcept;
+  /// Called on the pumping thread (any thread) for an event of our port, QPs or CQs.
+  void on_device_event(const detail::Device& device, const detail::DeviceEvent& e) noexcept override;
 };
 
 }  // namespace rdmakit

@@ -76,6 +76,9 @@ struct Handshake {
 }  // namespace
 
 struct Listener::Impl {
+  // Held so the devices stay open between connections; a handshake acquires (and reports the
+  // failure of) the layer itself when this is null.
+  std::shared_ptr<detail::DeviceLayer> devices;
   ListenerConfig cfg;  // its connection.psk is moved into `psk` and wiped
   std::shared_ptr<const detail::Secret> psk;  // the one copy every handshake uses
   std::shared_ptr<detail::PinBudget> budget;
@@ -233,6 +236,11 @@ Listener::Listener(const std::string& address, ListenerConfig config, Connection
   impl_->setup = std::move(setup);
   impl_->fd = detail::tcp_listen(detail::parse_host_port(address, 0), 128);
   impl_->port = detail::local_port(impl_->fd.get());
+  try {
+    impl_->devices = detail::DeviceLayer::acquire();
+  } catch (const std::exception&) {
+    // Each handshake will say why the devices cannot be opened.
+  }
   if (!impl_->psk) {
     impl_->log(fmt::format(
         "listening on port {} without a pre-shared key: anyone who can reach this port can connect "

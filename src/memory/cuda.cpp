@@ -73,9 +73,9 @@ class CudaApi {
 
   Result (*init)(unsigned) = nullptr;
   Result (*device_count)(int*) = nullptr;
-  Result (*device_get)(Device*, int) = nullptr;
-  Result (*ctx_retain)(Context*, Device) = nullptr;
-  Result (*ctx_release)(Device) = nullptr;
+  Result (*device_get)(cuda::Device*, int) = nullptr;
+  Result (*ctx_retain)(Context*, cuda::Device) = nullptr;
+  Result (*ctx_release)(cuda::Device) = nullptr;
   Result (*ctx_push)(Context) = nullptr;
   Result (*ctx_pop)(Context*) = nullptr;
   Result (*ctx_synchronize)() = nullptr;

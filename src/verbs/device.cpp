@@ -11,7 +11,7 @@
 #include "common/ipaddr.hpp"
 #include "rdmakit/device.hpp"
 #include "rdmakit/error.hpp"
-#include "verbs/handles.hpp"
+#include "verbs/device_layer.hpp"
 
 namespace rdmakit {
 namespace detail {
@@ -37,18 +37,6 @@ ibv_mtu mtu_enum(std::uint32_t bytes) noexcept {
 
 const char* port_state_name(ibv_port_state s);
 
-namespace {
-
-std::string available(ibv_device** list, int n) {
-  std::string names;
-  for (int i = 0; i < n; ++i) {
-    if (!names.empty()) names += ", ";
-    names += ibv_get_device_name(list[i]);
-  }
-  return names.empty() ? "none" : names;
-}
-
-}  // namespace
 
 const char* port_state_name(ibv_port_state s) {
   switch (s) {
@@ -61,27 +49,6 @@ const char* port_state_name(ibv_port_state s) {
   }
 }
 
-ContextPtr open_device(const std::string& name) {
-  int n = 0;
-  DeviceListPtr list(ibv_get_device_list(&n));
-  if (!list) {
-    throw Error("ibv_get_device_list", errno, "listing RDMA devices",
-                "is rdma-core installed and the ib_uverbs module loaded? (/dev/infiniband)");
-  }
-  for (int i = 0; i < n; ++i) {
-    if (name == ibv_get_device_name(list.get()[i])) {
-      ContextPtr ctx(ibv_open_device(list.get()[i]));
-      if (!ctx) {
-        throw Error("ibv_open_device", errno, fmt::format("device {}", name),
-                    "check the permissions of /dev/infiniband/uverbs* (in a container, pass the "
-                    "device through)");
-      }
-      return ctx;
-    }
-  }
-  throw Error("open device", ENODEV,
-              fmt::format("no RDMA device named '{}'; available: {}", name, available(list.get(), n)));
-}
 
 }  // namespace detail
 
@@ -178,68 +145,52 @@ int numa_node_of(ibv_device* dev) {
 
 }  // namespace
 
-std::vector<DeviceInfo> list_devices() {
-  int n = 0;
-  detail::DeviceListPtr list(ibv_get_device_list(&n));
-  if (!list) {
-    throw Error("ibv_get_device_list", errno, "listing RDMA devices",
-                "is rdma-core installed and the ib_uverbs module loaded? (/dev/infiniband)");
-  }
-  std::vector<DeviceInfo> devices;
-  for (int i = 0; i < n; ++i) {
-    ibv_device* dev = list.get()[i];
-    DeviceInfo info;
-    info.name = ibv_get_device_name(dev);
-    info.node_guid = be64toh(ibv_get_device_guid(dev));
-    detail::ContextPtr ctx(ibv_open_device(dev));
-    if (!ctx) {
-      throw Error("ibv_open_device", errno, fmt::format("device {}", info.name),
-                  "check the permissions of /dev/infiniband/uverbs*");
+namespace detail {
+
+DeviceInfo query_device_info(ibv_device* dev, ibv_context* ctx, const ibv_device_attr& attr) {
+  DeviceInfo info;
+  info.name = ibv_get_device_name(dev);
+  info.node_guid = be64toh(ibv_get_device_guid(dev));
+  info.max_qp_wr = static_cast<std::uint32_t>(attr.max_qp_wr);
+  info.max_cqe = static_cast<std::uint32_t>(attr.max_cqe);
+  info.max_sge = static_cast<std::uint32_t>(attr.max_sge);
+  info.max_qp_rd_atom = static_cast<std::uint32_t>(attr.max_qp_rd_atom);
+  info.atomics = attr.atomic_cap != IBV_ATOMIC_NONE;
+  info.fw_ver = attr.fw_ver;
+  info.vendor_id = attr.vendor_id;
+  info.vendor_part_id = attr.vendor_part_id;
+  info.numa_node = numa_node_of(dev);
+  for (std::uint8_t p = 1; p <= attr.phys_port_cnt; ++p) {
+    ibv_port_attr pa{};
+    if (const int rc = ibv_query_port(ctx, p, &pa); rc != 0) {
+      throw Error("ibv_query_port", rc, fmt::format("device {} port {}", info.name, p));
     }
-    ibv_device_attr attr{};
-    if (const int rc = ibv_query_device(ctx.get(), &attr); rc != 0) {
-      throw Error("ibv_query_device", rc, fmt::format("device {}", info.name));
-    }
-    info.max_qp_wr = static_cast<std::uint32_t>(attr.max_qp_wr);
-    info.max_cqe = static_cast<std::uint32_t>(attr.max_cqe);
-    info.max_sge = static_cast<std::uint32_t>(attr.max_sge);
-    info.max_qp_rd_atom = static_cast<std::uint32_t>(attr.max_qp_rd_atom);
-    info.atomics = attr.atomic_cap != IBV_ATOMIC_NONE;
-    info.fw_ver = attr.fw_ver;
-    info.vendor_id = attr.vendor_id;
-    info.vendor_part_id = attr.vendor_part_id;
-    info.numa_node = numa_node_of(dev);
-    for (std::uint8_t p = 1; p <= attr.phys_port_cnt; ++p) {
-      ibv_port_attr pa{};
-      if (const int rc = ibv_query_port(ctx.get(), p, &pa); rc != 0) {
-        throw Error("ibv_query_port", rc, fmt::format("device {} port {}", info.name, p));
+    PortInfo port;
+    port.number = p;
+    port.active = pa.state == IBV_PORT_ACTIVE;
+    port.state = port_state_name(pa.state);
+    port.link_layer =
+        pa.link_layer == IBV_LINK_LAYER_ETHERNET ? LinkLayer::ethernet : LinkLayer::infiniband;
+    port.active_mtu = mtu_bytes(pa.active_mtu);
+    port.max_mtu = mtu_bytes(pa.max_mtu);
+    port.lid = pa.lid;
+    port.max_msg_size = pa.max_msg_sz;
+    port.width = lanes(pa.active_width);
+    port.speed_gbps = lane_gbps(pa.active_speed) * port.width;
+    port.gids = query_gids(ctx, p, static_cast<size_t>(pa.gid_tbl_len) * attr.phys_port_cnt);
+    for (const GidEntry& g : port.gids) {
+      if (!g.netdev.empty()) {
+        port.netdev = g.netdev;
+        break;
       }
-      PortInfo port;
-      port.number = p;
-      port.active = pa.state == IBV_PORT_ACTIVE;
-      port.state = detail::port_state_name(pa.state);
-      port.link_layer =
-          pa.link_layer == IBV_LINK_LAYER_ETHERNET ? LinkLayer::ethernet : LinkLayer::infiniband;
-      port.active_mtu = detail::mtu_bytes(pa.active_mtu);
-      port.max_mtu = detail::mtu_bytes(pa.max_mtu);
-      port.lid = pa.lid;
-      port.max_msg_size = pa.max_msg_sz;
-      port.width = lanes(pa.active_width);
-      port.speed_gbps = lane_gbps(pa.active_speed) * port.width;
-      port.gids = query_gids(ctx.get(), p,
-                             static_cast<size_t>(pa.gid_tbl_len) * attr.phys_port_cnt);
-      for (const GidEntry& g : port.gids) {
-        if (!g.netdev.empty()) {
-          port.netdev = g.netdev;
-          break;
-        }
-      }
-      info.ports.push_back(std::move(port));
     }
-    devices.push_back(std::move(info));
+    info.ports.push_back(std::move(port));
   }
-  return devices;
+  return info;
 }
+
+}  // namespace detail
+
 
 namespace {
 

@@ -41,8 +41,6 @@ using CqPtr = std::unique_ptr<ibv_cq, CqDeleter>;
 using QpPtr = std::unique_ptr<ibv_qp, QpDeleter>;
 using MrPtr = std::unique_ptr<ibv_mr, MrDeleter>;
 
-/// Opens a device by name; throws Error listing the available devices if there is none such.
-ContextPtr open_device(const std::string& name);
 
 /// ibv_mtu <-> bytes. Unknown values map to 0 / IBV_MTU_256.
 std::uint32_t mtu_bytes(ibv_mtu mtu) noexcept;

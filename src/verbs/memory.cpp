@@ -74,14 +74,6 @@ RemoteRegion MemoryRegion::remote() const noexcept {
 
 namespace detail {
 
-std::shared_ptr<DeviceResources> open_pd(const std::string& name) {
-  auto dev = std::make_shared<DeviceResources>();
-  dev->ctx = open_device(name);
-  dev->pd.reset(ibv_alloc_pd(dev->ctx.get()));
-  if (!dev->pd) throw Error("ibv_alloc_pd", errno, name);
-  return dev;
-}
-
 HugePages huge_pages() {
   HugePages h;
   std::ifstream f("/proc/meminfo");

@@ -1,6 +1,7 @@
 #pragma once
-// What a MemoryRegion owns. The device context and PD are shared with the connection that made
-// the region, so the PD outlives every MR registered in it whatever order the user drops them in.
+// What a MemoryRegion owns. The device and PD are shared with the connection (or engine) that
+// made the region, so the PD outlives every MR registered in it whatever order the user drops
+// them in.
 
 #include <cstdint>
 #include <cstdlib>
@@ -8,18 +9,11 @@
 #include <string>
 
 #include "rdmakit/memory.hpp"
+#include "verbs/device_layer.hpp"
 #include "verbs/handles.hpp"
 
 namespace rdmakit::detail {
 
-/// The device context and protection domain, in that member order (PD released first).
-struct DeviceResources {
-  ContextPtr ctx;
-  PdPtr pd;
-};
-
-/// Opens device `name` and allocates a protection domain in it. Throws Error.
-std::shared_ptr<DeviceResources> open_pd(const std::string& name);
 
 /// How to raise RLIMIT_MEMLOCK, said the same way wherever a limit is the problem.
 inline constexpr const char* kMemlockAdvice =

@@ -508,11 +508,8 @@ TEST(Edges, AListenerThatCannotStartAThreadRefusesAndLivesOn) {
 // at that address, makes both sides use that address's GID, not the first by priority.
 TEST(Edges, TheGidFollowsTheBootstrapRoute) {
   const std::string addr = "198.18.77.1";
-  ASSERT_EQ(std::system(("ip addr add " + addr + "/24 dev eth0").c_str()), 0);
-  struct Undo {
-    std::string a;
-    ~Undo() { (void)std::system(("ip addr del " + a + "/24 dev eth0").c_str()); }
-  } undo{addr};
+  lab::ExtraAddress extra(addr);
+  ASSERT_TRUE(extra.ok);
   // The GID table follows the netdev's addresses, asynchronously.
   bool present = false;
   for (int i = 0; i < 100 && !present; ++i) {

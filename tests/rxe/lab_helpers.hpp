@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "rdmakit/connection.hpp"
 #include "rdmakit/wire.hpp"
 
 namespace lab {
@@ -93,6 +94,31 @@ inline std::vector<std::pair<rdmakit::wire::Header, std::vector<std::uint8_t>>> 
   }
   return out;
 }
+
+/// A connection config that logs nothing and retries a refused connect until its deadline.
+inline rdmakit::ConnectionConfig quiet() {
+  rdmakit::ConnectionConfig cfg;
+  cfg.log = [](std::string_view) {};
+  cfg.retry_refused = true;
+  return cfg;
+}
+
+/// A second IPv4 address on eth0 (a /24) for the scope of the object.
+struct ExtraAddress {
+  explicit ExtraAddress(std::string a) : address(std::move(a)) {
+    ok = std::system(("ip addr add " + address + "/24 dev eth0").c_str()) == 0;
+  }
+  ExtraAddress(const ExtraAddress&) = delete;
+  ExtraAddress& operator=(const ExtraAddress&) = delete;
+  ~ExtraAddress() { remove(); }
+  bool remove() {
+    if (!ok) return true;
+    ok = false;
+    return std::system(("ip addr del " + address + "/24 dev eth0").c_str()) == 0;
+  }
+  std::string address;
+  bool ok = false;
+};
 
 inline bool send_bytes(int fd, const std::vector<std::uint8_t>& b) {
   return ::send(fd, b.data(), b.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(b.size());
