@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "datapath/datapath.hpp"
+#include "datapath/router.hpp"
 #include "rdmakit/error.hpp"
 #include "trace.hpp"
 #include "verbs/qp.hpp"
@@ -45,6 +46,7 @@ void DataPath::init(const DataPathLimits& limits, std::span<ibv_qp* const> qps, 
     l.qp = qps[k];
     l.qpn = qps[k]->qp_num;
     l.id = k;
+    l.owner = this;
     l.sq.init(limits.send_depth);
   }
   rq_.init(limits.recv_depth);
@@ -63,6 +65,23 @@ void DataPath::init(const DataPathLimits& limits, std::span<ibv_qp* const> qps, 
   segment_min_ordered_ = std::uint64_t{limits.max_msg_size} + 1;
   segment_min_spread_ = lane_count_ > 1 ? std::min(limits.stripe_min, segment_min_ordered_) : segment_min_ordered_;
   mode_ = Mode::idle;
+}
+
+void DataPath::route_through(CqRouter& send, CqRouter& recv) {
+  if (routed()) throw Error("data path", EINVAL, "already routed through shared CQs");
+  std::uint32_t attached = 0;
+  try {
+    for (Lane& l : lanes_) {
+      l.id = send.attach(this, &l);
+      ++attached;
+    }
+    rq_tag_ = recv.attach(this, nullptr);
+  } catch (...) {
+    for (std::uint32_t k = 0; k < attached; ++k) send.detach(lanes_[k].id);
+    throw;
+  }
+  send_router_ = &send;
+  recv_router_ = &recv;
 }
 
 void DataPath::observe(std::function<void(const TraceEvent&)> trace, std::string peer) {
@@ -152,6 +171,43 @@ void DataPath::release_segmented(std::uint32_t index) noexcept {
   }
   break_connection(std::move(why), BreakCause::completion);
   break_reported_ = true;  // the error completion is the report
+}
+
+}  // namespace rdmakit::detail
+
+namespace rdmakit::detail {
+
+void CqRouter::init(ibv_cq* cq, std::uint32_t capacity) {
+  if (capacity == 0 || capacity > kMaxTags) {
+    throw Error("CQ router", EINVAL, fmt::format("{} queues: 1..{} per shared CQ", capacity, kMaxTags));
+  }
+  cq_ = cq;
+  routes_.assign(capacity, {});
+  free_.resize(capacity);
+  for (std::uint32_t t = 0; t < capacity; ++t) free_[t] = t;
+  free_head_ = 0;
+  attached_ = 0;
+}
+
+std::uint32_t CqRouter::attach(DataPath* owner, Lane* lane) {
+  if (attached_ == routes_.size()) {
+    throw Error("CQ router", ENOSPC, fmt::format("all {} queues of the shared CQ are in use", routes_.size()),
+                "raise the engine's QP budget only together with its CQ size");
+  }
+  const std::uint32_t tag = free_[free_head_];
+  free_head_ = (free_head_ + 1) % static_cast<std::uint32_t>(free_.size());
+  routes_[tag] = {owner, lane};
+  ++attached_;
+  return tag;
+}
+
+void CqRouter::detach(std::uint32_t tag) noexcept {
+  if (tag >= routes_.size() || routes_[tag].owner == nullptr) return;
+  routes_[tag] = {};
+  // The free tags are the ring's entries from free_head_ on, attached_ of them taken before it.
+  const auto n = static_cast<std::uint32_t>(free_.size());
+  free_[(free_head_ + n - attached_) % n] = tag;
+  --attached_;
 }
 
 }  // namespace rdmakit::detail

@@ -37,18 +37,20 @@ struct VerbsOps {
 /// libibverbs' own.
 const VerbsOps& real_verbs() noexcept;
 
-// A send WR's verbs wr_id is its QP's index in the top byte and the ring sequence number below:
-// one shared send CQ serves every QP of a connection.
-inline constexpr int kLaneShift = 56;
-inline constexpr std::uint64_t kSeqMask = (std::uint64_t{1} << kLaneShift) - 1;
 inline constexpr int kPollBatch = 16;
+
+class DataPath;
+class CqRouter;
 
 // One QP and the bookkeeping of its send queue.
 struct Lane {
   ibv_qp* qp = nullptr;
   WrRing sq;
   std::uint32_t unsignaled_run = 0;  // WRs posted unsignaled since the last signaled one
-  std::uint32_t id = 0;              // index in the data path's lanes
+  // The tag in its wr_ids (ring.hpp): its index in the data path's lanes when the data path
+  // owns its CQs; its route in a shared CQ's router when it does not.
+  std::uint32_t id = 0;
+  DataPath* owner = nullptr;
   std::uint32_t qpn = 0;             // kept for messages after the QP is gone
   bool in_error = false;             // moved to ERR by the drain routine
   bool needs_marker = false;         // a drain marker is owed (posted once there is room)
@@ -112,6 +114,12 @@ class DataPath {
             ibv_cq* recv_cq, ibv_comp_channel* channel, const VerbsOps& ops);
   /// Tracing of error completions and breaks (off the hot path).
   void observe(std::function<void(const TraceEvent&)> trace, std::string peer);
+  /// Makes the data path one of many on shared CQs: its completions are polled by the CQs'
+  /// owner through the routers (CqRouter::poll), which hand each to this data path's
+  /// bookkeeping. Then poll(), wait(), settle() and the reaping in shut() are not to be used:
+  /// they would take other data paths' completions. Before anything is posted.
+  void route_through(CqRouter& send, CqRouter& recv);
+  [[nodiscard]] bool routed() const noexcept { return send_router_ != nullptr; }
   /// What the peer advertised, and whether atomics work end to end.
   void set_remote(std::vector<RemoteRegion> regions, bool atomics);
   /// The QPs are in RTS: everything may be posted.
@@ -167,6 +175,7 @@ class DataPath {
   [[nodiscard]] const std::vector<Lane>& lanes() const noexcept { return lanes_; }
 
  private:
+  friend class CqRouter;
   template <Opcode Op>
   PostResult check(std::span<const LocalSlice> local, const RemoteRegion& remote,
                    std::uint64_t offset, std::uint64_t total) const noexcept;
@@ -183,6 +192,7 @@ class DataPath {
   std::size_t reap_send(std::span<Completion> out) noexcept;
   std::size_t reap_recv(std::span<Completion> out) noexcept;
   bool take_send(const ibv_wc& wc, Completion& c) noexcept;
+  bool take_lane(Lane& lane, const ibv_wc& wc, Completion& c) noexcept;
   bool take_recv(const ibv_wc& wc, Completion& c) noexcept;
   bool finish_part(const WrRing::Slot& slot, const ibv_wc& wc, Completion& c) noexcept;
   void on_error(const Completion& c, std::uint32_t qpn) noexcept;
@@ -208,6 +218,9 @@ class DataPath {
   ibv_cq* recv_cq_ = nullptr;
   ibv_comp_channel* channel_ = nullptr;
   WrRing rq_;  // lanes_[0]'s receive queue
+  std::uint32_t rq_tag_ = 0;  // the tag in its wr_ids
+  CqRouter* send_router_ = nullptr;  // shared CQs (route_through)
+  CqRouter* recv_router_ = nullptr;
   Mode mode_ = Mode::idle;
   bool markers_pending_ = false;  // checked once per poll: a drain marker waits for room
   bool atomics_ = false;
@@ -306,6 +319,10 @@ template <Opcode Op>
   }
 }
 
+constexpr std::uint64_t wr_id(std::uint32_t tag, std::uint64_t seq) {
+  return (std::uint64_t{tag} << kTagShift) | (seq & kSeqMask);
+}
+
 inline void fill(Completion& c, std::uint64_t wr_id, Opcode op, const ibv_wc& wc) noexcept {
   c.wr_id = wr_id;
   c.opcode = op;
@@ -397,7 +414,7 @@ template <Opcode Op>
   ibv_sge sge = dp::to_sge(local);
   // Fields this path never sets stay zero from setup, so the WR is not cleared per call.
   ibv_send_wr& v = single_wr_;
-  v.wr_id = (std::uint64_t{lane.id} << kLaneShift) | lane.sq.next_seq();
+  v.wr_id = dp::wr_id(lane.id, lane.sq.next_seq());
   v.sg_list = &sge;
   v.num_sge = total == 0 ? 0 : 1;
   v.send_flags = IBV_SEND_SIGNALED | (dp::may_inline<Op>(total, limits_.max_inline) ? IBV_SEND_INLINE : 0);
@@ -434,9 +451,13 @@ template <typename Take>
 }
 
 [[gnu::always_inline]] inline bool DataPath::take_send(const ibv_wc& wc, Completion& c) noexcept {
-  const std::uint64_t lane = wc.wr_id >> kLaneShift;
+  const std::uint64_t lane = wc.wr_id >> kTagShift;
   if (lane >= lane_count_) [[unlikely]] return false;  // not ours: nothing posts such an id
-  const WrRing::Slot slot = lanes_[lane].sq.retire(wc.wr_id & kSeqMask);
+  return take_lane(lanes_[lane], wc, c);
+}
+
+[[gnu::always_inline]] inline bool DataPath::take_lane(Lane& lane, const ibv_wc& wc, Completion& c) noexcept {
+  const WrRing::Slot slot = lane.sq.retire(wc.wr_id);
   if (slot.kind == WrRing::user && wc.status == IBV_WC_SUCCESS) [[likely]] {
     dp::fill(c, slot.wr_id, slot.op, wc);
     return true;
@@ -446,12 +467,12 @@ template <typename Take>
   // failed request of the caller's is always news.
   if (wc.status == IBV_WC_SUCCESS) return false;
   dp::fill(c, slot.wr_id, slot.op, wc);
-  on_error(c, lanes_[lane].qpn);
+  on_error(c, lane.qpn);
   return slot.kind != WrRing::marker;
 }
 
 [[gnu::always_inline]] inline bool DataPath::take_recv(const ibv_wc& wc, Completion& c) noexcept {
-  const WrRing::Slot slot = rq_.retire(wc.wr_id);
+  const WrRing::Slot slot = rq_.retire(wc.wr_id);  // the tag is above the bits it reads
   dp::fill(c, slot.wr_id, slot.op, wc);
   if (wc.status != IBV_WC_SUCCESS) [[unlikely]] on_error(c, lanes_[0].qpn);
   return true;

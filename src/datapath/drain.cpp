@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "datapath/datapath.hpp"
+#include "datapath/router.hpp"
 #include "trace.hpp"
 
 namespace rdmakit::detail {
@@ -66,7 +67,7 @@ void DataPath::post_markers() noexcept {
 // zero-length WRITE or READ into a region the peer advertised touches no memory).
 bool DataPath::post_marker(Lane& lane, ibv_wr_opcode opcode, const RemoteRegion* target) noexcept {
   ibv_send_wr v{};
-  v.wr_id = (std::uint64_t{lane.id} << kLaneShift) | lane.sq.next_seq();
+  v.wr_id = dp::wr_id(lane.id, lane.sq.next_seq());
   v.opcode = opcode;
   v.send_flags = IBV_SEND_SIGNALED;
   if (target != nullptr) {
@@ -84,6 +85,7 @@ bool DataPath::post_marker(Lane& lane, ibv_wr_opcode opcode, const RemoteRegion*
 
 void DataPath::settle(Deadline deadline, Housekeeping& hk) noexcept {
   unobservable_ = 0;
+  if (routed()) return;  // the shared CQs' owner reaps; it settles by waiting for outstanding() == 0
   std::array<Completion, kPollBatch> sink;
   Deadline next_tick{};
   while (mode_ == Mode::ready && sends_in_flight() > 0) {
@@ -127,6 +129,11 @@ std::uint32_t DataPath::shut(Deadline deadline) noexcept {
 }
 
 void DataPath::forget_qps() noexcept {
+  if (routed()) {
+    for (const Lane& l : lanes_) send_router_->detach(l.id);
+    recv_router_->detach(rq_tag_);
+    send_router_ = recv_router_ = nullptr;
+  }
   for (Lane& l : lanes_) {
     l.qp = nullptr;
     l.sq.clear();
@@ -138,6 +145,7 @@ void DataPath::forget_qps() noexcept {
 }
 
 void DataPath::reap_until(Deadline deadline, bool receives) noexcept {
+  if (routed()) return;  // the shared CQs' owner reaps
   std::array<Completion, kPollBatch> sink;
   while (sends_in_flight() + (receives ? rq_.count() : 0) > 0 && Clock::now() < deadline) {
     if (poll(sink) == 0) ::sched_yield();

@@ -125,7 +125,6 @@ PostResult DataPath::post_chain(Lane& lane, std::span<const WorkRequest> batch, 
   if (batch.size() > lane.sq.capacity()) [[unlikely]] return {PostStatus::too_large, 0};
   if (batch.size() > lane.sq.free()) [[unlikely]] return {PostStatus::queue_full, 0};
   const std::uint64_t seq0 = lane.sq.next_seq();
-  const std::uint64_t lane_bits = std::uint64_t{lane.id} << kLaneShift;
   std::uint32_t run = lane.unsignaled_run;
   ibv_sge* sge = send_sges_.data();
   for (std::size_t i = 0; i < batch.size(); ++i) {
@@ -145,7 +144,7 @@ PostResult DataPath::post_chain(Lane& lane, std::span<const WorkRequest> batch, 
     // all: the forced completion then arrives while the other half can still be posted.
     const bool signal = w.signaled || run + 1 >= forced_signal_interval_;
     run = signal ? 0 : run + 1;
-    v.wr_id = lane_bits | (seq0 + i);
+    v.wr_id = dp::wr_id(lane.id, seq0 + i);
     v.next = send_wrs_.data() + i + 1;
     // Zero-length SGEs are dropped: a 0-byte operation carries no SGE at all.
     v.num_sge = total == 0 ? 0 : static_cast<int>(w.local.size());
@@ -200,7 +199,7 @@ PostResult DataPath::post_recvs(std::span<const LocalSlice> dsts, std::uint64_t 
     recv_sges_[i] = dp::to_sge(dsts[i]);
     ibv_recv_wr& v = recv_wrs_[i];
     v = ibv_recv_wr{};
-    v.wr_id = seq0 + i;
+    v.wr_id = dp::wr_id(rq_tag_, seq0 + i);
     v.sg_list = &recv_sges_[i];
     v.num_sge = dsts[i].length() > 0 ? 1 : 0;
     v.next = i + 1 < dsts.size() ? &recv_wrs_[i + 1] : nullptr;

@@ -8,6 +8,13 @@
 
 namespace rdmakit::detail {
 
+// A work request's verbs wr_id carries its queue's tag (which queue of which data path: the CQ
+// may be shared) in the top 16 bits and the low 48 bits of its sequence number below. 2^48
+// requests in flight at once is beyond any queue, so the low bits identify one.
+inline constexpr int kTagShift = 48;
+inline constexpr std::uint64_t kSeqMask = (std::uint64_t{1} << kTagShift) - 1;
+inline constexpr std::uint32_t kMaxTags = 1u << (64 - kTagShift);
+
 // Work requests in flight on one queue, in post order. Each is posted with a sequence number as
 // its verbs wr_id; the user's wr_id, the opcode and what kind of request it was stay here. RC
 // completes a queue in order, so the completion of sequence s also retires every unsignaled
@@ -30,13 +37,14 @@ class WrRing {
 
   /// Room for `capacity` requests; the storage is rounded up to a power of two so a slot is a
   /// mask away from its sequence number (no division on the hot path).
-  void init(std::uint32_t capacity) {
+  /// (`first`: the first sequence number, for tests of the wrap.)
+  void init(std::uint32_t capacity, std::uint64_t first = 0) {
     capacity_ = capacity;
     std::size_t n = 1;
     while (n < capacity) n *= 2;
     slots_.assign(n, {});
     mask_ = n - 1;
-    head_ = tail_ = 0;
+    head_ = tail_ = first;
   }
   [[nodiscard]] std::uint32_t capacity() const noexcept { return capacity_; }
   [[nodiscard]] std::uint32_t count() const noexcept {
@@ -47,10 +55,13 @@ class WrRing {
   /// The newest request in flight (count() > 0).
   [[nodiscard]] const Slot& newest() const noexcept { return slots_[(tail_ - 1) & mask_]; }
   void push(const Slot& s) noexcept { slots_[tail_++ & mask_] = s; }
-  /// Retires everything up to and including `seq`; returns the slot of `seq`. A sequence number
-  /// that is not in flight (a bug or a stale completion) retires nothing and reads as a marker.
-  Slot retire(std::uint64_t seq) noexcept {
-    if (seq < head_ || seq >= tail_) [[unlikely]] return {seq, Opcode::send, marker, false};
+  /// Retires everything up to and including the request whose sequence number has these low
+  /// 48 bits (the rest of a wr_id is ignored); returns its slot. One that is not in flight (a
+  /// bug, or a stale completion of a queue that held the same tag before) retires nothing and
+  /// reads as a marker.
+  Slot retire(std::uint64_t low) noexcept {
+    const std::uint64_t seq = head_ + ((low - head_) & kSeqMask);
+    if (seq >= tail_) [[unlikely]] return {seq, Opcode::send, marker, false};
     head_ = seq + 1;
     return slots_[seq & mask_];
   }

@@ -9,10 +9,13 @@
 #include <memory>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "datapath/datapath.hpp"
+#include "datapath/router.hpp"
 #include "fake_verbs.hpp"
+#include "rdmakit/error.hpp"
 #include "verbs/memory_impl.hpp"
 
 namespace {
@@ -372,6 +375,151 @@ TEST(DataPathFake, ForgetQpsLeavesNothingOutstanding) {
   EXPECT_EQ(r.dp.outstanding(), 0u);
   EXPECT_EQ(r.dp.post_one<Opcode::write>(r.slice(0, 8), r.peer, 0, 0, 0, 0, 2).status, PostStatus::not_ready);
   EXPECT_EQ(r.dp.wait(10ms, r.hk).status, WaitStatus::closed);
+}
+
+// --- shared CQs: many data paths on one CQ, each completion to its own bookkeeping ------------
+
+// Two peer links on one worker's CQs, as the engine builds them.
+struct SharedRig {
+  SharedRig() {
+    scq = v.cq();
+    rcq = v.cq();
+    send.init(scq, 8);
+    recv.init(rcq, 8);
+    for (std::uint32_t k = 0; k < 2; ++k) a_qps.push_back(v.qp(scq, rcq, 0x200 + k));
+    b_qps.push_back(v.qp(scq, rcq, 0x300));
+    for (auto [dp, qps] : {std::pair{&a, &a_qps}, std::pair{&b, &b_qps}}) {
+      dp->init({8, 8, 4, 64, 1 << 20, 1 << 20}, *qps, scq, rcq, nullptr, v.ops());
+      dp->route_through(send, recv);
+      dp->set_remote({peer}, true);
+      dp->start();
+    }
+  }
+  // Polls until the CQ is empty; what each data path's caller gets.
+  void poll() {
+    while (send.poll([&](DataPath& d, const Completion& c) { (&d == &a ? got_a : got_b).push_back(c); }) > 0) {
+    }
+  }
+  fake::Verbs v;
+  ibv_cq* scq = nullptr;
+  ibv_cq* rcq = nullptr;
+  rdmakit::detail::CqRouter send, recv;
+  std::vector<ibv_qp*> a_qps, b_qps;
+  DataPath a, b;
+  MemoryRegion mem = region(0x100000, 1 << 24, Access::local_write);
+  RemoteRegion peer{0x7000'0000, 1 << 24, 0x99, Access::remote_read | Access::remote_write};
+  std::vector<Completion> got_a, got_b;
+};
+
+TEST(SharedCq, EachDataPathGetsItsOwnCompletions) {
+  SharedRig r;
+  const LocalSlice s = r.mem.local().subslice(0, 64);
+  for (std::uint64_t i = 0; i < 4; ++i) {
+    ASSERT_TRUE(r.a.post_one<Opcode::write>(s, r.peer, 0, 0, 0, 0, 100 + i).ok());  // round robin
+    ASSERT_TRUE(r.b.post_one<Opcode::read>(s.subslice(0, 8), r.peer, 0, 0, 0, 0, 200 + i).ok());
+  }
+  EXPECT_EQ(r.send.attached(), 3u);
+  EXPECT_EQ(r.recv.attached(), 2u);
+  r.v.complete(r.b_qps[0], 4);
+  r.v.complete(r.a_qps[1], 2);
+  r.v.complete(r.a_qps[0], 2);
+  r.poll();
+  ASSERT_EQ(r.got_a.size(), 4u);
+  ASSERT_EQ(r.got_b.size(), 4u);
+  for (const Completion& c : r.got_a) {
+    EXPECT_TRUE(c.ok());
+    EXPECT_EQ(c.opcode, Opcode::write);
+    EXPECT_GE(c.wr_id, 100u);
+    EXPECT_LT(c.wr_id, 104u);
+  }
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(r.got_b[i].wr_id, 200 + i);
+    EXPECT_EQ(r.got_b[i].opcode, Opcode::read);
+  }
+  EXPECT_EQ(r.a.outstanding(), 0u);
+  EXPECT_EQ(r.b.outstanding(), 0u);
+}
+
+// One link's error breaks that link (both its QPs, drain marker included) and nothing else.
+TEST(SharedCq, AnErrorBreaksOnlyItsOwnDataPath) {
+  SharedRig r;
+  const LocalSlice s = r.mem.local().subslice(0, 64);
+  const WorkRequest quiet_writes[] = {
+      {Opcode::write, {&s, 1}, r.peer, 0, 0, 0, 0, 1, false},
+      {Opcode::write, {&s, 1}, r.peer, 0, 0, 0, 0, 2, false},
+  };
+  ASSERT_TRUE(r.a.post_batch(quiet_writes).ok());  // one lane, unsignaled: needs a marker on a break
+  ASSERT_TRUE(r.a.post_one<Opcode::write>(s, r.peer, 0, 0, 0, 0, 3).ok());  // the other lane
+  ASSERT_TRUE(r.b.post_one<Opcode::write>(s, r.peer, 0, 0, 0, 0, 9).ok());
+  ibv_qp* quiet_qp = r.v.held(r.a_qps[0]) == 2 ? r.a_qps[0] : r.a_qps[1];
+  ibv_qp* loud_qp = quiet_qp == r.a_qps[0] ? r.a_qps[1] : r.a_qps[0];
+  ASSERT_EQ(r.v.held(loud_qp), 1u);
+  r.v.complete(quiet_qp, 2);  // the unsignaled writes succeed: no completion of their own
+  r.v.complete(loud_qp, 1, IBV_WC_REM_ACCESS_ERR);
+  r.poll();
+  EXPECT_EQ(r.a.mode(), DataPath::Mode::broken);
+  EXPECT_NE(r.a.failure().find(fmt::format("QP {:#x}", loud_qp->qp_num)), std::string::npos) << r.a.failure();
+  ASSERT_EQ(r.got_a.size(), 1u);
+  EXPECT_EQ(r.got_a[0].status, IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(r.got_a[0].wr_id, 3u);
+  // The marker the break owed on the quiet lane was posted by the router's poll, and its flush retires
+  // the unsignaled writes.
+  r.poll();
+  EXPECT_EQ(r.a.outstanding(), 0u);
+  EXPECT_EQ(r.b.mode(), DataPath::Mode::ready);
+  EXPECT_FALSE(r.v.in_error(r.b_qps[0]));
+  r.v.complete(r.b_qps[0], 1);
+  r.poll();
+  ASSERT_EQ(r.got_b.size(), 1u);
+  EXPECT_TRUE(r.got_b[0].ok());
+}
+
+// A link that goes with a completion still in the CQ: the completion finds no route, and the
+// tag it carried is the last to be reused.
+TEST(SharedCq, AGoneQueuesLateCompletionReachesNobody) {
+  SharedRig r;
+  const LocalSlice s = r.mem.local().subslice(0, 64);
+  ASSERT_TRUE(r.b.post_one<Opcode::write>(s, r.peer, 0, 0, 0, 0, 7).ok());
+  const std::uint32_t old_tag = r.b.lanes()[0].id;
+  r.v.complete(r.b_qps[0], 1);  // in the CQ, not yet polled
+  r.b.forget_qps();
+  EXPECT_EQ(r.send.attached(), 2u);
+  DataPath c;
+  std::vector<ibv_qp*> c_qps{r.v.qp(r.scq, r.rcq, 0x400)};
+  c.init({8, 8, 4, 64, 1 << 20, 1 << 20}, c_qps, r.scq, r.rcq, nullptr, r.v.ops());
+  c.route_through(r.send, r.recv);
+  EXPECT_NE(c.lanes()[0].id, old_tag);
+  r.poll();
+  EXPECT_TRUE(r.got_a.empty());
+  EXPECT_TRUE(r.got_b.empty());
+  EXPECT_EQ(c.outstanding(), 0u);
+}
+
+TEST(SharedCq, AttachRefusesMoreQueuesThanTheRouterHolds) {
+  fake::Verbs v;
+  rdmakit::detail::CqRouter send, recv;
+  ibv_cq* cq = v.cq();
+  send.init(cq, 2);
+  recv.init(cq, 8);
+  DataPath d;
+  std::vector<ibv_qp*> qps{v.qp(cq, cq, 1), v.qp(cq, cq, 2), v.qp(cq, cq, 3)};
+  d.init({8, 8, 4, 64, 1 << 20, 1 << 20}, qps, cq, cq, nullptr, v.ops());
+  EXPECT_THROW(d.route_through(send, recv), rdmakit::Error);
+  EXPECT_EQ(send.attached(), 0u);  // what it had taken is given back
+}
+
+// A queue's sequence numbers outgrow the 48 bits a wr_id carries: the ring still finds each.
+TEST(WrRing, RetiresAcrossTheWrIdsSequenceWrap) {
+  rdmakit::detail::WrRing ring;
+  ring.init(8, rdmakit::detail::kSeqMask - 2);
+  for (std::uint64_t i = 0; i < 6; ++i) ring.push({i, Opcode::write, rdmakit::detail::WrRing::user, false});
+  const std::uint64_t seq4 = rdmakit::detail::kSeqMask - 2 + 4;  // past 2^48
+  const auto wr = rdmakit::detail::dp::wr_id(5, seq4);
+  EXPECT_EQ(wr >> rdmakit::detail::kTagShift, 5u);
+  const auto slot = ring.retire(wr);
+  EXPECT_EQ(slot.wr_id, 4u);
+  EXPECT_EQ(ring.count(), 1u);
+  EXPECT_EQ(ring.retire(rdmakit::detail::dp::wr_id(5, seq4)).kind, rdmakit::detail::WrRing::marker);  // stale
 }
 
 }  // namespace
