@@ -402,6 +402,8 @@ class Listener {
   struct Impl;
 
  private:
+  Listener(std::unique_ptr<Impl> impl, const std::string& address, ListenerConfig config,
+           Connection::Setup setup);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -17,7 +17,8 @@ using detail::Deadline;
 
 Connection Connection::Impl::accept(int raw_fd, const std::string& peer, const ConnectionConfig& config,
                                     std::shared_ptr<const detail::Secret> key, const Setup& setup,
-                                    std::shared_ptr<void> admission, std::shared_ptr<detail::PinBudget> budget) {
+                                    std::shared_ptr<void> admission, std::shared_ptr<detail::PinBudget> budget,
+                                    const detail::HandshakeHooks& hooks) {
   detail::Fd fd(raw_fd);
   const Deadline deadline = detail::deadline_in(config.handshake_timeout);
   wire::EndpointInfo remote;
@@ -51,6 +52,7 @@ Connection Connection::Impl::accept(int raw_fd, const std::string& peer, const C
   try {
     conn.emplace(wrap(std::make_unique<Impl>(std::move(mine), std::move(key))));
     Impl& m = of(*conn);
+    m.hooks = hooks;
     m.admission = std::move(admission);
     m.budget = std::move(budget);
     m.info.peer_address = peer;

@@ -151,7 +151,12 @@ void Connection::Impl::open(const std::string& local_address) {
   const PortInfo& p = pick_port(d, cfg.port, local_address);
   const GidChoice gid = choose_gid(p.gids, cfg.gid, local_address);
 
-  dev = detail::open_pd(layer->device(d.name));
+  if (hooks.attach) {
+    attached = hooks.attach(d.name);
+    dev = attached.dev;
+  } else {
+    dev = detail::open_pd(layer->device(d.name));
+  }
   const ibv_device_attr& dattr = dev->device->attr();
   // The device is shared; its events for our port, CQs and QPs come to on_device_event.
   dev->device->subscribe(this, p.number);
@@ -166,27 +171,32 @@ void Connection::Impl::open(const std::string& local_address) {
                               what, want, d.name, limit, per_cq, d.max_qp_wr, d.max_cqe));
     }
   }
-  if (cfg.completion_events) {
+  if (cfg.completion_events && !attached.send_cq) {
     channel.reset(ibv_create_comp_channel(dev->ctx()));
     if (!channel) throw Error("ibv_create_comp_channel", errno, d.name);
     // Non-blocking, so a spurious wakeup can never leave ibv_get_cq_event blocked past a deadline.
     set_nonblocking(channel->fd, "completion channel");
   }
-  const std::uint32_t send_cqe = cfg.send_depth * cfg.qps;
-  send_cq.reset(ibv_create_cq(dev->ctx(), static_cast<int>(send_cqe), nullptr, channel.get(), 0));
-  if (!send_cq) throw Error("ibv_create_cq", errno, fmt::format("send CQ, {} entries", send_cqe));
-  recv_cq.reset(ibv_create_cq(dev->ctx(), static_cast<int>(cfg.recv_depth), nullptr,
-                              channel.get(), 0));
-  if (!recv_cq) throw Error("ibv_create_cq", errno, fmt::format("receive CQ, {} entries", cfg.recv_depth));
-  dev->device->watch(this, send_cq.get());
-  dev->device->watch(this, recv_cq.get());
+  ibv_cq* scq = attached.send_cq;
+  ibv_cq* rcq = attached.recv_cq;
+  if (scq == nullptr) {
+    const std::uint32_t send_cqe = cfg.send_depth * cfg.qps;
+    send_cq.reset(ibv_create_cq(dev->ctx(), static_cast<int>(send_cqe), nullptr, channel.get(), 0));
+    if (!send_cq) throw Error("ibv_create_cq", errno, fmt::format("send CQ, {} entries", send_cqe));
+    recv_cq.reset(ibv_create_cq(dev->ctx(), static_cast<int>(cfg.recv_depth), nullptr, channel.get(), 0));
+    if (!recv_cq) throw Error("ibv_create_cq", errno, fmt::format("receive CQ, {} entries", cfg.recv_depth));
+    dev->device->watch(this, send_cq.get());
+    dev->device->watch(this, recv_cq.get());
+    scq = send_cq.get();
+    rcq = recv_cq.get();
+  }
 
   qps.reserve(cfg.qps);
   std::vector<ibv_qp*> raw;
   for (std::uint32_t k = 0; k < cfg.qps; ++k) {
     ibv_qp_init_attr qattr{};
-    qattr.send_cq = send_cq.get();
-    qattr.recv_cq = recv_cq.get();
+    qattr.send_cq = scq;
+    qattr.recv_cq = rcq;
     qattr.qp_type = IBV_QPT_RC;
     qattr.sq_sig_all = 0;
     qattr.cap.max_send_wr = cfg.send_depth;
@@ -248,7 +258,7 @@ void Connection::Impl::open(const std::string& local_address) {
   l.flags = dattr.atomic_cap != IBV_ATOMIC_NONE ? wire::kFlagAtomics : 0;
 
   dp.init({cfg.send_depth, cfg.recv_depth, info.max_sge, info.max_inline, p.max_msg_size, cfg.stripe_min},
-          raw, send_cq.get(), recv_cq.get(), channel.get(), detail::real_verbs());
+          raw, scq, rcq, channel.get(), detail::real_verbs());
   dp.observe(cfg.trace, info.peer_address);
 }
 
@@ -275,7 +285,9 @@ void Connection::Impl::finish(wire::EndpointInfo remote) {
     mine.psn = info.local.qp(k).psn;
     theirs.qpn = info.remote.qp(k).qpn;
     theirs.psn = info.remote.qp(k).psn;
-    const auto rtr = detail::derive_rtr(mine, theirs, info.port, timeouts);
+    auto rtr = detail::derive_rtr(mine, theirs, info.port, timeouts);
+    // An engine link grants what its memory windows may allow; each window says what it does.
+    if (attached.dev) rtr.access = attached.qp_access;
     info.path_mtu = detail::mtu_bytes(rtr.path_mtu);
     detail::to_rtr(qps[k].get(), rtr, mine, theirs);
     detail::emit(cfg.trace, [&] {
@@ -319,7 +331,11 @@ void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
   const Deadline deadline = Clock::now() + timeout;
   // 1. Let what is in flight finish while the peer's QPs still answer; 2. then say BYE (the
   // peer flushes its side on it); 3. flush whatever is left here.
-  if (was_connected) dp.settle(deadline, *this);
+  // An engine link's completions are its worker's to reap (the shared CQs serve other links
+  // too): the worker closes a link once nothing of it is in flight, so there is nothing to
+  // settle or reap here.
+  const bool shared_cqs = attached.send_cq != nullptr;
+  if (was_connected && !shared_cqs) dp.settle(deadline, *this);
   if (was_connected && control && !control_gone) {
     try {
       send_control(wire::MessageType::bye, {}, std::max(deadline, Clock::now() + std::chrono::milliseconds{100}));
@@ -328,7 +344,7 @@ void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
     }
   }
   const std::uint32_t outstanding_at_close = dp.outstanding();
-  const std::uint32_t left = dp.shut(Clock::now() + std::chrono::milliseconds{1000});
+  const std::uint32_t left = dp.shut(shared_cqs ? Clock::now() : Clock::now() + std::chrono::milliseconds{1000});
   if (left > 0) {
     log(fmt::format("close: {} work requests never completed on QP {:#x}; releasing anyway", left,
                     info.local.qpn));

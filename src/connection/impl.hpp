@@ -59,13 +59,33 @@ class PinBudget {
   std::uint64_t limit_;
 };
 
+/// What a connection is built on when it is one of an engine's peer links: the engine's PD on
+/// the device the route chose, and a worker's shared CQs (the data path is routed through them
+/// by the worker, which then polls it).
+struct Attachment {
+  std::shared_ptr<DeviceResources> dev;
+  ibv_cq* send_cq = nullptr;
+  ibv_cq* recv_cq = nullptr;
+  /// What peers may do through the QP: access is then granted per segment by memory windows.
+  Access qp_access = Access::none;
+  void* owner = nullptr;         // the worker, for the engine to find again
+  std::shared_ptr<void> keep;    // keeps the CQs alive while the QPs exist
+};
+
 /// The library's own hooks into a handshake, for the doctor (which explains a failed connection
-/// by comparing both sides' parameters) and the library's tests (which forge a peer's values).
-/// Not part of the public API.
+/// by comparing both sides' parameters), the engine (which builds its links on shared
+/// resources) and the library's tests (which forge a peer's values). Not part of the public API.
 struct HandshakeHooks {
   /// Sees (and may alter) the peer's decoded parameters before they are checked or used.
   std::function<void(wire::EndpointInfo&)> peer_hello;
+  /// Given the device the route chose, what to build the QPs on (instead of a PD and CQs of the
+  /// connection's own). May throw (an Error with detail::kBusyReason is a "busy" refusal).
+  std::function<Attachment(const std::string& device)> attach;
 };
+
+/// A Listener whose handshakes use `hooks` (the engine's), set before any client can arrive.
+std::unique_ptr<Listener> listen_with_hooks(const std::string& address, ListenerConfig config,
+                                            HandshakeHooks hooks);
 
 }  // namespace rdmakit::detail
 
@@ -90,9 +110,10 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   // the QPs and deregisters the regions, in that order: no QP can reach memory being freed.
   std::shared_ptr<detail::DeviceLayer> layer;  // the process's devices, opened once
   std::shared_ptr<detail::DeviceResources> dev;  // our device, and a PD of our own on it
+  detail::Attachment attached;  // an engine link's shared PD and CQs (dev is then the engine's)
   std::deque<MemoryRegion> regions;
   detail::CompChannelPtr channel;  // before the CQs: it must outlive them
-  detail::CqPtr send_cq;
+  detail::CqPtr send_cq;  // null when attached: the worker's CQs are used
   detail::CqPtr recv_cq;
   std::vector<detail::QpPtr> qps;  // qps[0] carries SEND/RECV, WRITE_WITH_IMM and atomics
   detail::DataPath dp;             // posts to and polls the objects above; owns none of them
@@ -132,7 +153,8 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   /// (accept.cpp). `admission` is the listener's per-peer slot, held while the connection lives.
   static Connection accept(int fd, const std::string& peer, const ConnectionConfig& config,
                            std::shared_ptr<const detail::Secret> key, const Setup& setup,
-                           std::shared_ptr<void> admission, std::shared_ptr<detail::PinBudget> budget);
+                           std::shared_ptr<void> admission, std::shared_ptr<detail::PinBudget> budget,
+                           const detail::HandshakeHooks& hooks = {});
 
   // connection.cpp
   /// Opens the device, builds CQs and QPs (in INIT) and the data path, and fills in our

@@ -80,6 +80,7 @@ struct Listener::Impl {
   // failure of) the layer itself when this is null.
   std::shared_ptr<detail::DeviceLayer> devices;
   ListenerConfig cfg;  // its connection.psk is moved into `psk` and wiped
+  detail::HandshakeHooks hooks;  // the engine's: its links are built on its PD and CQs
   std::shared_ptr<const detail::Secret> psk;  // the one copy every handshake uses
   std::shared_ptr<detail::PinBudget> budget;
   std::shared_ptr<PeerCounts> established = std::make_shared<PeerCounts>();
@@ -93,6 +94,9 @@ struct Listener::Impl {
   std::atomic<std::size_t> rejected{0};
   std::thread acceptor;  // last member: started last, joined first
 
+  /// A listener whose handshakes use `hooks` (set before its first client can arrive).
+  static std::unique_ptr<Listener> with_hooks(const std::string& address, ListenerConfig config,
+                                              detail::HandshakeHooks hooks);
   void accept_loop() noexcept;
   void serve(detail::Fd& client, const std::string& peer, std::list<Handshake>& running);
   void refuse(int client, const std::string& peer, const std::string& why) noexcept;
@@ -152,7 +156,7 @@ void Listener::Impl::serve(detail::Fd& client, const std::string& peer, std::lis
     h.thread = std::thread([this, raw, peer, done = h.done, slot = std::move(slot)]() mutable {
       try {
         Connection conn =
-            Connection::Impl::accept(raw, peer, cfg.connection, psk, setup, std::move(slot), budget);
+            Connection::Impl::accept(raw, peer, cfg.connection, psk, setup, std::move(slot), budget, hooks);
         {
           std::lock_guard lock(mu);
           ready.push_back(std::move(conn));
@@ -214,7 +218,23 @@ void Listener::Impl::accept_loop() noexcept {
 }
 
 Listener::Listener(const std::string& address, ListenerConfig config, Connection::Setup setup)
-    : impl_(std::make_unique<Impl>()) {
+    : Listener(std::make_unique<Impl>(), address, std::move(config), std::move(setup)) {}
+
+std::unique_ptr<Listener> Listener::Impl::with_hooks(const std::string& address, ListenerConfig config,
+                                                     detail::HandshakeHooks hooks) {
+  auto impl = std::make_unique<Impl>();
+  impl->hooks = std::move(hooks);
+  return std::unique_ptr<Listener>(new Listener(std::move(impl), address, std::move(config), {}));
+}
+
+std::unique_ptr<Listener> detail::listen_with_hooks(const std::string& address, ListenerConfig config,
+                                                    HandshakeHooks hooks) {
+  return Listener::Impl::with_hooks(address, std::move(config), std::move(hooks));
+}
+
+Listener::Listener(std::unique_ptr<Impl> impl, const std::string& address, ListenerConfig config,
+                   Connection::Setup setup)
+    : impl_(std::move(impl)) {
   ConnectionConfig& c = config.connection;
   if (!c.log) c.log = detail::default_log;
   if (!c.trace) c.trace = detail::trace_from_environment();

@@ -134,6 +134,12 @@ class DataPath {
                       std::uint64_t wr_id) noexcept;
   PostResult post_batch(std::span<const WorkRequest> batch) noexcept;
   PostResult post_recvs(std::span<const LocalSlice> dsts, std::uint64_t first_wr_id) noexcept;
+  /// Binds type-2 memory window `mw` to [addr, addr + length) of `mr` with key `rkey` (the
+  /// window's previous key, ibv_inc_rkey'd) and `mw_access` (IBV_ACCESS_REMOTE_*), on the first
+  /// QP: the window then works for that QP's peer only. Signaled; its completion is the
+  /// caller's news with `wr_id` (reported as a send).
+  PostResult post_bind(ibv_mw* mw, std::uint32_t rkey, ibv_mr* mr, std::uint64_t addr,
+                       std::uint64_t length, unsigned mw_access, std::uint64_t wr_id) noexcept;
 
   // --- completions ------------------------------------------------------------------------------
   std::size_t poll(std::span<Completion> out) noexcept;
@@ -160,6 +166,10 @@ class DataPath {
   /// Close, step 2: refuses posts, flushes whatever is left (receives included) with the drain
   /// routine and reaps it until `deadline`. Returns how many requests never completed.
   std::uint32_t shut(Deadline deadline) noexcept;
+  /// Posts the drain markers a break still owes (on shared CQs, where no poll() of its own does).
+  void post_owed_markers() noexcept {
+    if (markers_pending_) post_markers();
+  }
   /// The QPs are about to be destroyed: nothing of theirs is in flight any more.
   void forget_qps() noexcept;
 

@@ -216,4 +216,26 @@ PostResult DataPath::post_recvs(std::span<const LocalSlice> dsts, std::uint64_t 
   return {};
 }
 
+PostResult DataPath::post_bind(ibv_mw* mw, std::uint32_t rkey, ibv_mr* mr, std::uint64_t addr,
+                               std::uint64_t length, unsigned mw_access, std::uint64_t wr_id) noexcept {
+  if (mode_ != Mode::ready) return {PostStatus::not_ready, 0};
+  Lane& lane = lanes_[0];
+  if (lane.sq.free() == 0) return {PostStatus::queue_full, 0};
+  ibv_send_wr v{};
+  v.wr_id = dp::wr_id(lane.id, lane.sq.next_seq());
+  v.opcode = IBV_WR_BIND_MW;
+  v.send_flags = IBV_SEND_SIGNALED;
+  v.bind_mw.mw = mw;
+  v.bind_mw.rkey = rkey;
+  v.bind_mw.bind_info.mr = mr;
+  v.bind_mw.bind_info.addr = addr;
+  v.bind_mw.bind_info.length = length;
+  v.bind_mw.bind_info.mw_access_flags = mw_access;
+  ibv_send_wr* bad = nullptr;
+  if (const int rc = ibv_post_send(lane.qp, &v, &bad); rc != 0) return {PostStatus::failed, rc, 0};
+  lane.unsignaled_run = 0;
+  lane.sq.push({wr_id, Opcode::send, WrRing::user, false});
+  return {};
+}
+
 }  // namespace rdmakit::detail

@@ -33,6 +33,10 @@ struct MrDeleter {
   void operator()(ibv_mr* mr) const noexcept { (void)ibv_dereg_mr(mr); }
 };
 
+struct MwDeleter {
+  void operator()(ibv_mw* mw) const noexcept { (void)ibv_dealloc_mw(mw); }
+};
+
 using DeviceListPtr = std::unique_ptr<ibv_device*, DeviceListDeleter>;
 using ContextPtr = std::unique_ptr<ibv_context, ContextDeleter>;
 using PdPtr = std::unique_ptr<ibv_pd, PdDeleter>;
@@ -40,6 +44,7 @@ using CompChannelPtr = std::unique_ptr<ibv_comp_channel, CompChannelDeleter>;
 using CqPtr = std::unique_ptr<ibv_cq, CqDeleter>;
 using QpPtr = std::unique_ptr<ibv_qp, QpDeleter>;
 using MrPtr = std::unique_ptr<ibv_mr, MrDeleter>;
+using MwPtr = std::unique_ptr<ibv_mw, MwDeleter>;
 
 
 /// ibv_mtu <-> bytes. Unknown values map to 0 / IBV_MTU_256.

@@ -96,6 +96,7 @@ unsigned mr_access_flags(Access access) noexcept {
       allows(access, Access::remote_atomic)) {
     f |= IBV_ACCESS_LOCAL_WRITE;
   }
+  if (allows(access, kMwBind)) f |= IBV_ACCESS_MW_BIND;
   return f;
 }
 

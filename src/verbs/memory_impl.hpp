@@ -41,6 +41,10 @@ struct MemorySource {
   virtual void from_bounce(const void* bounce, std::size_t offset, std::size_t length) = 0;
 };
 
+/// Not a public Access flag: memory windows may be bound to the region (the engine registers
+/// its buffers so, without remote access of their own: peers reach them through windows only).
+inline constexpr Access kMwBind = static_cast<Access>(1u << 8);
+
 /// ibv_reg_mr flags for `access`: the least the use needs.
 unsigned mr_access_flags(Access access) noexcept;
 
@@ -85,6 +89,8 @@ struct MemoryRegion::Impl {
 
   /// A MemoryRegion around `impl` (only the library makes one).
   static MemoryRegion wrap(std::unique_ptr<Impl> impl) noexcept { return MemoryRegion(std::move(impl)); }
+  /// The verbs MR (null once deregistered), for binding memory windows to it.
+  static ibv_mr* raw(const MemoryRegion& r) noexcept { return r.impl_->mr.get(); }
   /// Deregisters now (revocation); the memory stays until the region is destroyed.
   static void deregister(MemoryRegion& r) noexcept { r.impl_->mr.reset(); }
 };

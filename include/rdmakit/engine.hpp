@@ -1,0 +1,245 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "rdmakit/connection.hpp"
+#include "rdmakit/memory.hpp"
+
+namespace rdmakit {
+
+/// Everything an Engine is built from, passed by value.
+struct EngineConfig {
+  /// This engine's name, as its peers know it (1..64 bytes). Empty: "host:pid".
+  std::string name;
+  /// Where peers connect to this engine ("[host]:port"; port 0: any free port, see
+  /// Engine::port()). Empty: no listener (this engine only initiates).
+  std::string listen = ":0";
+  /// Settings of every peer link: device, timeouts, keepalive, queue depths, the pre-shared key
+  /// (psk: both ends of a link must hold the same). One QP per link (the engine spreads over
+  /// peers, not over QPs; several NICs come as rails). A link's depth is its send_depth.
+  ConnectionConfig link;
+  /// Progress threads. Each polls the CQs its links share while work is in flight and sleeps on
+  /// the completion channel when idle. 0: the caller drives progress() (then nothing moves
+  /// between calls).
+  std::uint32_t workers = 1;
+  /// Most QPs this engine holds at once (links it initiated and links peers opened to it). When
+  /// a new link would pass it, the least recently used idle link is closed (an eviction, which
+  /// its next transfer undoes by reconnecting); with no idle link to close, the connect waits.
+  std::uint32_t max_qps = 1024;
+};
+
+/// A buffer registered with the engine: once per device, whatever the number of peers.
+/// A handle; the engine owns the registration. Valid until the engine is destroyed.
+struct Buffer {
+  std::uint32_t id = 0;  ///< 0: none
+  void* addr = nullptr;
+  std::size_t length = 0;
+};
+
+/// A peer's named segment, as this engine refers to it in transfers. Made by
+/// Engine::segment(), without waiting for anything: the peer is connected (and the name
+/// checked) when the first transfer needs it.
+struct RemoteSegment {
+  std::uint32_t peer = 0;  ///< 0: none
+  std::uint32_t slot = 0;
+};
+
+enum class TransferOp : std::uint8_t {
+  read,          ///< the segment's bytes into the local range
+  write,         ///< the local range into the segment
+  fetch_add,     ///< 8-byte atomic on an 8-byte aligned remote word; the old value to local
+  compare_swap,  ///< 8-byte atomic compare-and-swap; the old value to local
+};
+[[nodiscard]] const char* to_string(TransferOp op) noexcept;
+
+/// One transfer between a local buffer range and a range of a peer's segment.
+struct Transfer {
+  TransferOp op = TransferOp::write;
+  Buffer local;
+  std::uint64_t local_offset = 0;
+  std::uint64_t length = 0;  ///< atomics: 8
+  RemoteSegment remote;
+  std::uint64_t remote_offset = 0;
+  std::uint64_t compare_add = 0;  ///< fetch_add: the addend; compare_swap: the expected value
+  std::uint64_t swap = 0;         ///< compare_swap: the value to store
+};
+
+/// How a transfer ended.
+enum class TransferStatus : std::uint8_t {
+  pending,
+  ok,
+  invalid,        ///< refused at submit (bounds, unknown buffer or peer, alignment); nothing moved
+  no_segment,     ///< the peer has no such segment, or the range is outside it, or its access
+                  ///< does not allow the operation
+  connect_failed, ///< the peer could not be reached (the reason says why)
+  peer_lost,      ///< the link broke while the transfer was in flight (the peer died, closed,
+                  ///< restarted, or was removed)
+  failed,         ///< an error completion (remote access error, retries exceeded, ...)
+};
+[[nodiscard]] const char* to_string(TransferStatus status) noexcept;
+
+struct TransferResult {
+  TransferStatus status = TransferStatus::pending;
+  std::string reason;  ///< why, for every status but pending and ok
+};
+
+/// A message delivered to this engine after all the writes of the batch that carried it are
+/// visible in this engine's memory.
+struct Notification {
+  std::string peer;  ///< the sending engine's name
+  std::vector<std::uint8_t> message;
+};
+
+namespace detail {
+struct BatchState;
+}
+
+/// The transfers of one submit(), in flight or done. Move-only. Destroying it does not cancel
+/// anything: the transfers run to their end, and the local buffers must stay registered (the
+/// engine alive) until then.
+///
+/// Threads: done(), wait() and the result calls may be made from any thread, concurrently.
+class Batch {
+ public:
+  Batch() = default;
+  Batch(Batch&&) noexcept;
+  Batch& operator=(Batch&&) noexcept;
+  ~Batch();
+
+  /// Every transfer has ended (O(1)).
+  [[nodiscard]] bool done() const noexcept;
+  /// Waits until done() or `timeout`; returns done().
+  bool wait(std::chrono::milliseconds timeout) const;
+  [[nodiscard]] std::size_t size() const noexcept;
+  /// Transfers that ended in a status other than ok (when done()).
+  [[nodiscard]] std::size_t failed() const noexcept;
+  /// The result of transfer `i` (pending until it ends).
+  [[nodiscard]] TransferResult result(std::size_t i) const;
+  /// Every failed transfer's index, status and reason, one line each; empty when all succeeded.
+  [[nodiscard]] std::string describe_failures() const;
+
+ private:
+  friend class Engine;
+  friend struct detail::BatchState;
+  explicit Batch(std::shared_ptr<detail::BatchState> state) noexcept;
+  std::shared_ptr<detail::BatchState> state_;
+};
+
+/// Options of one submit().
+struct SubmitOptions {
+  /// Sent to every peer the batch writes to, once that peer's writes in the batch have all
+  /// completed successfully (so the data is in its memory when the message arrives); at most
+  /// Engine::max_notification bytes. Empty: none.
+  std::vector<std::uint8_t> notify;
+  /// Called once when the batch is done, on a worker thread (or in progress()): keep it short,
+  /// and do not wait on batches in it.
+  std::function<void(const Batch&)> on_done;
+};
+
+/// Counters, readable at any time.
+struct EngineCounters {
+  std::uint64_t qps = 0;           ///< QPs now
+  std::uint64_t peers = 0;         ///< peers added
+  std::uint64_t links = 0;         ///< links up now (initiated and accepted)
+  std::uint64_t connects = 0;      ///< links this engine initiated, in all
+  std::uint64_t reconnects = 0;    ///< of those, to a peer it had been connected to before
+  std::uint64_t accepts = 0;       ///< links peers opened to this engine
+  std::uint64_t evictions = 0;     ///< idle links closed to stay within max_qps
+  std::uint64_t restarts = 0;      ///< peers seen again with a new epoch
+  std::uint64_t batches = 0;       ///< submitted
+  std::uint64_t transfers = 0;     ///< submitted
+  std::uint64_t transfers_failed = 0;
+  std::uint64_t bytes = 0;         ///< moved by successful reads and writes
+  std::uint64_t notifications_sent = 0;
+  std::uint64_t notifications_received = 0;
+  std::uint64_t windows_bound = 0; ///< memory windows bound (one per peer link per segment)
+};
+
+/// What the engine is built on.
+struct EngineInfo {
+  std::string name;
+  std::uint64_t epoch = 0;  ///< new at every start; peers recognise a restart by it
+  std::uint16_t port = 0;   ///< 0: no listener
+  std::vector<std::string> devices;
+  /// Peers get access through type-2 memory windows bound on their own link's QP (a key is
+  /// useless on any other QP, and revoked per peer); false: the device has none, and peers get
+  /// the region's own key (which is why a key is then required).
+  bool memory_windows = false;
+  std::string access_model;  ///< one line saying which, and why
+};
+
+/// Many peers, memory registered once, batched asynchronous transfers from any number of
+/// threads (see docs/engine.md).
+///
+/// Threads: every member function may be called from any thread, concurrently, except that
+/// progress() is for workers == 0 only, and the destructor must not race with anything else.
+class Engine {
+ public:
+  explicit Engine(EngineConfig config);
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+  /// Closes every link (what is in flight ends: completed or flushed) and stops the workers.
+  ~Engine();
+
+  [[nodiscard]] EngineInfo info() const;
+  [[nodiscard]] EngineCounters counters() const noexcept;
+  /// The listener's port (0: none).
+  [[nodiscard]] std::uint16_t port() const noexcept;
+
+  /// Registers caller-owned memory once on each device (it must outlive the engine).
+  Buffer register_memory(void* addr, std::size_t length);
+  /// Allocates memory of spec.kind, owned by the engine, and registers it.
+  Buffer allocate_memory(std::size_t length, const MemorySpec& spec = {});
+  /// Makes [offset, offset + length) of `buffer` a segment called `name` (1..64 bytes) that
+  /// peers may access as `access` allows (remote_read, remote_write, remote_atomic). Peers
+  /// already linked are told at once; nothing is frozen at the handshake. Throws Error for a
+  /// name in use or a bad range.
+  void expose(std::string name, const Buffer& buffer, Access access, std::uint64_t offset = 0,
+              std::uint64_t length = 0);
+  /// Withdraws a segment: every peer's key for it stops working (its window is invalidated),
+  /// and linked peers are told.
+  void withdraw(const std::string& name);
+
+  /// Adds a peer by name and bootstrap address ("host:port"); nothing is connected until a
+  /// transfer needs it. Throws Error for a name in use.
+  void add_peer(std::string name, std::string address);
+  /// Removes a peer: its links close (what is in flight fails as peer_lost), and its access to
+  /// this engine's segments is revoked.
+  void remove_peer(const std::string& name);
+  /// A handle for `segment` of `peer` (added before). Throws Error for an unknown peer.
+  [[nodiscard]] RemoteSegment segment(const std::string& peer, const std::string& segment);
+  /// Connects to `peer` now (instead of at its first transfer) and waits until its segments are
+  /// known; false with `why` on failure or timeout.
+  bool connect(const std::string& peer, std::chrono::milliseconds timeout, std::string* why = nullptr);
+
+  /// Starts the transfers; never blocks on the network. Transfers that are invalid at once
+  /// (unknown handles, ranges outside the local buffer) end as `invalid` in the returned batch.
+  Batch submit(std::span<const Transfer> transfers, SubmitOptions options = {});
+  static constexpr std::size_t max_notification = 900;
+
+  /// The next notification received, if any.
+  std::optional<Notification> next_notification();
+  /// A descriptor that becomes readable when a batch completes or a notification arrives (for
+  /// epoll or an event loop). Reading it (8 bytes) re-arms it; check batches and notifications
+  /// after every wake-up.
+  [[nodiscard]] int fd() const noexcept;
+
+  /// workers == 0: does the work a worker would (post, poll, links' control channels) for up to
+  /// `budget`, returning early when nothing is in flight. Returns the transfers that ended.
+  std::size_t progress(std::chrono::milliseconds budget = std::chrono::milliseconds{0});
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace rdmakit

@@ -1,0 +1,605 @@
+// The engine's public calls, its registries, and the threads that connect and accept links.
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include <fmt/format.h>
+
+#include "bootstrap/auth.hpp"
+#include "engine/impl.hpp"
+#include "engine/protocol.hpp"
+#include "rdmakit/error.hpp"
+#include "verbs/memory_impl.hpp"
+
+namespace rdmakit {
+
+using detail::BatchState;
+using detail::Peer;
+using detail::Worker;
+
+const char* to_string(TransferOp op) noexcept {
+  switch (op) {
+    case TransferOp::read: return "read";
+    case TransferOp::write: return "write";
+    case TransferOp::fetch_add: return "fetch_add";
+    case TransferOp::compare_swap: return "compare_swap";
+  }
+  return "?";
+}
+
+const char* to_string(TransferStatus s) noexcept {
+  switch (s) {
+    case TransferStatus::pending: return "pending";
+    case TransferStatus::ok: return "ok";
+    case TransferStatus::invalid: return "invalid";
+    case TransferStatus::no_segment: return "no_segment";
+    case TransferStatus::connect_failed: return "connect_failed";
+    case TransferStatus::peer_lost: return "peer_lost";
+    case TransferStatus::failed: return "failed";
+  }
+  return "?";
+}
+
+namespace {
+
+std::uint64_t fresh_epoch() {
+  std::uint64_t v = 0;
+  if (::getrandom(&v, sizeof v, 0) != sizeof v) throw Error("getrandom", errno, "choosing the engine's epoch");
+  return v | 1;  // never 0, which means "unknown"
+}
+
+std::string default_name() {
+  char host[256] = {};
+  (void)::gethostname(host, sizeof host - 1);
+  return fmt::format("{}:{}", host, ::getpid());
+}
+
+// What a link's QP must allow for the windows bound on it: everything a segment may allow.
+constexpr Access kAllRemote = Access::remote_read | Access::remote_write | Access::remote_atomic;
+
+}  // namespace
+
+// --- BatchState and Batch ------------------------------------------------------------------------
+
+detail::BatchState::BatchState(Engine::Impl* e, std::span<const Transfer> t)
+    : transfers(t.begin(), t.end()), slots(new TransferSlot[t.size()]), records(t.size()), engine(e) {
+  remaining.store(static_cast<std::uint32_t>(t.size()), std::memory_order_relaxed);
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    records[i].batch = this;
+    records[i].index = static_cast<std::uint32_t>(i);
+  }
+}
+
+void detail::BatchState::finish(std::uint32_t i, TransferStatus s, std::string reason) noexcept {
+  TransferSlot& slot = slots[i];
+  if (slot.status.load(std::memory_order_relaxed) != TransferStatus::pending) return;  // ended once
+  slot.reason = std::move(reason);
+  if (s != TransferStatus::ok) {
+    failed.fetch_add(1, std::memory_order_relaxed);
+    engine->count.transfers_failed.fetch_add(1, std::memory_order_relaxed);
+  }
+  slot.status.store(s, std::memory_order_release);
+  if (remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  {
+    std::lock_guard lock(mu);  // a waiter between its check and its sleep would miss the notify
+  }
+  cv.notify_all();
+  if (on_done) {
+    try {
+      on_done(Batch(shared_from_this()));
+    } catch (...) {
+      // A callback that throws must not take the worker down.
+    }
+  }
+  engine->signal();
+}
+
+Batch::Batch(std::shared_ptr<detail::BatchState> state) noexcept : state_(std::move(state)) {}
+Batch::Batch(Batch&&) noexcept = default;
+Batch& Batch::operator=(Batch&&) noexcept = default;
+Batch::~Batch() = default;
+
+bool Batch::done() const noexcept {
+  return !state_ || state_->remaining.load(std::memory_order_acquire) == 0;
+}
+
+bool Batch::wait(std::chrono::milliseconds timeout) const {
+  if (done()) return true;
+  std::unique_lock lock(state_->mu);
+  return state_->cv.wait_for(lock, timeout, [this] { return done(); });
+}
+
+std::size_t Batch::size() const noexcept { return state_ ? state_->transfers.size() : 0; }
+
+std::size_t Batch::failed() const noexcept {
+  return state_ ? state_->failed.load(std::memory_order_acquire) : 0;
+}
+
+TransferResult Batch::result(std::size_t i) const {
+  if (i >= size()) throw Error("batch result", EINVAL, fmt::format("transfer {} of a batch of {}", i, size()));
+  const detail::TransferSlot& s = state_->slots[i];
+  const TransferStatus st = s.status.load(std::memory_order_acquire);
+  if (st == TransferStatus::pending) return {};
+  return {st, s.reason};
+}
+
+std::string Batch::describe_failures() const {
+  std::string out;
+  for (std::size_t i = 0; i < size(); ++i) {
+    const TransferResult r = result(i);
+    if (r.status == TransferStatus::ok || r.status == TransferStatus::pending) continue;
+    const Transfer& t = state_->transfers[i];
+    out += fmt::format("transfer {} ({} of {} bytes): {}: {}\n", i, to_string(t.op), t.length,
+                       to_string(r.status), r.reason);
+  }
+  return out;
+}
+
+// --- Engine::Impl --------------------------------------------------------------------------------
+
+Engine::Impl::Impl(EngineConfig c)
+    : cfg(std::move(c)),
+      buffer_table(new std::atomic<detail::BufferRec*>[kMaxBuffers]),
+      peer_table(new std::atomic<detail::Peer*>[kMaxPeers]) {
+  for (std::uint32_t i = 0; i < kMaxBuffers; ++i) buffer_table[i].store(nullptr, std::memory_order_relaxed);
+  for (std::uint32_t i = 0; i < kMaxPeers; ++i) peer_table[i].store(nullptr, std::memory_order_relaxed);
+  name = cfg.name.empty() ? default_name() : cfg.name;
+  detail::engine_wire::check_name(name, "engine name");
+  detail::check_key(cfg.link.psk);
+  if (cfg.max_qps == 0) throw Error("engine config", EINVAL, "max_qps 0: at least 1");
+  if (cfg.workers > 64) throw Error("engine config", EINVAL, fmt::format("{} workers (at most 64)", cfg.workers));
+  // One QP per link, no receives: the engine moves data by READ, WRITE and atomics, and its
+  // messages travel on the control channel.
+  cfg.link.qps = 1;
+  cfg.link.recv_depth = 1;
+  cfg.link.completion_events = false;
+  if (!cfg.link.log) cfg.link.log = detail::default_log;
+  epoch = fresh_epoch();
+  if (!cfg.link.psk.empty()) psk = std::make_shared<const detail::Secret>(cfg.link.psk);
+
+  layer = detail::DeviceLayer::acquire();
+  if (layer->devices().empty()) {
+    throw Error("engine", ENODEV, "no RDMA device on this host", "rdmakit doctor says why");
+  }
+  windows = true;
+  for (const auto& d : layer->devices()) {
+    pds.push_back(detail::open_pd(d));
+    if ((d->attr().device_cap_flags & IBV_DEVICE_MEM_WINDOW_TYPE_2B) == 0 &&
+        (d->attr().device_cap_flags & IBV_DEVICE_MEM_WINDOW_TYPE_2A) == 0) {
+      windows = false;
+    }
+  }
+  if (windows) {
+    access_model = "type-2 memory windows: each peer gets its own key per segment, bound on its link's "
+                   "QP (useless on any other QP) and revoked per peer";
+  } else if (psk) {
+    access_model = "region keys (a device has no type-2 memory windows): every authenticated peer gets "
+                   "the buffer's own key; revocation deregisters the buffer";
+  } else {
+    access_model = "none: a device has no type-2 memory windows and the engine has no key, so no segment "
+                   "is offered to peers (set EngineConfig::link.psk)";
+  }
+  event_fd = detail::Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!event_fd) throw Error("eventfd", errno, "the engine's descriptor");
+  const std::uint32_t n = std::max<std::uint32_t>(cfg.workers, 1);
+  for (std::uint32_t i = 0; i < n; ++i) workers.push_back(std::make_unique<Worker>(*this, i));
+  if (cfg.workers > 0) {
+    for (auto& w : workers) w->start();
+  }
+  for (int i = 0; i < 4; ++i) connectors.emplace_back([this] { connect_loop(); });
+  if (!cfg.listen.empty()) {
+    ListenerConfig lc(cfg.link);
+    lc.max_pending = std::max<std::uint32_t>(lc.max_pending, 256);
+    listener = detail::listen_with_hooks(cfg.listen, std::move(lc), hooks(nullptr));
+    acceptor = std::thread([this] { accept_loop(); });
+  }
+}
+
+Engine::Impl::~Impl() {
+  stopping.store(true);
+  connect_cv.notify_all();
+  if (acceptor.joinable()) acceptor.join();
+  listener.reset();  // its handshakes end (each bounded by its deadline) before the workers go
+  for (auto& t : connectors) t.join();
+  for (auto& w : workers) w->stop();
+  workers.clear();
+  detail::wipe(cfg.link.psk);
+}
+
+void Engine::Impl::signal() noexcept {
+  const std::uint64_t one = 1;
+  (void)!::write(event_fd.get(), &one, sizeof one);
+}
+
+detail::BufferRec* Engine::Impl::buffer(std::uint32_t id) const noexcept {
+  if (id == 0 || id > kMaxBuffers) return nullptr;
+  return buffer_table[id - 1].load(std::memory_order_acquire);
+}
+
+detail::Peer* Engine::Impl::peer(std::uint32_t id) const noexcept {
+  if (id == 0 || id > kMaxPeers) return nullptr;
+  return peer_table[id - 1].load(std::memory_order_acquire);
+}
+
+std::uint32_t Engine::Impl::device_index(const std::string& device) const {
+  const auto& ds = layer->devices();
+  for (std::uint32_t i = 0; i < ds.size(); ++i) {
+    if (ds[i]->name() == device) return i;
+  }
+  throw Error("engine", ENODEV, fmt::format("device {} is not in the device layer", device));
+}
+
+detail::HandshakeHooks Engine::Impl::hooks(Worker* preferred) {
+  detail::HandshakeHooks h;
+  h.attach = [this, preferred](const std::string& device) { return attach(device, preferred); };
+  return h;
+}
+
+detail::Attachment Engine::Impl::attach(const std::string& device, Worker* preferred) {
+  const std::uint32_t d = device_index(device);
+  // A QP of the budget: when there is none, idle links are evicted to make room.
+  const auto deadline = detail::deadline_in(std::min(cfg.link.handshake_timeout, std::chrono::milliseconds{5000}));
+  for (bool asked = false;;) {
+    std::uint64_t have = count.qps.load();
+    if (have < cfg.max_qps && count.qps.compare_exchange_weak(have, have + 1)) break;
+    if (have < cfg.max_qps) continue;
+    if (!asked) {
+      for (auto& w : workers) w->post(detail::Command(detail::Command::Kind::evict));
+      asked = true;
+    }
+    if (stopping.load() || detail::Clock::now() >= deadline) {
+      throw Error("engine QP budget", EBUSY,
+                  fmt::format("{}all {} QPs of the budget are in use by links with work in flight",
+                              detail::kBusyReason, cfg.max_qps),
+                  "raise EngineConfig::max_qps, or the link waits for others to go idle");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds{2});
+  }
+  struct QpTicket {
+    explicit QpTicket(std::atomic<std::uint64_t>* q) : qps(q) {}
+    QpTicket(const QpTicket&) = delete;
+    QpTicket& operator=(const QpTicket&) = delete;
+    ~QpTicket() { qps->fetch_sub(1); }
+    std::atomic<std::uint64_t>* qps;
+  };
+  auto ticket = std::make_shared<QpTicket>(&count.qps);
+  // A worker with room in its CQ there: the preferred one (a peer's own), else round robin.
+  // A link this engine opens belongs to its peer's worker; one a peer opens, to any worker.
+  const auto n = static_cast<std::uint32_t>(workers.size());
+  const std::uint32_t first = preferred != nullptr ? preferred->index() : next_worker.fetch_add(1) % n;
+  for (std::uint32_t k = 0; k < (preferred != nullptr ? 1u : n); ++k) {
+    if (auto a = workers[(first + k) % n]->attach(d)) {
+      a->qp_access = kAllRemote;
+      a->keep = std::shared_ptr<void>(new std::pair<std::shared_ptr<void>, std::shared_ptr<QpTicket>>(a->keep, ticket),
+                                      [](void* p) { delete static_cast<std::pair<std::shared_ptr<void>, std::shared_ptr<QpTicket>>*>(p); });
+      return *a;
+    }
+  }
+  throw Error("engine", EBUSY,
+              fmt::format("{}every worker's CQ on {} is full of links", detail::kBusyReason, device),
+              "add workers, or lower EngineConfig::link.send_depth");
+}
+
+void Engine::Impl::request_connect(Peer* p) {
+  {
+    std::lock_guard lock(connect_mu);
+    to_connect.push_back(p);
+  }
+  connect_cv.notify_one();
+}
+
+void Engine::Impl::connect_loop() noexcept {
+  for (;;) {
+    Peer* p = nullptr;
+    {
+      std::unique_lock lock(connect_mu);
+      connect_cv.wait(lock, [this] { return stopping.load() || !to_connect.empty(); });
+      if (stopping.load()) return;
+      p = to_connect.front();
+      to_connect.pop_front();
+    }
+    detail::Command c(detail::Command::Kind::link_up);
+    c.peer = p;
+    try {
+      c.conn.emplace(Connection::Impl::connect(p->address, cfg.link, {}, hooks(p->worker)));
+      c.device = device_index(c.conn->info().device);
+    } catch (const std::exception& e) {
+      c.kind = detail::Command::Kind::connect_failed;
+      c.conn.reset();
+      c.text = fmt::format("connecting to peer '{}' at {}: {}", p->name, p->address, e.what());
+    }
+    try {
+      p->worker->post(std::move(c));
+    } catch (...) {
+      // Out of memory queueing it: the peer's transfers wait for the next attempt.
+    }
+  }
+}
+
+void Engine::Impl::accept_loop() noexcept {
+  while (!stopping.load()) {
+    try {
+      auto conn = listener->accept(std::chrono::milliseconds{100});
+      if (!conn) continue;
+      auto* w = static_cast<Worker*>(Connection::Impl::of(*conn).attached.owner);
+      detail::Command c(detail::Command::Kind::link_up);
+      c.device = device_index(conn->info().device);
+      c.conn = std::move(conn);
+      w->post(std::move(c));
+    } catch (const std::exception& e) {
+      try {
+        cfg.link.log(fmt::format("engine {}: accepting a link: {}", name, e.what()));
+      } catch (...) {
+      }
+    }
+  }
+}
+
+std::uint32_t Engine::Impl::slot_of(Peer& p, const std::string& segment) {
+  std::lock_guard lock(mu);
+  auto [it, added] = p.slot_by_name.emplace(segment, static_cast<std::uint32_t>(p.slot_names.size()));
+  if (added) p.slot_names.push_back(segment);
+  return it->second;
+}
+
+Buffer Engine::Impl::publish(std::unique_ptr<detail::BufferRec> rec) {
+  std::lock_guard lock(mu);
+  if (buffers.size() >= kMaxBuffers) {
+    throw Error("register memory", ENOSPC, fmt::format("{} buffers already (the most an engine holds)", kMaxBuffers));
+  }
+  rec->handle.id = static_cast<std::uint32_t>(buffers.size() + 1);
+  buffers.push_back(std::move(rec));
+  buffer_table[buffers.size() - 1].store(buffers.back().get(), std::memory_order_release);
+  return buffers.back()->handle;
+}
+
+void Engine::Impl::deliver(Notification n) {
+  {
+    std::lock_guard lock(notes_mu);
+    notes.push_back(std::move(n));
+  }
+  count.notifications_received.fetch_add(1, std::memory_order_relaxed);
+  signal();
+}
+
+// --- Engine --------------------------------------------------------------------------------------
+
+Engine::Engine(EngineConfig config) : impl_(std::make_unique<Impl>(std::move(config))) {}
+Engine::~Engine() = default;
+
+EngineInfo Engine::info() const {
+  EngineInfo i;
+  i.name = impl_->name;
+  i.epoch = impl_->epoch;
+  i.port = port();
+  for (const auto& d : impl_->layer->devices()) i.devices.push_back(d->name());
+  i.memory_windows = impl_->windows;
+  i.access_model = impl_->access_model;
+  return i;
+}
+
+EngineCounters Engine::counters() const noexcept {
+  const auto& c = impl_->count;
+  EngineCounters o;
+  o.qps = c.qps.load();
+  {
+    std::lock_guard lock(impl_->mu);
+    o.peers = static_cast<std::uint64_t>(std::count_if(impl_->peers.begin(), impl_->peers.end(),
+                                                       [](const auto& p) { return !p->removed.load(); }));
+  }
+  o.links = c.links.load();
+  o.connects = c.connects.load();
+  o.reconnects = c.reconnects.load();
+  o.accepts = c.accepts.load();
+  o.evictions = c.evictions.load();
+  o.restarts = c.restarts.load();
+  o.batches = c.batches.load();
+  o.transfers = c.transfers.load();
+  o.transfers_failed = c.transfers_failed.load();
+  o.bytes = c.bytes.load();
+  o.notifications_sent = c.notifications_sent.load();
+  o.notifications_received = c.notifications_received.load();
+  o.windows_bound = c.windows_bound.load();
+  return o;
+}
+
+std::uint16_t Engine::port() const noexcept { return impl_->listener ? impl_->listener->port() : 0; }
+
+namespace {
+
+// Engine buffers: with windows, no remote access of their own (peers get windows only), and
+// binding allowed; without, every remote access (the region's key is what peers get).
+Access buffer_access(bool windows) {
+  return windows ? Access::local_write | detail::kMwBind : Access::local_write | kAllRemote;
+}
+
+}  // namespace
+
+Buffer Engine::register_memory(void* addr, std::size_t length) {
+  auto rec = std::make_unique<detail::BufferRec>();
+  for (const auto& pd : impl_->pds) {
+    rec->regions.emplace_back(MemoryRegion::Impl::wrap(detail::register_region(pd, addr, length, buffer_access(impl_->windows))));
+  }
+  rec->handle.addr = addr;
+  rec->handle.length = length;
+  return impl_->publish(std::move(rec));
+}
+
+Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
+  auto rec = std::make_unique<detail::BufferRec>();
+  if (impl_->pds.size() > 1 && spec.kind != MemoryKind::host) {
+    throw Error("allocate_memory", ENOTSUP, "memory other than host memory on a host with several devices",
+                "allocate it yourself and register_memory() it");
+  }
+  // The first device allocates (and owns) the memory; the others register the same bytes.
+  rec->regions.emplace_back(MemoryRegion::Impl::wrap(
+      detail::allocate_region(impl_->pds[0], length, buffer_access(impl_->windows), spec)));
+  void* addr = rec->regions[0]->data();
+  for (std::size_t d = 1; d < impl_->pds.size(); ++d) {
+    rec->regions.emplace_back(MemoryRegion::Impl::wrap(detail::register_region(impl_->pds[d], addr, length, buffer_access(impl_->windows))));
+  }
+  rec->handle.addr = addr;
+  rec->handle.length = length;
+  return impl_->publish(std::move(rec));
+}
+
+void Engine::expose(std::string name, const Buffer& buffer, Access access, std::uint64_t offset, std::uint64_t length) {
+  detail::engine_wire::check_name(name, "segment name");
+  const detail::BufferRec* b = impl_->buffer(buffer.id);
+  if (b == nullptr) throw Error("expose", EINVAL, fmt::format("segment '{}': buffer {} is not this engine's", name, buffer.id));
+  if (length == 0) length = b->handle.length - std::min<std::uint64_t>(offset, b->handle.length);
+  if (offset > b->handle.length || length > b->handle.length - offset || length == 0) {
+    throw Error("expose", EINVAL, fmt::format("segment '{}': [{}, +{}) is not inside the buffer of {} bytes", name, offset, length, b->handle.length));
+  }
+  if (access == Access::none ||
+      (static_cast<std::uint32_t>(access) & ~static_cast<std::uint32_t>(kAllRemote)) != 0) {
+    throw Error("expose", EINVAL, fmt::format("segment '{}': access {} (remote_read, remote_write, remote_atomic)", name, to_string(access)));
+  }
+  {
+    std::lock_guard lock(impl_->mu);
+    if (impl_->segments.count(name) != 0) throw Error("expose", EEXIST, fmt::format("a segment '{}' exists", name));
+    impl_->segments[name] = {name, buffer.id, offset, length, access};
+  }
+  for (auto& w : impl_->workers) w->post(detail::Command(detail::Command::Kind::expose, nullptr, name));
+}
+
+void Engine::withdraw(const std::string& name) {
+  {
+    std::lock_guard lock(impl_->mu);
+    if (impl_->segments.erase(name) == 0) throw Error("withdraw", ENOENT, fmt::format("no segment '{}'", name));
+  }
+  for (auto& w : impl_->workers) w->post(detail::Command(detail::Command::Kind::withdraw, nullptr, name));
+}
+
+void Engine::add_peer(std::string name, std::string address) {
+  detail::engine_wire::check_name(name, "peer name");
+  (void)detail::parse_host_port(address, 0);
+  std::lock_guard lock(impl_->mu);
+  if (impl_->peer_ids.count(name) != 0) throw Error("add_peer", EEXIST, fmt::format("a peer '{}' exists", name));
+  if (impl_->peers.size() >= Impl::kMaxPeers) throw Error("add_peer", ENOSPC, fmt::format("{} peers already", Impl::kMaxPeers));
+  auto p = std::make_unique<Peer>();
+  p->id = static_cast<std::uint32_t>(impl_->peers.size() + 1);
+  p->name = std::move(name);
+  p->address = std::move(address);
+  p->worker = impl_->workers[(p->id - 1) % impl_->workers.size()].get();
+  impl_->peer_ids[p->name] = p->id;
+  impl_->peers.push_back(std::move(p));
+  impl_->peer_table[impl_->peers.size() - 1].store(impl_->peers.back().get(), std::memory_order_release);
+}
+
+void Engine::remove_peer(const std::string& name) {
+  Peer* p = nullptr;
+  {
+    std::lock_guard lock(impl_->mu);
+    const auto it = impl_->peer_ids.find(name);
+    if (it == impl_->peer_ids.end()) throw Error("remove_peer", ENOENT, fmt::format("no peer '{}'", name));
+    p = impl_->peer(it->second);
+    impl_->peer_ids.erase(it);  // the name may be added again, as a new peer
+  }
+  p->removed.store(true);
+  // Its accepted links (found by the name in their IDENT) are on any worker.
+  for (auto& w : impl_->workers) w->post(detail::Command(detail::Command::Kind::remove_peer, p, name));
+}
+
+RemoteSegment Engine::segment(const std::string& peer, const std::string& segment) {
+  detail::engine_wire::check_name(segment, "segment name");
+  std::uint32_t id = 0;
+  {
+    std::lock_guard lock(impl_->mu);
+    const auto it = impl_->peer_ids.find(peer);
+    if (it == impl_->peer_ids.end()) throw Error("segment", ENOENT, fmt::format("no peer '{}' (add_peer first)", peer));
+    id = it->second;
+  }
+  return {id, impl_->slot_of(*impl_->peer(id), segment)};
+}
+
+bool Engine::connect(const std::string& peer, std::chrono::milliseconds timeout, std::string* why) {
+  Peer* p = nullptr;
+  {
+    std::lock_guard lock(impl_->mu);
+    const auto it = impl_->peer_ids.find(peer);
+    if (it == impl_->peer_ids.end()) throw Error("connect", ENOENT, fmt::format("no peer '{}'", peer));
+    p = impl_->peer(it->second);
+  }
+  std::unique_lock lock(p->m);
+  const std::uint64_t before = p->attempts;
+  lock.unlock();
+  p->worker->post(detail::Command(detail::Command::Kind::kick, p));
+  lock.lock();
+  const bool up = p->cv.wait_for(lock, timeout, [&] { return p->up || p->attempts > before; });
+  if (up && p->up) return true;
+  if (why != nullptr) *why = up ? p->last_error : fmt::format("no link to '{}' within {} ms", peer, timeout.count());
+  return false;
+}
+
+Batch Engine::submit(std::span<const Transfer> transfers, SubmitOptions options) {
+  if (options.notify.size() > max_notification) {
+    throw Error("submit", EMSGSIZE, fmt::format("a notification of {} bytes; at most {}", options.notify.size(), max_notification));
+  }
+  auto state = std::make_shared<BatchState>(impl_.get(), transfers);
+  state->notify = std::move(options.notify);
+  state->on_done = std::move(options.on_done);
+  impl_->count.batches.fetch_add(1, std::memory_order_relaxed);
+  impl_->count.transfers.fetch_add(transfers.size(), std::memory_order_relaxed);
+  Batch batch(state);
+  if (transfers.empty()) {
+    impl_->signal();
+    return batch;
+  }
+  // Checked here, so a bad transfer ends at once; the rest go to their peers' workers.
+  std::vector<std::vector<std::uint32_t>> per_worker(impl_->workers.size());
+  for (std::uint32_t i = 0; i < transfers.size(); ++i) {
+    const Transfer& t = transfers[i];
+    const detail::BufferRec* b = impl_->buffer(t.local.id);
+    Peer* p = impl_->peer(t.remote.peer);
+    std::string bad;
+    if (b == nullptr) {
+      bad = fmt::format("buffer {} is not this engine's", t.local.id);
+    } else if (t.local_offset > b->handle.length || t.length > b->handle.length - t.local_offset) {
+      bad = fmt::format("[{}, +{}) is outside the local buffer of {} bytes", t.local_offset, t.length, b->handle.length);
+    } else if (p == nullptr) {
+      bad = fmt::format("peer {} is unknown (RemoteSegment from Engine::segment)", t.remote.peer);
+    } else if (p->removed.load()) {
+      bad = fmt::format("peer '{}' was removed", p->name);
+    } else if ((t.op == TransferOp::fetch_add || t.op == TransferOp::compare_swap) && t.length != 8) {
+      bad = fmt::format("an atomic moves 8 bytes, not {}", t.length);
+    } else if (t.length == 0) {
+      bad = "a transfer of 0 bytes";
+    }
+    if (!bad.empty()) {
+      state->finish(i, TransferStatus::invalid, std::move(bad));
+      continue;
+    }
+    per_worker[p->worker->index()].push_back(i);
+  }
+  for (std::size_t w = 0; w < per_worker.size(); ++w) {
+    if (per_worker[w].empty()) continue;
+    detail::Command c(detail::Command::Kind::submit);
+    c.batch = state;
+    c.indexes = std::move(per_worker[w]);
+    impl_->workers[w]->post(std::move(c));
+  }
+  return batch;
+}
+
+std::optional<Notification> Engine::next_notification() {
+  std::lock_guard lock(impl_->notes_mu);
+  if (impl_->notes.empty()) return std::nullopt;
+  Notification n = std::move(impl_->notes.front());
+  impl_->notes.pop_front();
+  return n;
+}
+
+int Engine::fd() const noexcept { return impl_->event_fd.get(); }
+
+std::size_t Engine::progress(std::chrono::milliseconds budget) {
+  if (impl_->cfg.workers != 0) {
+    throw Error("progress", EINVAL, "the engine has worker threads (EngineConfig::workers > 0)");
+  }
+  return impl_->workers[0]->run(detail::deadline_in(budget), false);
+}
+
+}  // namespace rdmakit

@@ -1,0 +1,312 @@
+#pragma once
+// The engine's state. Who owns what, and on which thread it is touched:
+//
+//   Engine::Impl   registries (buffers, segments, peers) under `mu`; buffers and peers are also
+//                  published in append-only tables the workers read without a lock. Counters are
+//                  atomics. The connector threads run handshakes; the acceptor thread takes the
+//                  links peers open and hands each to the worker whose CQs it was built on.
+//   Worker         its CQs (one per device, shared by its links, polled through a CqRouter),
+//                  its links, the transfers in flight on them: all touched by its own thread
+//                  only (or by progress() when there are no threads). Other threads talk to it
+//                  through its inbox (a mutex and an eventfd).
+//   BatchState     shared by the Batch handle and the workers; each transfer's result is written
+//                  once, by the worker that ran it, before `remaining` is decremented (release).
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "bootstrap/socket.hpp"
+#include "common/clock.hpp"
+#include "connection/impl.hpp"
+#include "datapath/router.hpp"
+#include "rdmakit/engine.hpp"
+#include "verbs/device_layer.hpp"
+#include "verbs/handles.hpp"
+
+namespace rdmakit::detail {
+
+class Worker;
+struct Link;
+struct Peer;
+
+/// One transfer's result slot; `status` is stored last (release), so a reader that sees it
+/// ended may read the reason.
+struct TransferSlot {
+  std::atomic<TransferStatus> status{TransferStatus::pending};
+  std::string reason;
+};
+
+/// What a posted work request's wr_id points at (8-byte aligned: bit 0 marks a window bind).
+struct Record {
+  BatchState* batch = nullptr;
+  std::uint32_t index = 0;
+  Link* link = nullptr;
+};
+
+struct BatchState : std::enable_shared_from_this<BatchState> {
+  BatchState(Engine::Impl* e, std::span<const Transfer> t);
+  std::vector<Transfer> transfers;
+  std::unique_ptr<TransferSlot[]> slots;
+  std::vector<Record> records;
+  std::atomic<std::uint32_t> remaining{0};
+  std::atomic<std::uint32_t> failed{0};
+  mutable std::mutex mu;  // for wait()
+  mutable std::condition_variable cv;
+  std::vector<std::uint8_t> notify;
+  std::function<void(const Batch&)> on_done;
+  Engine::Impl* engine = nullptr;
+  /// Records transfer i's end; the last one wakes waiters, the engine's fd and the callback.
+  void finish(std::uint32_t i, TransferStatus s, std::string reason) noexcept;
+};
+
+/// A registered buffer: one region per device (index as in the device layer).
+struct BufferRec {
+  Buffer handle;
+  std::vector<std::optional<MemoryRegion>> regions;
+};
+
+/// A named segment of a buffer.
+struct SegmentDef {
+  std::string name;
+  std::uint32_t buffer = 0;
+  std::uint64_t offset = 0, length = 0;
+  Access access = Access::none;
+};
+
+/// A peer added by name. `name`, `address`, `worker` are fixed at add_peer; the slot table is
+/// under Engine::Impl::mu; the rest belongs to the peer's worker.
+struct Peer {
+  std::uint32_t id = 0;
+  std::string name, address;
+  Worker* worker = nullptr;
+  std::map<std::string, std::uint32_t> slot_by_name;  // Engine::Impl::mu
+  std::vector<std::string> slot_names;                // Engine::Impl::mu
+  std::atomic<bool> removed{false};
+  // The worker's:
+  Link* link = nullptr;     // the link this engine initiated, once up
+  bool connecting = false;
+  std::uint64_t epoch = 0;  // of the last link's IDENT
+  bool ever_connected = false;
+  struct Waiting {
+    BatchState* batch;
+    std::uint32_t index;
+  };
+  std::deque<Waiting> waiting;  // transfers waiting for the link to be ready
+  // For Engine::connect(): the link's state, under `m`.
+  std::mutex m;
+  std::condition_variable cv;
+  bool up = false;
+  std::string last_error;
+  std::uint64_t attempts = 0;
+};
+
+/// A memory window bound for one peer on one link's QP.
+struct Window {
+  std::string segment;
+  Link* link = nullptr;
+  MwPtr mw;
+  std::uint32_t rkey = 0;
+  RemoteRegion region;  // as announced
+  bool bound = false;
+};
+
+/// One RC link to a peer engine, on a worker's shared CQs.
+struct Link {
+  Connection conn;
+  Connection::Impl& impl;
+  std::uint32_t device = 0;
+  bool initiated = false;
+  Peer* peer = nullptr;  // initiated links
+  std::string peer_name;  // from its IDENT
+  std::uint64_t peer_epoch = 0;
+  bool ident = false;
+  enum class State { syncing, ready, closing } state = State::syncing;
+  bool watched = false;  // its control fd is in the worker's epoll set
+  // Initiated: the peer's segments (by the peer's slot numbers, and as the data path checks them).
+  std::vector<std::optional<RemoteRegion>> by_slot;
+  std::map<std::string, RemoteRegion> remote;
+  // Accepted: our windows for the peer.
+  std::vector<std::unique_ptr<Window>> windows;
+  std::uint32_t binds_pending = 0;
+  bool synced_sent = false;
+  std::uint64_t in_flight = 0;  // transfers posted and not completed
+  std::deque<Peer::Waiting> backlog;  // waiting for room in the send queue
+  Deadline last_used{};
+  explicit Link(Connection c) : conn(std::move(c)), impl(Connection::Impl::of(conn)) {}
+};
+
+/// A worker's CQ on one device, shared by its links there.
+struct DeviceCqs {
+  std::shared_ptr<DeviceResources> dev;
+  CompChannelPtr channel;
+  CqPtr cq;
+  CqRouter router;          // send and receive queues of every link on this CQ
+  std::uint32_t links = 0;  // attached links (reserved at handshake), at most `capacity`
+  std::uint32_t capacity = 0;
+};
+
+/// What other threads ask a worker to do.
+struct Command {
+  enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick };
+  explicit Command(Kind k, Peer* p = nullptr, std::string t = {}) : kind(k), peer(p), text(std::move(t)) {}
+  Kind kind;
+  std::shared_ptr<BatchState> batch;
+  std::vector<std::uint32_t> indexes;
+  std::optional<Connection> conn;
+  Peer* peer;
+  std::string text;  // a failure, or a segment's name
+  std::uint32_t device = 0;
+};
+
+class Worker {
+ public:
+  Worker(Engine::Impl& e, std::uint32_t index);
+  ~Worker();
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  void start();
+  /// Ends every link (in-flight transfers complete or fail) and joins the thread.
+  void stop() noexcept;
+  /// From any thread.
+  void post(Command c);
+  /// From a handshake thread: this worker's CQ on `device`, with a link's room reserved in it
+  /// (given back when the returned keep goes). Nullopt when the CQ is full.
+  std::optional<Attachment> attach(std::uint32_t device);
+  /// Runs until `until` (or, with `forever`, until stop()); returns the transfers that ended.
+  std::size_t run(Deadline until, bool forever) noexcept;
+  [[nodiscard]] std::uint32_t index() const noexcept { return index_; }
+
+ private:
+  void handle(Command& c);
+  void submit(const std::shared_ptr<BatchState>& b, const std::vector<std::uint32_t>& indexes);
+  void start_transfer(Peer& p, BatchState& b, std::uint32_t i);
+  bool post_transfer(Link& l, BatchState& b, std::uint32_t i);  // false: no room
+  void end(BatchState& b, std::uint32_t i, TransferStatus s, std::string reason) noexcept;
+  void on_completion(DataPath& dp, const Completion& c);
+  void link_up(Command& c);
+  void connect_failed(Peer& p, const std::string& why);
+  void tick_link(Link& l, Deadline now);
+  void on_message(Link& l, std::span<const std::uint8_t> bytes);
+  void make_ready(Link& l);
+  void bind_window(Link& l, const SegmentDef& s);
+  void announce(Link& l, const Window& w);
+  void send(Link& l, const std::vector<std::uint8_t>& msg);
+  void withdraw(const std::string& name);
+  void break_link(Link& l, const std::string& why);
+  void reap_links();
+  void close_link(Link& l) noexcept;
+  bool evict_one();
+  void watch(Link& l, bool on);
+  void sleep(Deadline until) noexcept;
+  void notify_peers(BatchState& b);
+  Link* find(DataPath& dp);
+
+  Engine::Impl& e_;
+  std::uint32_t index_;
+  std::vector<std::unique_ptr<DeviceCqs>> cqs_;  // by device index
+  std::mutex cq_mu_;                              // DeviceCqs::links (handshake threads)
+  Fd wake_;
+  Fd epoll_;
+  std::mutex mu_;
+  std::vector<Command> inbox_;
+  std::atomic<bool> has_mail_{false};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+  // The worker thread's own:
+  std::vector<std::unique_ptr<Link>> links_;
+  std::unordered_map<DataPath*, Link*> by_dp_;
+  struct Live {
+    std::shared_ptr<BatchState> batch;
+    std::uint32_t left = 0;  // this worker's transfers of it that have not ended
+    std::map<Peer*, std::uint32_t> writes_left;  // for the notification
+  };
+  std::unordered_map<BatchState*, Live> live_;
+  std::uint64_t in_flight_ = 0;
+  std::size_t ended_ = 0;
+  Deadline next_tick_{};
+};
+
+}  // namespace rdmakit::detail
+
+namespace rdmakit {
+
+struct Engine::Impl {
+  explicit Impl(EngineConfig c);
+  ~Impl();
+
+  // Fixed at construction.
+  EngineConfig cfg;
+  std::string name;
+  std::uint64_t epoch = 0;
+  std::shared_ptr<detail::DeviceLayer> layer;
+  std::vector<std::shared_ptr<detail::DeviceResources>> pds;  // by device index
+  bool windows = false;
+  std::string access_model;
+  std::shared_ptr<const detail::Secret> psk;
+
+  // Registries, under mu; buffers and peers also in lock-free tables for the workers.
+  mutable std::mutex mu;
+  std::vector<std::unique_ptr<detail::BufferRec>> buffers;
+  std::map<std::string, detail::SegmentDef> segments;
+  std::vector<std::unique_ptr<detail::Peer>> peers;
+  std::map<std::string, std::uint32_t> peer_ids;
+  static constexpr std::uint32_t kMaxBuffers = 1u << 14;
+  static constexpr std::uint32_t kMaxPeers = 1u << 16;
+  std::unique_ptr<std::atomic<detail::BufferRec*>[]> buffer_table;
+  std::unique_ptr<std::atomic<detail::Peer*>[]> peer_table;
+
+  // Counters.
+  struct {
+    std::atomic<std::uint64_t> qps{0}, links{0}, connects{0}, reconnects{0}, accepts{0}, evictions{0},
+        restarts{0}, batches{0}, transfers{0}, transfers_failed{0}, bytes{0}, notifications_sent{0},
+        notifications_received{0}, windows_bound{0};
+  } count;
+
+  detail::Fd event_fd;  // readable when a batch ends or a notification arrives
+  std::mutex notes_mu;
+  std::deque<Notification> notes;
+
+  std::vector<std::unique_ptr<detail::Worker>> workers;
+  std::atomic<std::uint32_t> next_worker{0};
+
+  // Connecting: a queue of peers and the threads that run their handshakes.
+  std::mutex connect_mu;
+  std::condition_variable connect_cv;
+  std::deque<detail::Peer*> to_connect;
+  std::atomic<bool> stopping{false};
+  std::vector<std::thread> connectors;
+
+  std::unique_ptr<Listener> listener;
+  std::thread acceptor;
+
+  void signal() noexcept;
+  /// A BufferRec or Peer by id (0 or unknown: null). Lock-free.
+  [[nodiscard]] detail::BufferRec* buffer(std::uint32_t id) const noexcept;
+  [[nodiscard]] detail::Peer* peer(std::uint32_t id) const noexcept;
+  /// The device index of `name` in the layer.
+  [[nodiscard]] std::uint32_t device_index(const std::string& name) const;
+  /// The attach hook of every link: a worker's CQ on that device with room, and a QP of the
+  /// budget. Throws a "busy" Error when there is neither.
+  detail::Attachment attach(const std::string& device, detail::Worker* preferred);
+  void connect_loop() noexcept;
+  void accept_loop() noexcept;
+  void request_connect(detail::Peer* p);
+  std::uint32_t slot_of(detail::Peer& p, const std::string& segment);
+  [[nodiscard]] detail::HandshakeHooks hooks(detail::Worker* preferred);
+  void deliver(Notification n);
+  /// Gives a registered buffer its id and publishes it to the workers.
+  Buffer publish(std::unique_ptr<detail::BufferRec> rec);
+};
+
+}  // namespace rdmakit

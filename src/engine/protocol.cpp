@@ -1,0 +1,142 @@
+// The engine's messages between linked engines (protocol.hpp).
+#include "engine/protocol.hpp"
+
+#include <cerrno>
+
+#include <fmt/format.h>
+
+#include "rdmakit/error.hpp"
+
+namespace rdmakit::detail::engine_wire {
+
+namespace {
+
+constexpr Access kRemote = Access::remote_read | Access::remote_write | Access::remote_atomic;
+
+void put(std::vector<std::uint8_t>& out, std::uint64_t v, int bytes) {
+  for (int i = bytes - 1; i >= 0; --i) out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+}
+
+struct Reader {
+  std::span<const std::uint8_t> b;
+  std::size_t at = 0;
+  std::uint64_t get(int bytes, const char* field) {
+    if (b.size() - at < static_cast<std::size_t>(bytes)) {
+      throw Error("engine message", EPROTO, fmt::format("{} bytes end inside the {} field", b.size(), field));
+    }
+    std::uint64_t v = 0;
+    for (int i = 0; i < bytes; ++i) v = (v << 8) | b[at++];
+    return v;
+  }
+  std::string name() {
+    const auto n = static_cast<std::size_t>(get(1, "name length"));
+    if (n == 0 || n > kMaxName) throw Error("engine message", EPROTO, fmt::format("name of {} bytes (1..{})", n, kMaxName));
+    if (b.size() - at < n) throw Error("engine message", EPROTO, "the message ends inside the name");
+    std::string s(reinterpret_cast<const char*>(b.data() + at), n);
+    at += n;
+    check_name(s, "name");
+    return s;
+  }
+};
+
+void put_name(std::vector<std::uint8_t>& out, const std::string& name) {
+  check_name(name, "name");
+  out.push_back(static_cast<std::uint8_t>(name.size()));
+  out.insert(out.end(), name.begin(), name.end());
+}
+
+}  // namespace
+
+void check_name(const std::string& name, const char* what) {
+  if (name.empty() || name.size() > kMaxName) {
+    throw Error("engine", EINVAL, fmt::format("{} '{}' has {} bytes (1..{})", what, name, name.size(), kMaxName));
+  }
+  for (const char c : name) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      throw Error("engine", EINVAL, fmt::format("{} has a control character", what));
+    }
+  }
+}
+
+std::vector<std::uint8_t> encode(const Message& m) {
+  std::vector<std::uint8_t> out{kMagic, kVersion, static_cast<std::uint8_t>(m.kind)};
+  switch (m.kind) {
+    case Kind::ident:
+      put(out, m.epoch, 8);
+      put_name(out, m.name);
+      break;
+    case Kind::segment:
+      put_name(out, m.name);
+      put(out, m.region.addr, 8);
+      put(out, m.region.length, 8);
+      put(out, m.region.rkey, 4);
+      put(out, static_cast<std::uint32_t>(m.region.access), 4);
+      break;
+    case Kind::withdraw: put_name(out, m.name); break;
+    case Kind::synced: break;
+    case Kind::notify:
+      if (m.bytes.size() > kMaxNotify) {
+        throw Error("engine notification", EMSGSIZE, fmt::format("{} bytes; at most {}", m.bytes.size(), kMaxNotify));
+      }
+      put(out, m.bytes.size(), 2);
+      out.insert(out.end(), m.bytes.begin(), m.bytes.end());
+      break;
+  }
+  return out;
+}
+
+Message decode(std::span<const std::uint8_t> bytes) {
+  Reader r{bytes};
+  if (r.get(1, "magic") != kMagic) throw Error("engine message", EPROTO, "not an engine message (bad magic)");
+  if (const auto v = r.get(1, "version"); v != kVersion) {
+    throw Error("engine message", EPROTO, fmt::format("version {}; this engine speaks {}", v, kVersion),
+                "both engines must run the same rdmakit version");
+  }
+  Message m;
+  const auto kind = r.get(1, "kind");
+  switch (kind) {
+    case 1:
+      m.kind = Kind::ident;
+      m.epoch = r.get(8, "epoch");
+      m.name = r.name();
+      break;
+    case 2: {
+      m.kind = Kind::segment;
+      m.name = r.name();
+      m.region.addr = r.get(8, "addr");
+      m.region.length = r.get(8, "length");
+      m.region.rkey = static_cast<std::uint32_t>(r.get(4, "rkey"));
+      const auto access = static_cast<std::uint32_t>(r.get(4, "access"));
+      if ((access & ~static_cast<std::uint32_t>(kRemote)) != 0 || access == 0) {
+        throw Error("engine message", EPROTO, fmt::format("segment '{}' access {:#x} (remote read, write, atomic only)", m.name, access));
+      }
+      m.region.access = static_cast<Access>(access);
+      if (m.region.length == 0 || m.region.addr + m.region.length < m.region.addr) {
+        throw Error("engine message", EPROTO, fmt::format("segment '{}' range {:#x}+{}", m.name, m.region.addr, m.region.length));
+      }
+      break;
+    }
+    case 3:
+      m.kind = Kind::withdraw;
+      m.name = r.name();
+      break;
+    case 4: m.kind = Kind::synced; break;
+    case 5: {
+      m.kind = Kind::notify;
+      const auto n = static_cast<std::size_t>(r.get(2, "notification length"));
+      if (n > kMaxNotify || bytes.size() - r.at != n) {
+        throw Error("engine message", EPROTO, fmt::format("notification of {} bytes in a message with {} left", n, bytes.size() - r.at));
+      }
+      m.bytes.assign(bytes.begin() + static_cast<std::ptrdiff_t>(r.at), bytes.end());
+      r.at = bytes.size();
+      break;
+    }
+    default: throw Error("engine message", EPROTO, fmt::format("unknown kind {}", kind));
+  }
+  if (r.at != bytes.size()) {
+    throw Error("engine message", EPROTO, fmt::format("{} bytes after the end of the message", bytes.size() - r.at));
+  }
+  return m;
+}
+
+}  // namespace rdmakit::detail::engine_wire

@@ -1,0 +1,79 @@
+#pragma once
+// The engine's messages between two linked engines, version 1. They travel as application
+// messages on the link's control channel (sealed there when the link has a key), each at most
+// Connection::max_message_size bytes, with fixed-width big-endian fields, every one checked:
+//
+//   header:   magic u8 0xE7 | version u8 | kind u8
+//   IDENT:    epoch u64 | name length u8 (1..64) | name
+//   SEGMENT:  name length u8 (1..64) | name | addr u64 | length u64 | rkey u32 | access u32
+//   WITHDRAW: name length u8 | name
+//   SYNCED:   (empty) every segment exposed when the link came up has been announced
+//   NOTIFY:   length u16 (0..900) | bytes
+//
+// The side that accepted a link binds a memory window per segment on the link's QP and
+// announces it (SEGMENT); the side that initiated it is the only one that posts on it.
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "rdmakit/memory.hpp"
+
+namespace rdmakit::detail::engine_wire {
+
+inline constexpr std::uint8_t kMagic = 0xE7;
+inline constexpr std::uint8_t kVersion = 1;
+inline constexpr std::size_t kMaxName = 64;
+inline constexpr std::size_t kMaxNotify = 900;
+
+enum class Kind : std::uint8_t { ident = 1, segment = 2, withdraw = 3, synced = 4, notify = 5 };
+
+struct Message {
+  Kind kind = Kind::ident;
+  std::string name;            // ident, segment, withdraw
+  std::uint64_t epoch = 0;     // ident
+  RemoteRegion region;         // segment
+  std::vector<std::uint8_t> bytes;  // notify
+};
+
+inline Message ident(std::string name, std::uint64_t epoch) {
+  Message m;
+  m.kind = Kind::ident;
+  m.name = std::move(name);
+  m.epoch = epoch;
+  return m;
+}
+inline Message segment(std::string name, const RemoteRegion& r) {
+  Message m;
+  m.kind = Kind::segment;
+  m.name = std::move(name);
+  m.region = r;
+  return m;
+}
+inline Message withdraw(std::string name) {
+  Message m;
+  m.kind = Kind::withdraw;
+  m.name = std::move(name);
+  return m;
+}
+inline Message synced() {
+  Message m;
+  m.kind = Kind::synced;
+  return m;
+}
+inline Message notify(std::vector<std::uint8_t> bytes) {
+  Message m;
+  m.kind = Kind::notify;
+  m.bytes = std::move(bytes);
+  return m;
+}
+
+/// Throws Error for a name or payload out of range.
+[[nodiscard]] std::vector<std::uint8_t> encode(const Message& m);
+/// Validates and decodes; throws Error saying what was wrong.
+[[nodiscard]] Message decode(std::span<const std::uint8_t> bytes);
+/// Throws Error unless `name` is 1..64 bytes with no control characters.
+void check_name(const std::string& name, const char* what);
+
+}  // namespace rdmakit::detail::engine_wire

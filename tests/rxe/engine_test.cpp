@@ -1,0 +1,357 @@
+// Runs inside the lab: the engine against rxe. Engines in one process talk over loopback (each
+// has its own listener, PD and workers, as separate processes would); every byte is checked.
+#include <poll.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "connection/impl.hpp"
+#include "engine/protocol.hpp"
+#include "lab_helpers.hpp"
+#include "rdmakit/engine.hpp"
+#include "rdmakit/error.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+using rdmakit::Access;
+using rdmakit::Batch;
+using rdmakit::Buffer;
+using rdmakit::Engine;
+using rdmakit::EngineConfig;
+using rdmakit::Transfer;
+using rdmakit::TransferOp;
+using rdmakit::TransferStatus;
+
+EngineConfig config(const std::string& name) {
+  EngineConfig c;
+  c.name = name;
+  c.listen = "127.0.0.1:0";
+  c.link = lab::quiet();
+  return c;
+}
+
+std::string at(const Engine& e) { return "127.0.0.1:" + std::to_string(e.port()); }
+
+void fill(void* p, std::size_t n, std::uint8_t seed) {
+  auto* b = static_cast<std::uint8_t*>(p);
+  for (std::size_t i = 0; i < n; ++i) b[i] = static_cast<std::uint8_t>(seed + i * 7 + (i >> 9));
+}
+
+bool same(const void* a, const void* b, std::size_t n) { return std::memcmp(a, b, n) == 0; }
+
+Transfer xfer(TransferOp op, Buffer local, std::uint64_t loff, std::uint64_t len, rdmakit::RemoteSegment seg,
+              std::uint64_t roff) {
+  Transfer t;
+  t.op = op;
+  t.local = local;
+  t.local_offset = loff;
+  t.length = len;
+  t.remote = seg;
+  t.remote_offset = roff;
+  return t;
+}
+
+// A target engine with one segment "kv" of `bytes`, readable and writable.
+struct Target {
+  explicit Target(const std::string& name, std::size_t bytes = 1 << 20, EngineConfig c = {})
+      : engine(c.name.empty() ? config(name) : std::move(c)) {
+    buf = engine.allocate_memory(bytes);
+    engine.expose("kv", buf, Access::remote_read | Access::remote_write | Access::remote_atomic);
+  }
+  Engine engine;
+  Buffer buf;
+};
+
+}  // namespace
+
+TEST(Engine, WritesAndReadsEveryByte) {
+  Target b("b");
+  Engine a(config("a"));
+  a.add_peer("b", at(b.engine));
+  const auto seg = a.segment("b", "kv");
+  const Buffer src = a.allocate_memory(1 << 20);
+  const Buffer dst = a.allocate_memory(1 << 20);
+  fill(src.addr, src.length, 3);
+  std::vector<Transfer> writes;
+  for (std::uint64_t k = 0; k < 16; ++k) writes.push_back(xfer(TransferOp::write, src, k * 65536, 65536, seg, k * 65536));
+  Batch w = a.submit(writes);
+  ASSERT_TRUE(w.wait(10s));
+  EXPECT_EQ(w.failed(), 0u) << w.describe_failures();
+  EXPECT_TRUE(same(b.buf.addr, src.addr, src.length));
+  std::vector<Transfer> reads;
+  for (std::uint64_t k = 0; k < 64; ++k) reads.push_back(xfer(TransferOp::read, dst, k * 16384, 16384, seg, k * 16384));
+  Batch r = a.submit(reads);
+  ASSERT_TRUE(r.wait(10s));
+  EXPECT_EQ(r.failed(), 0u) << r.describe_failures();
+  EXPECT_TRUE(same(dst.addr, src.addr, src.length));
+  const auto c = a.counters();
+  EXPECT_EQ(c.connects, 1u);
+  EXPECT_EQ(c.transfers, 80u);
+  EXPECT_EQ(c.bytes, 2u << 20);
+  EXPECT_EQ(b.engine.counters().accepts, 1u);
+  EXPECT_EQ(b.engine.counters().windows_bound, 1u);
+  EXPECT_TRUE(a.info().memory_windows) << a.info().access_model;
+}
+
+// Memory is registered once per device whatever the number of peers: MRs = buffers x devices.
+TEST(Engine, MemoryIsRegisteredOncePerDeviceWhateverThePeers) {
+  std::vector<std::unique_ptr<Target>> targets;
+  for (int i = 0; i < 3; ++i) targets.push_back(std::make_unique<Target>("t" + std::to_string(i), 4096));
+  const auto before = lab::rdma_resources();
+  Engine a(config("a"));
+  const Buffer x = a.allocate_memory(8192);
+  const Buffer y = a.allocate_memory(8192);
+  EXPECT_EQ(lab::rdma_resources().at("mr"), before.at("mr") + 2);
+  std::vector<Transfer> t;
+  for (int i = 0; i < 3; ++i) {
+    const std::string name = "t" + std::to_string(i);
+    a.add_peer(name, at(targets[static_cast<std::size_t>(i)]->engine));
+    t.push_back(xfer(TransferOp::write, x, 0, 4096, a.segment(name, "kv"), 0));
+    t.push_back(xfer(TransferOp::read, y, 0, 4096, a.segment(name, "kv"), 0));
+  }
+  Batch b = a.submit(t);
+  ASSERT_TRUE(b.wait(10s));
+  EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
+  const auto during = lab::rdma_resources();
+  EXPECT_EQ(during.at("mr"), before.at("mr") + 2) << "three peers, two buffers, one device";
+  EXPECT_EQ(during.at("qp"), before.at("qp") + 6) << "a QP at each end of three links";
+  EXPECT_EQ(a.counters().qps, 3u);
+}
+
+// Each peer gets its own window per segment, bound on its own link's QP: its key is useless on
+// another peer's QP, and withdrawing the segment revokes every peer's key. Two raw connections
+// play the peers, so the test can aim one's key through the other.
+TEST(Engine, APeersWindowKeyIsUselessOnAnotherPeersQp) {
+  Target b("b", 4096);
+  fill(b.buf.addr, 4096, 9);
+  auto peer = [&](const std::string& name) {
+    auto c = std::make_unique<rdmakit::Connection>(rdmakit::Connection::connect(at(b.engine), lab::quiet(), [](rdmakit::Connection& conn) {
+      (void)conn.allocate_memory(4096, Access::local_write);
+    }));
+    c->send_message(rdmakit::detail::engine_wire::encode(rdmakit::detail::engine_wire::ident(name, 7)), 1s);
+    rdmakit::RemoteRegion kv;
+    for (int i = 0; i < 10; ++i) {
+      auto m = c->receive_message(2s);
+      if (!m) break;
+      const auto msg = rdmakit::detail::engine_wire::decode(*m);
+      if (msg.kind == rdmakit::detail::engine_wire::Kind::segment) kv = msg.region;
+      if (msg.kind == rdmakit::detail::engine_wire::Kind::synced) break;
+    }
+    return std::pair{std::move(c), kv};
+  };
+  auto [c1, k1] = peer("p1");
+  auto [c2, k2] = peer("p2");
+  ASSERT_NE(k1.rkey, 0u);
+  ASSERT_NE(k2.rkey, 0u);
+  EXPECT_NE(k1.rkey, k2.rkey);
+  EXPECT_EQ(k1.addr, k2.addr);
+  // Its own key works for each.
+  for (auto* c : {c1.get(), c2.get()}) {
+    const rdmakit::RemoteRegion k = c == c1.get() ? k1 : k2;
+    rdmakit::Connection::Impl::of(*c).dp.set_remote({k}, false);
+    ASSERT_TRUE(c->post_read(c->memory(0).local().subslice(0, 64), k, 0, 1).ok());
+    const auto w = c->wait(5s);
+    ASSERT_EQ(w.status, rdmakit::WaitStatus::completed);
+    EXPECT_TRUE(w.completion.ok()) << w.completion.describe();
+    EXPECT_TRUE(same(c->memory(0).data(), b.buf.addr, 64));
+  }
+  // p1's key through p2's QP: a remote access error, and the target is unchanged.
+  std::memset(c2->memory(0).data(), 0xab, 64);
+  rdmakit::Connection::Impl::of(*c2).dp.set_remote({k1}, false);
+  ASSERT_TRUE(c2->post_write(c2->memory(0).local().subslice(0, 64), k1, 0, 2).ok());
+  const auto w = c2->wait(5s);
+  ASSERT_EQ(w.status, rdmakit::WaitStatus::completed);
+  EXPECT_EQ(w.completion.status, IBV_WC_REM_ACCESS_ERR) << w.completion.describe();
+  std::vector<std::uint8_t> expect(64);
+  fill(expect.data(), 64, 9);
+  EXPECT_TRUE(same(b.buf.addr, expect.data(), 64)) << "the write through another peer's QP landed";
+  // Withdrawn: p1 is told, and its key stops working.
+  b.engine.withdraw("kv");
+  bool told = false;
+  for (int i = 0; i < 5 && !told; ++i) {
+    auto m = c1->receive_message(2s);
+    told = m && rdmakit::detail::engine_wire::decode(*m).kind == rdmakit::detail::engine_wire::Kind::withdraw;
+  }
+  EXPECT_TRUE(told);
+  ASSERT_TRUE(c1->post_write(c1->memory(0).local().subslice(0, 64), k1, 0, 3).ok());
+  const auto w1 = c1->wait(5s);
+  ASSERT_EQ(w1.status, rdmakit::WaitStatus::completed);
+  EXPECT_EQ(w1.completion.status, IBV_WC_REM_ACCESS_ERR) << w1.completion.describe();
+  EXPECT_TRUE(same(b.buf.addr, expect.data(), 64));
+}
+
+TEST(Engine, EightThreadsSubmitAtOnce) {
+  Target b("b", 8 << 20);
+  Engine a(config("a"));
+  a.add_peer("b", at(b.engine));
+  const auto seg = a.segment("b", "kv");
+  const Buffer src = a.allocate_memory(8 << 20);
+  fill(src.addr, src.length, 5);
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      const std::uint64_t base = static_cast<std::uint64_t>(t) << 20;  // 1 MiB each
+      for (int round = 0; round < 4; ++round) {
+        std::vector<Transfer> batch;
+        for (std::uint64_t k = 0; k < 64; ++k) {
+          const std::uint64_t off = base + static_cast<std::uint64_t>(round) * 262144 + k * 4096;
+          batch.push_back(xfer(TransferOp::write, src, off, 4096, seg, off));
+        }
+        Batch bt = a.submit(batch);
+        if (!bt.wait(20s) || bt.failed() != 0) ++failures;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_TRUE(same(b.buf.addr, src.addr, src.length));
+  EXPECT_EQ(a.counters().batches, 32u);
+}
+
+// The notification arrives after the data it announces: the target checks the bytes on receipt,
+// woken by the engine's descriptor.
+TEST(Engine, ANotificationArrivesAfterItsWrites) {
+  Target b("b", 4 << 20);
+  Engine a(config("a"));
+  a.add_peer("b", at(b.engine));
+  const auto seg = a.segment("b", "kv");
+  const Buffer src = a.allocate_memory(4 << 20);
+  for (int round = 0; round < 5; ++round) {
+    fill(src.addr, src.length, static_cast<std::uint8_t>(round * 31));
+    std::vector<Transfer> t;
+    for (std::uint64_t k = 0; k < 64; ++k) t.push_back(xfer(TransferOp::write, src, k * 65536, 65536, seg, k * 65536));
+    rdmakit::SubmitOptions o;
+    o.notify = {'r', static_cast<std::uint8_t>('0' + round)};
+    Batch bt = a.submit(t, o);
+    pollfd pfd{b.engine.fd(), POLLIN, 0};
+    std::optional<rdmakit::Notification> n;
+    for (int i = 0; i < 100 && !n; ++i) {
+      if (::poll(&pfd, 1, 100) > 0) {
+        std::uint64_t v = 0;
+        (void)!::read(b.engine.fd(), &v, sizeof v);
+      }
+      n = b.engine.next_notification();
+    }
+    ASSERT_TRUE(n.has_value());
+    EXPECT_EQ(n->peer, "a");
+    EXPECT_EQ(n->message, o.notify);
+    EXPECT_TRUE(same(b.buf.addr, src.addr, src.length)) << "round " << round << ": notified before the data was there";
+    ASSERT_TRUE(bt.wait(5s));
+    EXPECT_EQ(bt.failed(), 0u);
+  }
+  EXPECT_EQ(a.counters().notifications_sent, 5u);
+  EXPECT_EQ(b.engine.counters().notifications_received, 5u);
+}
+
+TEST(Engine, AtomicsFromManyThreadsEndExact) {
+  Target b("b", 4096);
+  std::memset(b.buf.addr, 0, 8);
+  Engine a(config("a"));
+  a.add_peer("b", at(b.engine));
+  const auto seg = a.segment("b", "kv");
+  const Buffer olds = a.allocate_memory(4 * 64 * 8);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<Transfer> batch;
+      for (std::uint64_t k = 0; k < 64; ++k) {
+        Transfer x = xfer(TransferOp::fetch_add, olds, (static_cast<std::uint64_t>(t) * 64 + k) * 8, 8, seg, 0);
+        x.compare_add = 1;
+        batch.push_back(x);
+      }
+      Batch bt = a.submit(batch);
+      EXPECT_TRUE(bt.wait(10s));
+      EXPECT_EQ(bt.failed(), 0u) << bt.describe_failures();
+    });
+  }
+  for (auto& th : threads) th.join();
+  std::uint64_t v = 0;
+  std::memcpy(&v, b.buf.addr, 8);
+  EXPECT_EQ(v, 256u);
+  // Every old value 0..255 was seen exactly once.
+  std::vector<std::uint64_t> seen(256);
+  std::memcpy(seen.data(), olds.addr, 256 * 8);
+  std::sort(seen.begin(), seen.end());
+  for (std::uint64_t i = 0; i < 256; ++i) EXPECT_EQ(seen[i], i);
+}
+
+TEST(Engine, FailuresSayWhy) {
+  Target b("b", 4096);
+  EngineConfig c = config("a");
+  c.link.retry_refused = false;  // "nobody" refuses at once
+  Engine a(c);
+  a.add_peer("b", at(b.engine));
+  a.add_peer("nobody", "127.0.0.1:1");
+  const Buffer src = a.allocate_memory(8192);
+  const std::vector<Transfer> t = {
+      xfer(TransferOp::write, src, 0, 64, a.segment("b", "nope"), 0),
+      xfer(TransferOp::write, src, 0, 64, a.segment("b", "kv"), 4090),     // past the segment
+      xfer(TransferOp::write, src, 8190, 64, a.segment("b", "kv"), 0),     // past the local buffer
+      xfer(TransferOp::write, src, 0, 64, a.segment("nobody", "kv"), 0),
+      xfer(TransferOp::fetch_add, src, 0, 8, a.segment("b", "kv"), 3),     // misaligned
+      xfer(TransferOp::write, src, 0, 64, a.segment("b", "kv"), 0),        // fine
+  };
+  Batch bt = a.submit(t);
+  ASSERT_TRUE(bt.wait(15s));
+  EXPECT_EQ(bt.result(0).status, TransferStatus::no_segment);
+  EXPECT_NE(bt.result(0).reason.find("no segment 'nope'"), std::string::npos) << bt.result(0).reason;
+  EXPECT_NE(bt.result(0).reason.find("it has: kv"), std::string::npos) << bt.result(0).reason;
+  EXPECT_EQ(bt.result(1).status, TransferStatus::no_segment) << bt.result(1).reason;
+  EXPECT_EQ(bt.result(2).status, TransferStatus::invalid);
+  EXPECT_NE(bt.result(2).reason.find("outside the local buffer"), std::string::npos) << bt.result(2).reason;
+  EXPECT_EQ(bt.result(3).status, TransferStatus::connect_failed);
+  EXPECT_NE(bt.result(3).reason.find("127.0.0.1:1"), std::string::npos) << bt.result(3).reason;
+  EXPECT_EQ(bt.result(4).status, TransferStatus::invalid) << bt.result(4).reason;
+  EXPECT_EQ(bt.result(5).status, TransferStatus::ok) << bt.result(5).reason;
+  EXPECT_EQ(bt.failed(), 5u);
+  // The link survived the refusals: the next batch goes through.
+  const Transfer ok = xfer(TransferOp::write, src, 0, 64, a.segment("b", "kv"), 0);
+  Batch again = a.submit({&ok, 1});
+  ASSERT_TRUE(again.wait(5s));
+  EXPECT_EQ(again.failed(), 0u) << again.describe_failures();
+}
+
+// A budget of 4 QPs and 8 peers: idle links are evicted to make room, counted, and every
+// transfer still succeeds (evicted peers reconnect when used again).
+TEST(Engine, TheQpBudgetHoldsWithMorePeersThanQps) {
+  std::vector<std::unique_ptr<Target>> targets;
+  for (int i = 0; i < 8; ++i) targets.push_back(std::make_unique<Target>("t" + std::to_string(i), 4096));
+  EngineConfig c = config("a");
+  c.max_qps = 4;
+  Engine a(c);
+  const Buffer src = a.allocate_memory(4096);
+  fill(src.addr, 4096, 1);
+  std::atomic<bool> done{false};
+  std::atomic<std::uint64_t> most{0};
+  std::thread sampler([&] {
+    while (!done.load()) {
+      most.store(std::max(most.load(), a.counters().qps));
+      std::this_thread::sleep_for(1ms);
+    }
+  });
+  for (int i = 0; i < 8; ++i) a.add_peer("t" + std::to_string(i), at(targets[static_cast<std::size_t>(i)]->engine));
+  for (int round = 0; round < 3; ++round) {
+    for (int i = 0; i < 8; ++i) {
+      const Transfer t = xfer(TransferOp::write, src, 0, 4096, a.segment("t" + std::to_string(i), "kv"), 0);
+      Batch bt = a.submit({&t, 1});
+      ASSERT_TRUE(bt.wait(20s));
+      EXPECT_EQ(bt.failed(), 0u) << bt.describe_failures();
+    }
+  }
+  done.store(true);
+  sampler.join();
+  for (auto& t : targets) EXPECT_TRUE(same(t->buf.addr, src.addr, 4096));
+  EXPECT_LE(most.load(), 4u);
+  EXPECT_GE(a.counters().evictions, 4u);
+  EXPECT_GE(a.counters().reconnects, 1u);
+}
