@@ -18,14 +18,19 @@ namespace rdmakit {
 /// Everything an Engine is built from, passed by value.
 struct EngineConfig {
   /// This engine's name, as its peers know it (1..64 bytes). Empty: "host:pid".
-  std::string name;
+  std::string name{};
   /// Where peers connect to this engine ("[host]:port"; port 0: any free port, see
   /// Engine::port()). Empty: no listener (this engine only initiates).
   std::string listen = ":0";
+  /// Listen from construction on. A peer that links before a segment is exposed learns of it
+  /// when it is, but a transfer it submits before that ends as no_segment: a target that must
+  /// offer its segments from the first link sets this false, exposes them, then calls
+  /// Engine::start_listening().
+  bool listen_at_start = true;
   /// Settings of every peer link: device, timeouts, keepalive, queue depths, the pre-shared key
   /// (psk: both ends of a link must hold the same). One QP per link (the engine spreads over
   /// peers, not over QPs; several NICs come as rails). A link's depth is its send_depth.
-  ConnectionConfig link;
+  ConnectionConfig link{};
   /// Progress threads. Each polls the CQs its links share while work is in flight and sleeps on
   /// the completion channel when idle. 0: the caller drives progress() (then nothing moves
   /// between calls).
@@ -63,10 +68,10 @@ enum class TransferOp : std::uint8_t {
 /// One transfer between a local buffer range and a range of a peer's segment.
 struct Transfer {
   TransferOp op = TransferOp::write;
-  Buffer local;
+  Buffer local{};
   std::uint64_t local_offset = 0;
   std::uint64_t length = 0;  ///< atomics: 8
-  RemoteSegment remote;
+  RemoteSegment remote{};
   std::uint64_t remote_offset = 0;
   std::uint64_t compare_add = 0;  ///< fetch_add: the addend; compare_swap: the expected value
   std::uint64_t swap = 0;         ///< compare_swap: the value to store
@@ -88,14 +93,14 @@ enum class TransferStatus : std::uint8_t {
 
 struct TransferResult {
   TransferStatus status = TransferStatus::pending;
-  std::string reason;  ///< why, for every status but pending and ok
+  std::string reason{};  ///< why, for every status but pending and ok
 };
 
 /// A message delivered to this engine after all the writes of the batch that carried it are
 /// visible in this engine's memory.
 struct Notification {
-  std::string peer;  ///< the sending engine's name
-  std::vector<std::uint8_t> message;
+  std::string peer{};  ///< the sending engine's name
+  std::vector<std::uint8_t> message{};
 };
 
 namespace detail {
@@ -138,10 +143,10 @@ struct SubmitOptions {
   /// Sent to every peer the batch writes to, once that peer's writes in the batch have all
   /// completed successfully (so the data is in its memory when the message arrives); at most
   /// Engine::max_notification bytes. Empty: none.
-  std::vector<std::uint8_t> notify;
+  std::vector<std::uint8_t> notify{};
   /// Called once when the batch is done, on a worker thread (or in progress()): keep it short,
   /// and do not wait on batches in it.
-  std::function<void(const Batch&)> on_done;
+  std::function<void(const Batch&)> on_done{};
 };
 
 /// Counters, readable at any time.
@@ -165,15 +170,15 @@ struct EngineCounters {
 
 /// What the engine is built on.
 struct EngineInfo {
-  std::string name;
+  std::string name{};
   std::uint64_t epoch = 0;  ///< new at every start; peers recognise a restart by it
   std::uint16_t port = 0;   ///< 0: no listener
-  std::vector<std::string> devices;
+  std::vector<std::string> devices{};
   /// Peers get access through type-2 memory windows bound on their own link's QP (a key is
   /// useless on any other QP, and revoked per peer); false: the device has none, and peers get
   /// the region's own key (which is why a key is then required).
   bool memory_windows = false;
-  std::string access_model;  ///< one line saying which, and why
+  std::string access_model{};  ///< one line saying which, and why
 };
 
 /// Many peers, memory registered once, batched asynchronous transfers from any number of
@@ -191,8 +196,11 @@ class Engine {
 
   [[nodiscard]] EngineInfo info() const;
   [[nodiscard]] EngineCounters counters() const noexcept;
-  /// The listener's port (0: none).
+  /// The listener's port (0: none, or not listening yet).
   [[nodiscard]] std::uint16_t port() const noexcept;
+  /// Starts the listener (EngineConfig::listen_at_start false); idempotent. Throws Error when it
+  /// cannot listen.
+  void start_listening();
 
   /// Registers caller-owned memory once on each device (it must outlive the engine).
   Buffer register_memory(void* addr, std::size_t length);

@@ -127,14 +127,26 @@ TransferResult Batch::result(std::size_t i) const {
 }
 
 std::string Batch::describe_failures() const {
+  // Consecutive transfers that failed alike (a missing segment, a lost peer) are one line.
   std::string out;
+  std::size_t first = 0;
+  TransferResult run;
+  auto flush = [&](std::size_t last) {
+    if (run.status == TransferStatus::ok || run.status == TransferStatus::pending) return;
+    const Transfer& t = state_->transfers[first];
+    out += first == last ? fmt::format("transfer {} ({} of {} bytes)", first, to_string(t.op), t.length)
+                         : fmt::format("transfers {}-{} (from {} of {} bytes)", first, last, to_string(t.op), t.length);
+    out += fmt::format(": {}: {}\n", to_string(run.status), run.reason);
+  };
   for (std::size_t i = 0; i < size(); ++i) {
-    const TransferResult r = result(i);
-    if (r.status == TransferStatus::ok || r.status == TransferStatus::pending) continue;
-    const Transfer& t = state_->transfers[i];
-    out += fmt::format("transfer {} ({} of {} bytes): {}: {}\n", i, to_string(t.op), t.length,
-                       to_string(r.status), r.reason);
+    TransferResult r = result(i);
+    if (i > 0 && (r.status != run.status || r.reason != run.reason)) {
+      flush(i - 1);
+      first = i;
+    }
+    if (i == 0 || first == i) run = std::move(r);
   }
+  if (size() > 0) flush(size() - 1);
   return out;
 }
 
@@ -190,19 +202,28 @@ Engine::Impl::Impl(EngineConfig c)
     for (auto& w : workers) w->start();
   }
   for (int i = 0; i < 4; ++i) connectors.emplace_back([this] { connect_loop(); });
-  if (!cfg.listen.empty()) {
-    ListenerConfig lc(cfg.link);
-    lc.max_pending = std::max<std::uint32_t>(lc.max_pending, 256);
-    listener = detail::listen_with_hooks(cfg.listen, std::move(lc), hooks(nullptr));
-    acceptor = std::thread([this] { accept_loop(); });
-  }
+  if (!cfg.listen.empty() && cfg.listen_at_start) start_listening();
+}
+
+void Engine::Impl::start_listening() {
+  std::lock_guard lock(listen_mu);
+  if (listener || cfg.listen.empty()) return;
+  ListenerConfig lc(cfg.link);
+  lc.max_pending = std::max<std::uint32_t>(lc.max_pending, 256);
+  listener = detail::listen_with_hooks(cfg.listen, std::move(lc), hooks(nullptr));
+  listening.store(listener.get(), std::memory_order_release);
+  acceptor = std::thread([this] { accept_loop(); });
 }
 
 Engine::Impl::~Impl() {
   stopping.store(true);
   connect_cv.notify_all();
-  if (acceptor.joinable()) acceptor.join();
-  listener.reset();  // its handshakes end (each bounded by its deadline) before the workers go
+  {
+    std::lock_guard lock(listen_mu);
+    if (acceptor.joinable()) acceptor.join();
+    listening.store(nullptr);
+    listener.reset();
+  }  // its handshakes end (each bounded by its deadline) before the workers go
   for (auto& t : connectors) t.join();
   for (auto& w : workers) w->stop();
   workers.clear();
@@ -406,7 +427,12 @@ EngineCounters Engine::counters() const noexcept {
   return o;
 }
 
-std::uint16_t Engine::port() const noexcept { return impl_->listener ? impl_->listener->port() : 0; }
+std::uint16_t Engine::port() const noexcept {
+  const Listener* l = impl_->listening.load(std::memory_order_acquire);
+  return l != nullptr ? l->port() : 0;
+}
+
+void Engine::start_listening() { impl_->start_listening(); }
 
 namespace {
 

@@ -142,6 +142,16 @@ struct Link {
   std::uint64_t in_flight = 0;  // transfers posted and not completed
   std::deque<Peer::Waiting> backlog;  // waiting for room in the send queue
   Deadline last_used{};
+  // Error completions, ended only once the link is reaped: a peer whose process died answers
+  // with access errors (its windows went before its QP) while its control channel closes, so
+  // whether this was the peer's death or a real refusal is known a moment later.
+  struct Deferred {
+    BatchState* batch;
+    std::uint32_t index;
+    std::string reason;
+  };
+  std::vector<Deferred> deferred;
+  Deadline broke_at{};
   explicit Link(Connection c) : conn(std::move(c)), impl(Connection::Impl::of(conn)) {}
 };
 
@@ -287,8 +297,11 @@ struct Engine::Impl {
   std::atomic<bool> stopping{false};
   std::vector<std::thread> connectors;
 
+  std::mutex listen_mu;  // starting the listener
+  std::atomic<Listener*> listening{nullptr};
   std::unique_ptr<Listener> listener;
   std::thread acceptor;
+  void start_listening();
 
   void signal() noexcept;
   /// A BufferRec or Peer by id (0 or unknown: null). Lock-free.

@@ -142,7 +142,11 @@ void Worker::stop() noexcept {
     for (auto& q : cqs_) (void)q->router.poll([this](DataPath& dp, const Completion& c) { on_completion(dp, c); });
     for (auto& l : links_) l->impl.dp.post_owed_markers();
   }
-  for (auto& l : links_) close_link(*l);
+  for (auto& l : links_) {
+    for (Link::Deferred& d : l->deferred) end(*d.batch, d.index, TransferStatus::failed, std::move(d.reason));
+    l->deferred.clear();
+    close_link(*l);
+  }
   links_.clear();
   by_dp_.clear();
   // Anything still not ended (it never completed) ends now.
@@ -190,7 +194,11 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
     }
     if (!forever && now >= until) break;
     if (got == 0 && in_flight_ == 0 && !has_mail_.load(std::memory_order_acquire)) {
-      sleep(forever ? now + std::chrono::milliseconds{1000} : until);
+      // A closing link is reaped once its peer's fate is known (Link::deferred): look again soon.
+      const bool closing = std::any_of(links_.begin(), links_.end(),
+                                       [](const auto& l) { return l->state == Link::State::closing; });
+      const auto nap = closing ? std::chrono::milliseconds{5} : std::chrono::milliseconds{1000};
+      sleep(forever ? now + nap : std::min(until, now + nap));
       reap_links();
       if (!forever && Clock::now() >= until) break;
     }
@@ -233,7 +241,8 @@ void Worker::sleep(Deadline until) noexcept {
   }
   // Links whose peer has gone are ticked until the grace for its last completions has passed.
   for (auto& l : links_) {
-    if (l->impl.control_gone || l->impl.bye_received || l->impl.device_failed.load(std::memory_order_relaxed)) {
+    if (l->impl.control_gone || l->impl.bye_received || l->impl.device_failed.load(std::memory_order_relaxed) ||
+        l->state == Link::State::closing) {
       tick_link(*l, after);
     }
   }
@@ -440,7 +449,8 @@ void Worker::on_completion(DataPath& dp, const Completion& c) {
     end(*rec->batch, rec->index, TransferStatus::peer_lost,
         fmt::format("peer '{}': {}", l.peer->name, dp.failure().empty() ? "the link broke" : dp.failure()));
   } else {
-    end(*rec->batch, rec->index, TransferStatus::failed, fmt::format("peer '{}': {}", l.peer->name, c.describe()));
+    // The link breaks on it (the data path's one break routine); ended when the link is reaped.
+    l.deferred.push_back({rec->batch, rec->index, fmt::format("peer '{}': {}", l.peer->name, c.describe())});
   }
   // Room in the queue: what waited for it goes now.
   while (!l.backlog.empty() && l.state == Link::State::ready) {
@@ -658,6 +668,7 @@ void Worker::make_ready(Link& l) {
 void Worker::break_link(Link& l, const std::string& why) {
   if (l.state == Link::State::closing) return;
   l.state = Link::State::closing;
+  l.broke_at = Clock::now();
   l.impl.dp.break_connection(why, BreakCause::peer);
   const std::string reason = fmt::format("peer '{}': {}", l.initiated ? l.peer->name : l.peer_name, why);
   while (!l.backlog.empty()) {
@@ -686,10 +697,21 @@ void Worker::reap_links() {
       continue;
     }
     l.impl.dp.post_owed_markers();
-    if (l.impl.dp.outstanding() > 0) {
+    const bool peer_gone = l.impl.control_gone || l.impl.bye_received;
+    if (l.impl.dp.outstanding() > 0 ||
+        (!l.deferred.empty() && !peer_gone && Clock::now() - l.broke_at < kPeerGoneGrace)) {
       ++it;
       continue;
     }
+    for (Link::Deferred& d : l.deferred) {
+      if (peer_gone) {
+        end(*d.batch, d.index, TransferStatus::peer_lost,
+            fmt::format("{} (the peer's process went away: {})", d.reason, l.impl.control_gone_reason()));
+      } else {
+        end(*d.batch, d.index, TransferStatus::failed, std::move(d.reason));
+      }
+    }
+    l.deferred.clear();
     close_link(l);
     it = links_.erase(it);
   }

@@ -1,6 +1,7 @@
 // Runs inside the lab: the engine against rxe. Engines in one process talk over loopback (each
 // has its own listener, PD and workers, as separate processes would); every byte is checked.
 #include <poll.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -354,4 +355,27 @@ TEST(Engine, TheQpBudgetHoldsWithMorePeersThanQps) {
   EXPECT_LE(most.load(), 4u);
   EXPECT_GE(a.counters().evictions, 4u);
   EXPECT_GE(a.counters().reconnects, 1u);
+}
+
+// Worker threads sleep while nothing moves: two linked, idle engines (four workers, connector
+// and listener threads) use under 1% of a core over 10 s.
+TEST(Engine, AnIdleEngineUsesNoCpu) {
+  Target b("b", 4096);
+  Engine a(config("a"));
+  a.add_peer("b", at(b.engine));
+  std::string why;
+  ASSERT_TRUE(a.connect("b", 10s, &why)) << why;
+  std::this_thread::sleep_for(200ms);
+  auto cpu = [] {
+    rusage u{};
+    ::getrusage(RUSAGE_SELF, &u);
+    return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+           static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+  };
+  const double before = cpu();
+  std::this_thread::sleep_for(10s);
+  const double share = (cpu() - before) / 10.0;
+  std::printf("idle: %.3f%% of a core\n", share * 100);
+  EXPECT_LT(share, 0.01);
+  EXPECT_EQ(a.counters().links, 1u);  // still linked: idle, not torn down
 }

@@ -2,25 +2,41 @@
 // other side read and write, keeps receives posted for SENDs, says "ready" on stdout, and serves
 // until it is killed. With try-connect, a client in a process of its own: one connect attempt
 // per line on stdin, "connected" or "refused: WHY" on stdout for each.
+// With engine, an rdmakit::Engine called NAME on PORT exposing a 1 MiB segment "kv".
 //   rdmakit_rxe_fault_peer connect HOST:PORT | listen PORT | try-connect HOST:PORT [no-keepalive]
+//                          | engine PORT NAME
 #include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "rdmakit/connection.hpp"
+#include "rdmakit/engine.hpp"
 #include "rdmakit/error.hpp"
 
 using namespace std::chrono_literals;
 
 int main(int argc, char** argv) {
   if (argc != 3 && argc != 4) {
-    std::fprintf(stderr, "usage: %s connect HOST:PORT | listen PORT | try-connect HOST:PORT [no-keepalive]\n",
+    std::fprintf(stderr, "usage: %s connect HOST:PORT | listen PORT | try-connect HOST:PORT [no-keepalive] | engine PORT NAME\n",
                  argv[0]);
     return 2;
   }
   const std::string mode = argv[1];
+  if (mode == "engine" && argc == 4) {
+    rdmakit::EngineConfig ec;
+    ec.name = argv[3];
+    ec.listen = ":" + std::string(argv[2]);
+    ec.link.log = [](std::string_view) {};
+    rdmakit::Engine engine(ec);
+    const rdmakit::Buffer b = engine.allocate_memory(1 << 20);
+    engine.expose("kv", b, rdmakit::Access::remote_read | rdmakit::Access::remote_write);
+    std::printf("ready\n");
+    std::fflush(stdout);
+    for (;;) std::this_thread::sleep_for(1s);
+  }
   rdmakit::ConnectionConfig cfg;
   cfg.log = [](std::string_view) {};
   cfg.retry_refused = true;

@@ -1,0 +1,160 @@
+// Runs in every VM of a lab with several VMs (rxe.library.three_vms): one engine per VM, all to
+// all. Each VM writes its own region of every other VM's segment from 8 threads at once, reads
+// it back and compares, then tells each peer (a notification after its writes); each VM checks
+// every byte the others wrote into its own memory once both have told it.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "lab_helpers.hpp"
+#include "rdmakit/engine.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+using rdmakit::Access;
+using rdmakit::Batch;
+using rdmakit::Buffer;
+using rdmakit::Engine;
+using rdmakit::Transfer;
+using rdmakit::TransferOp;
+
+constexpr std::uint64_t kBlock = 16 * 1024;
+constexpr std::uint64_t kBlocks = 16;                  // per thread per round
+constexpr int kThreads = 8;
+constexpr std::uint64_t kRegion = kThreads * kBlocks * kBlock;  // one writer's share: 2 MiB
+
+std::uint8_t pattern(std::size_t writer, std::size_t target, std::uint64_t offset) {
+  return static_cast<std::uint8_t>((offset * 2654435761u >> 7) ^ (writer * 37 + target * 101 + 1));
+}
+
+std::vector<std::string> lab_ips() {
+  std::vector<std::string> ips;
+  std::istringstream in(std::getenv("RDMAKIT_LAB_IPS") != nullptr ? std::getenv("RDMAKIT_LAB_IPS") : "");
+  for (std::string ip; in >> ip;) ips.push_back(ip);
+  return ips;
+}
+
+}  // namespace
+
+TEST(EngineVms, AllToAllFromEightThreadsEveryByteValidated) {
+  const auto ips = lab_ips();
+  const char* index_env = std::getenv("RDMAKIT_LAB_INDEX");
+  ASSERT_GE(ips.size(), 2u) << "run in a lab with several VMs";
+  ASSERT_NE(index_env, nullptr);
+  const auto me = static_cast<std::size_t>(std::atoi(index_env));
+  const std::size_t n = ips.size();
+  rdmakit::EngineConfig c;
+  c.name = "vm" + std::to_string(me);
+  c.listen = ":7620";
+  c.link = lab::quiet();
+  Engine e(c);
+  const Buffer seg = e.allocate_memory(n * kRegion);
+  e.expose("kv", seg, Access::remote_read | Access::remote_write);
+  std::vector<std::size_t> others;
+  for (std::size_t v = 0; v < n; ++v) {
+    if (v == me) continue;
+    e.add_peer("vm" + std::to_string(v), ips[v] + ":7620");
+    others.push_back(v);
+  }
+  // Each thread has a source and a check buffer of one round.
+  std::vector<Buffer> src, back;
+  for (int t = 0; t < kThreads; ++t) {
+    src.push_back(e.allocate_memory(kBlocks * kBlock));
+    back.push_back(e.allocate_memory(kBlocks * kBlock));
+  }
+  std::atomic<int> bad{0};
+  std::vector<std::string> why(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (const std::size_t target : others) {
+        const std::string peer = "vm" + std::to_string(target);
+        const std::uint64_t base = me * kRegion + static_cast<std::uint64_t>(t) * kBlocks * kBlock;
+        auto* s = static_cast<std::uint8_t*>(src[static_cast<std::size_t>(t)].addr);
+        for (std::uint64_t i = 0; i < kBlocks * kBlock; ++i) s[i] = pattern(me, target, base + i);
+        std::vector<Transfer> writes, reads;
+        for (std::uint64_t k = 0; k < kBlocks; ++k) {
+          Transfer w;
+          w.op = TransferOp::write;
+          w.local = src[static_cast<std::size_t>(t)];
+          w.local_offset = k * kBlock;
+          w.length = kBlock;
+          w.remote = e.segment(peer, "kv");
+          w.remote_offset = base + k * kBlock;
+          writes.push_back(w);
+          Transfer r = w;
+          r.op = TransferOp::read;
+          r.local = back[static_cast<std::size_t>(t)];
+          reads.push_back(r);
+        }
+        Batch wb = e.submit(writes);
+        if (!wb.wait(60s) || wb.failed() != 0) {
+          why[static_cast<std::size_t>(t)] = "writes to " + peer + ": " + wb.describe_failures();
+          ++bad;
+          return;
+        }
+        Batch rb = e.submit(reads);
+        if (!rb.wait(60s) || rb.failed() != 0 ||
+            std::memcmp(back[static_cast<std::size_t>(t)].addr, s, kBlocks * kBlock) != 0) {
+          why[static_cast<std::size_t>(t)] = "reading back from " + peer + ": " + rb.describe_failures();
+          ++bad;
+          return;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& w : why) EXPECT_TRUE(w.empty()) << w;
+  ASSERT_EQ(bad.load(), 0);
+  // Tell each peer: an 8-byte write of our region's first word again, carrying the notification.
+  for (const std::size_t target : others) {
+    Transfer w;
+    w.local = src[0];
+    w.length = 8;
+    w.remote = e.segment("vm" + std::to_string(target), "kv");
+    w.remote_offset = me * kRegion;
+    auto* s = static_cast<std::uint8_t*>(src[0].addr);
+    for (std::uint64_t i = 0; i < 8; ++i) s[i] = pattern(me, target, me * kRegion + i);
+    rdmakit::SubmitOptions o;
+    o.notify = {'d', 'o', 'n', 'e'};
+    Batch b = e.submit({&w, 1}, o);
+    ASSERT_TRUE(b.wait(30s));
+    ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
+  }
+  std::vector<std::string> heard;
+  for (int i = 0; i < 600 && heard.size() < others.size(); ++i) {
+    if (auto note = e.next_notification()) {
+      heard.push_back(note->peer);
+    } else {
+      std::this_thread::sleep_for(100ms);
+    }
+  }
+  ASSERT_EQ(heard.size(), others.size());
+  // Every byte the others wrote here.
+  const auto* mine = static_cast<const std::uint8_t*>(seg.addr);
+  for (const std::size_t writer : others) {
+    std::uint64_t wrong = 0;
+    for (std::uint64_t i = 0; i < kRegion; ++i) {
+      const std::uint64_t off = writer * kRegion + i;
+      if (mine[off] != pattern(writer, me, off)) ++wrong;
+    }
+    EXPECT_EQ(wrong, 0u) << "bytes from vm" << writer;
+  }
+  const auto cnt = e.counters();
+  EXPECT_EQ(cnt.connects, others.size());
+  EXPECT_EQ(cnt.accepts, others.size());
+  EXPECT_EQ(cnt.transfers_failed, 0u);
+  std::printf("vm%zu: %llu bytes moved, %llu transfers, %llu windows bound\n", me,
+              static_cast<unsigned long long>(cnt.bytes), static_cast<unsigned long long>(cnt.transfers),
+              static_cast<unsigned long long>(cnt.windows_bound));
+  // Nobody needs this engine's memory any more: each peer told it after its last read here.
+}
