@@ -9,6 +9,7 @@
 
 #include "bench.hpp"
 #include "devices.hpp"
+#include "engine_cmds.hpp"
 #include "hello.hpp"
 #include "keygen.hpp"
 #include "rdmakit/error.hpp"
@@ -24,6 +25,8 @@ int main(int argc, char** argv) {
   rdmakit::tools::add_devices(app, run);
   rdmakit::tools::add_doctor(app, run);
   rdmakit::tools::add_keygen(app, run);
+  rdmakit::tools::add_serve(app, run);
+  rdmakit::tools::add_engine_bench(app, run);
   CLI11_PARSE(app, argc, argv);
   try {
     return run();

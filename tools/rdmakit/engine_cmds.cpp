@@ -1,0 +1,412 @@
+// rdmakit serve and rdmakit engine-bench: thin fronts over rdmakit::Engine. `serve` is a target
+// that exposes named segments; `engine-bench` drives batches at one or more targets from several
+// threads, shaped like Mooncake's transfer_engine_bench, and reports GB/s, transfers/s, batch
+// latency percentiles and CPU use.
+#include "engine_cmds.hpp"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <csignal>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "options.hpp"
+#include "rdmakit/engine.hpp"
+#include "rdmakit/error.hpp"
+
+namespace rdmakit::tools {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Options both share: how links are made.
+struct EngineNet {
+  std::string name;
+  std::string device;
+  unsigned timeout_ms = 10'000;
+  std::string psk_file;
+  unsigned workers = 1;
+  unsigned max_qps = 1024;
+
+  void add_to(CLI::App& app) {
+    app.add_option("--name", name, "this engine's name (default: host:pid)");
+    app.add_option("-d,--device", device, "RDMA device (default: the one the route to each peer uses)");
+    app.add_option("--timeout", timeout_ms, "handshake deadline in ms")->capture_default_str();
+    app.add_option("--psk-file", psk_file, "pre-shared key file (both ends the same)");
+    app.add_option("--workers", workers, "progress threads")->check(CLI::Range(1u, 64u))->capture_default_str();
+    app.add_option("--max-qps", max_qps, "QP budget")->check(CLI::Range(1u, 1u << 20))->capture_default_str();
+  }
+  EngineConfig config(std::string listen) const {
+    EngineConfig c;
+    c.name = name;
+    c.listen = std::move(listen);
+    c.link.device = device;
+    c.link.handshake_timeout = std::chrono::milliseconds{timeout_ms};
+    c.link.retry_refused = true;  // a target started at the same moment may not listen yet
+    if (!psk_file.empty()) c.link.psk = read_key_file(psk_file);
+    c.workers = workers;
+    c.max_qps = max_qps;
+    return c;
+  }
+};
+
+volatile std::sig_atomic_t g_stop = 0;
+void on_signal(int) { g_stop = 1; }
+
+nlohmann::json counters_json(const EngineCounters& c) {
+  return {{"qps", c.qps},
+          {"links", c.links},
+          {"connects", c.connects},
+          {"reconnects", c.reconnects},
+          {"accepts", c.accepts},
+          {"evictions", c.evictions},
+          {"restarts", c.restarts},
+          {"batches", c.batches},
+          {"transfers", c.transfers},
+          {"transfers_failed", c.transfers_failed},
+          {"bytes", c.bytes},
+          {"notifications_sent", c.notifications_sent},
+          {"notifications_received", c.notifications_received},
+          {"windows_bound", c.windows_bound}};
+}
+
+// --- serve ---------------------------------------------------------------------------------------
+
+struct ServeOptions {
+  EngineNet net;
+  std::string listen = "12026";
+  std::vector<std::string> expose;
+  double duration = 0;
+  bool json = false;
+  bool notifications = false;
+};
+
+struct Exposed {
+  std::string name;
+  std::uint64_t size = 0;
+  MemorySpec spec;
+};
+
+// NAME:SIZE[:KIND], SIZE with K/M/G suffixes (binary).
+Exposed parse_expose(const std::string& text) {
+  const auto c1 = text.find(':');
+  if (c1 == std::string::npos || c1 == 0) throw Fail(fmt::format("--expose {}: NAME:SIZE[:KIND]", text));
+  const auto c2 = text.find(':', c1 + 1);
+  Exposed e;
+  e.name = text.substr(0, c1);
+  std::string size = text.substr(c1 + 1, c2 == std::string::npos ? std::string::npos : c2 - c1 - 1);
+  std::uint64_t mult = 1;
+  if (!size.empty()) {
+    switch (size.back()) {
+      case 'K': case 'k': mult = 1ull << 10; break;
+      case 'M': case 'm': mult = 1ull << 20; break;
+      case 'G': case 'g': mult = 1ull << 30; break;
+      default: break;
+    }
+    if (mult != 1) size.pop_back();
+  }
+  try {
+    std::size_t used = 0;
+    e.size = std::stoull(size, &used) * mult;
+    if (used != size.size() || e.size == 0) throw std::invalid_argument("size");
+  } catch (const std::exception&) {
+    throw Fail(fmt::format("--expose {}: the size '{}' is not a positive number (K, M, G allowed)", text, size));
+  }
+  if (c2 != std::string::npos) {
+    const auto kind = parse_memory_kind(text.substr(c2 + 1));
+    if (!kind) throw Fail(fmt::format("--expose {}: memory kind host, hugepage, cuda or cuda-host", text));
+    e.spec.kind = *kind;
+  }
+  return e;
+}
+
+int run_serve(const ServeOptions& o) {
+  std::vector<Exposed> segs;
+  for (const auto& t : o.expose) segs.push_back(parse_expose(t));
+  EngineConfig cfg = o.net.config(o.listen.find(':') == std::string::npos ? ":" + o.listen : o.listen);
+  cfg.listen_at_start = false;  // every segment is offered from the first link on
+  Engine engine(cfg);
+  for (const Exposed& s : segs) {
+    check_memory(s.spec, s.size);
+    const Buffer b = engine.allocate_memory(s.size, s.spec);
+    engine.expose(s.name, b, Access::remote_read | Access::remote_write | Access::remote_atomic);
+  }
+  engine.start_listening();
+  const EngineInfo info = engine.info();
+  if (o.json) {
+    nlohmann::json segj = nlohmann::json::array();
+    for (const Exposed& s : segs) segj.push_back({{"name", s.name}, {"size", s.size}, {"kind", to_string(s.spec.kind)}});
+    fmt::print("{}\n", nlohmann::json{{"event", "serving"}, {"name", info.name}, {"epoch", fmt::format("{:#x}", info.epoch)},
+                                      {"port", info.port}, {"segments", segj}, {"memory_windows", info.memory_windows},
+                                      {"access_model", info.access_model}}.dump());
+  } else {
+    fmt::print("rdmakit serve: engine {} (epoch {:#x}) listening on port {}\n", info.name, info.epoch, info.port);
+    for (const Exposed& s : segs) fmt::print("  segment {}: {} bytes of {} memory\n", s.name, s.size, to_string(s.spec.kind));
+    fmt::print("  access: {}\n", info.access_model);
+  }
+  std::fflush(stdout);
+  struct sigaction sa{};
+  sa.sa_handler = on_signal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  const auto until = o.duration > 0 ? Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.duration))
+                                    : Clock::time_point::max();
+  while (g_stop == 0 && Clock::now() < until) {
+    pollfd pfd{engine.fd(), POLLIN, 0};
+    if (::poll(&pfd, 1, 200) > 0) {
+      std::uint64_t v = 0;
+      (void)!::read(engine.fd(), &v, sizeof v);
+    }
+    while (auto n = engine.next_notification()) {
+      if (!o.notifications) continue;
+      const std::string text(n->message.begin(), n->message.end());
+      if (o.json) {
+        fmt::print("{}\n", nlohmann::json{{"event", "notification"}, {"peer", n->peer}, {"bytes", n->message.size()}}.dump());
+      } else {
+        fmt::print("notification from {}: {} bytes\n", n->peer, n->message.size());
+      }
+      std::fflush(stdout);
+    }
+  }
+  const auto c = engine.counters();
+  if (o.json) {
+    fmt::print("{}\n", nlohmann::json{{"event", "stopped"}, {"counters", counters_json(c)}}.dump());
+  } else {
+    fmt::print("rdmakit serve: stopped; {} links accepted, {} windows bound, {} notifications received\n", c.accepts,
+               c.windows_bound, c.notifications_received);
+  }
+  return 0;
+}
+
+// --- engine-bench --------------------------------------------------------------------------------
+
+struct BenchOpts {
+  EngineNet net;
+  std::vector<std::string> peers;
+  std::string segment = "kv";
+  std::string op = "write";
+  std::uint64_t block = 65536;
+  unsigned batch = 128;
+  unsigned threads = 1;
+  double duration = 5;
+  bool validate = false;
+  bool json = false;
+};
+
+struct PeerArg {
+  std::string name, address;
+};
+
+PeerArg parse_peer(const std::string& text, std::size_t index) {
+  const auto eq = text.find('=');
+  if (eq == std::string::npos) return {fmt::format("peer{}", index), text};
+  return {text.substr(0, eq), text.substr(eq + 1)};
+}
+
+// The byte at `offset` of peer `p`'s segment, as the benchmark writes it.
+std::uint8_t pattern(std::size_t p, std::uint64_t offset) {
+  return static_cast<std::uint8_t>((offset * 131) ^ (offset >> 11) ^ (p * 29 + 7));
+}
+
+double cpu_seconds() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
+
+int run_engine_bench(const BenchOpts& o) {
+  if (o.peers.empty()) throw Fail("give at least one --peer [NAME=]HOST:PORT");
+  Engine engine(o.net.config(""));
+  std::vector<PeerArg> peers;
+  std::vector<RemoteSegment> segs;
+  for (std::size_t i = 0; i < o.peers.size(); ++i) {
+    peers.push_back(parse_peer(o.peers[i], i));
+    engine.add_peer(peers.back().name, peers.back().address);
+    segs.push_back(engine.segment(peers.back().name, o.segment));
+  }
+  for (const PeerArg& p : peers) {
+    std::string why;
+    if (!engine.connect(p.name, std::chrono::milliseconds{o.net.timeout_ms}, &why)) throw Fail(why);
+  }
+  const TransferOp op = o.op == "read" ? TransferOp::read : TransferOp::write;
+  const std::uint64_t span = o.block * o.batch;  // one thread's remote range
+  // The local buffers: one batch's worth per thread.
+  std::vector<Buffer> bufs;
+  for (unsigned t = 0; t < o.threads; ++t) bufs.push_back(engine.allocate_memory(span));
+  auto fill_for = [&](const Buffer& b, std::size_t p, std::uint64_t remote_base) {
+    auto* bytes = static_cast<std::uint8_t*>(b.addr);
+    for (std::uint64_t i = 0; i < span; ++i) bytes[i] = pattern(p, remote_base + i);
+  };
+  auto batch_for = [&](unsigned t, std::size_t p, TransferOp what) {
+    std::vector<Transfer> v(o.batch);
+    for (unsigned k = 0; k < o.batch; ++k) {
+      v[k].op = what;
+      v[k].local = bufs[t];
+      v[k].local_offset = k * o.block;
+      v[k].length = o.block;
+      v[k].remote = segs[p];
+      v[k].remote_offset = t * span + k * o.block;
+    }
+    return v;
+  };
+  auto must = [](Batch& b, const char* what) {
+    if (!b.wait(std::chrono::seconds{30})) throw Fail(fmt::format("{}: a batch did not end within 30 s", what));
+    if (b.failed() != 0) throw Fail(fmt::format("{}: {}", what, b.describe_failures()));
+  };
+  // Reads are validated against what this run wrote there first.
+  if (o.validate && op == TransferOp::read) {
+    for (std::size_t p = 0; p < peers.size(); ++p) {
+      for (unsigned t = 0; t < o.threads; ++t) {
+        fill_for(bufs[t], p, t * span);
+        Batch b = engine.submit(batch_for(t, p, TransferOp::write));
+        must(b, "writing the pattern to validate reads against");
+      }
+    }
+  }
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> bytes{0}, transfers{0}, mismatches{0};
+  std::vector<std::vector<double>> lat(o.threads);
+  std::vector<std::string> errors(o.threads);
+  const double cpu0 = cpu_seconds();
+  const auto t0 = Clock::now();
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < o.threads; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        std::vector<std::vector<Transfer>> batches;
+        for (std::size_t p = 0; p < peers.size(); ++p) batches.push_back(batch_for(t, p, op));
+        for (std::size_t round = 0; !stop.load(std::memory_order_relaxed); ++round) {
+          const std::size_t p = (t + round) % peers.size();
+          if (o.validate && op == TransferOp::write) fill_for(bufs[t], p, t * span);
+          const auto s = Clock::now();
+          Batch b = engine.submit(batches[p]);
+          must(b, "benchmark batch");
+          lat[t].push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
+          bytes.fetch_add(span, std::memory_order_relaxed);
+          transfers.fetch_add(o.batch, std::memory_order_relaxed);
+          if (o.validate && op == TransferOp::read) {
+            const auto* got = static_cast<const std::uint8_t*>(bufs[t].addr);
+            for (std::uint64_t i = 0; i < span; ++i) {
+              if (got[i] != pattern(p, t * span + i)) {
+                mismatches.fetch_add(1);
+                break;
+              }
+            }
+          }
+        }
+      } catch (const std::exception& e) {
+        errors[t] = e.what();
+        stop.store(true);
+      }
+    });
+  }
+  while (!stop.load() && Clock::now() - t0 < std::chrono::duration<double>(o.duration)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds{10});
+  }
+  stop.store(true);
+  for (auto& th : threads) th.join();
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  const double cpu = cpu_seconds() - cpu0;
+  for (const auto& e : errors) {
+    if (!e.empty()) throw Fail(e);
+  }
+  // Writes are validated by reading every peer's range back.
+  if (o.validate && op == TransferOp::write) {
+    for (std::size_t p = 0; p < peers.size(); ++p) {
+      for (unsigned t = 0; t < o.threads; ++t) {
+        std::memset(bufs[t].addr, 0, span);
+        Batch b = engine.submit(batch_for(t, p, TransferOp::read));
+        must(b, "reading back to validate");
+        const auto* got = static_cast<const std::uint8_t*>(bufs[t].addr);
+        for (std::uint64_t i = 0; i < span; ++i) {
+          if (got[i] != pattern(p, t * span + i)) {
+            mismatches.fetch_add(1);
+            break;
+          }
+        }
+      }
+    }
+  }
+  std::vector<double> all;
+  for (const auto& v : lat) all.insert(all.end(), v.begin(), v.end());
+  std::sort(all.begin(), all.end());
+  auto pct = [&](double q) { return all.empty() ? 0.0 : all[std::min(all.size() - 1, static_cast<std::size_t>(q * static_cast<double>(all.size())))]; };
+  const double gbps = static_cast<double>(bytes.load()) / secs / 1e9;
+  const double tps = static_cast<double>(transfers.load()) / secs;
+  if (o.json) {
+    nlohmann::json j{{"op", o.op},
+                     {"block_size", o.block},
+                     {"batch_size", o.batch},
+                     {"threads", o.threads},
+                     {"peers", peers.size()},
+                     {"seconds", secs},
+                     {"bytes", bytes.load()},
+                     {"transfers", transfers.load()},
+                     {"gbytes_per_s", gbps},
+                     {"transfers_per_s", tps},
+                     {"batch_p50_us", pct(0.5)},
+                     {"batch_p99_us", pct(0.99)},
+                     {"cpu_cores", cpu / secs},
+                     {"validated", o.validate},
+                     {"mismatches", mismatches.load()},
+                     {"counters", counters_json(engine.counters())}};
+    fmt::print("{}\n", j.dump());
+  } else {
+    fmt::print("engine-bench {} block {} B, batch {}, {} thread(s), {} peer(s), {:.2f} s\n", o.op, o.block, o.batch,
+               o.threads, peers.size(), secs);
+    fmt::print("  {:.3f} GB/s  {:.0f} transfers/s  batch latency p50 {:.1f} us  p99 {:.1f} us  CPU {:.2f} cores\n", gbps,
+               tps, pct(0.5), pct(0.99), cpu / secs);
+    if (o.validate) fmt::print("  validated: {}\n", mismatches.load() == 0 ? "every byte" : "MISMATCHES");
+  }
+  if (mismatches.load() != 0) throw Fail(fmt::format("{} blocks had wrong bytes", mismatches.load()));
+  return 0;
+}
+
+}  // namespace
+
+void add_serve(CLI::App& app, std::function<int()>& run) {
+  auto o = std::make_shared<ServeOptions>();
+  auto* sub = app.add_subcommand("serve", "run an engine that exposes named segments to peers (a target)");
+  o->net.add_to(*sub);
+  sub->add_option("--listen", o->listen, "[ADDR:]PORT to accept links on")->capture_default_str();
+  sub->add_option("--expose", o->expose, "NAME:SIZE[:KIND] (K, M, G; host, hugepage, cuda, cuda-host); repeatable")
+      ->required();
+  sub->add_option("--duration", o->duration, "stop after this many seconds (default: at SIGINT/SIGTERM)");
+  sub->add_flag("--notifications", o->notifications, "print each notification received");
+  sub->add_flag("--json", o->json, "JSON lines");
+  sub->callback([o, &run] { run = guarded("serve", [o] { return run_serve(*o); }); });
+}
+
+void add_engine_bench(CLI::App& app, std::function<int()>& run) {
+  auto o = std::make_shared<BenchOpts>();
+  auto* sub = app.add_subcommand("engine-bench", "drive batched transfers at serve targets, like transfer_engine_bench");
+  o->net.add_to(*sub);
+  sub->add_option("--peer", o->peers, "[NAME=]HOST:PORT of a target (rdmakit serve); repeatable")->required();
+  sub->add_option("--segment", o->segment, "the targets' segment")->capture_default_str();
+  sub->add_option("--op", o->op, "read or write")->check(CLI::IsMember({"read", "write"}))->capture_default_str();
+  sub->add_option("--block-size", o->block, "bytes per transfer (K, M suffixes)")
+      ->transform(CLI::AsSizeValue(false))
+      ->check(CLI::Range(1ull, 1ull << 30))->capture_default_str();
+  sub->add_option("--batch-size", o->batch, "transfers per batch")->check(CLI::Range(1u, 65536u))->capture_default_str();
+  sub->add_option("--threads", o->threads, "submitting threads")->check(CLI::Range(1u, 256u))->capture_default_str();
+  sub->add_option("--duration", o->duration, "seconds")->check(CLI::Range(0.01, 3600.0))->capture_default_str();
+  sub->add_flag("--validate", o->validate, "check every byte (reads: against a pattern written first)");
+  sub->add_flag("--json", o->json, "one JSON object");
+  sub->callback([o, &run] { run = guarded("engine-bench", [o] { return run_engine_bench(*o); }); });
+}
+
+}  // namespace rdmakit::tools

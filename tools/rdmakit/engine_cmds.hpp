@@ -1,0 +1,14 @@
+#pragma once
+
+#include <functional>
+
+#include <CLI/CLI.hpp>
+
+namespace rdmakit::tools {
+
+/// Adds `rdmakit serve` (an engine exposing segments) and `rdmakit engine-bench` (batches at
+/// serve targets); when one is chosen, its callback sets `run`.
+void add_serve(CLI::App& app, std::function<int()>& run);
+void add_engine_bench(CLI::App& app, std::function<int()>& run);
+
+}  // namespace rdmakit::tools
