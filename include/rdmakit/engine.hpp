@@ -185,7 +185,8 @@ struct EngineInfo {
 /// threads (see docs/engine.md).
 ///
 /// Threads: every member function may be called from any thread, concurrently, except that
-/// progress() is for workers == 0 only, and the destructor must not race with anything else.
+/// with workers == 0, progress() and connect() (which then drives progress itself) are called
+/// from one thread at a time, and the destructor must not race with anything else.
 class Engine {
  public:
   explicit Engine(EngineConfig config);
@@ -225,7 +226,8 @@ class Engine {
   /// A handle for `segment` of `peer` (added before). Throws Error for an unknown peer.
   [[nodiscard]] RemoteSegment segment(const std::string& peer, const std::string& segment);
   /// Connects to `peer` now (instead of at its first transfer) and waits until its segments are
-  /// known; false with `why` on failure or timeout.
+  /// known; false with `why` on failure or timeout. With workers == 0 it drives progress itself
+  /// (Batch::wait does not: call progress() until Batch::done()).
   bool connect(const std::string& peer, std::chrono::milliseconds timeout, std::string* why = nullptr);
 
   /// Starts the transfers; never blocks on the network. Transfers that are invalid at once

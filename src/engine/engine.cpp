@@ -554,10 +554,23 @@ bool Engine::connect(const std::string& peer, std::chrono::milliseconds timeout,
   const std::uint64_t before = p->attempts;
   lock.unlock();
   p->worker->post(detail::Command(detail::Command::Kind::kick, p));
+  const auto settled = [&] { return p->up || p->attempts > before; };
+  const auto until = detail::deadline_in(timeout);
   lock.lock();
-  const bool up = p->cv.wait_for(lock, timeout, [&] { return p->up || p->attempts > before; });
-  if (up && p->up) return true;
-  if (why != nullptr) *why = up ? p->last_error : fmt::format("no link to '{}' within {} ms", peer, timeout.count());
+  if (impl_->cfg.workers == 0) {
+    // No worker thread: this call drives the progress that connects.
+    while (!settled() && detail::Clock::now() < until) {
+      lock.unlock();
+      (void)impl_->workers[0]->run(std::min(until, detail::deadline_in(std::chrono::milliseconds{10})), false);
+      lock.lock();
+    }
+  } else {
+    p->cv.wait_until(lock, until, settled);
+  }
+  if (p->up) return true;
+  if (why != nullptr) {
+    *why = settled() ? p->last_error : fmt::format("no link to '{}' within {} ms", peer, timeout.count());
+  }
   return false;
 }
 

@@ -379,3 +379,30 @@ TEST(Engine, AnIdleEngineUsesNoCpu) {
   EXPECT_LT(share, 0.01);
   EXPECT_EQ(a.counters().links, 1u);  // still linked: idle, not torn down
 }
+
+// workers = 0: nothing moves unless the caller drives progress(), which is all it takes.
+TEST(Engine, WithoutWorkersTheCallerDrivesProgress) {
+  Target b("b", 1 << 20);
+  EngineConfig c = config("a");
+  c.workers = 0;
+  c.listen = "";
+  Engine a(c);
+  a.add_peer("b", at(b.engine));
+  std::string why;
+  ASSERT_TRUE(a.connect("b", 10s, &why)) << why;
+  const Buffer src = a.allocate_memory(1 << 20);
+  fill(src.addr, src.length, 77);
+  std::vector<Transfer> t;
+  for (std::uint64_t k = 0; k < 16; ++k) t.push_back(xfer(TransferOp::write, src, k * 65536, 65536, a.segment("b", "kv"), k * 65536));
+  Batch bt = a.submit(t);
+  std::this_thread::sleep_for(50ms);
+  EXPECT_FALSE(bt.done()) << "something progressed without the caller";
+  std::size_t ended = 0;
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (!bt.done() && std::chrono::steady_clock::now() < until) ended += a.progress(1ms);
+  ASSERT_TRUE(bt.done());
+  EXPECT_EQ(ended, 16u);
+  EXPECT_EQ(bt.failed(), 0u) << bt.describe_failures();
+  EXPECT_TRUE(same(b.buf.addr, src.addr, src.length));
+  EXPECT_THROW((void)b.engine.progress(), rdmakit::Error);  // it has workers
+}
