@@ -140,7 +140,12 @@ struct Link {
   std::uint32_t binds_pending = 0;
   bool synced_sent = false;
   std::uint64_t in_flight = 0;  // transfers posted and not completed
-  std::deque<Peer::Waiting> backlog;  // waiting for room in the send queue
+  std::deque<Peer::Waiting> backlog;  // to be posted (in chains, as the send queue has room)
+  bool flush_queued = false;           // in the worker's list of links to post for
+  // The transfers posted on the link, in post order: an RC QP completes in order, so a
+  // completion also ends every transfer posted before it (they were posted unsignaled, in chains).
+  std::vector<Record*> posted;
+  std::uint32_t posted_head = 0;
   Deadline last_used{};
   // Error completions, ended only once the link is reaped: a peer whose process died answers
   // with access errors (its windows went before its QP) while its control channel closes, so
@@ -201,7 +206,14 @@ class Worker {
   void handle(Command& c);
   void submit(const std::shared_ptr<BatchState>& b, const std::vector<std::uint32_t>& indexes);
   void start_transfer(Peer& p, BatchState& b, std::uint32_t i);
-  bool post_transfer(Link& l, BatchState& b, std::uint32_t i);  // false: no room
+  void queue_flush(Link& l);
+  void flush_queued_links();
+  /// Posts the link's backlog as chains of unsignaled requests (one doorbell each), as far as
+  /// its send queue has room.
+  void flush(Link& l);
+  /// Resolves transfer i for posting on `l` into chain_ entry n; false when it ended instead.
+  bool prepare(Link& l, BatchState& b, std::uint32_t i, std::size_t n);
+  void posted(Link& l, Record* r);
   void end(BatchState& b, std::uint32_t i, TransferStatus s, std::string reason) noexcept;
   void on_completion(DataPath& dp, const Completion& c);
   void link_up(Command& c);
@@ -244,6 +256,10 @@ class Worker {
   std::unordered_map<BatchState*, Live> live_;
   std::uint64_t in_flight_ = 0;
   std::size_t ended_ = 0;
+  std::vector<Link*> to_flush_;
+  std::vector<WorkRequest> chain_;  // one chain being built (send depth entries)
+  std::vector<LocalSlice> chain_slices_;
+  std::vector<Record*> chain_recs_;
   Deadline next_tick_{};
 };
 

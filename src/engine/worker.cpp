@@ -57,6 +57,9 @@ Worker::Worker(Engine::Impl& e, std::uint32_t index) : e_(e), index_(index) {
   epoll_ = Fd(::epoll_create1(EPOLL_CLOEXEC));
   if (!epoll_) throw Error("epoll_create1", errno, "an engine worker");
   add_fd(epoll_.get(), wake_.get(), kWake);
+  chain_.resize(e.cfg.link.send_depth);
+  chain_slices_.assign(e.cfg.link.send_depth, LocalSlice::empty());
+  chain_recs_.resize(e.cfg.link.send_depth);
   const auto& devices = e.layer->devices();
   const std::uint32_t depth = e.cfg.link.send_depth + e.cfg.link.recv_depth;
   for (std::uint32_t d = 0; d < devices.size(); ++d) {
@@ -186,6 +189,7 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
     for (auto& q : cqs_) {
       got += q->router.poll([this](DataPath& dp, const Completion& c) { on_completion(dp, c); });
     }
+    flush_queued_links();
     const Deadline now = Clock::now();
     if (now >= next_tick_) {
       next_tick_ = now + std::chrono::milliseconds{1};
@@ -193,7 +197,7 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
       reap_links();
     }
     if (!forever && now >= until) break;
-    if (got == 0 && in_flight_ == 0 && !has_mail_.load(std::memory_order_acquire)) {
+    if (got == 0 && in_flight_ == 0 && to_flush_.empty() && !has_mail_.load(std::memory_order_acquire)) {
       // A closing link is reaped once its peer's fate is known (Link::deferred): look again soon.
       const bool closing = std::any_of(links_.begin(), links_.end(),
                                        [](const auto& l) { return l->state == Link::State::closing; });
@@ -216,7 +220,7 @@ void Worker::sleep(Deadline until) noexcept {
     // A completion that arrived before arming raises no event: look once more.
     int got = 0;
     for (auto& q : cqs_) got += q->router.poll([this](DataPath& dp, const Completion& c) { on_completion(dp, c); });
-    if (got > 0 || has_mail_.load(std::memory_order_acquire)) return;
+    if (got > 0 || !to_flush_.empty() || has_mail_.load(std::memory_order_acquire)) return;
     ms = static_cast<int>(std::min<long long>(
         std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count() + 1, 1000));
   }
@@ -318,7 +322,8 @@ void Worker::start_transfer(Peer& p, BatchState& b, std::uint32_t i) {
   }
   Link* l = p.link;
   if (l != nullptr && l->state == Link::State::ready) {
-    if (!l->backlog.empty() || !post_transfer(*l, b, i)) l->backlog.push_back({&b, i});
+    l->backlog.push_back({&b, i});
+    queue_flush(*l);
     return;
   }
   p.waiting.push_back({&b, i});
@@ -328,7 +333,34 @@ void Worker::start_transfer(Peer& p, BatchState& b, std::uint32_t i) {
   }
 }
 
-bool Worker::post_transfer(Link& l, BatchState& b, std::uint32_t i) {
+void Worker::queue_flush(Link& l) {
+  if (l.flush_queued) return;
+  l.flush_queued = true;
+  to_flush_.push_back(&l);
+}
+
+void Worker::flush_queued_links() {
+  if (to_flush_.empty()) return;
+  std::vector<Link*> now;
+  now.swap(to_flush_);
+  for (Link* l : now) {
+    l->flush_queued = false;
+    flush(*l);
+  }
+  if (to_flush_.empty()) {  // keep the capacity: no allocation on the next round
+    now.clear();
+    to_flush_.swap(now);
+  }
+}
+
+void Worker::posted(Link& l, Record* r) {
+  const auto cap = static_cast<std::uint32_t>(l.posted.size());
+  l.posted[(l.posted_head + l.in_flight) % cap] = r;
+  ++l.in_flight;
+  ++in_flight_;
+}
+
+bool Worker::prepare(Link& l, BatchState& b, std::uint32_t i, std::size_t n) {
   const Transfer& t = b.transfers[i];
   const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
   if (seg == nullptr || !seg->has_value()) {
@@ -338,40 +370,87 @@ bool Worker::post_transfer(Link& l, BatchState& b, std::uint32_t i) {
       name = l.peer->slot_names.at(t.remote.slot);
     }
     std::string have;
-    for (const auto& [n, r] : l.remote) have += (have.empty() ? "" : ", ") + n;
+    for (const auto& [nm, r] : l.remote) have += (have.empty() ? "" : ", ") + nm;
     end(b, i, TransferStatus::no_segment,
         fmt::format("peer '{}' has no segment '{}' (it has: {})", l.peer->name, name, have.empty() ? "none" : have));
-    return true;
+    return false;
   }
   const BufferRec* buf = e_.buffer(t.local.id);
-  const LocalSlice local = buf->regions[l.device]->local().subslice(t.local_offset, t.length);
   Record& rec = b.records[i];
   rec.link = &l;
-  const auto wr = reinterpret_cast<std::uint64_t>(&rec);
-  DataPath& dp = l.impl.dp;
-  const RemoteRegion& r = **seg;
-  PostResult res;
-  switch (t.op) {
-    case TransferOp::read: res = dp.post_one<Opcode::read>(local, r, t.remote_offset, 0, 0, 0, wr); break;
-    case TransferOp::write: res = dp.post_one<Opcode::write>(local, r, t.remote_offset, 0, 0, 0, wr); break;
-    case TransferOp::fetch_add:
-      res = dp.post_one<Opcode::fetch_add>(local, r, t.remote_offset, 0, t.compare_add, 0, wr);
-      break;
-    case TransferOp::compare_swap:
-      res = dp.post_one<Opcode::compare_swap>(local, r, t.remote_offset, 0, t.compare_add, t.swap, wr);
-      break;
-  }
-  if (res.status == PostStatus::queue_full) return false;
-  if (!res.ok()) {
-    std::string why = fmt::format("peer '{}': {}", l.peer->name, res.describe());
-    if (res.status == PostStatus::unsupported) why += " (the peer's device or this one has no atomics)";
-    if (res.status == PostStatus::not_ready) why += ": " + dp.failure();
-    end(b, i, status_of(res.status), std::move(why));
-    return true;
-  }
-  ++l.in_flight;
-  ++in_flight_;
+  chain_slices_[n] = buf->regions[l.device]->local().subslice(t.local_offset, t.length);
+  WorkRequest& w = chain_[n];
+  w.opcode = t.op == TransferOp::read ? Opcode::read
+             : t.op == TransferOp::write ? Opcode::write
+             : t.op == TransferOp::fetch_add ? Opcode::fetch_add
+                                              : Opcode::compare_swap;
+  w.local = {&chain_slices_[n], 1};
+  w.remote = **seg;
+  w.remote_offset = t.remote_offset;
+  w.compare_add = t.compare_add;
+  w.swap = t.swap;
+  w.wr_id = reinterpret_cast<std::uint64_t>(&rec);
+  w.signaled = false;
+  chain_recs_[n] = &rec;
   return true;
+}
+
+void Worker::flush(Link& l) {
+  // A chain signals every kSignalEvery-th request and its last, so the queue drains (and the
+  // backlog refills it) while the rest of the chain is still on the wire.
+  constexpr std::size_t kSignalEvery = 16;
+  DataPath& dp = l.impl.dp;
+  const std::uint64_t max_msg = dp.limits().max_msg_size;
+  while (!l.backlog.empty() && l.state == Link::State::ready) {
+    const std::size_t room = std::min<std::size_t>(dp.lanes()[0].sq.free(), chain_.size());
+    if (room == 0) return;  // a completion makes room, and queues the link again
+    std::size_t n = 0;
+    while (n < room && !l.backlog.empty()) {
+      const auto w = l.backlog.front();
+      const Transfer& t = w.batch->transfers[w.index];
+      if (t.length > max_msg && n > 0) break;  // a transfer the data path splits goes alone
+      l.backlog.pop_front();
+      if (!prepare(l, *w.batch, w.index, n)) continue;
+      ++n;
+      if (t.length > max_msg) break;
+    }
+    if (n == 0) continue;
+    for (std::size_t k = 0; k < n; ++k) chain_[k].signaled = (k + 1) % kSignalEvery == 0 || k + 1 == n;
+    PostResult r;
+    if (n == 1 && chain_slices_[0].length() > max_msg) {
+      const WorkRequest& w = chain_[0];
+      r = w.opcode == Opcode::read ? dp.post_one<Opcode::read>(chain_slices_[0], w.remote, w.remote_offset, 0, 0, 0, w.wr_id)
+                                   : dp.post_one<Opcode::write>(chain_slices_[0], w.remote, w.remote_offset, 0, 0, 0, w.wr_id);
+      r.index = 0;
+    } else {
+      r = dp.post_batch({chain_.data(), n});
+    }
+    if (r.ok()) {
+      for (std::size_t k = 0; k < n; ++k) posted(l, chain_recs_[k]);
+      continue;
+    }
+    // Nothing was posted (the data path refuses a chain whole), except when the provider
+    // failed part way: those before r.index went.
+    const std::size_t went = r.status == PostStatus::failed ? r.index : 0;
+    for (std::size_t k = 0; k < went; ++k) posted(l, chain_recs_[k]);
+    if (r.status == PostStatus::queue_full) {
+      for (std::size_t k = n; k-- > 0;) l.backlog.push_front({chain_recs_[k]->batch, chain_recs_[k]->index});
+      return;
+    }
+    const Record* bad = chain_recs_[std::min(r.index, n - 1)];
+    std::string why = fmt::format("peer '{}': {}", l.peer->name, r.describe());
+    if (r.status == PostStatus::unsupported) why += " (the peer's device or this one has no atomics)";
+    if (r.status == PostStatus::not_ready) why += ": " + dp.failure();
+    if (r.status == PostStatus::failed) {
+      for (std::size_t k = went; k < n; ++k) end(*chain_recs_[k]->batch, chain_recs_[k]->index, TransferStatus::failed, why);
+      return break_link(l, why);
+    }
+    // One request was refused: it ends with the reason; the rest go back to the front.
+    for (std::size_t k = n; k-- > 0;) {
+      if (chain_recs_[k] != bad) l.backlog.push_front({chain_recs_[k]->batch, chain_recs_[k]->index});
+    }
+    end(*bad->batch, bad->index, status_of(r.status), std::move(why));
+  }
 }
 
 void Worker::end(BatchState& b, std::uint32_t i, TransferStatus s, std::string reason) noexcept {
@@ -440,8 +519,17 @@ void Worker::on_completion(DataPath& dp, const Completion& c) {
   }
   auto* rec = reinterpret_cast<Record*>(c.wr_id);
   Link& l = *rec->link;
-  --l.in_flight;
-  --in_flight_;
+  // Every transfer posted on the link before this one has completed successfully (a failed one
+  // would have been reported first, with a completion of its own).
+  const auto cap = static_cast<std::uint32_t>(l.posted.size());
+  while (l.in_flight > 0) {
+    Record* first = l.posted[l.posted_head];
+    l.posted_head = (l.posted_head + 1) % cap;
+    --l.in_flight;
+    --in_flight_;
+    if (first == rec) break;
+    end(*first->batch, first->index, TransferStatus::ok, {});
+  }
   l.last_used = Clock::now();
   if (c.ok()) {
     end(*rec->batch, rec->index, TransferStatus::ok, {});
@@ -452,12 +540,8 @@ void Worker::on_completion(DataPath& dp, const Completion& c) {
     // The link breaks on it (the data path's one break routine); ended when the link is reaped.
     l.deferred.push_back({rec->batch, rec->index, fmt::format("peer '{}': {}", l.peer->name, c.describe())});
   }
-  // Room in the queue: what waited for it goes now.
-  while (!l.backlog.empty() && l.state == Link::State::ready) {
-    const auto w = l.backlog.front();
-    if (!post_transfer(l, *w.batch, w.index)) break;
-    l.backlog.pop_front();
-  }
+  // Room in the queue: what waited for it goes after this poll.
+  if (!l.backlog.empty()) queue_flush(l);
 }
 
 // --- links ---------------------------------------------------------------------------------------
@@ -470,6 +554,7 @@ void Worker::link_up(Command& c) {
   l.peer = c.peer;
   l.last_used = Clock::now();
   l.impl.dp.route_through(cqs_[l.device]->router, cqs_[l.device]->router);
+  l.posted.resize(l.impl.dp.limits().send_depth);  // never more in flight than the queue holds
   by_dp_[&l.impl.dp] = &l;
   links_.push_back(std::move(owned));
   e_.count.links.fetch_add(1, std::memory_order_relaxed);
@@ -719,6 +804,7 @@ void Worker::reap_links() {
 
 void Worker::close_link(Link& l) noexcept {
   watch(l, false);
+  std::erase(to_flush_, &l);
   l.windows.clear();  // revoked before the QP goes
   l.impl.close(std::chrono::milliseconds{500});
   by_dp_.erase(&l.impl.dp);

@@ -94,10 +94,19 @@ TEST(Engine, WritesAndReadsEveryByte) {
   ASSERT_TRUE(r.wait(10s));
   EXPECT_EQ(r.failed(), 0u) << r.describe_failures();
   EXPECT_TRUE(same(dst.addr, src.addr, src.length));
+  // A worker never sleeps with work queued: 20 small batches one after another take far less
+  // than the second each would if it did (the worker's longest sleep).
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 20; ++i) {
+    const Transfer one = xfer(TransferOp::write, src, 0, 64, seg, 0);
+    Batch x = a.submit({&one, 1});
+    ASSERT_TRUE(x.wait(5s));
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
   const auto c = a.counters();
   EXPECT_EQ(c.connects, 1u);
-  EXPECT_EQ(c.transfers, 80u);
-  EXPECT_EQ(c.bytes, 2u << 20);
+  EXPECT_EQ(c.transfers, 100u);
+  EXPECT_EQ(c.bytes, (2u << 20) + 20 * 64);
   EXPECT_EQ(b.engine.counters().accepts, 1u);
   EXPECT_EQ(b.engine.counters().windows_bound, 1u);
   EXPECT_TRUE(a.info().memory_windows) << a.info().access_model;
@@ -405,4 +414,74 @@ TEST(Engine, WithoutWorkersTheCallerDrivesProgress) {
   EXPECT_EQ(bt.failed(), 0u) << bt.describe_failures();
   EXPECT_TRUE(same(b.buf.addr, src.addr, src.length));
   EXPECT_THROW((void)b.engine.progress(), rdmakit::Error);  // it has workers
+}
+
+namespace {
+
+long rss_kib() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  long pages = 0, resident = 0;
+  if (f != nullptr) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return resident * (::sysconf(_SC_PAGESIZE) / 1024);
+}
+
+}  // namespace
+
+// 200 peers (target engines, 50 per process in four processes): every one used by one engine,
+// first with room for all of them (what a link costs: connect time, memory, descriptors), then
+// under a budget of 32 QPs (never exceeded, every transfer still right).
+TEST(Engine, TwoHundredPeers) {
+  constexpr int kPerProcess = 50, kProcesses = 4, kPeers = kPerProcess * kProcesses;
+  std::vector<std::unique_ptr<lab::Child>> hosts;
+  for (int p = 0; p < kProcesses; ++p) {
+    hosts.push_back(std::make_unique<lab::Child>("engines", std::to_string(7700 + p * kPerProcess), std::to_string(kPerProcess)));
+    ASSERT_TRUE(hosts.back()->ok()) << "FAULT_PEER is the peer program";
+  }
+  for (auto& h : hosts) ASSERT_TRUE(h->await("ready"));
+  auto run = [&](std::uint32_t budget, bool measure) {
+    EngineConfig c = config("a");
+    c.listen = "";
+    c.max_qps = budget;
+    Engine a(c);
+    const Buffer src = a.allocate_memory(kPeers * 64);
+    fill(src.addr, src.length, 11);
+    for (int i = 0; i < kPeers; ++i) a.add_peer("s" + std::to_string(7700 + i), "127.0.0.1:" + std::to_string(7700 + i));
+    const long rss0 = rss_kib();
+    const int fds0 = lab::open_fds();
+    const auto t0 = std::chrono::steady_clock::now();
+    std::uint64_t most = 0;
+    for (int i = 0; i < kPeers; ++i) {
+      std::string why;
+      const std::string name = "s" + std::to_string(7700 + i);
+      if (measure) {
+        ASSERT_TRUE(a.connect(name, 20s, &why)) << why;
+      }
+      const Transfer t = xfer(TransferOp::write, src, static_cast<std::uint64_t>(i) * 64, 64, a.segment(name, "kv"), 0);
+      Batch b = a.submit({&t, 1});
+      ASSERT_TRUE(b.wait(20s));
+      ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
+      most = std::max(most, a.counters().qps);
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto cnt = a.counters();
+    EXPECT_LE(most, budget);
+    EXPECT_EQ(cnt.transfers_failed, 0u);
+    if (measure) {
+      EXPECT_EQ(cnt.links, static_cast<std::uint64_t>(kPeers));
+      std::printf("%d peers linked: %.1f ms per peer (connect, then the first write), %.1f KiB of memory and %.2f "
+                  "descriptors per link in this process\n",
+                  kPeers, secs * 1000 / kPeers, static_cast<double>(rss_kib() - rss0) / kPeers,
+                  static_cast<double>(lab::open_fds() - fds0) / kPeers);
+    } else {
+      EXPECT_GE(cnt.evictions, static_cast<std::uint64_t>(kPeers - budget));
+      std::printf("%d peers under a budget of %u QPs: at most %llu QPs, %llu evictions, %.1f ms per peer\n", kPeers,
+                  budget, static_cast<unsigned long long>(most), static_cast<unsigned long long>(cnt.evictions),
+                  secs * 1000 / kPeers);
+    }
+  };
+  run(256, true);
+  run(32, false);
 }

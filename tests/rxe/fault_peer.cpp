@@ -4,13 +4,16 @@
 // per line on stdin, "connected" or "refused: WHY" on stdout for each.
 // With engine, an rdmakit::Engine called NAME on PORT exposing a 1 MiB segment "kv".
 //   rdmakit_rxe_fault_peer connect HOST:PORT | listen PORT | try-connect HOST:PORT [no-keepalive]
-//                          | engine PORT NAME
+//                          | engine PORT NAME | engines PORT COUNT
 #include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
+#include <memory>
+#include <cstdlib>
 
 #include "rdmakit/connection.hpp"
 #include "rdmakit/engine.hpp"
@@ -25,6 +28,26 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string mode = argv[1];
+  if (mode == "engines" && argc == 4) {
+    // COUNT target engines on ports PORT, PORT + 1, ..., called s<port>, each exposing "kv".
+    const int base = std::atoi(argv[2]);
+    const int count = std::atoi(argv[3]);
+    std::vector<std::unique_ptr<rdmakit::Engine>> engines;
+    for (int i = 0; i < count; ++i) {
+      rdmakit::EngineConfig ec;
+      ec.name = "s" + std::to_string(base + i);
+      ec.listen = ":" + std::to_string(base + i);
+      ec.listen_at_start = false;
+      ec.max_qps = 8;  // a small CQ each: the host runs many of them
+      ec.link.log = [](std::string_view) {};
+      auto& e = *engines.emplace_back(std::make_unique<rdmakit::Engine>(ec));
+      e.expose("kv", e.allocate_memory(4096), rdmakit::Access::remote_read | rdmakit::Access::remote_write);
+      e.start_listening();
+    }
+    std::printf("ready\n");
+    std::fflush(stdout);
+    for (;;) std::this_thread::sleep_for(1s);
+  }
   if (mode == "engine" && argc == 4) {
     rdmakit::EngineConfig ec;
     ec.name = argv[3];

@@ -51,43 +51,7 @@ Connection::Setup buffer() {
 }
 
 // The victim process, and a pipe from its stdout.
-struct Victim {
-  pid_t pid = -1;
-  FILE* out = nullptr;
-  Victim(const std::string& mode, const std::string& where, const std::string& option = {}) {
-    int fds[2];
-    EXPECT_EQ(::pipe(fds), 0);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
-    posix_spawn_file_actions_addclose(&fa, fds[0]);
-    const std::string bin = std::string(std::getenv("FAULT_PEER") ? std::getenv("FAULT_PEER") : "");
-    char* argv[] = {const_cast<char*>(bin.c_str()), const_cast<char*>(mode.c_str()),
-                    const_cast<char*>(where.c_str()), option.empty() ? nullptr : const_cast<char*>(option.c_str()),
-                    nullptr};
-    EXPECT_EQ(posix_spawn(&pid, bin.c_str(), &fa, nullptr, argv, environ), 0) << bin;
-    posix_spawn_file_actions_destroy(&fa);
-    ::close(fds[1]);
-    out = ::fdopen(fds[0], "r");
-  }
-  bool await(const char* word) {
-    char line[128];
-    while (std::fgets(line, sizeof line, out) != nullptr) {
-      if (std::strncmp(line, word, std::strlen(word)) == 0) return true;
-    }
-    return false;
-  }
-  void kill() {
-    ::kill(pid, SIGKILL);
-    int st = 0;
-    ::waitpid(pid, &st, 0);
-    pid = -1;
-  }
-  ~Victim() {
-    if (pid > 0) kill();
-    if (out != nullptr) std::fclose(out);
-  }
-};
+using Victim = lab::Child;
 
 // Keeps `depth` requests of `op` in flight towards the peer until `stop`; returns how many
 // completed successfully.

@@ -3,6 +3,9 @@
 // sockets (to play a misbehaving peer byte by byte).
 #include <arpa/inet.h>
 #include <dirent.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -11,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <sstream>
 #include <string>
@@ -19,7 +23,55 @@
 #include "rdmakit/connection.hpp"
 #include "rdmakit/wire.hpp"
 
+
 namespace lab {
+
+/// The peer program (tests/rxe/fault_peer.cpp, named by FAULT_PEER) as a child process, with a
+/// pipe from its stdout; SIGKILLed and reaped when it goes. `ok()` is false when it could not
+/// be started.
+struct Child {
+  pid_t pid = -1;
+  FILE* out = nullptr;
+  Child(const std::string& mode, const std::string& where, const std::string& option = {}) {
+    int fds[2];
+    if (::pipe(fds) != 0) return;
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
+    posix_spawn_file_actions_addclose(&fa, fds[0]);
+    const std::string bin = std::string(std::getenv("FAULT_PEER") ? std::getenv("FAULT_PEER") : "");
+    char* argv[] = {const_cast<char*>(bin.c_str()), const_cast<char*>(mode.c_str()),
+                    const_cast<char*>(where.c_str()), option.empty() ? nullptr : const_cast<char*>(option.c_str()),
+                    nullptr};
+    if (posix_spawn(&pid, bin.c_str(), &fa, nullptr, argv, environ) != 0) pid = -1;
+    posix_spawn_file_actions_destroy(&fa);
+    ::close(fds[1]);
+    out = ::fdopen(fds[0], "r");
+  }
+  Child(const Child&) = delete;
+  Child& operator=(const Child&) = delete;
+  [[nodiscard]] bool ok() const { return pid > 0; }
+  /// Reads lines until one starts with `word` (true) or the child's stdout closes (false).
+  bool await(const char* word) {
+    if (out == nullptr) return false;
+    char line[128];
+    while (std::fgets(line, sizeof line, out) != nullptr) {
+      if (std::strncmp(line, word, std::strlen(word)) == 0) return true;
+    }
+    return false;
+  }
+  void kill() {
+    if (pid <= 0) return;
+    ::kill(pid, SIGKILL);
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+    pid = -1;
+  }
+  ~Child() {
+    kill();
+    if (out != nullptr) std::fclose(out);
+  }
+};
 
 /// How many rounds a soak runs: `ci` by default, `full` with RDMAKIT_TEST_LONG=1 (what
 /// scripts/test --long sets). CI runs the CI size every time; the full one is run by hand and
