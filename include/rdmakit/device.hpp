@@ -63,6 +63,8 @@ struct DeviceInfo {
   std::uint32_t max_sge = 0;       ///< scatter-gather entries per work request
   std::uint32_t max_qp_rd_atom = 0;  ///< incoming RDMA READ/atomic per QP
   bool atomics = false;            ///< remote atomics supported
+  /// Type-2 memory windows: what the engine gives each peer its own revocable key with.
+  bool memory_windows = false;
   std::string fw_ver;              ///< firmware version, as the driver reports it
   std::uint32_t vendor_id = 0;
   std::uint32_t vendor_part_id = 0;

@@ -121,7 +121,8 @@ class Batch {
 
   /// Every transfer has ended (O(1)).
   [[nodiscard]] bool done() const noexcept;
-  /// Waits until done() or `timeout`; returns done().
+  /// Waits until every transfer has ended and the on_done callback (if any) has returned, or
+  /// until `timeout`; true when it has.
   bool wait(std::chrono::milliseconds timeout) const;
   [[nodiscard]] std::size_t size() const noexcept;
   /// Transfers that ended in a status other than ok (when done()).

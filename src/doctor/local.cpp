@@ -280,6 +280,20 @@ Report check_local(const Options& o) {
     r.checks.push_back(m);
   }
 
+  if (d != nullptr) {
+    Check w{"memory_windows", "per-peer keys (engine)", Verdict::ok, "", ""};
+    if (d->memory_windows) {
+      w.detail = fmt::format("{} has type-2 memory windows: an engine gives each peer its own key per segment, "
+                             "bound on that peer's QP and revocable alone", d->name);
+    } else {
+      w.verdict = Verdict::warn;
+      w.detail = fmt::format("{} has no type-2 memory windows: an engine gives authenticated peers the buffer's "
+                             "own key (any of them could use another's), and offers nothing without a key", d->name);
+      w.fix = "set a pre-shared key on every engine (EngineConfig::link.psk), and use separate engines for peers "
+              "that must not reach each other's segments";
+    }
+    r.checks.push_back(w);
+  }
   r.checks.push_back(memlock(h, d != nullptr ? d->name : "", o.memlock_needed));
   r.checks.push_back(hugepages(h));
   r.checks.push_back(versions(h, d));

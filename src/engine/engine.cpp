@@ -83,10 +83,7 @@ void detail::BatchState::finish(std::uint32_t i, TransferStatus s, std::string r
   }
   slot.status.store(s, std::memory_order_release);
   if (remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-  {
-    std::lock_guard lock(mu);  // a waiter between its check and its sleep would miss the notify
-  }
-  cv.notify_all();
+  // The callback first, so that wait() returning (and the descriptor) also means it has run.
   if (on_done) {
     try {
       on_done(Batch(shared_from_this()));
@@ -94,6 +91,11 @@ void detail::BatchState::finish(std::uint32_t i, TransferStatus s, std::string r
       // A callback that throws must not take the worker down.
     }
   }
+  {
+    std::lock_guard lock(mu);  // a waiter between its check and its sleep would miss the notify
+    callback_ran = true;
+  }
+  cv.notify_all();
   engine->signal();
 }
 
@@ -107,9 +109,9 @@ bool Batch::done() const noexcept {
 }
 
 bool Batch::wait(std::chrono::milliseconds timeout) const {
-  if (done()) return true;
+  if (!state_) return true;
   std::unique_lock lock(state_->mu);
-  return state_->cv.wait_for(lock, timeout, [this] { return done(); });
+  return state_->cv.wait_for(lock, timeout, [this] { return state_->callback_ran; });
 }
 
 std::size_t Batch::size() const noexcept { return state_ ? state_->transfers.size() : 0; }
@@ -367,6 +369,7 @@ std::uint32_t Engine::Impl::slot_of(Peer& p, const std::string& segment) {
 }
 
 Buffer Engine::Impl::publish(std::unique_ptr<detail::BufferRec> rec) {
+  for (const auto& r : rec->regions) rec->slices.push_back(r->local());
   std::lock_guard lock(mu);
   if (buffers.size() >= kMaxBuffers) {
     throw Error("register memory", ENOSPC, fmt::format("{} buffers already (the most an engine holds)", kMaxBuffers));
@@ -584,7 +587,17 @@ Batch Engine::submit(std::span<const Transfer> transfers, SubmitOptions options)
   impl_->count.batches.fetch_add(1, std::memory_order_relaxed);
   impl_->count.transfers.fetch_add(transfers.size(), std::memory_order_relaxed);
   Batch batch(state);
-  if (transfers.empty()) {
+  if (transfers.empty()) {  // done at once, like any batch
+    if (state->on_done) {
+      try {
+        state->on_done(batch);
+      } catch (...) {
+      }
+    }
+    {
+      std::lock_guard lock(state->mu);
+      state->callback_ran = true;
+    }
     impl_->signal();
     return batch;
   }

@@ -62,6 +62,7 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   std::atomic<std::uint32_t> failed{0};
   mutable std::mutex mu;  // for wait()
   mutable std::condition_variable cv;
+  bool callback_ran = false;  // under mu: the batch ended and its callback (if any) returned
   std::vector<std::uint8_t> notify;
   std::function<void(const Batch&)> on_done;
   Engine::Impl* engine = nullptr;
@@ -73,6 +74,7 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
 struct BufferRec {
   Buffer handle;
   std::vector<std::optional<MemoryRegion>> regions;
+  std::vector<LocalSlice> slices;  // regions[d].local(), computed once (the post path reads it)
 };
 
 /// A named segment of a buffer.
@@ -244,6 +246,7 @@ class Worker {
   std::vector<Command> inbox_;
   std::atomic<bool> has_mail_{false};
   std::atomic<bool> stop_{false};
+  bool threaded_ = false;  // set by start(), before any other thread can post
   std::thread thread_;
   // The worker thread's own:
   std::vector<std::unique_ptr<Link>> links_;

@@ -91,6 +91,7 @@ Worker::Worker(Engine::Impl& e, std::uint32_t index) : e_(e), index_(index) {
 Worker::~Worker() { stop(); }
 
 void Worker::start() {
+  threaded_ = true;
   thread_ = std::thread([this] { (void)run(Deadline::max(), true); });
 }
 
@@ -100,6 +101,7 @@ void Worker::post(Command c) {
     inbox_.push_back(std::move(c));
     has_mail_.store(true, std::memory_order_release);
   }
+  if (!threaded_) return;  // progress() on the caller's thread finds it; there is no one to wake
   const std::uint64_t one = 1;
   (void)!::write(wake_.get(), &one, sizeof one);
 }
@@ -378,7 +380,7 @@ bool Worker::prepare(Link& l, BatchState& b, std::uint32_t i, std::size_t n) {
   const BufferRec* buf = e_.buffer(t.local.id);
   Record& rec = b.records[i];
   rec.link = &l;
-  chain_slices_[n] = buf->regions[l.device]->local().subslice(t.local_offset, t.length);
+  chain_slices_[n] = buf->slices[l.device].subslice(t.local_offset, t.length);
   WorkRequest& w = chain_[n];
   w.opcode = t.op == TransferOp::read ? Opcode::read
              : t.op == TransferOp::write ? Opcode::write

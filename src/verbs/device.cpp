@@ -156,6 +156,7 @@ DeviceInfo query_device_info(ibv_device* dev, ibv_context* ctx, const ibv_device
   info.max_sge = static_cast<std::uint32_t>(attr.max_sge);
   info.max_qp_rd_atom = static_cast<std::uint32_t>(attr.max_qp_rd_atom);
   info.atomics = attr.atomic_cap != IBV_ATOMIC_NONE;
+  info.memory_windows = (attr.device_cap_flags & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0;
   info.fw_ver = attr.fw_ver;
   info.vendor_id = attr.vendor_id;
   info.vendor_part_id = attr.vendor_part_id;

@@ -65,8 +65,10 @@ std::size_t MemoryRegion::size() const noexcept { return impl_->length; }
 Access MemoryRegion::access() const noexcept { return impl_->access; }
 bool MemoryRegion::registered() const noexcept { return impl_->mr != nullptr; }
 LocalSlice MemoryRegion::local() const noexcept {
+  // The NIC may write wherever the MR has local write, which mr_access_flags grants for these.
+  const Access a = impl_->access;
   return {impl_->addr, impl_->length, impl_->lkey,
-          (detail::mr_access_flags(impl_->access) & IBV_ACCESS_LOCAL_WRITE) != 0};
+          allows(a, Access::local_write) || allows(a, Access::remote_write) || allows(a, Access::remote_atomic)};
 }
 RemoteRegion MemoryRegion::remote() const noexcept {
   return {reinterpret_cast<std::uint64_t>(impl_->addr), impl_->length, impl_->rkey, impl_->access};

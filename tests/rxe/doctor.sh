@@ -34,7 +34,9 @@ assert d["name"] == "rxe0" and p["state"] == "ACTIVE" and p["link_layer"] == "Et
 assert p["chosen_gid"]["index"] == 1 and p["chosen_gid"]["type"] == "RoCE v2", p["chosen_gid"]
 assert p["chosen_gid"]["address"] == "::ffff:" + sys.argv[2], p["chosen_gid"]
 assert any(g["index"] == 0 and g["address"].startswith("fe80:") for g in p["gids"]), p["gids"]
+assert d["memory_windows"] is True, d
 PY
+grep -q "memory windows type 2" "$out/devices.txt" || fail "devices: memory windows"
 
 # A healthy VM: exit 0, and the JSON says what the text says, check by check.
 "$R" doctor > "$out/healthy.txt" 2>&1 || fail "healthy doctor exited $?"
@@ -46,6 +48,8 @@ text = [m.group(1).strip() for m in re.finditer(r"^  \[(\w+) *\]", open(sys.argv
 j = json.load(open(sys.argv[2]))
 assert [c["verdict"] for c in j["local"]["checks"]] == text, (text, j)
 assert j["exit_status"] == 0 and j["local"]["verdict"] == "ok", j
+w = [c for c in j["local"]["checks"] if c["id"] == "memory_windows"]
+assert len(w) == 1 and w[0]["verdict"] == "ok" and "type-2 memory windows" in w[0]["detail"], w
 PY
 
 # Locked memory: with a 64 KiB limit and without CAP_IPC_LOCK (which exempts root from the

@@ -392,6 +392,36 @@ TEST(Engine, AnIdleEngineUsesNoCpu) {
   EXPECT_EQ(a.counters().links, 1u);  // still linked: idle, not torn down
 }
 
+// The end of a batch is observable without polling: the callback runs once, on a worker, with
+// the batch done, and the engine's descriptor becomes readable.
+TEST(Engine, ABatchEndsWithItsCallbackAndTheDescriptor) {
+  Target b("b", 1 << 20);
+  Engine a(config("a"));
+  a.add_peer("b", at(b.engine));
+  const Buffer src = a.allocate_memory(1 << 20);
+  std::vector<Transfer> t;
+  for (std::uint64_t k = 0; k < 8; ++k) t.push_back(xfer(TransferOp::write, src, k * 65536, 65536, a.segment("b", "kv"), k * 65536));
+  std::atomic<int> calls{0};
+  std::atomic<bool> done_inside{false};
+  std::atomic<bool> other_thread{false};
+  const auto me = std::this_thread::get_id();
+  rdmakit::SubmitOptions o;
+  o.on_done = [&](const Batch& bt) {
+    done_inside = bt.done() && bt.failed() == 0;
+    other_thread = std::this_thread::get_id() != me;
+    ++calls;
+  };
+  std::uint64_t drained = 0;
+  (void)!::read(a.fd(), &drained, sizeof drained);  // whatever came before
+  Batch bt = a.submit(t, std::move(o));
+  pollfd pfd{a.fd(), POLLIN, 0};
+  ASSERT_EQ(::poll(&pfd, 1, 10000), 1) << "the descriptor never became readable";
+  ASSERT_TRUE(bt.wait(5s));
+  EXPECT_EQ(calls.load(), 1);
+  EXPECT_TRUE(done_inside.load());
+  EXPECT_TRUE(other_thread.load());
+}
+
 // workers = 0: nothing moves unless the caller drives progress(), which is all it takes.
 TEST(Engine, WithoutWorkersTheCallerDrivesProgress) {
   Target b("b", 1 << 20);

@@ -45,6 +45,7 @@ int run_devices(const DevicesOptions& o) {
                {"max_cqe", d.max_cqe},
                {"max_sge", d.max_sge},
                {"atomics", d.atomics},
+               {"memory_windows", d.memory_windows},
                {"ports", json::array()}};
     for (const PortInfo& p : d.ports) {
       json pj = {{"port", p.number},
@@ -87,12 +88,13 @@ int run_devices(const DevicesOptions& o) {
     return 0;
   }
   for (const auto& d : out) {
-    fmt::print("{}  fw {}  vendor {:#x} part {}  NUMA node {}  (max_qp_wr {}, max_cqe {}, max_sge {}, atomics {})\n",
+    fmt::print("{}  fw {}  vendor {:#x} part {}  NUMA node {}  (max_qp_wr {}, max_cqe {}, max_sge {}, atomics {}, "
+               "memory windows {})\n",
                d["name"].get<std::string>(), d["fw_ver"].get<std::string>(), d["vendor_id"].get<unsigned>(),
                d["vendor_part_id"].get<unsigned>(),
                d["numa_node"].get<int>() < 0 ? std::string("none") : std::to_string(d["numa_node"].get<int>()),
                d["max_qp_wr"].get<unsigned>(), d["max_cqe"].get<unsigned>(), d["max_sge"].get<unsigned>(),
-               d["atomics"].get<bool>() ? "yes" : "no");
+               d["atomics"].get<bool>() ? "yes" : "no", d["memory_windows"].get<bool>() ? "type 2" : "no");
     for (const auto& p : d["ports"]) {
       fmt::print("  port {}: {}  {}  active MTU {} (max {})  {:.1f} Gb/s ({}x)  LID {}\n", p["port"].get<int>(),
                  p["state"].get<std::string>(), p["link_layer"].get<std::string>(), p["active_mtu"].get<unsigned>(),
