@@ -518,3 +518,41 @@ TEST(Engine, TwoHundredPeers) {
   run(256, true);
   run(32, false);
 }
+
+// Several workers: peers are spread over them, and one batch that spans peers on different
+// workers ends once, every transfer right, from several submitting threads at once.
+TEST(Engine, BatchesSpanningWorkersEndOnce) {
+  std::vector<std::unique_ptr<Target>> targets;
+  for (int i = 0; i < 4; ++i) targets.push_back(std::make_unique<Target>("t" + std::to_string(i), 1 << 20));
+  EngineConfig c = config("a");
+  c.workers = 3;
+  Engine a(c);
+  for (int i = 0; i < 4; ++i) a.add_peer("t" + std::to_string(i), at(targets[static_cast<std::size_t>(i)]->engine));
+  const Buffer src = a.allocate_memory(1 << 20);
+  fill(src.addr, src.length, 42);
+  std::atomic<int> callbacks{0};
+  std::vector<std::thread> threads;
+  std::atomic<int> bad{0};
+  for (int th = 0; th < 4; ++th) {
+    threads.emplace_back([&, th] {
+      for (int round = 0; round < 8; ++round) {
+        std::vector<Transfer> t;
+        for (int p = 0; p < 4; ++p) {
+          for (std::uint64_t k = 0; k < 4; ++k) {
+            const std::uint64_t off = (static_cast<std::uint64_t>(th) * 4 + k) * 16384;
+            t.push_back(xfer(TransferOp::write, src, off, 16384, a.segment("t" + std::to_string(p), "kv"), off));
+          }
+        }
+        rdmakit::SubmitOptions o;
+        o.on_done = [&](const Batch&) { ++callbacks; };
+        Batch b = a.submit(t, std::move(o));
+        if (!b.wait(20s) || b.failed() != 0 || b.size() != 16) ++bad;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_EQ(callbacks.load(), 32);
+  for (auto& t : targets) EXPECT_TRUE(same(t->buf.addr, src.addr, 4 * 4 * 16384));
+  EXPECT_EQ(a.counters().connects, 4u);
+}
