@@ -31,10 +31,10 @@ struct EngineConfig {
   /// (psk: both ends of a link must hold the same). One QP per link (the engine spreads over
   /// peers, not over QPs; several NICs come as rails). A link's depth is its send_depth.
   ConnectionConfig link{};
-  /// Progress threads. Each polls the CQs its links share while work is in flight and sleeps on
-  /// the completion channel when idle. 0: the caller drives progress() (then nothing moves
-  /// between calls).
-  std::uint32_t workers = 1;
+  /// Progress threads (at most 64). Each polls the CQs its links share while work is in flight
+  /// and sleeps on the completion channel when idle. Unset: one per RDMA device. 0: the caller
+  /// drives progress() (then nothing moves between calls).
+  std::optional<std::uint32_t> workers{};
   /// Most QPs this engine holds at once (links it initiated and links peers opened to it). When
   /// a new link would pass it, the least recently used idle link is closed (an eviction, which
   /// its next transfer undoes by reconnecting); with no idle link to close, the connect waits.

@@ -164,7 +164,6 @@ Engine::Impl::Impl(EngineConfig c)
   detail::engine_wire::check_name(name, "engine name");
   detail::check_key(cfg.link.psk);
   if (cfg.max_qps == 0) throw Error("engine config", EINVAL, "max_qps 0: at least 1");
-  if (cfg.workers > 64) throw Error("engine config", EINVAL, fmt::format("{} workers (at most 64)", cfg.workers));
   // One QP per link, no receives: the engine moves data by READ, WRITE and atomics, and its
   // messages travel on the control channel.
   cfg.link.qps = 1;
@@ -198,9 +197,11 @@ Engine::Impl::Impl(EngineConfig c)
   }
   event_fd = detail::Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!event_fd) throw Error("eventfd", errno, "the engine's descriptor");
-  const std::uint32_t n = std::max<std::uint32_t>(cfg.workers, 1);
+  threads = cfg.workers.value_or(static_cast<std::uint32_t>(layer->devices().size()));
+  if (threads > 64) throw Error("engine config", EINVAL, fmt::format("{} workers (at most 64)", threads));
+  const std::uint32_t n = std::max<std::uint32_t>(threads, 1);
   for (std::uint32_t i = 0; i < n; ++i) workers.push_back(std::make_unique<Worker>(*this, i));
-  if (cfg.workers > 0) {
+  if (threads > 0) {
     for (auto& w : workers) w->start();
   }
   for (int i = 0; i < 4; ++i) connectors.emplace_back([this] { connect_loop(); });
@@ -560,7 +561,7 @@ bool Engine::connect(const std::string& peer, std::chrono::milliseconds timeout,
   const auto settled = [&] { return p->up || p->attempts > before; };
   const auto until = detail::deadline_in(timeout);
   lock.lock();
-  if (impl_->cfg.workers == 0) {
+  if (impl_->threads == 0) {
     // No worker thread: this call drives the progress that connects.
     while (!settled() && detail::Clock::now() < until) {
       lock.unlock();
@@ -648,7 +649,7 @@ std::optional<Notification> Engine::next_notification() {
 int Engine::fd() const noexcept { return impl_->event_fd.get(); }
 
 std::size_t Engine::progress(std::chrono::milliseconds budget) {
-  if (impl_->cfg.workers != 0) {
+  if (impl_->threads != 0) {
     throw Error("progress", EINVAL, "the engine has worker threads (EngineConfig::workers > 0)");
   }
   return impl_->workers[0]->run(detail::deadline_in(budget), false);

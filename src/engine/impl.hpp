@@ -174,15 +174,16 @@ struct DeviceCqs {
 
 /// What other threads ask a worker to do.
 struct Command {
-  enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick };
+  enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick, restarted };
   explicit Command(Kind k, Peer* p = nullptr, std::string t = {}) : kind(k), peer(p), text(std::move(t)) {}
   Kind kind;
   std::shared_ptr<BatchState> batch;
   std::vector<std::uint32_t> indexes;
   std::optional<Connection> conn;
   Peer* peer;
-  std::string text;  // a failure, or a segment's name
+  std::string text;  // a failure, a segment's name, or a restarted peer's name
   std::uint32_t device = 0;
+  std::uint64_t epoch = 0;  // restarted: the peer's new epoch
 };
 
 class Worker {
@@ -223,6 +224,8 @@ class Worker {
   void tick_link(Link& l, Deadline now);
   void on_message(Link& l, std::span<const std::uint8_t> bytes);
   void make_ready(Link& l);
+  /// Engine `name` now runs with `epoch`: its links of another epoch (on this worker) go.
+  void close_stale(const std::string& name, std::uint64_t epoch, const Link* except);
   void bind_window(Link& l, const SegmentDef& s);
   void announce(Link& l, const Window& w);
   void send(Link& l, const std::vector<std::uint8_t>& msg);
@@ -276,6 +279,7 @@ struct Engine::Impl {
 
   // Fixed at construction.
   EngineConfig cfg;
+  std::uint32_t threads = 0;  // worker threads (cfg.workers resolved; 0: the caller drives progress)
   std::string name;
   std::uint64_t epoch = 0;
   std::shared_ptr<detail::DeviceLayer> layer;

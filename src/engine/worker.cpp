@@ -147,20 +147,32 @@ void Worker::stop() noexcept {
     for (auto& q : cqs_) (void)q->router.poll([this](DataPath& dp, const Completion& c) { on_completion(dp, c); });
     for (auto& l : links_) l->impl.dp.post_owed_markers();
   }
+  // What never completed ends now; only this worker's transfers (the others' workers end theirs,
+  // maybe at this very moment).
+  const std::string closed = "the engine closed before the transfer completed";
   for (auto& l : links_) {
     for (Link::Deferred& d : l->deferred) end(*d.batch, d.index, TransferStatus::failed, std::move(d.reason));
     l->deferred.clear();
+    const auto cap = static_cast<std::uint32_t>(l->posted.size());
+    while (l->in_flight > 0) {
+      Record* r = l->posted[l->posted_head];
+      l->posted_head = (l->posted_head + 1) % cap;
+      --l->in_flight;
+      --in_flight_;
+      end(*r->batch, r->index, TransferStatus::peer_lost, closed);
+    }
     close_link(*l);
   }
   links_.clear();
   by_dp_.clear();
-  // Anything still not ended (it never completed) ends now.
-  for (auto& [ptr, live] : live_) {
-    for (std::uint32_t i = 0; i < live.batch->transfers.size(); ++i) {
-      live.batch->finish(i, TransferStatus::peer_lost, "the engine closed before the transfer completed");
+  for (std::uint32_t id = 1; Peer* p = e_.peer(id); ++id) {
+    if (p->worker != this) continue;
+    while (!p->waiting.empty()) {
+      const auto w = p->waiting.front();
+      p->waiting.pop_front();
+      end(*w.batch, w.index, TransferStatus::peer_lost, closed);
     }
   }
-  live_.clear();
 }
 
 // --- the loop ------------------------------------------------------------------------------------
@@ -290,6 +302,7 @@ void Worker::handle(Command& c) {
       break;
     }
     case Command::Kind::evict: (void)evict_one(); break;
+    case Command::Kind::restarted: close_stale(c.text, c.epoch, nullptr); break;
     case Command::Kind::kick: {
       Peer& p = *c.peer;
       if (p.link != nullptr && p.link->state == Link::State::ready) {
@@ -695,22 +708,14 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
         if (restarted) e_.count.restarts.fetch_add(1, std::memory_order_relaxed);
         l.peer->epoch = m.epoch;
       } else {
-        // The same engine opened a link with a new epoch: it restarted, and what it had here is
-        // stale (its windows are revoked with the old link).
-        for (auto& o : links_) {
-          if (o.get() != &l && !o->initiated && o->peer_name == m.name && o->peer_epoch != m.epoch &&
-              o->state != Link::State::closing) {
-            e_.count.restarts.fetch_add(1, std::memory_order_relaxed);
-            break_link(*o, fmt::format("peer '{}' restarted (epoch {:#x} -> {:#x})", m.name, o->peer_epoch, m.epoch));
-          }
-        }
-        // And a link this engine opened to it earlier goes too: it ended with the old process.
-        for (auto& o : links_) {
-          if (o->initiated && o->peer->name == m.name && o->peer_epoch != 0 && o->peer_epoch != m.epoch &&
-              o->state != Link::State::closing) {
-            e_.count.restarts.fetch_add(1, std::memory_order_relaxed);
-            break_link(*o, fmt::format("peer '{}' restarted (epoch {:#x} -> {:#x})", m.name, o->peer_epoch, m.epoch));
-          }
+        // The same engine opened a link with a new epoch: it restarted, and its links of the old
+        // one are stale here and on the other workers.
+        close_stale(m.name, m.epoch, &l);
+        for (auto& w : e_.workers) {
+          if (w.get() == this) continue;
+          Command c(Command::Kind::restarted, nullptr, m.name);
+          c.epoch = m.epoch;
+          w->post(std::move(c));
         }
       }
       break;
@@ -737,6 +742,17 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
     case ew::Kind::notify:
       e_.deliver({l.peer_name.empty() ? l.impl.info.peer_address : l.peer_name, std::move(m.bytes)});
       break;
+  }
+}
+
+void Worker::close_stale(const std::string& name, std::uint64_t epoch, const Link* except) {
+  for (auto& o : links_) {
+    if (o.get() == except || o->state == Link::State::closing || o->peer_epoch == 0 || o->peer_epoch == epoch) continue;
+    // Links it opened to us (its windows are revoked with them), and ours to its old process.
+    const bool same = o->initiated ? o->peer->name == name : o->peer_name == name;
+    if (!same) continue;
+    e_.count.restarts.fetch_add(1, std::memory_order_relaxed);
+    break_link(*o, fmt::format("peer '{}' restarted (epoch {:#x} -> {:#x})", name, o->peer_epoch, epoch));
   }
 }
 

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -555,4 +556,31 @@ TEST(Engine, BatchesSpanningWorkersEndOnce) {
   EXPECT_EQ(callbacks.load(), 32);
   for (auto& t : targets) EXPECT_TRUE(same(t->buf.addr, src.addr, 4 * 4 * 16384));
   EXPECT_EQ(a.counters().connects, 4u);
+}
+
+// Destroying an engine with a batch in flight ends the batch: what completed is ok, the rest
+// ends as peer_lost saying the engine closed; the Batch handle outlives the engine.
+TEST(Engine, DestroyingAnEngineEndsWhatIsInFlight) {
+  Target b("b", 16 << 20);
+  std::optional<Batch> bt;
+  {
+    Engine a(config("a"));
+    a.add_peer("b", at(b.engine));
+    std::string why;
+    ASSERT_TRUE(a.connect("b", 10s, &why)) << why;
+    const Buffer src = a.allocate_memory(16 << 20);
+    std::vector<Transfer> t;
+    for (std::uint64_t k = 0; k < 256; ++k) t.push_back(xfer(TransferOp::write, src, k * 65536, 65536, a.segment("b", "kv"), k * 65536));
+    bt = a.submit(t);
+  }
+  ASSERT_TRUE(bt->done());
+  EXPECT_TRUE(bt->wait(0ms));
+  std::size_t lost = 0;
+  for (std::size_t i = 0; i < bt->size(); ++i) {
+    const auto r = bt->result(i);
+    if (r.status == TransferStatus::ok) continue;
+    EXPECT_EQ(r.status, TransferStatus::peer_lost) << r.reason;
+    ++lost;
+  }
+  std::printf("engine destroyed with 256 writes submitted: %zu ended as peer_lost\n", lost);
 }

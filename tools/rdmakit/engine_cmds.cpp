@@ -39,7 +39,7 @@ struct EngineNet {
   std::string device;
   unsigned timeout_ms = 10'000;
   std::string psk_file;
-  unsigned workers = 1;
+  unsigned workers = 0;  // 0: the engine's default, one per device
   unsigned max_qps = 1024;
 
   void add_to(CLI::App& app) {
@@ -47,7 +47,7 @@ struct EngineNet {
     app.add_option("-d,--device", device, "RDMA device (default: the one the route to each peer uses)");
     app.add_option("--timeout", timeout_ms, "handshake deadline in ms")->capture_default_str();
     app.add_option("--psk-file", psk_file, "pre-shared key file (both ends the same)");
-    app.add_option("--workers", workers, "progress threads")->check(CLI::Range(1u, 64u))->capture_default_str();
+    app.add_option("--workers", workers, "progress threads (default: one per RDMA device)")->check(CLI::Range(1u, 64u));
     app.add_option("--max-qps", max_qps, "QP budget")->check(CLI::Range(1u, 1u << 20))->capture_default_str();
   }
   EngineConfig config(std::string listen) const {
@@ -58,7 +58,7 @@ struct EngineNet {
     c.link.handshake_timeout = std::chrono::milliseconds{timeout_ms};
     c.link.retry_refused = true;  // a target started at the same moment may not listen yet
     if (!psk_file.empty()) c.link.psk = read_key_file(psk_file);
-    c.workers = workers;
+    if (workers != 0) c.workers = workers;
     c.max_qps = max_qps;
     return c;
   }
