@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "connection/impl.hpp"
+#include "loopback.hpp"
 #include "rdmakit/connection.hpp"
 #include "rdmakit/engine.hpp"
 
@@ -81,13 +82,8 @@ int main(int argc, char** argv) {
   if (mode == "raw") {
     rdmakit::ConnectionConfig cfg;
     cfg.send_depth = 256;
-    rdmakit::Listener listener("127.0.0.1:0", cfg, [](rdmakit::Connection& c) {
-      c.advertise(c.allocate_memory(4096, rdmakit::Access::remote_write));
-    });
-    rdmakit::Connection conn = rdmakit::Connection::connect(
-        "127.0.0.1:" + std::to_string(listener.port()), cfg,
-        [](rdmakit::Connection& c) { c.allocate_memory(4096, rdmakit::Access::none); });
-    auto server = listener.accept(10s);
+    bench::Loopback loop(cfg);
+    rdmakit::Connection& conn = loop.conn;
     auto& m = rdmakit::Connection::Impl::of(conn);
     const rdmakit::LocalSlice src = conn.memory(0).local();
     const rdmakit::RemoteRegion dst = conn.remote_regions().at(0);

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "connection/impl.hpp"
+#include "loopback.hpp"
 #include "rdmakit/connection.hpp"
 
 namespace {
@@ -73,14 +74,8 @@ int main(int argc, char** argv) {
   const bool raw = std::string(argv[1]) == "raw";
   const unsigned long iters = std::strtoul(argv[2], nullptr, 10);
   using namespace std::chrono_literals;
-  rdmakit::ConnectionConfig cfg;
-  rdmakit::Listener listener("127.0.0.1:0", cfg, [](rdmakit::Connection& c) {
-    c.advertise(c.allocate_memory(4096, rdmakit::Access::remote_write));
-  });
-  rdmakit::Connection conn = rdmakit::Connection::connect(
-      "127.0.0.1:" + std::to_string(listener.port()), cfg,
-      [](rdmakit::Connection& c) { c.allocate_memory(4096, rdmakit::Access::none); });
-  auto server = listener.accept(10s);
+  bench::Loopback loop(rdmakit::ConnectionConfig{});
+  rdmakit::Connection& conn = loop.conn;
   const rdmakit::LocalSlice src = conn.memory(0).local().subslice(0, 8);
   const rdmakit::RemoteRegion dst = conn.remote_regions().at(0);
   unsigned long empty;

@@ -297,8 +297,8 @@ detail::Attachment Engine::Impl::attach(const std::string& device, Worker* prefe
   for (std::uint32_t k = 0; k < (preferred != nullptr ? 1u : n); ++k) {
     if (auto a = workers[(first + k) % n]->attach(d)) {
       a->qp_access = kAllRemote;
-      a->keep = std::shared_ptr<void>(new std::pair<std::shared_ptr<void>, std::shared_ptr<QpTicket>>(a->keep, ticket),
-                                      [](void* p) { delete static_cast<std::pair<std::shared_ptr<void>, std::shared_ptr<QpTicket>>*>(p); });
+      // The link holds its room in the CQ and its QP of the budget, each given back when it goes.
+      a->keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<QpTicket>>>(a->keep, ticket);
       return *a;
     }
   }

@@ -131,7 +131,6 @@ struct Link {
   Peer* peer = nullptr;  // initiated links
   std::string peer_name;  // from its IDENT
   std::uint64_t peer_epoch = 0;
-  bool ident = false;
   enum class State { syncing, ready, closing } state = State::syncing;
   bool watched = false;  // its control fd is in the worker's epoll set
   // Initiated: the peer's segments (by the peer's slot numbers, and as the data path checks them).
@@ -217,6 +216,8 @@ class Worker {
   /// Resolves transfer i for posting on `l` into chain_ entry n; false when it ended instead.
   bool prepare(Link& l, BatchState& b, std::uint32_t i, std::size_t n);
   void posted(Link& l, Record* r);
+  /// The oldest transfer still posted on `l` (in_flight > 0), no longer counted in flight.
+  Record* take_posted(Link& l);
   void end(BatchState& b, std::uint32_t i, TransferStatus s, std::string reason) noexcept;
   void on_completion(DataPath& dp, const Completion& c);
   void link_up(Command& c);
@@ -237,7 +238,6 @@ class Worker {
   void watch(Link& l, bool on);
   void sleep(Deadline until) noexcept;
   void notify_peers(BatchState& b);
-  Link* find(DataPath& dp);
 
   Engine::Impl& e_;
   std::uint32_t index_;
@@ -253,7 +253,6 @@ class Worker {
   std::thread thread_;
   // The worker thread's own:
   std::vector<std::unique_ptr<Link>> links_;
-  std::unordered_map<DataPath*, Link*> by_dp_;
   struct Live {
     std::shared_ptr<BatchState> batch;
     std::uint32_t left = 0;  // this worker's transfers of it that have not ended

@@ -153,18 +153,13 @@ void Worker::stop() noexcept {
   for (auto& l : links_) {
     for (Link::Deferred& d : l->deferred) end(*d.batch, d.index, TransferStatus::failed, std::move(d.reason));
     l->deferred.clear();
-    const auto cap = static_cast<std::uint32_t>(l->posted.size());
     while (l->in_flight > 0) {
-      Record* r = l->posted[l->posted_head];
-      l->posted_head = (l->posted_head + 1) % cap;
-      --l->in_flight;
-      --in_flight_;
+      Record* r = take_posted(*l);
       end(*r->batch, r->index, TransferStatus::peer_lost, closed);
     }
     close_link(*l);
   }
   links_.clear();
-  by_dp_.clear();
   for (std::uint32_t id = 1; Peer* p = e_.peer(id); ++id) {
     if (p->worker != this) continue;
     while (!p->waiting.empty()) {
@@ -355,17 +350,12 @@ void Worker::queue_flush(Link& l) {
 }
 
 void Worker::flush_queued_links() {
-  if (to_flush_.empty()) return;
-  std::vector<Link*> now;
-  now.swap(to_flush_);
-  for (Link* l : now) {
+  // flush() neither queues nor closes a link, so the list holds still while it runs.
+  for (Link* l : to_flush_) {
     l->flush_queued = false;
     flush(*l);
   }
-  if (to_flush_.empty()) {  // keep the capacity: no allocation on the next round
-    now.clear();
-    to_flush_.swap(now);
-  }
+  to_flush_.clear();
 }
 
 void Worker::posted(Link& l, Record* r) {
@@ -373,6 +363,14 @@ void Worker::posted(Link& l, Record* r) {
   l.posted[(l.posted_head + l.in_flight) % cap] = r;
   ++l.in_flight;
   ++in_flight_;
+}
+
+Record* Worker::take_posted(Link& l) {
+  Record* r = l.posted[l.posted_head];
+  l.posted_head = (l.posted_head + 1) % static_cast<std::uint32_t>(l.posted.size());
+  --l.in_flight;
+  --in_flight_;
+  return r;
 }
 
 bool Worker::prepare(Link& l, BatchState& b, std::uint32_t i, std::size_t n) {
@@ -502,11 +500,6 @@ void Worker::end(BatchState& b, std::uint32_t i, TransferStatus s, std::string r
   b.finish(i, s, std::move(reason));
 }
 
-Link* Worker::find(DataPath& dp) {
-  const auto it = by_dp_.find(&dp);
-  return it == by_dp_.end() ? nullptr : it->second;
-}
-
 void Worker::on_completion(DataPath& dp, const Completion& c) {
   if ((c.wr_id & 1) != 0) {
     auto* w = reinterpret_cast<Window*>(c.wr_id & ~std::uint64_t{1});
@@ -536,12 +529,8 @@ void Worker::on_completion(DataPath& dp, const Completion& c) {
   Link& l = *rec->link;
   // Every transfer posted on the link before this one has completed successfully (a failed one
   // would have been reported first, with a completion of its own).
-  const auto cap = static_cast<std::uint32_t>(l.posted.size());
   while (l.in_flight > 0) {
-    Record* first = l.posted[l.posted_head];
-    l.posted_head = (l.posted_head + 1) % cap;
-    --l.in_flight;
-    --in_flight_;
+    Record* first = take_posted(l);
     if (first == rec) break;
     end(*first->batch, first->index, TransferStatus::ok, {});
   }
@@ -570,7 +559,6 @@ void Worker::link_up(Command& c) {
   l.last_used = Clock::now();
   l.impl.dp.route_through(cqs_[l.device]->router, cqs_[l.device]->router);
   l.posted.resize(l.impl.dp.limits().send_depth);  // never more in flight than the queue holds
-  by_dp_[&l.impl.dp] = &l;
   links_.push_back(std::move(owned));
   e_.count.links.fetch_add(1, std::memory_order_relaxed);
   watch(l, true);
@@ -703,7 +691,6 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
       const bool restarted = l.initiated && l.peer->epoch != 0 && l.peer->epoch != m.epoch;
       l.peer_name = m.name;
       l.peer_epoch = m.epoch;
-      l.ident = true;
       if (l.initiated) {
         if (restarted) e_.count.restarts.fetch_add(1, std::memory_order_relaxed);
         l.peer->epoch = m.epoch;
@@ -825,7 +812,6 @@ void Worker::close_link(Link& l) noexcept {
   std::erase(to_flush_, &l);
   l.windows.clear();  // revoked before the QP goes
   l.impl.close(std::chrono::milliseconds{500});
-  by_dp_.erase(&l.impl.dp);
   if (l.initiated && l.peer->link == &l) l.peer->link = nullptr;
   e_.count.links.fetch_sub(1, std::memory_order_relaxed);
 }
