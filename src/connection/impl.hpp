@@ -83,9 +83,11 @@ struct HandshakeHooks {
   std::function<Attachment(const std::string& device)> attach;
 };
 
-/// A Listener whose handshakes use `hooks` (the engine's), set before any client can arrive.
+/// A Listener whose handshakes use `hooks` (the engine's), set before any client can arrive,
+/// and that hands each connection to `deliver` on its handshake thread (accept() then finds
+/// none). `deliver` must not throw.
 std::unique_ptr<Listener> listen_with_hooks(const std::string& address, ListenerConfig config,
-                                            HandshakeHooks hooks);
+                                            HandshakeHooks hooks, std::function<void(Connection)> deliver);
 
 }  // namespace rdmakit::detail
 

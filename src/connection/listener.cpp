@@ -81,6 +81,9 @@ struct Listener::Impl {
   std::shared_ptr<detail::DeviceLayer> devices;
   ListenerConfig cfg;  // its connection.psk is moved into `psk` and wiped
   detail::HandshakeHooks hooks;  // the engine's: its links are built on its PD and CQs
+  // The engine's: each connection goes straight to it from its handshake thread, instead of
+  // waiting in `ready` for an accept() (so nothing has to poll accept()).
+  std::function<void(Connection)> deliver;
   std::shared_ptr<const detail::Secret> psk;  // the one copy every handshake uses
   std::shared_ptr<detail::PinBudget> budget;
   std::shared_ptr<PeerCounts> established = std::make_shared<PeerCounts>();
@@ -96,7 +99,8 @@ struct Listener::Impl {
 
   /// A listener whose handshakes use `hooks` (set before its first client can arrive).
   static std::unique_ptr<Listener> with_hooks(const std::string& address, ListenerConfig config,
-                                              detail::HandshakeHooks hooks);
+                                              detail::HandshakeHooks hooks,
+                                              std::function<void(Connection)> deliver);
   void accept_loop() noexcept;
   void serve(detail::Fd& client, const std::string& peer, std::list<Handshake>& running);
   void refuse(int client, const std::string& peer, const std::string& why) noexcept;
@@ -157,11 +161,15 @@ void Listener::Impl::serve(detail::Fd& client, const std::string& peer, std::lis
       try {
         Connection conn =
             Connection::Impl::accept(raw, peer, cfg.connection, psk, setup, std::move(slot), budget, hooks);
-        {
-          std::lock_guard lock(mu);
-          ready.push_back(std::move(conn));
+        if (deliver) {
+          deliver(std::move(conn));
+        } else {
+          {
+            std::lock_guard lock(mu);
+            ready.push_back(std::move(conn));
+          }
+          ready_cv.notify_one();
         }
-        ready_cv.notify_one();
       } catch (const std::exception& e) {
         rejected.fetch_add(1);
         log(fmt::format("rejected connection from {}: {}", peer, e.what()));
@@ -221,15 +229,17 @@ Listener::Listener(const std::string& address, ListenerConfig config, Connection
     : Listener(std::make_unique<Impl>(), address, std::move(config), std::move(setup)) {}
 
 std::unique_ptr<Listener> Listener::Impl::with_hooks(const std::string& address, ListenerConfig config,
-                                                     detail::HandshakeHooks hooks) {
+                                                     detail::HandshakeHooks hooks,
+                                                     std::function<void(Connection)> deliver) {
   auto impl = std::make_unique<Impl>();
   impl->hooks = std::move(hooks);
+  impl->deliver = std::move(deliver);
   return std::unique_ptr<Listener>(new Listener(std::move(impl), address, std::move(config), {}));
 }
 
 std::unique_ptr<Listener> detail::listen_with_hooks(const std::string& address, ListenerConfig config,
-                                                    HandshakeHooks hooks) {
-  return Listener::Impl::with_hooks(address, std::move(config), std::move(hooks));
+                                                    HandshakeHooks hooks, std::function<void(Connection)> deliver) {
+  return Listener::Impl::with_hooks(address, std::move(config), std::move(hooks), std::move(deliver));
 }
 
 Listener::Listener(std::unique_ptr<Impl> impl, const std::string& address, ListenerConfig config,

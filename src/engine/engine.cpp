@@ -213,9 +213,9 @@ void Engine::Impl::start_listening() {
   if (listener || cfg.listen.empty()) return;
   ListenerConfig lc(cfg.link);
   lc.max_pending = std::max<std::uint32_t>(lc.max_pending, 256);
-  listener = detail::listen_with_hooks(cfg.listen, std::move(lc), hooks(nullptr));
+  listener = detail::listen_with_hooks(cfg.listen, std::move(lc), hooks(nullptr),
+                                      [this](Connection c) noexcept { adopt(std::move(c)); });
   listening.store(listener.get(), std::memory_order_release);
-  acceptor = std::thread([this] { accept_loop(); });
 }
 
 Engine::Impl::~Impl() {
@@ -223,9 +223,8 @@ Engine::Impl::~Impl() {
   connect_cv.notify_all();
   {
     std::lock_guard lock(listen_mu);
-    if (acceptor.joinable()) acceptor.join();
     listening.store(nullptr);
-    listener.reset();
+    listener.reset();  // its handshakes (which hand links to the workers) end first
   }  // its handshakes end (each bounded by its deadline) before the workers go
   for (auto& t : connectors) t.join();
   for (auto& w : workers) w->stop();
@@ -343,21 +342,17 @@ void Engine::Impl::connect_loop() noexcept {
   }
 }
 
-void Engine::Impl::accept_loop() noexcept {
-  while (!stopping.load()) {
+void Engine::Impl::adopt(Connection conn) noexcept {
+  try {
+    auto* w = static_cast<Worker*>(Connection::Impl::of(conn).attached.owner);
+    detail::Command c(detail::Command::Kind::link_up);
+    c.device = device_index(conn.info().device);
+    c.conn = std::move(conn);
+    w->post(std::move(c));
+  } catch (const std::exception& e) {
     try {
-      auto conn = listener->accept(std::chrono::milliseconds{100});
-      if (!conn) continue;
-      auto* w = static_cast<Worker*>(Connection::Impl::of(*conn).attached.owner);
-      detail::Command c(detail::Command::Kind::link_up);
-      c.device = device_index(conn->info().device);
-      c.conn = std::move(conn);
-      w->post(std::move(c));
-    } catch (const std::exception& e) {
-      try {
-        cfg.link.log(fmt::format("engine {}: accepting a link: {}", name, e.what()));
-      } catch (...) {
-      }
+      cfg.link.log(fmt::format("engine {}: taking a link a peer opened: {}", name, e.what()));
+    } catch (...) {
     }
   }
 }

@@ -3,8 +3,8 @@
 //
 //   Engine::Impl   registries (buffers, segments, peers) under `mu`; buffers and peers are also
 //                  published in append-only tables the workers read without a lock. Counters are
-//                  atomics. The connector threads run handshakes; the acceptor thread takes the
-//                  links peers open and hands each to the worker whose CQs it was built on.
+//                  atomics. The connector threads run handshakes; the listener's handshake
+//                  threads hand each link a peer opens to the worker whose CQs it was built on.
 //   Worker         its CQs (one per device, shared by its links, polled through a CqRouter),
 //                  its links, the transfers in flight on them: all touched by its own thread
 //                  only (or by progress() when there are no threads). Other threads talk to it
@@ -322,7 +322,6 @@ struct Engine::Impl {
   std::mutex listen_mu;  // starting the listener
   std::atomic<Listener*> listening{nullptr};
   std::unique_ptr<Listener> listener;
-  std::thread acceptor;
   void start_listening();
 
   void signal() noexcept;
@@ -335,7 +334,8 @@ struct Engine::Impl {
   /// budget. Throws a "busy" Error when there is neither.
   detail::Attachment attach(const std::string& device, detail::Worker* preferred);
   void connect_loop() noexcept;
-  void accept_loop() noexcept;
+  /// A link a peer opened, from the listener's handshake thread: to the worker it was built on.
+  void adopt(Connection conn) noexcept;
   void request_connect(detail::Peer* p);
   std::uint32_t slot_of(detail::Peer& p, const std::string& segment);
   [[nodiscard]] detail::HandshakeHooks hooks(detail::Worker* preferred);
