@@ -134,6 +134,26 @@ class DataPath {
                       std::uint64_t wr_id) noexcept;
   PostResult post_batch(std::span<const WorkRequest> batch) noexcept;
   PostResult post_recvs(std::span<const LocalSlice> dsts, std::uint64_t first_wr_id) noexcept;
+
+  // A chain built in place, for a caller that posts many one-range requests at a time and has
+  // resolved each one's remote region already (the engine): chain_add() writes request after
+  // request straight into the verbs arrays and the lane's ring, post_chain_built() hands them
+  // to the provider with one doorbell. The checks are post_batch's, minus the scan of the
+  // advertised list.
+  /// Starts a chain on `lane` (dropping one built and not posted); returns how many requests it
+  /// may hold (0 when the data path is not ready or the queue is full).
+  std::uint32_t begin_chain(Lane& lane) noexcept;
+  /// Appends a request moving `length` bytes at local `laddr` (`lkey`; `writable`: registered
+  /// for local write) to or from `offset` in `remote`, which must be a region the peer
+  /// advertised. Not ok: nothing was appended. At most begin_chain()'s answer of them.
+  template <Opcode Op>
+  PostStatus chain_add(std::uint64_t laddr, std::uint32_t length, std::uint32_t lkey, bool writable,
+                       const RemoteRegion& remote, std::uint64_t offset, std::uint64_t compare_add,
+                       std::uint64_t swap, std::uint64_t wr_id, bool signaled) noexcept;
+  [[nodiscard]] std::uint32_t chain_size() const noexcept { return chain_n_; }
+  /// Posts the chain (its last request signaled, so its completion retires all of it). On a
+  /// provider failure the first `index` requests went.
+  PostResult post_chain_built() noexcept;
   /// Binds type-2 memory window `mw` to [addr, addr + length) of `mr` with key `rkey` (the
   /// window's previous key, ibv_inc_rkey'd) and `mw_access` (IBV_ACCESS_REMOTE_*), on the first
   /// QP: the window then works for that QP's peer only. Signaled; its completion is the
@@ -183,6 +203,12 @@ class DataPath {
   /// the last settle() ran: their requests were flushed rather than waited for.
   [[nodiscard]] std::uint32_t unobservable() const noexcept { return unobservable_; }
   [[nodiscard]] const std::vector<Lane>& lanes() const noexcept { return lanes_; }
+  [[nodiscard]] Lane& lane(std::size_t i) noexcept { return lanes_[i]; }
+  [[nodiscard]] const Lane& lane(std::size_t i) const noexcept { return lanes_[i]; }
+
+  /// Whoever routes the data path through shared CQs may keep its own object here, to find it
+  /// again from a routed completion.
+  void* context = nullptr;
 
  private:
   friend class CqRouter;
@@ -194,6 +220,9 @@ class DataPath {
   Lane& pick_lane() noexcept;
   PostResult post_chain(Lane& lane, std::span<const WorkRequest> batch, bool parts,
                         std::uint64_t part_handle) noexcept;
+  // Posts the first n entries of send_wrs_ (their ring slots staged) on `lane`; `run` is the
+  // lane's unsignaled run after the last of them.
+  PostResult post_staged(Lane& lane, std::uint32_t n, std::uint32_t run) noexcept;
   PostResult post_segmented(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
                             std::uint64_t offset, std::uint32_t imm, std::uint64_t wr_id) noexcept;
   const RemoteRegion* advertised(const RemoteRegion& r, std::uint64_t offset,
@@ -250,6 +279,10 @@ class DataPath {
   std::vector<ibv_sge> recv_sges_;
   std::uint32_t forced_signal_interval_ = 1;  // max(1, send_depth / 2)
   std::uint32_t next_lane_ = 0;               // round robin for WRITE/READ
+  // The chain being built (begin_chain): its lane, length, the lane's unsignaled run at its end.
+  Lane* chain_lane_ = nullptr;
+  std::uint32_t chain_n_ = 0;
+  std::uint32_t chain_run_ = 0;
   // WRITE/READ of at least this many bytes are segmented: striped when there are several
   // lanes, split at max_msg_sz otherwise. WRITE_WITH_IMM only splits (its immediate must arrive
   // last, which only one QP guarantees).
@@ -436,6 +469,57 @@ template <Opcode Op>
   lane.unsignaled_run = 0;
   lane.sq.push({wr_id, Op, WrRing::user, false});
   return {};
+}
+
+inline std::uint32_t DataPath::begin_chain(Lane& lane) noexcept {
+  chain_lane_ = &lane;
+  chain_n_ = 0;
+  chain_run_ = lane.unsignaled_run;
+  if (mode_ != Mode::ready) [[unlikely]] return 0;
+  return std::min(lane.sq.free(), limits_.send_depth);
+}
+
+template <Opcode Op>
+[[gnu::always_inline]] inline PostStatus DataPath::chain_add(
+    std::uint64_t laddr, std::uint32_t length, std::uint32_t lkey, bool writable, const RemoteRegion& remote,
+    std::uint64_t offset, std::uint64_t compare_add, std::uint64_t swap, std::uint64_t wr_id, bool signaled) noexcept {
+  static_assert(Op != Opcode::send && Op != Opcode::recv && Op != Opcode::write_with_imm);
+  if constexpr (dp::is_atomic(Op)) {
+    if (!atomics_) return PostStatus::unsupported;
+    if (length != 8) return PostStatus::bad_length;
+    if ((remote.addr + offset) % 8 != 0) return PostStatus::misaligned;
+  }
+  if (length > limits_.max_msg_size) [[unlikely]] return PostStatus::too_large;
+  if (!remote.contains(offset, length)) [[unlikely]] return PostStatus::out_of_bounds;
+  if (!allows(remote.access, dp::remote_access_for(Op))) [[unlikely]] return PostStatus::no_access;
+  if constexpr (Op != Opcode::write) {
+    if (!writable) [[unlikely]] return PostStatus::no_access;
+  }
+  const std::uint32_t i = chain_n_++;
+  Lane& lane = *chain_lane_;
+  ibv_sge& sge = send_sges_[i];
+  sge = {laddr, length, lkey};
+  const bool signal = signaled || chain_run_ + 1 >= forced_signal_interval_;
+  chain_run_ = signal ? 0 : chain_run_ + 1;
+  ibv_send_wr& v = send_wrs_[i];
+  v.wr_id = dp::wr_id(lane.id, lane.sq.next_seq() + i);
+  v.sg_list = &sge;
+  v.num_sge = length == 0 ? 0 : 1;
+  v.next = &v + 1;
+  v.send_flags = (signal ? IBV_SEND_SIGNALED : 0) | (dp::may_inline<Op>(length, limits_.max_inline) ? IBV_SEND_INLINE : 0);
+  dp::fill_wr<Op>(v, remote, offset, 0, compare_add, swap);
+  lane.sq.stage(i, {wr_id, Op, signaled ? WrRing::user : WrRing::silent, false});
+  return PostStatus::ok;
+}
+
+inline PostResult DataPath::post_chain_built() noexcept {
+  const std::uint32_t n = chain_n_;
+  chain_n_ = 0;
+  if (n == 0) return {};
+  // The last request is signaled and its completion is news: it retires the whole chain.
+  send_wrs_[n - 1].send_flags |= IBV_SEND_SIGNALED;
+  chain_lane_->sq.staged(n - 1).kind = WrRing::user;
+  return post_staged(*chain_lane_, n, 0);
 }
 
 // Polls `cq` in batches until `out` is full or the CQ is empty; `take` turns each work

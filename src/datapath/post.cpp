@@ -159,28 +159,35 @@ PostResult DataPath::post_chain(Lane& lane, std::span<const WorkRequest> batch, 
     });
     if (!r.ok()) [[unlikely]] return {r.status, r.sys_errno, i};
   }
-  send_wrs_[batch.size() - 1].next = nullptr;
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    const WorkRequest& w = batch[i];
+    lane.sq.stage(static_cast<std::uint32_t>(i),
+                  parts ? WrRing::Slot{part_handle, w.opcode, WrRing::part, w.signaled}
+                        : WrRing::Slot{w.wr_id, w.opcode, w.signaled ? WrRing::user : WrRing::silent, false});
+  }
+  return post_staged(lane, static_cast<std::uint32_t>(batch.size()), run);
+}
 
-  auto slot = [&](const WorkRequest& w) -> WrRing::Slot {
-    if (parts) return {part_handle, w.opcode, WrRing::part, w.signaled};
-    return {w.wr_id, w.opcode, w.signaled ? WrRing::user : WrRing::silent, false};
-  };
+// The one posting tail of every chain: one doorbell, and the ring takes exactly what the
+// provider took.
+PostResult DataPath::post_staged(Lane& lane, std::uint32_t n, std::uint32_t run) noexcept {
+  send_wrs_[n - 1].next = nullptr;
   ibv_send_wr* bad = nullptr;
   const int rc = ibv_post_send(lane.qp, send_wrs_.data(), &bad);
   if (rc == 0) [[likely]] {
     lane.unsignaled_run = run;
-    for (const WorkRequest& w : batch) lane.sq.push(slot(w));
+    lane.sq.commit(n);
     return {};
   }
   // The provider may have posted the requests before `bad`: account for exactly those.
   const std::size_t posted =
-      bad != nullptr && bad >= send_wrs_.data() && bad < send_wrs_.data() + batch.size()
+      bad != nullptr && bad >= send_wrs_.data() && bad < send_wrs_.data() + n
           ? static_cast<std::size_t>(bad - send_wrs_.data())
           : 0;
   for (std::size_t i = 0; i < posted; ++i) {
     lane.unsignaled_run = (send_wrs_[i].send_flags & IBV_SEND_SIGNALED) != 0 ? 0 : lane.unsignaled_run + 1;
-    lane.sq.push(slot(batch[i]));
   }
+  lane.sq.commit(static_cast<std::uint32_t>(posted));
   return {PostStatus::failed, rc, posted};
 }
 

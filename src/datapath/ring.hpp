@@ -55,6 +55,18 @@ class WrRing {
   /// The newest request in flight (count() > 0).
   [[nodiscard]] const Slot& newest() const noexcept { return slots_[(tail_ - 1) & mask_]; }
   void push(const Slot& s) noexcept { slots_[tail_++ & mask_] = s; }
+  /// Writes the slot of the request `i` places past the newest, not yet in flight (a chain
+  /// being built); commit() puts the first `n` staged in flight.
+  void stage(std::uint32_t i, const Slot& s) noexcept { slots_[(tail_ + i) & mask_] = s; }
+  [[nodiscard]] Slot& staged(std::uint32_t i) noexcept { return slots_[(tail_ + i) & mask_]; }
+  void commit(std::uint32_t n) noexcept { tail_ += n; }
+  /// The oldest sequence number still in flight (everything before it was retired).
+  [[nodiscard]] std::uint64_t head() const noexcept { return head_; }
+  /// The slot of sequence number `seq`: in flight, or retired while no more than the ring's
+  /// storage has been pushed since (what a caller walking retired requests relies on).
+  [[nodiscard]] const Slot& at(std::uint64_t seq) const noexcept { return slots_[seq & mask_]; }
+  /// Entries of storage (a power of two, at least capacity()).
+  [[nodiscard]] std::uint64_t storage() const noexcept { return mask_ + 1; }
   /// Retires everything up to and including the request whose sequence number has these low
   /// 48 bits (the rest of a wr_id is ignored); returns its slot. One that is not in flight (a
   /// bug, or a stale completion of a queue that held the same tag before) retires nothing and

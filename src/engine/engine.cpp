@@ -65,24 +65,39 @@ constexpr Access kAllRemote = Access::remote_read | Access::remote_write | Acces
 // --- BatchState and Batch ------------------------------------------------------------------------
 
 detail::BatchState::BatchState(Engine::Impl* e, std::span<const Transfer> t)
-    : transfers(t.begin(), t.end()), slots(new TransferSlot[t.size()]), records(t.size()), engine(e) {
-  remaining.store(static_cast<std::uint32_t>(t.size()), std::memory_order_relaxed);
-  for (std::size_t i = 0; i < t.size(); ++i) {
-    records[i].batch = this;
-    records[i].index = static_cast<std::uint32_t>(i);
-  }
+    : size(static_cast<std::uint32_t>(t.size())), engine(e) {
+  // One allocation, each entry built once from its transfer (not default-built, then copied).
+  x = static_cast<Xfer*>(::operator new(sizeof(Xfer) * std::max<std::size_t>(t.size(), 1)));
+  for (std::uint32_t i = 0; i < size; ++i) new (x + i) Xfer(t[i], this, i);
+  remaining.store(size, std::memory_order_relaxed);
 }
 
-void detail::BatchState::finish(std::uint32_t i, TransferStatus s, std::string reason) noexcept {
-  TransferSlot& slot = slots[i];
-  if (slot.status.load(std::memory_order_relaxed) != TransferStatus::pending) return;  // ended once
-  slot.reason = std::move(reason);
+detail::BatchState::~BatchState() {
+  static_assert(std::is_trivially_destructible_v<Xfer>);
+  ::operator delete(x);
+}
+
+void detail::BatchState::finish(Xfer& t, TransferStatus s, std::string reason) noexcept {
+  if (t.status.load(std::memory_order_relaxed) != TransferStatus::pending) return;  // ended once
   if (s != TransferStatus::ok) {
+    try {
+      std::lock_guard lock(mu);
+      reasons[t.index] = std::move(reason);
+    } catch (...) {
+      // Out of memory for the reason: the status still says what happened.
+    }
     failed.fetch_add(1, std::memory_order_relaxed);
     engine->count.transfers_failed.fetch_add(1, std::memory_order_relaxed);
   }
-  slot.status.store(s, std::memory_order_release);
-  if (remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  t.status.store(s, std::memory_order_release);
+  if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) last_ended();
+}
+
+void detail::BatchState::finished_ok(std::uint32_t n) noexcept {
+  if (remaining.fetch_sub(n, std::memory_order_acq_rel) == n) last_ended();
+}
+
+void detail::BatchState::last_ended() noexcept {
   // The callback first, so that wait() returning (and the descriptor) also means it has run.
   if (on_done) {
     try {
@@ -114,7 +129,7 @@ bool Batch::wait(std::chrono::milliseconds timeout) const {
   return state_->cv.wait_for(lock, timeout, [this] { return state_->callback_ran; });
 }
 
-std::size_t Batch::size() const noexcept { return state_ ? state_->transfers.size() : 0; }
+std::size_t Batch::size() const noexcept { return state_ ? state_->size : 0; }
 
 std::size_t Batch::failed() const noexcept {
   return state_ ? state_->failed.load(std::memory_order_acquire) : 0;
@@ -122,10 +137,11 @@ std::size_t Batch::failed() const noexcept {
 
 TransferResult Batch::result(std::size_t i) const {
   if (i >= size()) throw Error("batch result", EINVAL, fmt::format("transfer {} of a batch of {}", i, size()));
-  const detail::TransferSlot& s = state_->slots[i];
-  const TransferStatus st = s.status.load(std::memory_order_acquire);
-  if (st == TransferStatus::pending) return {};
-  return {st, s.reason};
+  const TransferStatus st = state_->x[i].status.load(std::memory_order_acquire);
+  if (st == TransferStatus::pending || st == TransferStatus::ok) return {st, {}};
+  std::lock_guard lock(state_->mu);
+  const auto it = state_->reasons.find(static_cast<std::uint32_t>(i));
+  return {st, it != state_->reasons.end() ? it->second : std::string{}};
 }
 
 std::string Batch::describe_failures() const {
@@ -135,7 +151,7 @@ std::string Batch::describe_failures() const {
   TransferResult run;
   auto flush = [&](std::size_t last) {
     if (run.status == TransferStatus::ok || run.status == TransferStatus::pending) return;
-    const Transfer& t = state_->transfers[first];
+    const Transfer& t = state_->x[first].t;
     out += first == last ? fmt::format("transfer {} ({} of {} bytes)", first, to_string(t.op), t.length)
                          : fmt::format("transfers {}-{} (from {} of {} bytes)", first, last, to_string(t.op), t.length);
     out += fmt::format(": {}: {}\n", to_string(run.status), run.reason);
@@ -597,33 +613,22 @@ Batch Engine::submit(std::span<const Transfer> transfers, SubmitOptions options)
     impl_->signal();
     return batch;
   }
-  // Checked here, so a bad transfer ends at once; the rest go to their peers' workers.
-  std::vector<std::vector<std::uint32_t>> per_worker(impl_->workers.size());
-  for (std::uint32_t i = 0; i < transfers.size(); ++i) {
-    const Transfer& t = transfers[i];
-    const detail::BufferRec* b = impl_->buffer(t.local.id);
-    Peer* p = impl_->peer(t.remote.peer);
-    std::string bad;
-    if (b == nullptr) {
-      bad = fmt::format("buffer {} is not this engine's", t.local.id);
-    } else if (t.local_offset > b->handle.length || t.length > b->handle.length - t.local_offset) {
-      bad = fmt::format("[{}, +{}) is outside the local buffer of {} bytes", t.local_offset, t.length, b->handle.length);
-    } else if (p == nullptr) {
-      bad = fmt::format("peer {} is unknown (RemoteSegment from Engine::segment)", t.remote.peer);
-    } else if (p->removed.load()) {
-      bad = fmt::format("peer '{}' was removed", p->name);
-    } else if ((t.op == TransferOp::fetch_add || t.op == TransferOp::compare_swap) && t.length != 8) {
-      bad = fmt::format("an atomic moves 8 bytes, not {}", t.length);
-    } else if (t.length == 0) {
-      bad = "a transfer of 0 bytes";
-    }
-    if (!bad.empty()) {
-      state->finish(i, TransferStatus::invalid, std::move(bad));
-      continue;
-    }
-    per_worker[p->worker->index()].push_back(i);
+  // The workers check each transfer (and end a bad one at once); here they are only sent to
+  // their peers' workers: with one worker, without looking at them.
+  const std::size_t workers = impl_->workers.size();
+  if (workers == 1) {
+    detail::Command c(detail::Command::Kind::submit);
+    c.batch = std::move(state);
+    impl_->workers[0]->post(std::move(c));
+    return batch;
   }
-  for (std::size_t w = 0; w < per_worker.size(); ++w) {
+  std::vector<std::vector<std::uint32_t>> per_worker(workers);
+  for (std::uint32_t i = 0; i < transfers.size(); ++i) {
+    // An unknown peer goes to worker 0, which says so.
+    const Peer* p = impl_->peer(transfers[i].remote.peer);
+    per_worker[p != nullptr ? p->worker->index() : 0].push_back(i);
+  }
+  for (std::size_t w = 0; w < workers; ++w) {
     if (per_worker[w].empty()) continue;
     detail::Command c(detail::Command::Kind::submit);
     c.batch = state;

@@ -27,6 +27,7 @@
 
 #include "bootstrap/socket.hpp"
 #include "common/clock.hpp"
+#include "common/fifo.hpp"
 #include "connection/impl.hpp"
 #include "datapath/router.hpp"
 #include "rdmakit/engine.hpp"
@@ -39,35 +40,43 @@ class Worker;
 struct Link;
 struct Peer;
 
-/// One transfer's result slot; `status` is stored last (release), so a reader that sees it
-/// ended may read the reason.
-struct TransferSlot {
-  std::atomic<TransferStatus> status{TransferStatus::pending};
-  std::string reason;
-};
+struct BufferRec;
 
-/// What a posted work request's wr_id points at (8-byte aligned: bit 0 marks a window bind).
-struct Record {
+/// One transfer of a batch: the caller's description, and its result. A posted request's wr_id
+/// is its address (8-byte aligned: bit 0 marks a window bind instead).
+struct Xfer {
+  Xfer(const Transfer& tr, BatchState* b, std::uint32_t i) noexcept : t(tr), batch(b), index(i) {}
+  Transfer t;
+  const BufferRec* buf = nullptr;  // t.local's, once the worker has checked it
   BatchState* batch = nullptr;
   std::uint32_t index = 0;
-  Link* link = nullptr;
+  /// Stored once, when the transfer ends; a failure's reason is in BatchState::reasons first.
+  std::atomic<TransferStatus> status{TransferStatus::pending};
 };
 
 struct BatchState : std::enable_shared_from_this<BatchState> {
   BatchState(Engine::Impl* e, std::span<const Transfer> t);
-  std::vector<Transfer> transfers;
-  std::unique_ptr<TransferSlot[]> slots;
-  std::vector<Record> records;
+  ~BatchState();
+  BatchState(const BatchState&) = delete;
+  BatchState& operator=(const BatchState&) = delete;
+  std::uint32_t size = 0;
+  Xfer* x = nullptr;  // size entries, one allocation
   std::atomic<std::uint32_t> remaining{0};
   std::atomic<std::uint32_t> failed{0};
-  mutable std::mutex mu;  // for wait()
+  mutable std::mutex mu;  // reasons, and wait()
   mutable std::condition_variable cv;
   bool callback_ran = false;  // under mu: the batch ended and its callback (if any) returned
+  std::map<std::uint32_t, std::string> reasons;  // under mu: why each failed transfer failed
   std::vector<std::uint8_t> notify;
   std::function<void(const Batch&)> on_done;
   Engine::Impl* engine = nullptr;
-  /// Records transfer i's end; the last one wakes waiters, the engine's fd and the callback.
-  void finish(std::uint32_t i, TransferStatus s, std::string reason) noexcept;
+  /// Records a transfer's end with its reason (a failure, or any end when the batch notifies).
+  void finish(Xfer& t, TransferStatus s, std::string reason) noexcept;
+  /// `n` transfers ended ok (their status stored already): one count for all of them.
+  void finished_ok(std::uint32_t n) noexcept;
+
+ private:
+  void last_ended() noexcept;
 };
 
 /// A registered buffer: one region per device (index as in the device layer).
@@ -99,11 +108,7 @@ struct Peer {
   bool connecting = false;
   std::uint64_t epoch = 0;  // of the last link's IDENT
   bool ever_connected = false;
-  struct Waiting {
-    BatchState* batch;
-    std::uint32_t index;
-  };
-  std::deque<Waiting> waiting;  // transfers waiting for the link to be ready
+  Fifo<Xfer*> waiting;  // transfers waiting for the link to be ready
   // For Engine::connect(): the link's state, under `m`.
   std::mutex m;
   std::condition_variable cv;
@@ -140,20 +145,24 @@ struct Link {
   std::vector<std::unique_ptr<Window>> windows;
   std::uint32_t binds_pending = 0;
   bool synced_sent = false;
-  std::uint64_t in_flight = 0;  // transfers posted and not completed
-  std::deque<Peer::Waiting> backlog;  // to be posted (in chains, as the send queue has room)
-  bool flush_queued = false;           // in the worker's list of links to post for
-  // The transfers posted on the link, in post order: an RC QP completes in order, so a
-  // completion also ends every transfer posted before it (they were posted unsignaled, in chains).
-  std::vector<Record*> posted;
-  std::uint32_t posted_head = 0;
+  std::uint64_t in_flight = 0;  // transfers posted and not ended
+  Fifo<Xfer*> backlog;          // to be posted (in chains, as the send queue has room)
+  // The chain being built on the link's data path (Worker::room_on), and how many more it takes.
+  bool chain_open = false;
+  std::uint32_t chain_room = 0;
+  std::uint64_t max_msg = 0;    // longer transfers are split by the data path, posted alone
+  bool flush_queued = false;    // in the worker's list of links to post for
+  // The transfers posted on the link are the slots of its send ring (their wr_id is the Xfer),
+  // in post order. RC completes in order, so a completion also ends every transfer posted before
+  // it (unsignaled, in chains): the ring's slots from `ended` up to the completion's are walked.
+  std::uint64_t ended = 0;  // the first sequence number not walked yet
+  std::vector<Xfer*> alone;  // split transfers in flight (their ring slots are parts)
   Deadline last_used{};
   // Error completions, ended only once the link is reaped: a peer whose process died answers
   // with access errors (its windows went before its QP) while its control channel closes, so
   // whether this was the peer's death or a real refusal is known a moment later.
   struct Deferred {
-    BatchState* batch;
-    std::uint32_t index;
+    Xfer* x;
     std::string reason;
   };
   std::vector<Deferred> deferred;
@@ -207,18 +216,31 @@ class Worker {
  private:
   void handle(Command& c);
   void submit(const std::shared_ptr<BatchState>& b, const std::vector<std::uint32_t>& indexes);
-  void start_transfer(Peer& p, BatchState& b, std::uint32_t i);
+  /// Queues transfer x for its peer's link (or the link to come).
+  void start_transfer(Peer& p, Xfer& x);
+  /// Whether the chain on `l` takes one more transfer now (opening one, or posting a full one
+  /// and opening the next).
+  bool room_on(Link& l);
+  bool open_chain(Link& l);
+  /// Posts the chain built on `l` (if any).
+  void post_chain(Link& l);
+  void post_open_chains();
+  /// Ends the transfers of a chain built and not posted (the link broke meanwhile).
+  void abandon_chain(Link& l, const std::string& why) noexcept;
   void queue_flush(Link& l);
   void flush_queued_links();
   /// Posts the link's backlog as chains of unsignaled requests (one doorbell each), as far as
   /// its send queue has room.
   void flush(Link& l);
-  /// Resolves transfer i for posting on `l` into chain_ entry n; false when it ended instead.
-  bool prepare(Link& l, BatchState& b, std::uint32_t i, std::size_t n);
-  void posted(Link& l, Record* r);
-  /// The oldest transfer still posted on `l` (in_flight > 0), no longer counted in flight.
-  Record* take_posted(Link& l);
-  void end(BatchState& b, std::uint32_t i, TransferStatus s, std::string reason) noexcept;
+  /// Appends transfer x to the chain open on `l` (room_on); false when it ended instead.
+  bool chain(Link& l, Xfer& x);
+  [[gnu::noinline]] void refused(Link& l, Xfer& x, PostStatus st);
+  /// A transfer the data path splits (longer than max_msg_sz), posted alone.
+  void post_alone(Link& l, Xfer& x);
+  /// Ends the transfers whose slots of `l`'s ring lie in [l.ended, upto): ok, or with `s`.
+  void walk(Link& l, std::uint64_t upto, TransferStatus s, const std::string& why) noexcept;
+  void end(Xfer& x, TransferStatus s, std::string reason) noexcept;
+  void bound(Link& l, Window& w, const Completion& c);
   void on_completion(DataPath& dp, const Completion& c);
   void link_up(Command& c);
   void connect_failed(Peer& p, const std::string& why);
@@ -262,9 +284,7 @@ class Worker {
   std::uint64_t in_flight_ = 0;
   std::size_t ended_ = 0;
   std::vector<Link*> to_flush_;
-  std::vector<WorkRequest> chain_;  // one chain being built (send depth entries)
-  std::vector<LocalSlice> chain_slices_;
-  std::vector<Record*> chain_recs_;
+  std::vector<Link*> open_chains_;  // links with a chain being built (empty between commands)
   Deadline next_tick_{};
 };
 

@@ -57,9 +57,6 @@ Worker::Worker(Engine::Impl& e, std::uint32_t index) : e_(e), index_(index) {
   epoll_ = Fd(::epoll_create1(EPOLL_CLOEXEC));
   if (!epoll_) throw Error("epoll_create1", errno, "an engine worker");
   add_fd(epoll_.get(), wake_.get(), kWake);
-  chain_.resize(e.cfg.link.send_depth);
-  chain_slices_.assign(e.cfg.link.send_depth, LocalSlice::empty());
-  chain_recs_.resize(e.cfg.link.send_depth);
   const auto& devices = e.layer->devices();
   const std::uint32_t depth = e.cfg.link.send_depth + e.cfg.link.recv_depth;
   for (std::uint32_t d = 0; d < devices.size(); ++d) {
@@ -151,21 +148,22 @@ void Worker::stop() noexcept {
   // maybe at this very moment).
   const std::string closed = "the engine closed before the transfer completed";
   for (auto& l : links_) {
-    for (Link::Deferred& d : l->deferred) end(*d.batch, d.index, TransferStatus::failed, std::move(d.reason));
+    for (Link::Deferred& d : l->deferred) end(*d.x, TransferStatus::failed, std::move(d.reason));
     l->deferred.clear();
-    while (l->in_flight > 0) {
-      Record* r = take_posted(*l);
-      end(*r->batch, r->index, TransferStatus::peer_lost, closed);
-    }
+    const WrRing& ring = l->impl.dp.lane(0).sq;
+    walk(*l, ring.head(), TransferStatus::ok, {});  // retired without news: they completed
+    walk(*l, ring.next_seq(), TransferStatus::peer_lost, closed);
+    for (Xfer* x : l->alone) end(*x, TransferStatus::peer_lost, closed);
+    l->alone.clear();
     close_link(*l);
   }
   links_.clear();
   for (std::uint32_t id = 1; Peer* p = e_.peer(id); ++id) {
     if (p->worker != this) continue;
     while (!p->waiting.empty()) {
-      const auto w = p->waiting.front();
+      Xfer* x = p->waiting.front();
       p->waiting.pop_front();
-      end(*w.batch, w.index, TransferStatus::peer_lost, closed);
+      end(*x, TransferStatus::peer_lost, closed);
     }
   }
 }
@@ -285,9 +283,9 @@ void Worker::handle(Command& c) {
       if (p.worker == this) {
         if (p.link != nullptr) break_link(*p.link, fmt::format("peer '{}' was removed", p.name));
         while (!p.waiting.empty()) {
-          const auto w = p.waiting.front();
+          Xfer* x = p.waiting.front();
           p.waiting.pop_front();
-          end(*w.batch, w.index, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
+          end(*x, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
         }
       }
       // Its access to our segments goes with the links it opened to us.
@@ -315,28 +313,90 @@ void Worker::handle(Command& c) {
 
 // --- transfers -----------------------------------------------------------------------------------
 
-void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std::uint32_t>& indexes) {
-  Live& live = live_[b.get()];
-  live.batch = b;
-  live.left += static_cast<std::uint32_t>(indexes.size());
-  for (const std::uint32_t i : indexes) {
-    const Transfer& t = b->transfers[i];
-    if (writes(t.op) && !b->notify.empty()) ++live.writes_left[e_.peer(t.remote.peer)];
+namespace {
+
+// Why transfer t cannot be posted at all (the common case, that it can, stays out of the loop).
+[[gnu::noinline, gnu::cold]] std::string invalid_reason(const Transfer& t, const BufferRec* b, const Peer* p) {
+  if (b == nullptr) return fmt::format("buffer {} is not this engine's", t.local.id);
+  if (t.local_offset > b->handle.length || t.length > b->handle.length - t.local_offset) {
+    return fmt::format("[{}, +{}) is outside the local buffer of {} bytes", t.local_offset, t.length, b->handle.length);
   }
-  for (const std::uint32_t i : indexes) start_transfer(*e_.peer(b->transfers[i].remote.peer), *b, i);
+  if (p == nullptr) return fmt::format("peer {} is unknown (RemoteSegment from Engine::segment)", t.remote.peer);
+  if (p->removed.load()) return fmt::format("peer '{}' was removed", p->name);
+  if ((t.op == TransferOp::fetch_add || t.op == TransferOp::compare_swap) && t.length != 8) {
+    return fmt::format("an atomic moves 8 bytes, not {}", t.length);
+  }
+  return "a transfer of 0 bytes";
 }
 
-void Worker::start_transfer(Peer& p, BatchState& b, std::uint32_t i) {
-  if (p.removed.load(std::memory_order_relaxed)) {
-    return end(b, i, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
+}  // namespace
+
+// Each transfer is checked, and goes straight into the chain open on its peer's link when that
+// link is ready with room and nothing queued before it; otherwise it queues (Link::backlog, or
+// Peer::waiting until a link is up). The chains are posted at the end, one doorbell each.
+void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std::uint32_t>& indexes) {
+  const bool all = indexes.empty();  // the whole batch is this worker's
+  const std::uint32_t n = all ? b->size : static_cast<std::uint32_t>(indexes.size());
+  Live& live = live_[b.get()];
+  live.batch = b;
+  live.left += n;
+  if (!b->notify.empty()) {
+    for (std::uint32_t k = 0; k < n; ++k) {
+      const Transfer& t = b->x[all ? k : indexes[k]].t;
+      if (writes(t.op)) {
+        if (Peer* p = e_.peer(t.remote.peer); p != nullptr) ++live.writes_left[p];
+      }
+    }
   }
+  // `live` may go from here on: the last transfer to end erases it.
+  // A batch mostly names one buffer and one peer: they are looked up when they change.
+  std::uint32_t buf_id = 0, peer_id = 0;
+  const BufferRec* buf = nullptr;
+  Peer* peer = nullptr;
+  auto one = [&](Xfer& x) __attribute__((always_inline)) {
+    const Transfer& t = x.t;
+    if (t.local.id != buf_id) [[unlikely]] {
+      buf_id = t.local.id;
+      buf = e_.buffer(buf_id);
+    }
+    if (t.remote.peer != peer_id) [[unlikely]] {
+      peer_id = t.remote.peer;
+      peer = e_.peer(peer_id);
+      if (peer != nullptr && peer->removed.load(std::memory_order_relaxed)) peer = nullptr;
+    }
+    const bool atomic = t.op >= TransferOp::fetch_add;
+    if (buf == nullptr || peer == nullptr || t.local_offset > buf->handle.length ||
+        t.length - 1 >= buf->handle.length - t.local_offset || (atomic && t.length != 8)) [[unlikely]] {
+      return end(x, TransferStatus::invalid, invalid_reason(t, buf, e_.peer(t.remote.peer)));
+    }
+    x.buf = buf;
+    Link* l = peer->link;
+    if (l != nullptr && l->state == Link::State::ready && l->backlog.empty() && t.length <= l->max_msg &&
+        room_on(*l)) [[likely]] {
+      (void)chain(*l, x);
+    } else {
+      start_transfer(*peer, x);
+    }
+  };
+  if (all) {
+    for (Xfer *x = b->x, *last = b->x + n; x != last; ++x) one(*x);
+  } else {
+    for (const std::uint32_t i : indexes) one(b->x[i]);
+  }
+  post_open_chains();
+}
+
+void Worker::start_transfer(Peer& p, Xfer& x) {
   Link* l = p.link;
   if (l != nullptr && l->state == Link::State::ready) {
-    l->backlog.push_back({&b, i});
+    l->backlog.push_back(&x);
     queue_flush(*l);
     return;
   }
-  p.waiting.push_back({&b, i});
+  if (p.removed.load(std::memory_order_relaxed)) {
+    return end(x, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
+  }
+  p.waiting.push_back(&x);
   if (l == nullptr && !p.connecting) {
     p.connecting = true;
     e_.request_connect(&p);
@@ -356,121 +416,229 @@ void Worker::flush_queued_links() {
     flush(*l);
   }
   to_flush_.clear();
+  post_open_chains();
 }
 
-void Worker::posted(Link& l, Record* r) {
-  const auto cap = static_cast<std::uint32_t>(l.posted.size());
-  l.posted[(l.posted_head + l.in_flight) % cap] = r;
-  ++l.in_flight;
-  ++in_flight_;
+[[gnu::always_inline]] inline bool Worker::room_on(Link& l) {
+  if (l.chain_room != 0) [[likely]] return true;
+  if (l.chain_open) post_chain(l);
+  return open_chain(l);
 }
 
-Record* Worker::take_posted(Link& l) {
-  Record* r = l.posted[l.posted_head];
-  l.posted_head = (l.posted_head + 1) % static_cast<std::uint32_t>(l.posted.size());
-  --l.in_flight;
-  --in_flight_;
-  return r;
-}
-
-bool Worker::prepare(Link& l, BatchState& b, std::uint32_t i, std::size_t n) {
-  const Transfer& t = b.transfers[i];
-  const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
-  if (seg == nullptr || !seg->has_value()) {
-    std::string name;
-    {
-      std::lock_guard lock(e_.mu);
-      name = l.peer->slot_names.at(t.remote.slot);
-    }
-    std::string have;
-    for (const auto& [nm, r] : l.remote) have += (have.empty() ? "" : ", ") + nm;
-    end(b, i, TransferStatus::no_segment,
-        fmt::format("peer '{}' has no segment '{}' (it has: {})", l.peer->name, name, have.empty() ? "none" : have));
+bool Worker::open_chain(Link& l) {
+  DataPath& dp = l.impl.dp;
+  Lane& lane = dp.lane(0);
+  std::uint64_t room = dp.begin_chain(lane);
+  if (dp.mode() != DataPath::Mode::ready) [[unlikely]] {
+    break_link(l, dp.failure());
     return false;
   }
-  const BufferRec* buf = e_.buffer(t.local.id);
-  Record& rec = b.records[i];
-  rec.link = &l;
-  chain_slices_[n] = buf->slices[l.device].subslice(t.local_offset, t.length);
-  WorkRequest& w = chain_[n];
-  w.opcode = t.op == TransferOp::read ? Opcode::read
-             : t.op == TransferOp::write ? Opcode::write
-             : t.op == TransferOp::fetch_add ? Opcode::fetch_add
-                                              : Opcode::compare_swap;
-  w.local = {&chain_slices_[n], 1};
-  w.remote = **seg;
-  w.remote_offset = t.remote_offset;
-  w.compare_add = t.compare_add;
-  w.swap = t.swap;
-  w.wr_id = reinterpret_cast<std::uint64_t>(&rec);
-  w.signaled = false;
-  chain_recs_[n] = &rec;
+  // A slot not walked yet (Link::ended) is not overwritten.
+  room = std::min<std::uint64_t>(room, lane.sq.storage() - (lane.sq.next_seq() - l.ended));
+  if (room == 0) return false;  // a completion makes room, and flushes the backlog
+  l.chain_open = true;
+  l.chain_room = static_cast<std::uint32_t>(room);
+  open_chains_.push_back(&l);
   return true;
 }
 
-void Worker::flush(Link& l) {
-  // A chain signals every kSignalEvery-th request and its last, so the queue drains (and the
-  // backlog refills it) while the rest of the chain is still on the wire.
-  constexpr std::size_t kSignalEvery = 16;
+void Worker::post_chain(Link& l) {
+  l.chain_open = false;
+  l.chain_room = 0;
   DataPath& dp = l.impl.dp;
-  const std::uint64_t max_msg = dp.limits().max_msg_size;
-  while (!l.backlog.empty() && l.state == Link::State::ready) {
-    const std::size_t room = std::min<std::size_t>(dp.lanes()[0].sq.free(), chain_.size());
-    if (room == 0) return;  // a completion makes room, and queues the link again
-    std::size_t n = 0;
-    while (n < room && !l.backlog.empty()) {
-      const auto w = l.backlog.front();
-      const Transfer& t = w.batch->transfers[w.index];
-      if (t.length > max_msg && n > 0) break;  // a transfer the data path splits goes alone
-      l.backlog.pop_front();
-      if (!prepare(l, *w.batch, w.index, n)) continue;
-      ++n;
-      if (t.length > max_msg) break;
-    }
-    if (n == 0) continue;
-    for (std::size_t k = 0; k < n; ++k) chain_[k].signaled = (k + 1) % kSignalEvery == 0 || k + 1 == n;
-    PostResult r;
-    if (n == 1 && chain_slices_[0].length() > max_msg) {
-      const WorkRequest& w = chain_[0];
-      r = w.opcode == Opcode::read ? dp.post_one<Opcode::read>(chain_slices_[0], w.remote, w.remote_offset, 0, 0, 0, w.wr_id)
-                                   : dp.post_one<Opcode::write>(chain_slices_[0], w.remote, w.remote_offset, 0, 0, 0, w.wr_id);
-      r.index = 0;
-    } else {
-      r = dp.post_batch({chain_.data(), n});
-    }
-    if (r.ok()) {
-      for (std::size_t k = 0; k < n; ++k) posted(l, chain_recs_[k]);
-      continue;
-    }
-    // Nothing was posted (the data path refuses a chain whole), except when the provider
-    // failed part way: those before r.index went.
-    const std::size_t went = r.status == PostStatus::failed ? r.index : 0;
-    for (std::size_t k = 0; k < went; ++k) posted(l, chain_recs_[k]);
-    if (r.status == PostStatus::queue_full) {
-      for (std::size_t k = n; k-- > 0;) l.backlog.push_front({chain_recs_[k]->batch, chain_recs_[k]->index});
-      return;
-    }
-    const Record* bad = chain_recs_[std::min(r.index, n - 1)];
-    std::string why = fmt::format("peer '{}': {}", l.peer->name, r.describe());
-    if (r.status == PostStatus::unsupported) why += " (the peer's device or this one has no atomics)";
-    if (r.status == PostStatus::not_ready) why += ": " + dp.failure();
-    if (r.status == PostStatus::failed) {
-      for (std::size_t k = went; k < n; ++k) end(*chain_recs_[k]->batch, chain_recs_[k]->index, TransferStatus::failed, why);
-      return break_link(l, why);
-    }
-    // One request was refused: it ends with the reason; the rest go back to the front.
-    for (std::size_t k = n; k-- > 0;) {
-      if (chain_recs_[k] != bad) l.backlog.push_front({chain_recs_[k]->batch, chain_recs_[k]->index});
-    }
-    end(*bad->batch, bad->index, status_of(r.status), std::move(why));
+  const std::uint32_t n = dp.chain_size();
+  if (n == 0) return;
+  const PostResult r = dp.post_chain_built();
+  const std::size_t went = r.ok() ? n : r.index;
+  l.in_flight += went;
+  in_flight_ += went;
+  if (r.ok()) [[likely]] return;
+  // The provider refused part way: what it took is in flight, the rest failed (their slots are
+  // still staged past the ring's newest), and the link breaks (what is in flight then
+  // completes flushed).
+  const std::string why = fmt::format("peer '{}': {}", l.peer->name, r.describe());
+  WrRing& ring = dp.lane(0).sq;
+  for (std::size_t k = 0; k < n - went; ++k) {
+    end(*reinterpret_cast<Xfer*>(ring.staged(static_cast<std::uint32_t>(k)).wr_id), TransferStatus::failed, why);
+  }
+  break_link(l, why);
+}
+
+void Worker::post_open_chains() {
+  // post_chain() may break a link, which neither closes it nor opens chains.
+  for (std::size_t i = 0; i < open_chains_.size(); ++i) {
+    if (open_chains_[i]->chain_open) post_chain(*open_chains_[i]);
+  }
+  open_chains_.clear();
+}
+
+void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
+  if (!l.chain_open) return;
+  l.chain_open = false;
+  l.chain_room = 0;
+  DataPath& dp = l.impl.dp;
+  const std::uint32_t n = dp.chain_size();
+  (void)dp.begin_chain(dp.lane(0));  // forgets it
+  WrRing& ring = dp.lane(0).sq;
+  for (std::uint32_t k = 0; k < n; ++k) {
+    end(*reinterpret_cast<Xfer*>(ring.staged(k).wr_id), TransferStatus::peer_lost, why);
   }
 }
 
-void Worker::end(BatchState& b, std::uint32_t i, TransferStatus s, std::string reason) noexcept {
+[[gnu::always_inline]] inline bool Worker::chain(Link& l, Xfer& x) {
+  // A chain signals every kSignalEvery-th request and its last, so the queue drains (and the
+  // backlog refills it) while the rest of the chain is still on the wire.
+  constexpr std::uint32_t kSignalEvery = 16;
+  const Transfer& t = x.t;
+  const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
+  if (seg == nullptr || !seg->has_value()) [[unlikely]] {
+    refused(l, x, PostStatus::not_advertised);
+    return false;
+  }
+  DataPath& dp = l.impl.dp;
+  const LocalSlice& s = x.buf->slices[l.device];
+  const std::uint64_t laddr = reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset;
+  const auto len = static_cast<std::uint32_t>(t.length);  // at most max_msg_sz (Link::max_msg)
+  const bool signal = (dp.chain_size() + 1) % kSignalEvery == 0;
+  const auto id = reinterpret_cast<std::uint64_t>(&x);
+  PostStatus st;
+  switch (t.op) {
+    case TransferOp::write:
+      st = dp.chain_add<Opcode::write>(laddr, len, s.lkey(), s.writable(), **seg, t.remote_offset, 0, 0, id, signal);
+      break;
+    case TransferOp::read:
+      st = dp.chain_add<Opcode::read>(laddr, len, s.lkey(), s.writable(), **seg, t.remote_offset, 0, 0, id, signal);
+      break;
+    case TransferOp::fetch_add:
+      st = dp.chain_add<Opcode::fetch_add>(laddr, len, s.lkey(), s.writable(), **seg, t.remote_offset, t.compare_add,
+                                           0, id, signal);
+      break;
+    default:
+      st = dp.chain_add<Opcode::compare_swap>(laddr, len, s.lkey(), s.writable(), **seg, t.remote_offset,
+                                              t.compare_add, t.swap, id, signal);
+      break;
+  }
+  if (st != PostStatus::ok) [[unlikely]] {
+    refused(l, x, st);
+    return false;
+  }
+  --l.chain_room;
+  return true;
+}
+
+void Worker::refused(Link& l, Xfer& x, PostStatus st) {
+  if (st == PostStatus::not_advertised) {
+    std::string name;
+    {
+      std::lock_guard lock(e_.mu);
+      name = l.peer->slot_names.at(x.t.remote.slot);
+    }
+    std::string have;
+    for (const auto& [nm, r] : l.remote) have += (have.empty() ? "" : ", ") + nm;
+    return end(x, TransferStatus::no_segment,
+               fmt::format("peer '{}' has no segment '{}' (it has: {})", l.peer->name, name, have.empty() ? "none" : have));
+  }
+  std::string why = fmt::format("peer '{}': {}", l.peer->name, PostResult{st, 0, 0}.describe());
+  if (st == PostStatus::unsupported) why += " (the peer's device or this one has no atomics)";
+  end(x, status_of(st), std::move(why));
+}
+
+void Worker::post_alone(Link& l, Xfer& x) {
+  DataPath& dp = l.impl.dp;
+  const Transfer& t = x.t;
+  const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
+  if (seg == nullptr || !seg->has_value()) return refused(l, x, PostStatus::not_advertised);
+  const LocalSlice s = x.buf->slices[l.device].subslice(t.local_offset, t.length);
+  const auto id = reinterpret_cast<std::uint64_t>(&x);
+  PostResult r = t.op == TransferOp::read ? dp.post_one<Opcode::read>(s, **seg, t.remote_offset, 0, 0, 0, id)
+                 : t.op == TransferOp::write
+                     ? dp.post_one<Opcode::write>(s, **seg, t.remote_offset, 0, 0, 0, id)
+                     : PostResult{PostStatus::bad_length, 0, 0};
+  if (r.ok()) {
+    l.alone.push_back(&x);
+    ++l.in_flight;
+    ++in_flight_;
+    return;
+  }
+  if (r.status == PostStatus::queue_full) return l.backlog.push_front(&x);
+  std::string why = fmt::format("peer '{}': {}", l.peer->name, r.describe());
+  end(x, r.status == PostStatus::failed ? TransferStatus::failed : status_of(r.status), why);
+  if (r.status == PostStatus::failed) break_link(l, why);
+}
+
+// The link's backlog into chains, as far as its send queue has room.
+void Worker::flush(Link& l) {
+  while (!l.backlog.empty() && l.state == Link::State::ready) {
+    Xfer& x = *l.backlog.front();
+    if (x.t.length > l.max_msg) [[unlikely]] {  // split by the data path: posted alone
+      if (l.chain_open) post_chain(l);
+      if (l.state != Link::State::ready) return;
+      l.backlog.pop_front();
+      post_alone(l, x);
+      if (!l.backlog.empty() && l.backlog.front() == &x) return;  // no room: back in front
+      continue;
+    }
+    if (!room_on(l)) return;  // a completion makes room, and flushes again
+    l.backlog.pop_front();
+    (void)chain(l, x);
+  }
+}
+
+void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::string& why) noexcept {
+  const WrRing& ring = l.impl.dp.lane(0).sq;
+  // Runs of transfers of one batch that ended ok (a chain of one batch's transfers, the common
+  // case) are counted once; anything else ends one by one.
+  BatchState* run = nullptr;
+  bool plain = false;  // the run's transfers end by the count
+  std::uint32_t run_ok = 0, walked = 0;
+  std::uint64_t bytes = 0;
+  auto settle = [&] {
+    if (run_ok == 0) return;
+    const auto it = live_.find(run);
+    if (it != live_.end()) {
+      ended_ += run_ok;
+      std::shared_ptr<BatchState> keep;  // the batch outlives finished_ok() below
+      if ((it->second.left -= run_ok) == 0) {
+        keep = std::move(it->second.batch);
+        live_.erase(it);
+      }
+      run->finished_ok(run_ok);
+    }
+    run_ok = 0;
+  };
+  for (std::uint64_t seq = l.ended; seq < upto; ++seq) {
+    const WrRing::Slot& slot = ring.at(seq);
+    // Not a transfer of a chain: a part of a split transfer (Link::alone), a drain marker, a
+    // window bind.
+    if (slot.kind >= WrRing::part || (slot.wr_id & 1) != 0) [[unlikely]] continue;
+    Xfer& x = *reinterpret_cast<Xfer*>(slot.wr_id);
+    ++walked;
+    if (x.batch != run) [[unlikely]] {
+      settle();
+      run = x.batch;
+      plain = s == TransferStatus::ok && run->notify.empty();
+    }
+    if (!plain) [[unlikely]] {
+      end(x, s, why);
+      continue;
+    }
+    x.status.store(TransferStatus::ok, std::memory_order_relaxed);  // published by finished_ok
+    ++run_ok;
+    bytes += x.t.op <= TransferOp::write ? x.t.length : 0;
+  }
+  settle();
+  l.in_flight -= walked;
+  in_flight_ -= walked;
+  if (bytes != 0) e_.count.bytes.fetch_add(bytes, std::memory_order_relaxed);
+  l.ended = std::max(l.ended, upto);
+}
+
+void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
+  BatchState& b = *x.batch;
   const auto it = live_.find(&b);
   if (it == live_.end()) return;
   Live& live = it->second;
-  const Transfer& t = b.transfers[i];
+  const Transfer& t = x.t;
   if (s == TransferStatus::ok && (t.op == TransferOp::read || t.op == TransferOp::write)) {
     e_.count.bytes.fetch_add(t.length, std::memory_order_relaxed);
   }
@@ -497,55 +665,62 @@ void Worker::end(BatchState& b, std::uint32_t i, TransferStatus s, std::string r
   const bool last = --live.left == 0;
   auto keep = last ? std::move(live.batch) : nullptr;  // the batch outlives finish() below
   if (last) live_.erase(it);
-  b.finish(i, s, std::move(reason));
+  b.finish(x, s, std::move(reason));
 }
 
 void Worker::on_completion(DataPath& dp, const Completion& c) {
-  if ((c.wr_id & 1) != 0) {
-    auto* w = reinterpret_cast<Window*>(c.wr_id & ~std::uint64_t{1});
-    Link& l = *w->link;
-    --l.binds_pending;
-    if (c.ok() && l.state != Link::State::closing) {
-      w->bound = true;
-      e_.count.windows_bound.fetch_add(1, std::memory_order_relaxed);
-      announce(l, *w);
-    } else if (!c.ok() && l.state != Link::State::closing) {
-      try {
-        e_.cfg.link.log(fmt::format("engine {}: binding the window of segment '{}' for {} failed: {}", e_.name,
-                                    w->segment, l.impl.info.peer_address, c.describe()));
-      } catch (...) {
-      }
-    }
-    if (w->segment.empty()) {  // withdrawn while its bind was in flight
-      std::erase_if(l.windows, [w](const auto& x) { return x.get() == w; });
-    }
-    if (l.binds_pending == 0 && !l.synced_sent && l.state != Link::State::closing) {
-      l.synced_sent = true;
-      send(l, ew::encode(ew::synced()));
-    }
+  Link& l = *static_cast<Link*>(dp.context);
+  const WrRing& ring = dp.lane(0).sq;
+  const std::uint64_t seq = ring.head() - 1;  // the request this completion retired
+  const bool part = ring.at(seq).kind == WrRing::part;
+  if (c.ok() && !part && (c.wr_id & 1) == 0) [[likely]] {
+    // It and every transfer posted before it on the link completed.
+    walk(l, seq + 1, TransferStatus::ok, {});
+    l.last_used = Clock::now();
+    if (!l.backlog.empty()) queue_flush(l);  // room in the queue: what waited for it goes next
     return;
   }
-  auto* rec = reinterpret_cast<Record*>(c.wr_id);
-  Link& l = *rec->link;
-  // Every transfer posted on the link before this one has completed successfully (a failed one
-  // would have been reported first, with a completion of its own).
-  while (l.in_flight > 0) {
-    Record* first = take_posted(l);
-    if (first == rec) break;
-    end(*first->batch, first->index, TransferStatus::ok, {});
-  }
+  // Those before it completed; it is news of its own.
+  walk(l, seq, TransferStatus::ok, {});
+  l.ended = std::max(l.ended, seq + 1);
+  if ((c.wr_id & 1) != 0) return bound(l, *reinterpret_cast<Window*>(c.wr_id & ~std::uint64_t{1}), c);
+  auto* x = reinterpret_cast<Xfer*>(c.wr_id);
+  if (part) std::erase(l.alone, x);
+  --l.in_flight;
+  --in_flight_;
   l.last_used = Clock::now();
   if (c.ok()) {
-    end(*rec->batch, rec->index, TransferStatus::ok, {});
+    end(*x, TransferStatus::ok, {});
   } else if (c.status == IBV_WC_WR_FLUSH_ERR) {
-    end(*rec->batch, rec->index, TransferStatus::peer_lost,
+    end(*x, TransferStatus::peer_lost,
         fmt::format("peer '{}': {}", l.peer->name, dp.failure().empty() ? "the link broke" : dp.failure()));
   } else {
     // The link breaks on it (the data path's one break routine); ended when the link is reaped.
-    l.deferred.push_back({rec->batch, rec->index, fmt::format("peer '{}': {}", l.peer->name, c.describe())});
+    l.deferred.push_back({x, fmt::format("peer '{}': {}", l.peer->name, c.describe())});
   }
-  // Room in the queue: what waited for it goes after this poll.
   if (!l.backlog.empty()) queue_flush(l);
+}
+
+void Worker::bound(Link& l, Window& w, const Completion& c) {
+  --l.binds_pending;
+  if (c.ok() && l.state != Link::State::closing) {
+    w.bound = true;
+    e_.count.windows_bound.fetch_add(1, std::memory_order_relaxed);
+    announce(l, w);
+  } else if (!c.ok() && l.state != Link::State::closing) {
+    try {
+      e_.cfg.link.log(fmt::format("engine {}: binding the window of segment '{}' for {} failed: {}", e_.name,
+                                  w.segment, l.impl.info.peer_address, c.describe()));
+    } catch (...) {
+    }
+  }
+  if (w.segment.empty()) {  // withdrawn while its bind was in flight
+    std::erase_if(l.windows, [&w](const auto& o) { return o.get() == &w; });
+  }
+  if (l.binds_pending == 0 && !l.synced_sent && l.state != Link::State::closing) {
+    l.synced_sent = true;
+    send(l, ew::encode(ew::synced()));
+  }
 }
 
 // --- links ---------------------------------------------------------------------------------------
@@ -558,7 +733,9 @@ void Worker::link_up(Command& c) {
   l.peer = c.peer;
   l.last_used = Clock::now();
   l.impl.dp.route_through(cqs_[l.device]->router, cqs_[l.device]->router);
-  l.posted.resize(l.impl.dp.limits().send_depth);  // never more in flight than the queue holds
+  l.impl.dp.context = &l;
+  l.ended = l.impl.dp.lane(0).sq.next_seq();
+  l.max_msg = l.impl.dp.limits().max_msg_size;
   links_.push_back(std::move(owned));
   e_.count.links.fetch_add(1, std::memory_order_relaxed);
   watch(l, true);
@@ -589,9 +766,9 @@ void Worker::link_up(Command& c) {
 void Worker::connect_failed(Peer& p, const std::string& why) {
   p.connecting = false;
   while (!p.waiting.empty()) {
-    const auto w = p.waiting.front();
+    Xfer* x = p.waiting.front();
     p.waiting.pop_front();
-    end(*w.batch, w.index, TransferStatus::connect_failed, why);
+    end(*x, TransferStatus::connect_failed, why);
   }
   std::lock_guard lock(p.m);
   ++p.attempts;
@@ -746,9 +923,9 @@ void Worker::close_stale(const std::string& name, std::uint64_t epoch, const Lin
 void Worker::make_ready(Link& l) {
   l.state = Link::State::ready;
   Peer& p = *l.peer;
-  std::deque<Peer::Waiting> waiting;
-  waiting.swap(p.waiting);
-  for (const auto& w : waiting) start_transfer(p, *w.batch, w.index);
+  Fifo<Xfer*> waiting;
+  std::swap(waiting, p.waiting);
+  for (; !waiting.empty(); waiting.pop_front()) start_transfer(p, *waiting.front());
   std::lock_guard lock(p.m);
   p.up = true;
   ++p.attempts;
@@ -759,12 +936,13 @@ void Worker::break_link(Link& l, const std::string& why) {
   if (l.state == Link::State::closing) return;
   l.state = Link::State::closing;
   l.broke_at = Clock::now();
+  abandon_chain(l, fmt::format("peer '{}': {}", l.initiated ? l.peer->name : l.peer_name, why));
   l.impl.dp.break_connection(why, BreakCause::peer);
   const std::string reason = fmt::format("peer '{}': {}", l.initiated ? l.peer->name : l.peer_name, why);
   while (!l.backlog.empty()) {
-    const auto w = l.backlog.front();
+    Xfer* x = l.backlog.front();
     l.backlog.pop_front();
-    end(*w.batch, w.index, TransferStatus::peer_lost, reason);
+    end(*x, TransferStatus::peer_lost, reason);
   }
   if (l.initiated && l.peer->link == &l) {
     Peer& p = *l.peer;
@@ -795,13 +973,18 @@ void Worker::reap_links() {
     }
     for (Link::Deferred& d : l.deferred) {
       if (peer_gone) {
-        end(*d.batch, d.index, TransferStatus::peer_lost,
+        end(*d.x, TransferStatus::peer_lost,
             fmt::format("{} (the peer's process went away: {})", d.reason, l.impl.control_gone_reason()));
       } else {
-        end(*d.batch, d.index, TransferStatus::failed, std::move(d.reason));
+        end(*d.x, TransferStatus::failed, std::move(d.reason));
       }
     }
     l.deferred.clear();
+    // Nothing is outstanding: what was retired without news (behind a drain marker) completed;
+    // a split transfer whose parts never all came back did not.
+    walk(l, l.impl.dp.lane(0).sq.next_seq(), TransferStatus::ok, {});
+    for (Xfer* x : l.alone) end(*x, TransferStatus::peer_lost, fmt::format("peer '{}': the link broke", l.initiated ? l.peer->name : l.peer_name));
+    l.alone.clear();
     close_link(l);
     it = links_.erase(it);
   }

@@ -123,6 +123,78 @@ TEST(DataPathFake, UnsignaledRequestsRetireWithTheNextSignaledCompletion) {
   EXPECT_EQ(r.dp.outstanding(), 0u);  // and it retired the two before it
 }
 
+// The engine's path: a chain built in place, one doorbell, its last request signaled and news,
+// every refusal leaving nothing behind, the queue's room respected.
+TEST(DataPathFake, AChainBuiltInPlaceGoesInOneDoorbell) {
+  Rig r({.depth = 8});
+  rdmakit::detail::Lane& lane = r.dp.lane(0);
+  ASSERT_EQ(r.dp.begin_chain(lane), 8u);
+  const std::uint32_t lkey = r.mem.local().lkey();
+  const auto base = reinterpret_cast<std::uint64_t>(r.mem.local().addr());
+  for (std::uint64_t i = 0; i < 3; ++i) {
+    ASSERT_EQ((r.dp.chain_add<Opcode::write>(base + 8 * i, 8, lkey, true, r.peer, 8 * i, 0, 0, 100 + i, false)),
+              PostStatus::ok);
+  }
+  // Refused, and nothing appended: out of the region, an access it lacks, misaligned atomics, a
+  // READ into memory the NIC may not write.
+  const RemoteRegion read_only{r.peer.addr, r.peer.length, r.peer.rkey, Access::remote_read};
+  EXPECT_EQ((r.dp.chain_add<Opcode::write>(base, 16, lkey, true, r.peer, r.peer.length - 8, 0, 0, 7, false)),
+            PostStatus::out_of_bounds);
+  EXPECT_EQ((r.dp.chain_add<Opcode::write>(base, 8, lkey, true, read_only, 0, 0, 0, 7, false)), PostStatus::no_access);
+  EXPECT_EQ((r.dp.chain_add<Opcode::fetch_add>(base, 8, lkey, true, r.peer, 4, 1, 0, 7, false)),
+            PostStatus::misaligned);
+  EXPECT_EQ((r.dp.chain_add<Opcode::read>(base, 8, lkey, false, r.peer, 0, 0, 0, 7, false)), PostStatus::no_access);
+  EXPECT_EQ(r.dp.chain_size(), 3u);
+  EXPECT_EQ(r.dp.outstanding(), 0u);  // nothing is in flight before the post
+  ASSERT_TRUE(r.dp.post_chain_built().ok());
+  const auto& posted = r.v.posted(r.qps[0]);
+  ASSERT_EQ(posted.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(posted[i].remote_addr, r.peer.addr + 8 * i);
+    EXPECT_EQ(posted[i].rkey, r.peer.rkey);
+    EXPECT_EQ(posted[i].signaled(), i == 2) << i;
+  }
+  EXPECT_EQ(r.dp.outstanding(), 3u);
+  EXPECT_EQ(r.dp.begin_chain(lane), 5u);  // the room left
+  (void)r.dp.post_chain_built();           // an empty chain posts nothing
+  EXPECT_EQ(r.v.posted(r.qps[0]).size(), 3u);
+  r.v.complete(r.qps[0], 3);
+  Completion c[4];
+  ASSERT_EQ(r.dp.poll(c), 1u);
+  EXPECT_EQ(c[0].wr_id, 102u);  // the last one's completion retired all three
+  EXPECT_EQ(r.dp.outstanding(), 0u);
+  // The ring keeps the retired slots for a caller that walks them (the engine ends the
+  // transfers posted before a completion from them).
+  EXPECT_EQ(lane.sq.head(), 3u);
+  EXPECT_EQ(lane.sq.at(0).wr_id, 100u);
+  EXPECT_EQ(lane.sq.at(1).kind, rdmakit::detail::WrRing::silent);
+}
+
+TEST(DataPathFake, AChainTheProviderRefusesPartWayCountsWhatWent) {
+  Rig r({.depth = 8});
+  rdmakit::detail::Lane& lane = r.dp.lane(0);
+  ASSERT_EQ(r.dp.begin_chain(lane), 8u);
+  const auto base = reinterpret_cast<std::uint64_t>(r.mem.local().addr());
+  for (std::uint64_t i = 0; i < 4; ++i) {
+    ASSERT_EQ((r.dp.chain_add<Opcode::write>(base, 8, r.mem.local().lkey(), true, r.peer, 0, 0, 0, i, false)),
+              PostStatus::ok);
+  }
+  r.v.fail_post_at(2);
+  const auto res = r.dp.post_chain_built();
+  EXPECT_EQ(res.status, PostStatus::failed);
+  EXPECT_EQ(res.index, 2u);
+  EXPECT_EQ(r.dp.outstanding(), 2u);  // exactly what the provider took
+  // The two it refused are still staged past the newest (what the engine ends as failed).
+  EXPECT_EQ(lane.sq.staged(0).wr_id, 2u);
+  EXPECT_EQ(lane.sq.staged(1).wr_id, 3u);
+}
+
+TEST(DataPathFake, AChainIsRefusedWhenTheDataPathIsNotReady) {
+  Rig r;
+  r.dp.break_connection("gone", BreakCause::peer);
+  EXPECT_EQ(r.dp.begin_chain(r.dp.lane(0)), 0u);
+}
+
 TEST(DataPathFake, TheLibrarySignalsAtLeastEveryHalfQueue) {
   Rig r({.depth = 8});
   std::vector<WorkRequest> batch;
