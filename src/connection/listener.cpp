@@ -2,6 +2,9 @@
 // own deadline, and hands out the connections whose handshake succeeded.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -94,6 +97,13 @@ struct Listener::Impl {
   std::condition_variable ready_cv;
   std::deque<Connection> ready;  // bounded by cfg.max_pending (with the handshakes running)
   std::atomic<bool> stop{false};
+  // Wakes the accept loop (which otherwise sleeps until a client comes): to stop, and when a
+  // handshake thread ends, so it is joined at once.
+  detail::Fd wake{::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)};
+  void poke() noexcept {
+    const std::uint64_t one = 1;
+    (void)!::write(wake.get(), &one, sizeof one);
+  }
   std::atomic<std::size_t> rejected{0};
   std::thread acceptor;  // last member: started last, joined first
 
@@ -181,6 +191,7 @@ void Listener::Impl::serve(detail::Fd& client, const std::string& peer, std::lis
         log(fmt::format("rejected connection from {}: a non-standard exception", peer));
       }
       done->store(true);
+      poke();
     });
     (void)client.release();  // the thread owns it now
   } catch (...) {
@@ -205,8 +216,16 @@ void Listener::Impl::accept_loop() noexcept {
     std::string peer;
     detail::Fd client;
     try {
-      client = detail::tcp_accept(fd.get(), std::chrono::milliseconds{100}, &peer);
+      // No timeout: an idle listener does not wake (a client, a finished handshake or stop do).
+      pollfd p[2] = {{fd.get(), POLLIN, 0}, {wake.get(), POLLIN, 0}};
+      if (::poll(p, 2, -1) < 0 && errno != EINTR) throw Error("poll", errno, "the listener's socket");
+      if ((p[1].revents & POLLIN) != 0) {
+        std::uint64_t n = 0;
+        (void)!::read(wake.get(), &n, sizeof n);
+      }
       reap(false);
+      if ((p[0].revents & POLLIN) == 0) continue;
+      client = detail::tcp_accept(fd.get(), std::chrono::milliseconds{0}, &peer);
       if (!client) continue;
       serve(client, peer, running);
     } catch (const std::exception& e) {
@@ -277,11 +296,13 @@ Listener::Listener(std::unique_ptr<Impl> impl, const std::string& address, Liste
         "and use the memory it advertises (set a key: --psk-file, ConnectionConfig::psk)",
         impl_->port));
   }
+  if (!impl_->wake) throw Error("eventfd", errno, "the listener's wake-up");
   impl_->acceptor = std::thread([this] { impl_->accept_loop(); });
 }
 
 Listener::~Listener() {
   impl_->stop.store(true);
+  impl_->poke();
   impl_->acceptor.join();
 }
 
