@@ -167,6 +167,9 @@ struct EngineCounters {
   std::uint64_t notifications_sent = 0;
   std::uint64_t notifications_received = 0;
   std::uint64_t windows_bound = 0; ///< memory windows bound (one per peer link per segment)
+  /// Time the binds of windows_bound took, from posting to completion, in nanoseconds, summed:
+  /// what giving one more peer access to a segment costs (it does not grow with the peers).
+  std::uint64_t window_bind_ns = 0;
 };
 
 /// What the engine is built on.

@@ -14,6 +14,7 @@
 
 #include <infiniband/verbs.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdint>
@@ -141,15 +142,17 @@ class DataPath {
   // to the provider with one doorbell. The checks are post_batch's, minus the scan of the
   // advertised list.
   /// Starts a chain on `lane` (dropping one built and not posted); returns how many requests it
-  /// may hold (0 when the data path is not ready or the queue is full).
-  std::uint32_t begin_chain(Lane& lane) noexcept;
+  /// may hold (0 when the data path is not ready or the queue is full). Every `signal_every`-th
+  /// request (a power of two; fewer when the queue is shallow) and the last are signaled, and
+  /// their completions are news: each retires the requests before it.
+  std::uint32_t begin_chain(Lane& lane, std::uint32_t signal_every) noexcept;
   /// Appends a request moving `length` bytes at local `laddr` (`lkey`; `writable`: registered
   /// for local write) to or from `offset` in `remote`, which must be a region the peer
   /// advertised. Not ok: nothing was appended. At most begin_chain()'s answer of them.
   template <Opcode Op>
   PostStatus chain_add(std::uint64_t laddr, std::uint32_t length, std::uint32_t lkey, bool writable,
                        const RemoteRegion& remote, std::uint64_t offset, std::uint64_t compare_add,
-                       std::uint64_t swap, std::uint64_t wr_id, bool signaled) noexcept;
+                       std::uint64_t swap, std::uint64_t wr_id) noexcept;
   [[nodiscard]] std::uint32_t chain_size() const noexcept { return chain_n_; }
   /// Posts the chain (its last request signaled, so its completion retires all of it). On a
   /// provider failure the first `index` requests went.
@@ -279,10 +282,14 @@ class DataPath {
   std::vector<ibv_sge> recv_sges_;
   std::uint32_t forced_signal_interval_ = 1;  // max(1, send_depth / 2)
   std::uint32_t next_lane_ = 0;               // round robin for WRITE/READ
-  // The chain being built (begin_chain): its lane, length, the lane's unsignaled run at its end.
+  // The chain being built (begin_chain): its lane and length, its first verbs wr_id (the rest
+  // follow by one: the chain never crosses a wrap of the sequence bits), and when to signal
+  // (request i is signaled when ((i + phase) & mask) == 0).
   Lane* chain_lane_ = nullptr;
   std::uint32_t chain_n_ = 0;
-  std::uint32_t chain_run_ = 0;
+  std::uint32_t chain_phase_ = 1;
+  std::uint32_t chain_mask_ = 0;
+  std::uint64_t chain_wr_id_ = 0;
   // WRITE/READ of at least this many bytes are segmented: striped when there are several
   // lanes, split at max_msg_sz otherwise. WRITE_WITH_IMM only splits (its immediate must arrive
   // last, which only one QP guarantees).
@@ -338,7 +345,7 @@ inline ibv_sge to_sge(const LocalSlice& s) noexcept {
 template <Opcode Op>
 constexpr bool may_inline(std::uint64_t total, std::uint32_t max_inline) {
   if constexpr (Op == Opcode::send || Op == Opcode::write || Op == Opcode::write_with_imm) {
-    return total > 0 && total <= max_inline;
+    return total - 1 < max_inline;  // and not 0 (which wraps)
   } else {
     return false;
   }
@@ -471,18 +478,27 @@ template <Opcode Op>
   return {};
 }
 
-inline std::uint32_t DataPath::begin_chain(Lane& lane) noexcept {
+inline std::uint32_t DataPath::begin_chain(Lane& lane, std::uint32_t signal_every) noexcept {
   chain_lane_ = &lane;
   chain_n_ = 0;
-  chain_run_ = lane.unsignaled_run;
   if (mode_ != Mode::ready) [[unlikely]] return 0;
-  return std::min(lane.sq.free(), limits_.send_depth);
+  // At least once every forced_signal_interval_ (see post_chain), counting the lane's
+  // unsignaled run before the chain.
+  std::uint32_t every = 1;
+  while (every * 2 <= std::min(signal_every, forced_signal_interval_)) every *= 2;
+  chain_mask_ = every - 1;
+  chain_phase_ = lane.unsignaled_run + 1;
+  if (lane.unsignaled_run + every > forced_signal_interval_) chain_mask_ = 0;  // every one: rare
+  const std::uint64_t seq0 = lane.sq.next_seq();
+  chain_wr_id_ = dp::wr_id(lane.id, seq0);
+  const std::uint64_t before_wrap = kSeqMask + 1 - (seq0 & kSeqMask);
+  return static_cast<std::uint32_t>(std::min<std::uint64_t>({lane.sq.free(), limits_.send_depth, before_wrap}));
 }
 
 template <Opcode Op>
 [[gnu::always_inline]] inline PostStatus DataPath::chain_add(
     std::uint64_t laddr, std::uint32_t length, std::uint32_t lkey, bool writable, const RemoteRegion& remote,
-    std::uint64_t offset, std::uint64_t compare_add, std::uint64_t swap, std::uint64_t wr_id, bool signaled) noexcept {
+    std::uint64_t offset, std::uint64_t compare_add, std::uint64_t swap, std::uint64_t wr_id) noexcept {
   static_assert(Op != Opcode::send && Op != Opcode::recv && Op != Opcode::write_with_imm);
   if constexpr (dp::is_atomic(Op)) {
     if (!atomics_) return PostStatus::unsupported;
@@ -496,19 +512,17 @@ template <Opcode Op>
     if (!writable) [[unlikely]] return PostStatus::no_access;
   }
   const std::uint32_t i = chain_n_++;
-  Lane& lane = *chain_lane_;
   ibv_sge& sge = send_sges_[i];
   sge = {laddr, length, lkey};
-  const bool signal = signaled || chain_run_ + 1 >= forced_signal_interval_;
-  chain_run_ = signal ? 0 : chain_run_ + 1;
+  const bool signal = ((i + chain_phase_) & chain_mask_) == 0;
   ibv_send_wr& v = send_wrs_[i];
-  v.wr_id = dp::wr_id(lane.id, lane.sq.next_seq() + i);
+  v.wr_id = chain_wr_id_ + i;
   v.sg_list = &sge;
-  v.num_sge = length == 0 ? 0 : 1;
+  v.num_sge = length != 0 ? 1 : 0;
   v.next = &v + 1;
   v.send_flags = (signal ? IBV_SEND_SIGNALED : 0) | (dp::may_inline<Op>(length, limits_.max_inline) ? IBV_SEND_INLINE : 0);
   dp::fill_wr<Op>(v, remote, offset, 0, compare_add, swap);
-  lane.sq.stage(i, {wr_id, Op, signaled ? WrRing::user : WrRing::silent, false});
+  chain_lane_->sq.stage(i, {wr_id, Op, signal ? WrRing::user : WrRing::silent, false});
   return PostStatus::ok;
 }
 

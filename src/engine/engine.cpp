@@ -439,6 +439,7 @@ EngineCounters Engine::counters() const noexcept {
   o.notifications_sent = c.notifications_sent.load();
   o.notifications_received = c.notifications_received.load();
   o.windows_bound = c.windows_bound.load();
+  o.window_bind_ns = c.window_bind_ns.load();
   return o;
 }
 

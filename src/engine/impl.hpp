@@ -125,6 +125,7 @@ struct Window {
   std::uint32_t rkey = 0;
   RemoteRegion region;  // as announced
   bool bound = false;
+  Deadline posted{};  // its bind
 };
 
 /// One RC link to a peer engine, on a worker's shared CQs.
@@ -322,7 +323,7 @@ struct Engine::Impl {
   struct {
     std::atomic<std::uint64_t> qps{0}, links{0}, connects{0}, reconnects{0}, accepts{0}, evictions{0},
         restarts{0}, batches{0}, transfers{0}, transfers_failed{0}, bytes{0}, notifications_sent{0},
-        notifications_received{0}, windows_bound{0};
+        notifications_received{0}, windows_bound{0}, window_bind_ns{0};
   } count;
 
   detail::Fd event_fd;  // readable when a batch ends or a notification arrives

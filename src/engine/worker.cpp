@@ -49,6 +49,10 @@ TransferStatus status_of(PostStatus s) {
 
 bool writes(TransferOp op) { return op != TransferOp::read; }
 
+// A chain signals every kSignalEvery-th request and its last, so the queue drains (and the
+// backlog refills it) while the rest of the chain is still on the wire.
+constexpr std::uint32_t kSignalEvery = 16;
+
 }  // namespace
 
 Worker::Worker(Engine::Impl& e, std::uint32_t index) : e_(e), index_(index) {
@@ -352,21 +356,25 @@ void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std:
   // A batch mostly names one buffer and one peer: they are looked up when they change.
   std::uint32_t buf_id = 0, peer_id = 0;
   const BufferRec* buf = nullptr;
+  std::uint64_t buf_len = 0;  // 0 without a buffer: every range is outside it
   Peer* peer = nullptr;
   auto one = [&](Xfer& x) __attribute__((always_inline)) {
     const Transfer& t = x.t;
     if (t.local.id != buf_id) [[unlikely]] {
       buf_id = t.local.id;
       buf = e_.buffer(buf_id);
+      buf_len = buf != nullptr ? buf->handle.length : 0;
     }
     if (t.remote.peer != peer_id) [[unlikely]] {
       peer_id = t.remote.peer;
       peer = e_.peer(peer_id);
       if (peer != nullptr && peer->removed.load(std::memory_order_relaxed)) peer = nullptr;
     }
-    const bool atomic = t.op >= TransferOp::fetch_add;
-    if (buf == nullptr || peer == nullptr || t.local_offset > buf->handle.length ||
-        t.length - 1 >= buf->handle.length - t.local_offset || (atomic && t.length != 8)) [[unlikely]] {
+    // One branch for all of it: [offset, offset + length) inside the buffer and not empty, a
+    // known peer, 8 bytes for an atomic.
+    const bool bad = (peer == nullptr) | (t.local_offset > buf_len) | (t.length - 1 >= buf_len - t.local_offset) |
+                     ((t.op >= TransferOp::fetch_add) & (t.length != 8));
+    if (bad) [[unlikely]] {
       return end(x, TransferStatus::invalid, invalid_reason(t, buf, e_.peer(t.remote.peer)));
     }
     x.buf = buf;
@@ -428,7 +436,7 @@ void Worker::flush_queued_links() {
 bool Worker::open_chain(Link& l) {
   DataPath& dp = l.impl.dp;
   Lane& lane = dp.lane(0);
-  std::uint64_t room = dp.begin_chain(lane);
+  std::uint64_t room = dp.begin_chain(lane, kSignalEvery);
   if (dp.mode() != DataPath::Mode::ready) [[unlikely]] {
     break_link(l, dp.failure());
     return false;
@@ -478,7 +486,7 @@ void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
   l.chain_room = 0;
   DataPath& dp = l.impl.dp;
   const std::uint32_t n = dp.chain_size();
-  (void)dp.begin_chain(dp.lane(0));  // forgets it
+  (void)dp.begin_chain(dp.lane(0), kSignalEvery);  // forgets it
   WrRing& ring = dp.lane(0).sq;
   for (std::uint32_t k = 0; k < n; ++k) {
     end(*reinterpret_cast<Xfer*>(ring.staged(k).wr_id), TransferStatus::peer_lost, why);
@@ -486,9 +494,6 @@ void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
 }
 
 [[gnu::always_inline]] inline bool Worker::chain(Link& l, Xfer& x) {
-  // A chain signals every kSignalEvery-th request and its last, so the queue drains (and the
-  // backlog refills it) while the rest of the chain is still on the wire.
-  constexpr std::uint32_t kSignalEvery = 16;
   const Transfer& t = x.t;
   const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
   if (seg == nullptr || !seg->has_value()) [[unlikely]] {
@@ -499,23 +504,22 @@ void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
   const LocalSlice& s = x.buf->slices[l.device];
   const std::uint64_t laddr = reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset;
   const auto len = static_cast<std::uint32_t>(t.length);  // at most max_msg_sz (Link::max_msg)
-  const bool signal = (dp.chain_size() + 1) % kSignalEvery == 0;
   const auto id = reinterpret_cast<std::uint64_t>(&x);
   PostStatus st;
   switch (t.op) {
     case TransferOp::write:
-      st = dp.chain_add<Opcode::write>(laddr, len, s.lkey(), s.writable(), **seg, t.remote_offset, 0, 0, id, signal);
+      st = dp.chain_add<Opcode::write>(laddr, len, s.lkey(), s.writable(), **seg, t.remote_offset, 0, 0, id);
       break;
     case TransferOp::read:
-      st = dp.chain_add<Opcode::read>(laddr, len, s.lkey(), s.writable(), **seg, t.remote_offset, 0, 0, id, signal);
+      st = dp.chain_add<Opcode::read>(laddr, len, s.lkey(), s.writable(), **seg, t.remote_offset, 0, 0, id);
       break;
     case TransferOp::fetch_add:
       st = dp.chain_add<Opcode::fetch_add>(laddr, len, s.lkey(), s.writable(), **seg, t.remote_offset, t.compare_add,
-                                           0, id, signal);
+                                           0, id);
       break;
     default:
       st = dp.chain_add<Opcode::compare_swap>(laddr, len, s.lkey(), s.writable(), **seg, t.remote_offset,
-                                              t.compare_add, t.swap, id, signal);
+                                              t.compare_add, t.swap, id);
       break;
   }
   if (st != PostStatus::ok) [[unlikely]] {
@@ -706,6 +710,9 @@ void Worker::bound(Link& l, Window& w, const Completion& c) {
   if (c.ok() && l.state != Link::State::closing) {
     w.bound = true;
     e_.count.windows_bound.fetch_add(1, std::memory_order_relaxed);
+    e_.count.window_bind_ns.fetch_add(
+        static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - w.posted).count()),
+        std::memory_order_relaxed);
     announce(l, w);
   } else if (!c.ok() && l.state != Link::State::closing) {
     try {
@@ -799,6 +806,7 @@ void Worker::bind_window(Link& l, const SegmentDef& def) {
   }
   w->rkey = ibv_inc_rkey(w->mw->rkey);
   w->region = {addr, def.length, w->rkey, def.access};
+  w->posted = Clock::now();
   const PostResult r = l.impl.dp.post_bind(w->mw.get(), w->rkey, MemoryRegion::Impl::raw(mr), addr, def.length,
                                            qp_access_flags(def.access), reinterpret_cast<std::uint64_t>(w.get()) | 1);
   if (!r.ok()) {

@@ -520,6 +520,42 @@ TEST(Engine, TwoHundredPeers) {
   run(32, false);
 }
 
+// Giving one more peer access to a segment is one window bound on that peer's link: what it
+// costs does not depend on how many peers have access already. One target, 60 links to it (one
+// engine adding the target under 60 names: each is a link of its own, with a window of its own),
+// the bind time of the first 10 against the last 10.
+TEST(Engine, GivingOneMorePeerAccessCostsTheSame) {
+  constexpr int kLinks = 60, kSample = 10;  // a listener takes at most 64 links from one address
+  Target t("t", 4096);
+  EngineConfig c = config("a");
+  c.listen = "";
+  Engine a(c);
+  const Buffer src = a.allocate_memory(4096);
+  auto bind_ns = [&] { return t.engine.counters().window_bind_ns; };
+  std::uint64_t first = 0, before_last = 0;
+  for (int i = 0; i < kLinks; ++i) {
+    if (i == kSample) first = bind_ns();
+    if (i == kLinks - kSample) before_last = bind_ns();
+    const std::string name = "t" + std::to_string(i);
+    a.add_peer(name, at(t.engine));
+    std::string why;
+    ASSERT_TRUE(a.connect(name, 20s, &why)) << why;
+    const Transfer w = xfer(TransferOp::write, src, 0, 8, a.segment(name, "kv"), 8 * static_cast<std::uint64_t>(i % 512));
+    Batch b = a.submit({&w, 1});
+    ASSERT_TRUE(b.wait(10s));
+    ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
+  }
+  const auto cnt = t.engine.counters();
+  EXPECT_EQ(cnt.windows_bound, static_cast<std::uint64_t>(kLinks));
+  EXPECT_EQ(cnt.accepts, static_cast<std::uint64_t>(kLinks));
+  const double early = static_cast<double>(first) / kSample / 1000;
+  const double late = static_cast<double>(cnt.window_bind_ns - before_last) / kSample / 1000;
+  std::printf("one more peer's window on a segment: %.1f us to bind for peers 1-%d, %.1f us for peers %d-%d "
+              "(mean over all %d: %.1f us)\n",
+              early, kSample, late, kLinks - kSample + 1, kLinks, kLinks,
+              static_cast<double>(cnt.window_bind_ns) / kLinks / 1000);
+}
+
 // Several workers: peers are spread over them, and one batch that spans peers on different
 // workers ends once, every transfer right, from several submitting threads at once.
 TEST(Engine, BatchesSpanningWorkersEndOnce) {

@@ -128,22 +128,22 @@ TEST(DataPathFake, UnsignaledRequestsRetireWithTheNextSignaledCompletion) {
 TEST(DataPathFake, AChainBuiltInPlaceGoesInOneDoorbell) {
   Rig r({.depth = 8});
   rdmakit::detail::Lane& lane = r.dp.lane(0);
-  ASSERT_EQ(r.dp.begin_chain(lane), 8u);
+  ASSERT_EQ(r.dp.begin_chain(lane, 16), 8u);
   const std::uint32_t lkey = r.mem.local().lkey();
   const auto base = reinterpret_cast<std::uint64_t>(r.mem.local().addr());
   for (std::uint64_t i = 0; i < 3; ++i) {
-    ASSERT_EQ((r.dp.chain_add<Opcode::write>(base + 8 * i, 8, lkey, true, r.peer, 8 * i, 0, 0, 100 + i, false)),
+    ASSERT_EQ((r.dp.chain_add<Opcode::write>(base + 8 * i, 8, lkey, true, r.peer, 8 * i, 0, 0, 100 + i)),
               PostStatus::ok);
   }
   // Refused, and nothing appended: out of the region, an access it lacks, misaligned atomics, a
   // READ into memory the NIC may not write.
   const RemoteRegion read_only{r.peer.addr, r.peer.length, r.peer.rkey, Access::remote_read};
-  EXPECT_EQ((r.dp.chain_add<Opcode::write>(base, 16, lkey, true, r.peer, r.peer.length - 8, 0, 0, 7, false)),
+  EXPECT_EQ((r.dp.chain_add<Opcode::write>(base, 16, lkey, true, r.peer, r.peer.length - 8, 0, 0, 7)),
             PostStatus::out_of_bounds);
-  EXPECT_EQ((r.dp.chain_add<Opcode::write>(base, 8, lkey, true, read_only, 0, 0, 0, 7, false)), PostStatus::no_access);
-  EXPECT_EQ((r.dp.chain_add<Opcode::fetch_add>(base, 8, lkey, true, r.peer, 4, 1, 0, 7, false)),
+  EXPECT_EQ((r.dp.chain_add<Opcode::write>(base, 8, lkey, true, read_only, 0, 0, 0, 7)), PostStatus::no_access);
+  EXPECT_EQ((r.dp.chain_add<Opcode::fetch_add>(base, 8, lkey, true, r.peer, 4, 1, 0, 7)),
             PostStatus::misaligned);
-  EXPECT_EQ((r.dp.chain_add<Opcode::read>(base, 8, lkey, false, r.peer, 0, 0, 0, 7, false)), PostStatus::no_access);
+  EXPECT_EQ((r.dp.chain_add<Opcode::read>(base, 8, lkey, false, r.peer, 0, 0, 0, 7)), PostStatus::no_access);
   EXPECT_EQ(r.dp.chain_size(), 3u);
   EXPECT_EQ(r.dp.outstanding(), 0u);  // nothing is in flight before the post
   ASSERT_TRUE(r.dp.post_chain_built().ok());
@@ -155,7 +155,7 @@ TEST(DataPathFake, AChainBuiltInPlaceGoesInOneDoorbell) {
     EXPECT_EQ(posted[i].signaled(), i == 2) << i;
   }
   EXPECT_EQ(r.dp.outstanding(), 3u);
-  EXPECT_EQ(r.dp.begin_chain(lane), 5u);  // the room left
+  EXPECT_EQ(r.dp.begin_chain(lane, 16), 5u);  // the room left
   (void)r.dp.post_chain_built();           // an empty chain posts nothing
   EXPECT_EQ(r.v.posted(r.qps[0]).size(), 3u);
   r.v.complete(r.qps[0], 3);
@@ -173,10 +173,10 @@ TEST(DataPathFake, AChainBuiltInPlaceGoesInOneDoorbell) {
 TEST(DataPathFake, AChainTheProviderRefusesPartWayCountsWhatWent) {
   Rig r({.depth = 8});
   rdmakit::detail::Lane& lane = r.dp.lane(0);
-  ASSERT_EQ(r.dp.begin_chain(lane), 8u);
+  ASSERT_EQ(r.dp.begin_chain(lane, 16), 8u);
   const auto base = reinterpret_cast<std::uint64_t>(r.mem.local().addr());
   for (std::uint64_t i = 0; i < 4; ++i) {
-    ASSERT_EQ((r.dp.chain_add<Opcode::write>(base, 8, r.mem.local().lkey(), true, r.peer, 0, 0, 0, i, false)),
+    ASSERT_EQ((r.dp.chain_add<Opcode::write>(base, 8, r.mem.local().lkey(), true, r.peer, 0, 0, 0, i)),
               PostStatus::ok);
   }
   r.v.fail_post_at(2);
@@ -192,7 +192,7 @@ TEST(DataPathFake, AChainTheProviderRefusesPartWayCountsWhatWent) {
 TEST(DataPathFake, AChainIsRefusedWhenTheDataPathIsNotReady) {
   Rig r;
   r.dp.break_connection("gone", BreakCause::peer);
-  EXPECT_EQ(r.dp.begin_chain(r.dp.lane(0)), 0u);
+  EXPECT_EQ(r.dp.begin_chain(r.dp.lane(0), 16), 0u);
 }
 
 TEST(DataPathFake, TheLibrarySignalsAtLeastEveryHalfQueue) {

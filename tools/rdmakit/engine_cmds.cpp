@@ -81,7 +81,8 @@ nlohmann::json counters_json(const EngineCounters& c) {
           {"bytes", c.bytes},
           {"notifications_sent", c.notifications_sent},
           {"notifications_received", c.notifications_received},
-          {"windows_bound", c.windows_bound}};
+          {"windows_bound", c.windows_bound},
+          {"window_bind_ns", c.window_bind_ns}};
 }
 
 // --- serve ---------------------------------------------------------------------------------------
