@@ -235,6 +235,20 @@ class Worker {
   void flush(Link& l);
   /// Appends transfer x to the chain open on `l` (room_on); false when it ended instead.
   bool chain(Link& l, Xfer& x);
+  bool chain(Link& l, Xfer& x, std::uint64_t laddr, std::uint32_t lkey, bool writable, const RemoteRegion& seg);
+  /// What consecutive transfers of one buffer and one peer's segment share (Worker::submit).
+  struct Route {
+    bool ok = false;
+    std::uint32_t buf_id = 0, peer_id = 0, slot = 0;
+    std::uint64_t buf_len = 0;
+    Link* link = nullptr;
+    const RemoteRegion* seg = nullptr;
+    std::uint64_t laddr = 0;  // the buffer's address as registered on the link's device
+    std::uint32_t lkey = 0;
+    bool writable = false;
+  };
+  /// The long way for transfer x: checks it, chains it or queues it, and sets `r` for the next.
+  [[gnu::noinline]] void admit(Xfer& x, Route& r);
   [[gnu::noinline]] void refused(Link& l, Xfer& x, PostStatus st);
   /// A transfer the data path splits (longer than max_msg_sz), posted alone.
   void post_alone(Link& l, Xfer& x);

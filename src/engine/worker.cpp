@@ -353,38 +353,20 @@ void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std:
     }
   }
   // `live` may go from here on: the last transfer to end erases it.
-  // A batch mostly names one buffer and one peer: they are looked up when they change.
-  std::uint32_t buf_id = 0, peer_id = 0;
-  const BufferRec* buf = nullptr;
-  std::uint64_t buf_len = 0;  // 0 without a buffer: every range is outside it
-  Peer* peer = nullptr;
+  // A batch mostly moves between one buffer and one peer's segment: what a transfer needs (its
+  // link, the segment's window, the buffer's registration) is looked up when those change, or
+  // after anything that may have changed it (admit()); the rest take the short way.
+  Route r;
   auto one = [&](Xfer& x) __attribute__((always_inline)) {
     const Transfer& t = x.t;
-    if (t.local.id != buf_id) [[unlikely]] {
-      buf_id = t.local.id;
-      buf = e_.buffer(buf_id);
-      buf_len = buf != nullptr ? buf->handle.length : 0;
-    }
-    if (t.remote.peer != peer_id) [[unlikely]] {
-      peer_id = t.remote.peer;
-      peer = e_.peer(peer_id);
-      if (peer != nullptr && peer->removed.load(std::memory_order_relaxed)) peer = nullptr;
-    }
-    // One branch for all of it: [offset, offset + length) inside the buffer and not empty, a
-    // known peer, 8 bytes for an atomic.
-    const bool bad = (peer == nullptr) | (t.local_offset > buf_len) | (t.length - 1 >= buf_len - t.local_offset) |
-                     ((t.op >= TransferOp::fetch_add) & (t.length != 8));
-    if (bad) [[unlikely]] {
-      return end(x, TransferStatus::invalid, invalid_reason(t, buf, e_.peer(t.remote.peer)));
-    }
-    x.buf = buf;
-    Link* l = peer->link;
-    if (l != nullptr && l->state == Link::State::ready && l->backlog.empty() && t.length <= l->max_msg &&
-        room_on(*l)) [[likely]] {
-      (void)chain(*l, x);
-    } else {
-      start_transfer(*peer, x);
-    }
+    const bool same = r.ok & (t.local.id == r.buf_id) & (t.remote.peer == r.peer_id) & (t.remote.slot == r.slot);
+    if (!same || r.link->chain_room == 0) [[unlikely]] return admit(x, r);
+    // [offset, offset + length) inside the buffer and not empty, short enough for one request,
+    // 8 bytes for an atomic: one branch.
+    const bool bad = (t.local_offset > r.buf_len) | (t.length - 1 >= r.buf_len - t.local_offset) |
+                     (t.length > r.link->max_msg) | ((t.op >= TransferOp::fetch_add) & (t.length != 8));
+    if (bad) [[unlikely]] return admit(x, r);
+    if (!chain(*r.link, x, r.laddr + t.local_offset, r.lkey, r.writable, *r.seg)) r.ok = false;
   };
   if (all) {
     for (Xfer *x = b->x, *last = b->x + n; x != last; ++x) one(*x);
@@ -392,6 +374,32 @@ void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std:
     for (const std::uint32_t i : indexes) one(b->x[i]);
   }
   post_open_chains();
+}
+
+void Worker::admit(Xfer& x, Route& r) {
+  r.ok = false;  // whatever happens here may change the link
+  const Transfer& t = x.t;
+  const BufferRec* buf = e_.buffer(t.local.id);
+  Peer* peer = e_.peer(t.remote.peer);
+  const std::uint64_t buf_len = buf != nullptr ? buf->handle.length : 0;
+  const bool bad = peer == nullptr || peer->removed.load(std::memory_order_relaxed) || t.local_offset > buf_len ||
+                   t.length - 1 >= buf_len - t.local_offset ||
+                   ((t.op == TransferOp::fetch_add || t.op == TransferOp::compare_swap) && t.length != 8);
+  if (bad) return end(x, TransferStatus::invalid, invalid_reason(t, buf, peer));
+  x.buf = buf;
+  Link* l = peer->link;
+  if (l == nullptr || l->state != Link::State::ready || !l->backlog.empty() || t.length > l->max_msg ||
+      !room_on(*l)) {
+    return start_transfer(*peer, x);
+  }
+  const std::optional<RemoteRegion>* seg = t.remote.slot < l->by_slot.size() ? &l->by_slot[t.remote.slot] : nullptr;
+  if (seg == nullptr || !seg->has_value()) return refused(*l, x, PostStatus::not_advertised);
+  const LocalSlice& s = buf->slices[l->device];
+  if (!chain(*l, x, reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset, s.lkey(), s.writable(), **seg)) return;
+  // What the next transfers of the same buffer and segment reuse; valid while nothing but
+  // chain() runs (which keeps the link as it is, or says it did not).
+  r = {true, t.local.id, t.remote.peer, t.remote.slot, buf_len, l, &**seg, reinterpret_cast<std::uint64_t>(s.addr()),
+       s.lkey(), s.writable()};
 }
 
 void Worker::start_transfer(Peer& p, Xfer& x) {
@@ -493,33 +501,26 @@ void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
   }
 }
 
-[[gnu::always_inline]] inline bool Worker::chain(Link& l, Xfer& x) {
+[[gnu::always_inline]] inline bool Worker::chain(Link& l, Xfer& x, std::uint64_t laddr, std::uint32_t lkey,
+                                                  bool writable, const RemoteRegion& seg) {
   const Transfer& t = x.t;
-  const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
-  if (seg == nullptr || !seg->has_value()) [[unlikely]] {
-    refused(l, x, PostStatus::not_advertised);
-    return false;
-  }
   DataPath& dp = l.impl.dp;
-  const LocalSlice& s = x.buf->slices[l.device];
-  const std::uint64_t laddr = reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset;
   const auto len = static_cast<std::uint32_t>(t.length);  // at most max_msg_sz (Link::max_msg)
   const auto id = reinterpret_cast<std::uint64_t>(&x);
   PostStatus st;
   switch (t.op) {
     case TransferOp::write:
-      st = dp.chain_add<Opcode::write>(laddr, len, s.lkey(), s.writable(), **seg, t.remote_offset, 0, 0, id);
+      st = dp.chain_add<Opcode::write>(laddr, len, lkey, writable, seg, t.remote_offset, 0, 0, id);
       break;
     case TransferOp::read:
-      st = dp.chain_add<Opcode::read>(laddr, len, s.lkey(), s.writable(), **seg, t.remote_offset, 0, 0, id);
+      st = dp.chain_add<Opcode::read>(laddr, len, lkey, writable, seg, t.remote_offset, 0, 0, id);
       break;
     case TransferOp::fetch_add:
-      st = dp.chain_add<Opcode::fetch_add>(laddr, len, s.lkey(), s.writable(), **seg, t.remote_offset, t.compare_add,
-                                           0, id);
+      st = dp.chain_add<Opcode::fetch_add>(laddr, len, lkey, writable, seg, t.remote_offset, t.compare_add, 0, id);
       break;
     default:
-      st = dp.chain_add<Opcode::compare_swap>(laddr, len, s.lkey(), s.writable(), **seg, t.remote_offset,
-                                              t.compare_add, t.swap, id);
+      st = dp.chain_add<Opcode::compare_swap>(laddr, len, lkey, writable, seg, t.remote_offset, t.compare_add, t.swap,
+                                              id);
       break;
   }
   if (st != PostStatus::ok) [[unlikely]] {
@@ -528,6 +529,17 @@ void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
   }
   --l.chain_room;
   return true;
+}
+
+bool Worker::chain(Link& l, Xfer& x) {
+  const Transfer& t = x.t;
+  const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
+  if (seg == nullptr || !seg->has_value()) [[unlikely]] {
+    refused(l, x, PostStatus::not_advertised);
+    return false;
+  }
+  const LocalSlice& s = x.buf->slices[l.device];
+  return chain(l, x, reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset, s.lkey(), s.writable(), **seg);
 }
 
 void Worker::refused(Link& l, Xfer& x, PostStatus st) {
