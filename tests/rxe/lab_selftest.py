@@ -98,6 +98,33 @@ def case_pingpong_two_vms():
             fail(f"VM {vm} did not complete the transfer")
 
 
+# --nics 2: every VM has eth0/rxe0 on 198.18.0.0/24 and eth1/rxe1 on 198.18.1.0/24, separate
+# networks. RC traffic crosses on rxe1 alone; then VM 1 takes eth1 down: rxe1's port leaves
+# ACTIVE while rxe0 stays up and still carries a pingpong (a rail can fail alone).
+def case_two_nics_two_vms():
+    script = ('set -- $RDMAKIT_LAB_IPS1; b=$1; set -- $RDMAKIT_LAB_IPS0; a=$1; '
+              'echo "devices: $RDMAKIT_LAB_DEVICES ($RDMAKIT_LAB_NICS NICs), eth1 $RDMAKIT_LAB_IP1"; '
+              'if [ "$RDMAKIT_LAB_INDEX" = 0 ]; then '
+              "ibv_rc_pingpong -d rxe1 -g 1 -n 200 && exec ibv_rc_pingpong -d rxe0 -g 1 -n 200; else "
+              "(" + PINGPONG_CLIENT.replace("$RDMAKIT_LAB_DEVICE", "rxe1").format(host="$b") + ") || exit 1; "
+              "ip link set eth1 down; i=0; "
+              "while grep -q ACTIVE /sys/class/infiniband/rxe1/ports/1/state; do "
+              "i=$((i + 1)); [ $i -gt 50 ] && { echo 'rxe1 still ACTIVE 5 s after eth1 went down'; exit 2; }; "
+              "sleep 0.1; done; echo \"rxe1 after eth1 down: $(cat /sys/class/infiniband/rxe1/ports/1/state)\"; "
+              "grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state || { echo 'rxe0 went down too'; exit 3; }; "
+              + PINGPONG_CLIENT.replace("$RDMAKIT_LAB_DEVICE", "rxe0").format(host="$a") + "; fi")
+    rc, out, _, _ = run_lab(["--vms", "2", "--nics", "2", "--timeout", "180", "--", "sh", "-c", script])
+    if rc != 0:
+        fail(f"lab exited {rc}")
+    if not re.search(r"^\[1\] devices: rxe0 rxe1 \(2 NICs\), eth1 198\.18\.1\.2$", out, re.M):
+        fail("VM 1 did not see two NICs with rxe0 and rxe1, eth1 on 198.18.1.0/24")
+    for vm, peer in ((0, "198.18.1.2"), (1, "198.18.1.1"), (0, "198.18.0.2"), (1, "198.18.0.1")):
+        if not re.search(rf"^\[{vm}\]\s+remote address: .*GID ::ffff:{re.escape(peer)}$", out, re.M):
+            fail(f"VM {vm} did not run a pingpong with {peer} over RoCE v2")
+    if not re.search(r"^\[1\] rxe1 after eth1 down: \d+: DOWN", out, re.M):
+        fail("rxe1's port did not go DOWN with eth1")
+
+
 def case_exit_status():
     rc, _, err, _ = run_lab(["--", "sh", "-c", "echo about to fail; exit 3"])
     if rc != 3:
