@@ -1,15 +1,19 @@
-# rdmakit_add_rxe_test(NAME name [VMS n] [TIMEOUT sec] COMMAND cmd args...)
+# rdmakit_add_rxe_test(NAME name [VMS n] [NICS n] [TIMEOUT sec] COMMAND cmd args...)
 #
 # Registers a CTest test, labelled `rxe`, that boots n lab VMs (lab/rdmakit-lab) and runs the
-# command in each of them (it reads RDMAKIT_LAB_INDEX to pick its role). The command's timeout is
+# command in each of them (it reads RDMAKIT_LAB_INDEX to pick its role), each VM with n NICs
+# (lab --nics). The command's timeout is
 # enforced inside the lab; CTest's own TIMEOUT is a backstop that adds room for booting.
 # rxe tests run one at a time: each VM takes host cores, and timing checks must not share them.
 set(RDMAKIT_LAB ${CMAKE_CURRENT_LIST_DIR}/../lab/rdmakit-lab)
 
 function(rdmakit_add_rxe_test)
-  cmake_parse_arguments(ARG "" "NAME;VMS;TIMEOUT" "COMMAND" ${ARGN})
+  cmake_parse_arguments(ARG "" "NAME;VMS;NICS;TIMEOUT" "COMMAND" ${ARGN})
   if(NOT ARG_VMS)
     set(ARG_VMS 1)
+  endif()
+  if(NOT ARG_NICS)
+    set(ARG_NICS 1)
   endif()
   if(NOT ARG_TIMEOUT)
     set(ARG_TIMEOUT 120)
@@ -18,21 +22,21 @@ function(rdmakit_add_rxe_test)
   add_test(NAME rxe.${ARG_NAME}
            # The guest's stdout is a terminal (virtio console): keep GoogleTest's output plain.
            # The source and build trees may live below /tmp, which the guest replaces with its own.
-           COMMAND env GTEST_COLOR=no ${RDMAKIT_LAB} run --vms ${ARG_VMS} --timeout ${ARG_TIMEOUT}
+           COMMAND env GTEST_COLOR=no ${RDMAKIT_LAB} run --vms ${ARG_VMS} --nics ${ARG_NICS} --timeout ${ARG_TIMEOUT}
                    --share ${PROJECT_SOURCE_DIR} --share ${PROJECT_BINARY_DIR} -- ${ARG_COMMAND}
            WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
   set_tests_properties(rxe.${ARG_NAME} PROPERTIES
     LABELS rxe TIMEOUT ${backstop} RUN_SERIAL TRUE)
 endfunction()
 
-# rdmakit_add_rxe_suite(NAME name [VMS n] CASES case timeout "command" [case timeout "command"...])
+# rdmakit_add_rxe_suite(NAME name [VMS n] [NICS n] CASES case timeout "command" [case timeout "command"...])
 #
 # Many cases in one lab boot (tests/rxe/suite.sh runs them in turn and reports each, with its
 # wall time): a boot costs seconds, so cases that can share one do. Commands may use generator
 # expressions ($<TARGET_FILE:...>); each case's timeout is enforced inside the guest, the
 # suite's lab timeout is their sum.
 function(rdmakit_add_rxe_suite)
-  cmake_parse_arguments(ARG "" "NAME;VMS" "CASES" ${ARGN})
+  cmake_parse_arguments(ARG "" "NAME;VMS;NICS" "CASES" ${ARGN})
   list(LENGTH ARG_CASES n)
   math(EXPR rem "${n} % 3")
   if(n EQUAL 0 OR NOT rem EQUAL 0)
@@ -52,6 +56,6 @@ function(rdmakit_add_rxe_suite)
   endforeach()
   set(file ${CMAKE_CURRENT_BINARY_DIR}/suites/${ARG_NAME}.cases)
   file(GENERATE OUTPUT ${file} CONTENT "${content}")
-  rdmakit_add_rxe_test(NAME ${ARG_NAME} VMS ${ARG_VMS} TIMEOUT ${total}
+  rdmakit_add_rxe_test(NAME ${ARG_NAME} VMS ${ARG_VMS} NICS ${ARG_NICS} TIMEOUT ${total}
                        COMMAND sh ${PROJECT_SOURCE_DIR}/tests/rxe/suite.sh ${file})
 endfunction()

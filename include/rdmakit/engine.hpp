@@ -185,6 +185,17 @@ struct EngineInfo {
   std::string access_model{};  ///< one line saying which, and why
 };
 
+/// A peer as this engine sees it (Engine::peers()).
+struct PeerInfo {
+  std::string name{};
+  std::string address{};
+  /// The worker that serves it: with one worker per device (the default), the worker of the
+  /// device its address is reached through, so its link's completions stay on one thread.
+  std::uint32_t worker = 0;
+  std::string device{};  ///< the local device of its link (empty until it was first linked)
+  bool linked = false;   ///< a link to it is up now
+};
+
 /// Many peers, memory registered once, batched asynchronous transfers from any number of
 /// threads (see docs/engine.md).
 ///
@@ -227,6 +238,8 @@ class Engine {
   /// Removes a peer: its links close (what is in flight fails as peer_lost), and its access to
   /// this engine's segments is revoked.
   void remove_peer(const std::string& name);
+  /// Every peer added, in the order added.
+  [[nodiscard]] std::vector<PeerInfo> peers() const;
   /// A handle for `segment` of `peer` (added before). Throws Error for an unknown peer.
   [[nodiscard]] RemoteSegment segment(const std::string& peer, const std::string& segment);
   /// Connects to `peer` now (instead of at its first transfer) and waits until its segments are

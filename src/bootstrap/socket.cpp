@@ -264,6 +264,24 @@ std::string local_address(int fd) {
   return sockaddr_text(reinterpret_cast<sockaddr*>(&ss), false);
 }
 
+std::string route_source(const HostPort& to) {
+  // Numeric addresses only: a name would need a resolver, which may block.
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const std::string port = std::to_string(to.port == 0 ? 9 : to.port);
+  if (to.host.empty() || ::getaddrinfo(to.host.c_str(), port.c_str(), &hints, &res) != 0) return {};
+  std::string out;
+  // connect() on a datagram socket only asks the kernel for the route: nothing is sent.
+  if (Fd fd(::socket(res->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0)); fd && ::connect(fd.get(), res->ai_addr, res->ai_addrlen) == 0) {
+    out = local_address(fd.get());
+  }
+  ::freeaddrinfo(res);
+  return out;
+}
+
 std::string peer_address(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;

@@ -53,6 +53,9 @@ std::uint16_t local_port(int fd);
 /// The socket's own IP address, without port ("10.0.0.1", "fe80::1"); empty if unknown.
 std::string local_address(int fd);
 std::string peer_address(int fd);
+/// The local address the kernel would send from to reach `to` (a numeric host), found without
+/// sending anything; empty for a name or when there is no route.
+std::string route_source(const HostPort& to);
 
 void send_all(int fd, std::span<const std::uint8_t> bytes, Deadline deadline);
 void recv_exact(int fd, std::span<std::uint8_t> bytes, Deadline deadline);

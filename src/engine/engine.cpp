@@ -224,6 +224,19 @@ Engine::Impl::Impl(EngineConfig c)
   if (!cfg.listen.empty() && cfg.listen_at_start) start_listening();
 }
 
+detail::Worker* Engine::Impl::worker_for(const std::string& address, std::uint32_t id) {
+  const auto n = static_cast<std::uint32_t>(workers.size());
+  if (!cfg.workers.has_value() && n > 1) {
+    try {
+      const std::string src = detail::route_source(detail::parse_host_port(address, 0));
+      if (!src.empty()) return workers[device_index(pick_device(layer->catalog(), cfg.link.device, src).name) % n].get();
+    } catch (const std::exception&) {
+      // No device carries that route: the connect will say so; any worker will do.
+    }
+  }
+  return workers[(id - 1) % n].get();
+}
+
 void Engine::Impl::start_listening() {
   std::lock_guard lock(listen_mu);
   if (listener || cfg.listen.empty()) return;
@@ -308,7 +321,10 @@ detail::Attachment Engine::Impl::attach(const std::string& device, Worker* prefe
   // A worker with room in its CQ there: the preferred one (a peer's own), else round robin.
   // A link this engine opens belongs to its peer's worker; one a peer opens, to any worker.
   const auto n = static_cast<std::uint32_t>(workers.size());
-  const std::uint32_t first = preferred != nullptr ? preferred->index() : next_worker.fetch_add(1) % n;
+  // With one worker per device, a link a peer opens goes to its device's worker first.
+  const std::uint32_t first = preferred != nullptr          ? preferred->index()
+                              : !cfg.workers.has_value() ? d % n
+                                                          : next_worker.fetch_add(1) % n;
   for (std::uint32_t k = 0; k < (preferred != nullptr ? 1u : n); ++k) {
     if (auto a = workers[(first + k) % n]->attach(d)) {
       a->qp_access = kAllRemote;
@@ -526,7 +542,7 @@ void Engine::add_peer(std::string name, std::string address) {
   p->id = static_cast<std::uint32_t>(impl_->peers.size() + 1);
   p->name = std::move(name);
   p->address = std::move(address);
-  p->worker = impl_->workers[(p->id - 1) % impl_->workers.size()].get();
+  p->worker = impl_->worker_for(p->address, p->id);
   impl_->peer_ids[p->name] = p->id;
   impl_->peers.push_back(std::move(p));
   impl_->peer_table[impl_->peers.size() - 1].store(impl_->peers.back().get(), std::memory_order_release);
@@ -544,6 +560,24 @@ void Engine::remove_peer(const std::string& name) {
   p->removed.store(true);
   // Its accepted links (found by the name in their IDENT) are on any worker.
   for (auto& w : impl_->workers) w->post(detail::Command(detail::Command::Kind::remove_peer, p, name));
+}
+
+std::vector<PeerInfo> Engine::peers() const {
+  std::vector<PeerInfo> out;
+  std::lock_guard lock(impl_->mu);
+  const auto& devices = impl_->layer->devices();
+  for (const auto& p : impl_->peers) {
+    if (impl_->peer_ids.count(p->name) == 0 || impl_->peer_ids.at(p->name) != p->id) continue;  // removed
+    PeerInfo i{p->name, p->address, p->worker->index(), {}, false};
+    const int d = p->device.load(std::memory_order_relaxed);
+    if (d >= 0 && static_cast<std::size_t>(d) < devices.size()) i.device = devices[static_cast<std::size_t>(d)]->name();
+    {
+      std::lock_guard pl(p->m);
+      i.linked = p->up;
+    }
+    out.push_back(std::move(i));
+  }
+  return out;
 }
 
 RemoteSegment Engine::segment(const std::string& peer, const std::string& segment) {

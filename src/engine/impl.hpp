@@ -103,6 +103,7 @@ struct Peer {
   std::map<std::string, std::uint32_t> slot_by_name;  // Engine::Impl::mu
   std::vector<std::string> slot_names;                // Engine::Impl::mu
   std::atomic<bool> removed{false};
+  std::atomic<int> device{-1};  // its last link's device index (for peers())
   // The worker's:
   Link* link = nullptr;     // the link this engine initiated, once up
   bool connecting = false;
@@ -363,6 +364,9 @@ struct Engine::Impl {
   /// A BufferRec or Peer by id (0 or unknown: null). Lock-free.
   [[nodiscard]] detail::BufferRec* buffer(std::uint32_t id) const noexcept;
   [[nodiscard]] detail::Peer* peer(std::uint32_t id) const noexcept;
+  /// The worker for a new peer at `address`: with one worker per device, the one of the device
+  /// the kernel routes the address through; else (or for a name, or no route) round robin.
+  detail::Worker* worker_for(const std::string& address, std::uint32_t id);
   /// The device index of `name` in the layer.
   [[nodiscard]] std::uint32_t device_index(const std::string& name) const;
   /// The attach hook of every link: a worker's CQ on that device with room, and a QP of the

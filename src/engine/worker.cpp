@@ -763,6 +763,7 @@ void Worker::link_up(Command& c) {
     Peer& p = *l.peer;
     p.link = &l;
     p.connecting = false;
+    p.device.store(static_cast<int>(l.device), std::memory_order_relaxed);
     e_.count.connects.fetch_add(1, std::memory_order_relaxed);
     if (p.ever_connected) e_.count.reconnects.fetch_add(1, std::memory_order_relaxed);
     p.ever_connected = true;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -554,6 +555,50 @@ TEST(Engine, GivingOneMorePeerAccessCostsTheSame) {
               "(mean over all %d: %.1f us)\n",
               early, kSample, late, kLinks - kSample + 1, kLinks, kLinks,
               static_cast<double>(cnt.window_bind_ns) / kLinks / 1000);
+}
+
+// Two NICs (lab --nics 2: rxe0 on 198.18.0.0/24, rxe1 on 198.18.1.0/24): with one worker per
+// device, a peer is served by the worker of the device its address is reached through, its link
+// is on that device, and Engine::peers() says so. Every byte moved through both is checked.
+TEST(Engine, APeerIsServedByTheWorkerOfItsDevice) {
+  const char* ip0 = std::getenv("RDMAKIT_LAB_IP0");
+  const char* ip1 = std::getenv("RDMAKIT_LAB_IP1");
+  if (ip0 == nullptr || ip1 == nullptr) GTEST_SKIP() << "needs a lab VM with two NICs (--nics 2)";
+  std::vector<std::unique_ptr<Target>> targets;
+  for (const char* ip : {ip0, ip1}) {
+    EngineConfig tc = config(std::string("t") + (ip == ip0 ? "0" : "1"));
+    tc.listen = std::string(ip) + ":0";
+    targets.push_back(std::make_unique<Target>(tc.name, 1 << 16, tc));
+  }
+  EngineConfig c = config("a");
+  c.listen = "";
+  Engine a(c);
+  ASSERT_EQ(a.info().devices.size(), 2u);
+  // t1 first: round robin would give it worker 0, its device's worker is 1.
+  a.add_peer("t1", std::string(ip1) + ":" + std::to_string(targets[1]->engine.port()));
+  a.add_peer("t0", std::string(ip0) + ":" + std::to_string(targets[0]->engine.port()));
+  const Buffer src = a.allocate_memory(1 << 16);
+  fill(src.addr, src.length, 9);
+  std::vector<Transfer> t;
+  for (std::uint64_t k = 0; k < 16; ++k) {
+    t.push_back(xfer(TransferOp::write, src, k * 4096, 4096, a.segment(k % 2 == 0 ? "t0" : "t1", "kv"), k * 4096));
+  }
+  Batch b = a.submit(t);
+  ASSERT_TRUE(b.wait(10s));
+  ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
+  for (std::uint64_t k = 0; k < 16; ++k) {
+    EXPECT_TRUE(same(static_cast<char*>(targets[k % 2]->buf.addr) + k * 4096, static_cast<char*>(src.addr) + k * 4096, 4096))
+        << "transfer " << k;
+  }
+  const std::vector<rdmakit::PeerInfo> peers = a.peers();
+  ASSERT_EQ(peers.size(), 2u);
+  for (std::size_t i = 0; i < 2; ++i) {
+    const std::uint32_t d = 1 - static_cast<std::uint32_t>(i);  // added in the order t1, t0
+    EXPECT_EQ(peers[i].name, "t" + std::to_string(d));
+    EXPECT_TRUE(peers[i].linked);
+    EXPECT_EQ(peers[i].device, "rxe" + std::to_string(d)) << peers[i].address;
+    EXPECT_EQ(peers[i].worker, d) << "the worker of " << peers[i].device;
+  }
 }
 
 // Several workers: peers are spread over them, and one batch that spans peers on different
