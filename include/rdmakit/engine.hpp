@@ -220,7 +220,10 @@ class Engine {
 
   /// Registers caller-owned memory once on each device (it must outlive the engine).
   Buffer register_memory(void* addr, std::size_t length);
-  /// Allocates memory of spec.kind, owned by the engine, and registers it.
+  /// Allocates memory of spec.kind, owned by the engine, and registers it on every device (by
+  /// its address: host memory, huge pages, CUDA host memory, GPU memory where nvidia-peermem
+  /// lets it be registered so). With several devices, memory that only a dma-buf or a bounce
+  /// buffer reaches is refused (Error, ENOTSUP) rather than shared by one device.
   Buffer allocate_memory(std::size_t length, const MemorySpec& spec = {});
   /// Makes [offset, offset + length) of `buffer` a segment called `name` (1..64 bytes) that
   /// peers may access as `access` allows (remote_read, remote_write, remote_atomic). Peers

@@ -488,17 +488,26 @@ Buffer Engine::register_memory(void* addr, std::size_t length) {
 
 Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
   auto rec = std::make_unique<detail::BufferRec>();
-  if (impl_->pds.size() > 1 && spec.kind != MemoryKind::host) {
-    throw Error("allocate_memory", ENOTSUP, "memory other than host memory on a host with several devices",
-                "allocate it yourself and register_memory() it");
-  }
-  // The first device allocates (and owns) the memory; the others register the same bytes.
+  rec->regions.reserve(impl_->pds.size());  // `first` below stays valid
+  // The first device allocates (and owns) the memory; the others register the same bytes by
+  // their address (host memory, huge pages, CUDA host memory, and GPU memory where the first
+  // took it by address too: what nvidia-peermem makes work).
   rec->regions.emplace_back(MemoryRegion::Impl::wrap(
       detail::allocate_region(impl_->pds[0], length, buffer_access(impl_->windows), spec)));
-  void* addr = rec->regions[0]->data();
+  const MemoryRegion& first = *rec->regions[0];
+  if (impl_->pds.size() > 1 && first.path() != RegistrationPath::host_mr &&
+      first.path() != RegistrationPath::device_mr) {
+    throw Error("allocate_memory", ENOTSUP,
+                fmt::format("{} memory took the {} path on {}, which the engine's other devices cannot share",
+                            to_string(spec.kind), to_string(first.path()), impl_->layer->devices()[0]->name()),
+                "register_memory() registers a host or GPU address on every device; memory that only a "
+                "dma-buf or a bounce buffer reaches is shared by one device only, today");
+  }
+  void* addr = first.local().addr();
   for (std::size_t d = 1; d < impl_->pds.size(); ++d) {
     rec->regions.emplace_back(MemoryRegion::Impl::wrap(detail::register_region(impl_->pds[d], addr, length, buffer_access(impl_->windows))));
   }
+  addr = first.data();
   rec->handle.addr = addr;
   rec->handle.length = length;
   return impl_->publish(std::move(rec));

@@ -601,6 +601,43 @@ TEST(Engine, APeerIsServedByTheWorkerOfItsDevice) {
   }
 }
 
+// Two devices: memory other than plain host memory (huge pages here) is registered on both, and
+// transfers through a peer on each move its bytes right.
+TEST(Engine, HugePagesAreRegisteredOnEveryDevice) {
+  const char* ip0 = std::getenv("RDMAKIT_LAB_IP0");
+  const char* ip1 = std::getenv("RDMAKIT_LAB_IP1");
+  if (ip0 == nullptr || ip1 == nullptr) GTEST_SKIP() << "needs a lab VM with two NICs (--nics 2)";
+  std::vector<std::unique_ptr<Target>> targets;
+  for (const char* ip : {ip0, ip1}) {
+    EngineConfig tc = config(std::string("t") + (ip == ip0 ? "0" : "1"));
+    tc.listen = std::string(ip) + ":0";
+    targets.push_back(std::make_unique<Target>(tc.name, 1 << 16, tc));
+  }
+  EngineConfig c = config("a");
+  c.listen = "";
+  Engine a(c);
+  rdmakit::MemorySpec huge;
+  huge.kind = rdmakit::MemoryKind::hugepage;
+  const Buffer src = a.allocate_memory(2 << 20, huge);
+  fill(src.addr, 1 << 16, 5);
+  a.add_peer("t0", std::string(ip0) + ":" + std::to_string(targets[0]->engine.port()));
+  a.add_peer("t1", std::string(ip1) + ":" + std::to_string(targets[1]->engine.port()));
+  std::vector<Transfer> t;
+  for (std::uint64_t k = 0; k < 8; ++k) {
+    t.push_back(xfer(TransferOp::write, src, k * 8192, 8192, a.segment(k % 2 == 0 ? "t0" : "t1", "kv"), k * 8192));
+  }
+  Batch b = a.submit(t);
+  ASSERT_TRUE(b.wait(10s));
+  ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
+  for (std::uint64_t k = 0; k < 8; ++k) {
+    EXPECT_TRUE(same(static_cast<char*>(targets[k % 2]->buf.addr) + k * 8192, static_cast<char*>(src.addr) + k * 8192, 8192))
+        << "transfer " << k;
+  }
+  const auto peers = a.peers();
+  ASSERT_EQ(peers.size(), 2u);
+  EXPECT_NE(peers[0].device, peers[1].device);  // the buffer went out through both devices
+}
+
 // Several workers: peers are spread over them, and one batch that spans peers on different
 // workers ends once, every transfer right, from several submitting threads at once.
 TEST(Engine, BatchesSpanningWorkersEndOnce) {
