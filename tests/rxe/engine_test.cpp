@@ -557,26 +557,36 @@ TEST(Engine, GivingOneMorePeerAccessCostsTheSame) {
               static_cast<double>(cnt.window_bind_ns) / kLinks / 1000);
 }
 
+// Lab --nics 2 (rxe0 on 198.18.0.0/24, rxe1 on 198.18.1.0/24): a target on each NIC's
+// address, "t0" and "t1", with a 64 KiB segment "kv".
+struct TwoNics {
+  const char* ip[2] = {std::getenv("RDMAKIT_LAB_IP0"), std::getenv("RDMAKIT_LAB_IP1")};
+  std::vector<std::unique_ptr<Target>> targets;
+  [[nodiscard]] bool present() const { return ip[0] != nullptr && ip[1] != nullptr; }
+  TwoNics() {
+    for (std::size_t k = 0; k < 2 && present(); ++k) {
+      EngineConfig tc = config("t" + std::to_string(k));
+      tc.listen = std::string(ip[k]) + ":0";
+      targets.push_back(std::make_unique<Target>(tc.name, 1 << 16, tc));
+    }
+  }
+  [[nodiscard]] std::string at(std::size_t k) const { return std::string(ip[k]) + ":" + std::to_string(targets[k]->engine.port()); }
+};
+
 // Two NICs (lab --nics 2: rxe0 on 198.18.0.0/24, rxe1 on 198.18.1.0/24): with one worker per
 // device, a peer is served by the worker of the device its address is reached through, its link
 // is on that device, and Engine::peers() says so. Every byte moved through both is checked.
 TEST(Engine, APeerIsServedByTheWorkerOfItsDevice) {
-  const char* ip0 = std::getenv("RDMAKIT_LAB_IP0");
-  const char* ip1 = std::getenv("RDMAKIT_LAB_IP1");
-  if (ip0 == nullptr || ip1 == nullptr) GTEST_SKIP() << "needs a lab VM with two NICs (--nics 2)";
-  std::vector<std::unique_ptr<Target>> targets;
-  for (const char* ip : {ip0, ip1}) {
-    EngineConfig tc = config(std::string("t") + (ip == ip0 ? "0" : "1"));
-    tc.listen = std::string(ip) + ":0";
-    targets.push_back(std::make_unique<Target>(tc.name, 1 << 16, tc));
-  }
+  TwoNics n;
+  if (!n.present()) GTEST_SKIP() << "needs a lab VM with two NICs (--nics 2)";
+  auto& targets = n.targets;
   EngineConfig c = config("a");
   c.listen = "";
   Engine a(c);
   ASSERT_EQ(a.info().devices.size(), 2u);
   // t1 first: round robin would give it worker 0, its device's worker is 1.
-  a.add_peer("t1", std::string(ip1) + ":" + std::to_string(targets[1]->engine.port()));
-  a.add_peer("t0", std::string(ip0) + ":" + std::to_string(targets[0]->engine.port()));
+  a.add_peer("t1", n.at(1));
+  a.add_peer("t0", n.at(0));
   const Buffer src = a.allocate_memory(1 << 16);
   fill(src.addr, src.length, 9);
   std::vector<Transfer> t;
@@ -604,15 +614,9 @@ TEST(Engine, APeerIsServedByTheWorkerOfItsDevice) {
 // Two devices: memory other than plain host memory (huge pages here) is registered on both, and
 // transfers through a peer on each move its bytes right.
 TEST(Engine, HugePagesAreRegisteredOnEveryDevice) {
-  const char* ip0 = std::getenv("RDMAKIT_LAB_IP0");
-  const char* ip1 = std::getenv("RDMAKIT_LAB_IP1");
-  if (ip0 == nullptr || ip1 == nullptr) GTEST_SKIP() << "needs a lab VM with two NICs (--nics 2)";
-  std::vector<std::unique_ptr<Target>> targets;
-  for (const char* ip : {ip0, ip1}) {
-    EngineConfig tc = config(std::string("t") + (ip == ip0 ? "0" : "1"));
-    tc.listen = std::string(ip) + ":0";
-    targets.push_back(std::make_unique<Target>(tc.name, 1 << 16, tc));
-  }
+  TwoNics n;
+  if (!n.present()) GTEST_SKIP() << "needs a lab VM with two NICs (--nics 2)";
+  auto& targets = n.targets;
   EngineConfig c = config("a");
   c.listen = "";
   Engine a(c);
@@ -620,8 +624,8 @@ TEST(Engine, HugePagesAreRegisteredOnEveryDevice) {
   huge.kind = rdmakit::MemoryKind::hugepage;
   const Buffer src = a.allocate_memory(2 << 20, huge);
   fill(src.addr, 1 << 16, 5);
-  a.add_peer("t0", std::string(ip0) + ":" + std::to_string(targets[0]->engine.port()));
-  a.add_peer("t1", std::string(ip1) + ":" + std::to_string(targets[1]->engine.port()));
+  a.add_peer("t0", n.at(0));
+  a.add_peer("t1", n.at(1));
   std::vector<Transfer> t;
   for (std::uint64_t k = 0; k < 8; ++k) {
     t.push_back(xfer(TransferOp::write, src, k * 8192, 8192, a.segment(k % 2 == 0 ? "t0" : "t1", "kv"), k * 8192));
