@@ -89,6 +89,15 @@ void DataPath::observe(std::function<void(const TraceEvent&)> trace, std::string
   peer_ = std::move(peer);
 }
 
+// poll() of more than one completion: out of line, so the one-completion path keeps a small
+// frame (the batch's array of work completions lives here).
+std::size_t DataPath::poll_many(std::span<Completion> out) noexcept {
+  std::size_t n = lane_count_ > 1 || lanes_[0].sq.count() != 0 ? reap_send(out) : 0;
+  if (rq_.count() != 0 && n < out.size()) n += reap_recv(out.subspan(n));
+  if (markers_pending_) [[unlikely]] post_markers();
+  return n;
+}
+
 void DataPath::set_remote(std::vector<RemoteRegion> regions, bool atomics) {
   remote_ = std::move(regions);
   atomics_ = atomics;

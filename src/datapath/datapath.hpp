@@ -166,6 +166,9 @@ class DataPath {
 
   // --- completions ------------------------------------------------------------------------------
   std::size_t poll(std::span<Completion> out) noexcept;
+  /// poll() for one completion (what a latency loop asks for): the same bookkeeping, in a frame
+  /// of its own without the batch loop's array of work completions.
+  std::size_t poll_one(Completion& out) noexcept;
   /// Waits for the next completion (see Connection::wait), calling `hk.tick` about once a
   /// millisecond; a break is reported once, then `closed` once nothing is outstanding.
   WaitResult wait(std::chrono::milliseconds timeout, Housekeeping& hk) noexcept;
@@ -232,6 +235,7 @@ class DataPath {
                                  std::uint64_t len) const noexcept;
 
   std::size_t reap_send(std::span<Completion> out) noexcept;
+  [[gnu::noinline]] std::size_t poll_many(std::span<Completion> out) noexcept;
   std::size_t reap_recv(std::span<Completion> out) noexcept;
   bool take_send(const ibv_wc& wc, Completion& c) noexcept;
   bool take_lane(Lane& lane, const ibv_wc& wc, Completion& c) noexcept;
@@ -597,10 +601,21 @@ template <typename Take>
 }
 
 [[gnu::always_inline]] inline std::size_t DataPath::poll(std::span<Completion> out) noexcept {
+  return out.size() == 1 ? poll_one(out[0]) : poll_many(out);
+}
+
+[[gnu::always_inline]] inline std::size_t DataPath::poll_one(Completion& out) noexcept {
   // A queue with nothing in flight has nothing to report: skip its provider call (it costs real
   // time per spin in a latency loop).
-  std::size_t n = lane_count_ > 1 || lanes_[0].sq.count() != 0 ? reap_send(out) : 0;
-  if (rq_.count() != 0 && n < out.size()) n += reap_recv(out.subspan(n));
+  std::size_t n = 0;
+  if (lane_count_ > 1 || lanes_[0].sq.count() != 0) {
+    ibv_wc wc;
+    n = ibv_poll_cq(send_cq_, 1, &wc) == 1 && take_send(wc, out) ? 1 : 0;
+  }
+  if (rq_.count() != 0 && n == 0) {
+    ibv_wc wc;
+    n = ibv_poll_cq(recv_cq_, 1, &wc) == 1 && take_recv(wc, out) ? 1 : 0;
+  }
   if (markers_pending_) [[unlikely]] post_markers();
   return n;
 }
