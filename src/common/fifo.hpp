@@ -25,7 +25,6 @@ class Fifo {
     if (size() == buf_.size()) grow();
     buf_[--head_ & mask_] = v;
   }
-  void clear() noexcept { head_ = tail_ = 0; }
 
  private:
   void grow() {

@@ -503,12 +503,11 @@ Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
                 "register_memory() registers a host or GPU address on every device; memory that only a "
                 "dma-buf or a bounce buffer reaches is shared by one device only, today");
   }
-  void* addr = first.local().addr();
   for (std::size_t d = 1; d < impl_->pds.size(); ++d) {
-    rec->regions.emplace_back(MemoryRegion::Impl::wrap(detail::register_region(impl_->pds[d], addr, length, buffer_access(impl_->windows))));
+    rec->regions.emplace_back(MemoryRegion::Impl::wrap(
+        detail::register_region(impl_->pds[d], first.local().addr(), length, buffer_access(impl_->windows))));
   }
-  addr = first.data();
-  rec->handle.addr = addr;
+  rec->handle.addr = first.data();
   rec->handle.length = length;
   return impl_->publish(std::move(rec));
 }

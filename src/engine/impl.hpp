@@ -152,7 +152,6 @@ struct Link {
   // The chain being built on the link's data path (Worker::room_on), and how many more it takes.
   bool chain_open = false;
   std::uint32_t chain_room = 0;
-  std::uint64_t max_msg = 0;    // longer transfers are split by the data path, posted alone
   bool flush_queued = false;    // in the worker's list of links to post for
   // The transfers posted on the link are the slots of its send ring (their wr_id is the Xfer),
   // in post order. RC completes in order, so a completion also ends every transfer posted before
@@ -242,6 +241,7 @@ class Worker {
     bool ok = false;
     std::uint32_t buf_id = 0, peer_id = 0, slot = 0;
     std::uint64_t buf_len = 0;
+    std::uint64_t max_msg = 0;  // the link's max_msg_sz (too_long)
     Link* link = nullptr;
     const RemoteRegion* seg = nullptr;
     std::uint64_t laddr = 0;  // the buffer's address as registered on the link's device
@@ -251,6 +251,8 @@ class Worker {
   /// The long way for transfer x: checks it, chains it or queues it, and sets `r` for the next.
   [[gnu::noinline]] void admit(Xfer& x, Route& r);
   [[gnu::noinline]] void refused(Link& l, Xfer& x, PostStatus st);
+  /// Longer than one request may be (max_msg_sz): the data path splits it, and it is posted alone.
+  static bool too_long(const Link& l, const Transfer& t) noexcept { return t.length > l.impl.dp.limits().max_msg_size; }
   /// A transfer the data path splits (longer than max_msg_sz), posted alone.
   void post_alone(Link& l, Xfer& x);
   /// Ends the transfers whose slots of `l`'s ring lie in [l.ended, upto): ok, or with `s`.

@@ -333,6 +333,13 @@ namespace {
   return "a transfer of 0 bytes";
 }
 
+// Whether t's local range is outside a buffer of `len` bytes or empty, or t is an atomic of
+// other than 8 bytes: one branch for all of it (0 for `len` when there is no buffer).
+[[gnu::always_inline]] inline bool bad_range(const Transfer& t, std::uint64_t len) {
+  return (t.local_offset > len) | (t.length - 1 >= len - t.local_offset) |
+         ((t.op >= TransferOp::fetch_add) & (t.length != 8));
+}
+
 }  // namespace
 
 // Each transfer is checked, and goes straight into the chain open on its peer's link when that
@@ -361,11 +368,8 @@ void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std:
     const Transfer& t = x.t;
     const bool same = r.ok & (t.local.id == r.buf_id) & (t.remote.peer == r.peer_id) & (t.remote.slot == r.slot);
     if (!same || r.link->chain_room == 0) [[unlikely]] return admit(x, r);
-    // [offset, offset + length) inside the buffer and not empty, short enough for one request,
-    // 8 bytes for an atomic: one branch.
-    const bool bad = (t.local_offset > r.buf_len) | (t.length - 1 >= r.buf_len - t.local_offset) |
-                     (t.length > r.link->max_msg) | ((t.op >= TransferOp::fetch_add) & (t.length != 8));
-    if (bad) [[unlikely]] return admit(x, r);
+    // A transfer too long for one request goes the long way too (it is posted alone).
+    if (bad_range(t, r.buf_len) | (t.length > r.max_msg)) [[unlikely]] return admit(x, r);
     if (!chain(*r.link, x, r.laddr + t.local_offset, r.lkey, r.writable, *r.seg)) r.ok = false;
   };
   if (all) {
@@ -382,14 +386,12 @@ void Worker::admit(Xfer& x, Route& r) {
   const BufferRec* buf = e_.buffer(t.local.id);
   Peer* peer = e_.peer(t.remote.peer);
   const std::uint64_t buf_len = buf != nullptr ? buf->handle.length : 0;
-  const bool bad = peer == nullptr || peer->removed.load(std::memory_order_relaxed) || t.local_offset > buf_len ||
-                   t.length - 1 >= buf_len - t.local_offset ||
-                   ((t.op == TransferOp::fetch_add || t.op == TransferOp::compare_swap) && t.length != 8);
-  if (bad) return end(x, TransferStatus::invalid, invalid_reason(t, buf, peer));
+  if (peer == nullptr || peer->removed.load(std::memory_order_relaxed) || bad_range(t, buf_len)) {
+    return end(x, TransferStatus::invalid, invalid_reason(t, buf, peer));
+  }
   x.buf = buf;
   Link* l = peer->link;
-  if (l == nullptr || l->state != Link::State::ready || !l->backlog.empty() || t.length > l->max_msg ||
-      !room_on(*l)) {
+  if (l == nullptr || l->state != Link::State::ready || !l->backlog.empty() || too_long(*l, t) || !room_on(*l)) {
     return start_transfer(*peer, x);
   }
   const std::optional<RemoteRegion>* seg = t.remote.slot < l->by_slot.size() ? &l->by_slot[t.remote.slot] : nullptr;
@@ -398,8 +400,8 @@ void Worker::admit(Xfer& x, Route& r) {
   if (!chain(*l, x, reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset, s.lkey(), s.writable(), **seg)) return;
   // What the next transfers of the same buffer and segment reuse; valid while nothing but
   // chain() runs (which keeps the link as it is, or says it did not).
-  r = {true, t.local.id, t.remote.peer, t.remote.slot, buf_len, l, &**seg, reinterpret_cast<std::uint64_t>(s.addr()),
-       s.lkey(), s.writable()};
+  r = {true, t.local.id, t.remote.peer, t.remote.slot, buf_len, l->impl.dp.limits().max_msg_size, l, &**seg,
+       reinterpret_cast<std::uint64_t>(s.addr()), s.lkey(), s.writable()};
 }
 
 void Worker::start_transfer(Peer& p, Xfer& x) {
@@ -505,7 +507,7 @@ void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
                                                   bool writable, const RemoteRegion& seg) {
   const Transfer& t = x.t;
   DataPath& dp = l.impl.dp;
-  const auto len = static_cast<std::uint32_t>(t.length);  // at most max_msg_sz (Link::max_msg)
+  const auto len = static_cast<std::uint32_t>(t.length);  // at most max_msg_sz (too_long)
   const auto id = reinterpret_cast<std::uint64_t>(&x);
   PostStatus st;
   switch (t.op) {
@@ -586,7 +588,7 @@ void Worker::post_alone(Link& l, Xfer& x) {
 void Worker::flush(Link& l) {
   while (!l.backlog.empty() && l.state == Link::State::ready) {
     Xfer& x = *l.backlog.front();
-    if (x.t.length > l.max_msg) [[unlikely]] {  // split by the data path: posted alone
+    if (too_long(l, x.t)) [[unlikely]] {  // split by the data path: posted alone
       if (l.chain_open) post_chain(l);
       if (l.state != Link::State::ready) return;
       l.backlog.pop_front();
@@ -754,7 +756,6 @@ void Worker::link_up(Command& c) {
   l.impl.dp.route_through(cqs_[l.device]->router, cqs_[l.device]->router);
   l.impl.dp.context = &l;
   l.ended = l.impl.dp.lane(0).sq.next_seq();
-  l.max_msg = l.impl.dp.limits().max_msg_size;
   links_.push_back(std::move(owned));
   e_.count.links.fetch_add(1, std::memory_order_relaxed);
   watch(l, true);
