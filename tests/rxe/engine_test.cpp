@@ -572,6 +572,21 @@ struct TwoNics {
     }
   }
   [[nodiscard]] std::string at(std::size_t k) const { return std::string(ip[k]) + ":" + std::to_string(targets[k]->engine.port()); }
+  // Writes `blocks` blocks of `src` (from 0) to t0 and t1 in turn, at the same offsets, and checks
+  // every byte arrived.
+  void write_to_both(Engine& a, const Buffer& src, std::uint64_t blocks, std::uint64_t block) const {
+    std::vector<Transfer> t;
+    for (std::uint64_t k = 0; k < blocks; ++k) {
+      t.push_back(xfer(TransferOp::write, src, k * block, block, a.segment(k % 2 == 0 ? "t0" : "t1", "kv"), k * block));
+    }
+    Batch b = a.submit(t);
+    ASSERT_TRUE(b.wait(10s));
+    ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
+    for (std::uint64_t k = 0; k < blocks; ++k) {
+      EXPECT_TRUE(same(static_cast<char*>(targets[k % 2]->buf.addr) + k * block, static_cast<char*>(src.addr) + k * block, block))
+          << "transfer " << k;
+    }
+  }
 };
 
 // Two NICs (lab --nics 2: rxe0 on 198.18.0.0/24, rxe1 on 198.18.1.0/24): with one worker per
@@ -580,7 +595,6 @@ struct TwoNics {
 TEST(Engine, APeerIsServedByTheWorkerOfItsDevice) {
   TwoNics n;
   if (!n.present()) GTEST_SKIP() << "needs a lab VM with two NICs (--nics 2)";
-  auto& targets = n.targets;
   EngineConfig c = config("a");
   c.listen = "";
   Engine a(c);
@@ -590,17 +604,7 @@ TEST(Engine, APeerIsServedByTheWorkerOfItsDevice) {
   a.add_peer("t0", n.at(0));
   const Buffer src = a.allocate_memory(1 << 16);
   fill(src.addr, src.length, 9);
-  std::vector<Transfer> t;
-  for (std::uint64_t k = 0; k < 16; ++k) {
-    t.push_back(xfer(TransferOp::write, src, k * 4096, 4096, a.segment(k % 2 == 0 ? "t0" : "t1", "kv"), k * 4096));
-  }
-  Batch b = a.submit(t);
-  ASSERT_TRUE(b.wait(10s));
-  ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
-  for (std::uint64_t k = 0; k < 16; ++k) {
-    EXPECT_TRUE(same(static_cast<char*>(targets[k % 2]->buf.addr) + k * 4096, static_cast<char*>(src.addr) + k * 4096, 4096))
-        << "transfer " << k;
-  }
+  ASSERT_NO_FATAL_FAILURE(n.write_to_both(a, src, 16, 4096));
   const std::vector<rdmakit::PeerInfo> peers = a.peers();
   ASSERT_EQ(peers.size(), 2u);
   for (std::size_t i = 0; i < 2; ++i) {
@@ -617,7 +621,6 @@ TEST(Engine, APeerIsServedByTheWorkerOfItsDevice) {
 TEST(Engine, HugePagesAreRegisteredOnEveryDevice) {
   TwoNics n;
   if (!n.present()) GTEST_SKIP() << "needs a lab VM with two NICs (--nics 2)";
-  auto& targets = n.targets;
   EngineConfig c = config("a");
   c.listen = "";
   Engine a(c);
@@ -627,17 +630,7 @@ TEST(Engine, HugePagesAreRegisteredOnEveryDevice) {
   fill(src.addr, 1 << 16, 5);
   a.add_peer("t0", n.at(0));
   a.add_peer("t1", n.at(1));
-  std::vector<Transfer> t;
-  for (std::uint64_t k = 0; k < 8; ++k) {
-    t.push_back(xfer(TransferOp::write, src, k * 8192, 8192, a.segment(k % 2 == 0 ? "t0" : "t1", "kv"), k * 8192));
-  }
-  Batch b = a.submit(t);
-  ASSERT_TRUE(b.wait(10s));
-  ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
-  for (std::uint64_t k = 0; k < 8; ++k) {
-    EXPECT_TRUE(same(static_cast<char*>(targets[k % 2]->buf.addr) + k * 8192, static_cast<char*>(src.addr) + k * 8192, 8192))
-        << "transfer " << k;
-  }
+  ASSERT_NO_FATAL_FAILURE(n.write_to_both(a, src, 8, 8192));
   const auto peers = a.peers();
   ASSERT_EQ(peers.size(), 2u);
   EXPECT_NE(peers[0].device, peers[1].device);  // the buffer went out through both devices
