@@ -23,3 +23,12 @@ export PKG_CONFIG_PATH=$prefix/lib/pkgconfig:$prefix/lib/x86_64-linux-gnu/pkgcon
 c++ -std=c++20 "$src/consumer.cpp" -o "$scratch/consumer-pc" $(pkg-config --cflags --libs --static rdmakit)
 "$scratch/consumer-pc" | grep -qx "rdmakit $version"
 echo "package consumer: ok"
+
+# The Python package, where the build made one: importable from the prefix it was installed to.
+if [[ -e "$build/python/rdmakit/__init__.py" ]]; then
+  init=$(find "$prefix" -path '*/rdmakit/__init__.py' | head -n 1)
+  [[ -n "$init" ]] || { echo "the Python package was built but not installed" >&2; exit 1; }
+  echo "-- import rdmakit from $(dirname "$(dirname "$init")")"
+  (cd / && PYTHONPATH=$(dirname "$(dirname "$init")") /usr/bin/python3 -c \
+    "import rdmakit; assert rdmakit.__version__ == '$version'; print('python package: ok')")
+fi

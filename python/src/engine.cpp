@@ -1,0 +1,544 @@
+#include "engine.hpp"
+
+#include <pybind11/stl.h>
+
+#include <cerrno>
+#include <cmath>
+#include <mutex>
+#include <tuple>
+
+#include <fmt/format.h>
+
+#include "errors.hpp"
+#include "options.hpp"
+
+namespace rdmakit::python {
+
+Registration::~Registration() {
+  if (held) {
+    py::gil_scoped_acquire gil;
+    held.reset();
+  }
+}
+
+PyEngine::PyEngine(EngineConfig config) {
+  py::gil_scoped_release nogil;
+  engine_ = std::make_unique<Engine>(std::move(config));
+}
+
+PyEngine::~PyEngine() { close(); }
+
+Engine& PyEngine::checked() {
+  if (!engine_) throw Error("engine", EBADF, "the engine is closed", "make a new rdmakit.Engine");
+  return *engine_;
+}
+
+void PyEngine::close() {
+  {
+    // What is in flight ends (completed or flushed) before the engine goes; then the memory it
+    // registered may be given back to Python.
+    py::gil_scoped_release nogil;
+    std::unique_lock lock(mu_);
+    engine_.reset();
+  }
+  regs_.clear();
+}
+
+PyBuffer PyEngine::register_object(py::handle obj) {
+  auto reg = std::make_shared<Registration>();
+  reg->held = HeldMemory::take(obj, "register");
+  const MemoryOf& m = reg->held->memory();
+  if (m.nbytes == 0) throw_buffer_error("register", "the object has no bytes");
+  reg->readonly = m.readonly;
+  reg->place = m.place;
+  auto start = reinterpret_cast<std::uintptr_t>(m.addr);
+  // Ranges registered with one engine must not overlap: a transfer's range is looked up by
+  // address, and it must name one registration.
+  auto next = regs_.lower_bound(start);
+  bool overlaps = (next != regs_.end() && next->first < start + m.nbytes);
+  if (next != regs_.begin()) {
+    auto prev = std::prev(next);
+    overlaps |= prev->first + prev->second->buffer.length > start;
+  }
+  if (overlaps) {
+    throw_buffer_error(
+        "register", fmt::format("[{:#x}, +{}) overlaps memory already registered with this engine",
+                                start, m.nbytes),
+        "register the whole object once and pass views or slices of it in transfers");
+  }
+  // The range is claimed before the GIL is let go for the registration, so a second thread
+  // registering the same memory meanwhile sees the overlap.
+  reg->buffer.addr = m.addr;
+  reg->buffer.length = m.nbytes;
+  auto claimed = regs_.emplace(start, reg).first;
+  try {
+    reg->buffer = call([&](Engine& e) { return e.register_memory(m.addr, m.nbytes); });
+  } catch (...) {
+    regs_.erase(claimed);
+    throw;
+  }
+  return PyBuffer{reg};
+}
+
+Transfer PyEngine::resolve(const PyTransfer& t) const {
+  Transfer out;
+  out.op = t.op;
+  out.remote = t.remote.seg;
+  out.remote_offset = t.remote_offset;
+  out.compare_add = t.compare_add;
+  out.swap = t.swap;
+  const Registration* reg = nullptr;
+  std::uint64_t base = 0;  // the local object's offset in its registration
+  std::uint64_t nbytes = 0;
+  if (py::isinstance<PyBuffer>(t.local)) {
+    reg = t.local.cast<const PyBuffer&>().reg.get();
+    // A Buffer's id means something to the engine that made it only.
+    auto it = regs_.find(reinterpret_cast<std::uintptr_t>(reg->buffer.addr));
+    if (it == regs_.end() || it->second.get() != reg) {
+      throw_buffer_error("submit", "the rdmakit.Buffer was registered with another engine (or "
+                                   "one that was closed)",
+                         "register the object with this engine, or pass the object itself");
+    }
+    nbytes = reg->buffer.length;
+  } else {
+    MemoryOf m = memory_of(t.local, "submit");
+    auto start = reinterpret_cast<std::uintptr_t>(m.addr);
+    auto it = regs_.upper_bound(start);
+    if (it != regs_.begin()) {
+      --it;
+      if (start + m.nbytes <= it->first + it->second->buffer.length) {
+        reg = it->second.get();
+        base = start - it->first;
+      }
+    }
+    if (reg == nullptr) {
+      throw_buffer_error(
+          "submit", fmt::format("a transfer's local memory [{:#x}, +{}) is not registered with this engine",
+                      start, m.nbytes),
+          "register it (or the object it is a view of) first: engine.register(obj)");
+    }
+    nbytes = m.nbytes;
+  }
+  if (t.local_offset > nbytes) {
+    throw_buffer_error("submit", fmt::format("local_offset {} is past the local memory's {} bytes",
+                                   t.local_offset, nbytes));
+  }
+  out.local = reg->buffer;
+  out.local_offset = base + t.local_offset;
+  bool atomic = t.op == TransferOp::fetch_add || t.op == TransferOp::compare_swap;
+  out.length = t.length.value_or(atomic ? 8 : nbytes - t.local_offset);
+  if (out.length > nbytes - t.local_offset) {
+    throw_buffer_error("submit", fmt::format("length {} from local_offset {} passes the local memory's {} "
+                                   "bytes",
+                                   out.length, t.local_offset, nbytes));
+  }
+  if (reg->readonly && t.op != TransferOp::write) {
+    throw_buffer_error("submit", fmt::format("a {} writes its local memory, which is read-only",
+                                   to_string(t.op)),
+                       "use a writable object (a bytearray, a writable array or tensor)");
+  }
+  return out;
+}
+
+PyBatch PyEngine::submit(std::span<const Transfer> transfers,
+                         const std::optional<py::bytes>& notify) {
+  SubmitOptions opts;
+  if (notify) {
+    std::string_view s = *notify;
+    opts.notify.assign(s.begin(), s.end());
+  }
+  Batch b = call([&](Engine& e) { return e.submit(transfers, std::move(opts)); });
+  return PyBatch{std::move(b), shared_from_this()};
+}
+
+namespace {
+
+// A function of rdmakit._aio, looked up once (every `await batch` calls one). Leaked on purpose:
+// the interpreter may be finalised before static destructors run.
+const py::object& aio(const char* name) {
+  static auto* cache = new std::map<std::string, py::object>();
+  auto it = cache->find(name);
+  if (it == cache->end()) {
+    it = cache->emplace(name, py::module_::import("rdmakit._aio").attr(name)).first;
+  }
+  return it->second;
+}
+
+std::vector<Failure> failures_of(const Batch& b) {
+  std::vector<Failure> out;
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    TransferResult r = b.result(i);
+    if (r.status != TransferStatus::ok && r.status != TransferStatus::pending) {
+      out.push_back({i, to_string(r.status), r.reason});
+    }
+  }
+  return out;
+}
+
+// Raises TransferError (PeerLostError when every failure is a lost or unreachable peer).
+void check_batch(const Batch& b) {
+  if (!b.done() || b.failed() == 0) return;
+  std::vector<Failure> f = failures_of(b);
+  bool lost = true;
+  for (const Failure& x : f) {
+    lost &= x.status == to_string(TransferStatus::peer_lost) ||
+            x.status == to_string(TransferStatus::connect_failed);
+  }
+  std::string first = f.empty() ? "" : fmt::format("; first: #{} {}: {}", f[0].index, f[0].status,
+                                                   f[0].reason);
+  throw KindedError(lost ? ErrorKind::peer_lost : ErrorKind::transfer, "batch", 0,
+                    fmt::format("{} of {} transfers failed{}", b.failed(), b.size(), first), {},
+                    std::move(f));
+}
+
+std::vector<Transfer> resolve_all(const PyEngine& e, const py::iterable& transfers) {
+  std::vector<Transfer> out;
+  if (py::hasattr(transfers, "__len__")) out.reserve(py::len(transfers));
+  for (py::handle h : transfers) out.push_back(e.resolve(h.cast<const PyTransfer&>()));
+  return out;
+}
+
+PyTransfer make(TransferOp op, py::object local, const PySegment& remote,
+                std::optional<std::uint64_t> length, std::uint64_t local_offset,
+                std::uint64_t remote_offset, std::uint64_t compare_add = 0,
+                std::uint64_t swap = 0) {
+  return PyTransfer{op, std::move(local), local_offset, length, remote, remote_offset,
+                    compare_add, swap};
+}
+
+py::dict to_dict(const EngineCounters& c) {
+  py::dict d;
+  d["qps"] = c.qps;
+  d["peers"] = c.peers;
+  d["links"] = c.links;
+  d["connects"] = c.connects;
+  d["reconnects"] = c.reconnects;
+  d["accepts"] = c.accepts;
+  d["evictions"] = c.evictions;
+  d["restarts"] = c.restarts;
+  d["batches"] = c.batches;
+  d["transfers"] = c.transfers;
+  d["transfers_failed"] = c.transfers_failed;
+  d["bytes"] = c.bytes;
+  d["notifications_sent"] = c.notifications_sent;
+  d["notifications_received"] = c.notifications_received;
+  d["windows_bound"] = c.windows_bound;
+  d["window_bind_ns"] = c.window_bind_ns;
+  return d;
+}
+
+void close_engine(const py::object& self) {
+  self.cast<PyEngine&>().close();
+  // Batches still awaited have ended now (completed or flushed): their futures are settled.
+  if (py::hasattr(self, "_aio_readers")) aio("detach")(self);
+}
+
+}  // namespace
+
+void bind_engine(py::module_& m) {
+  py::enum_<TransferOp>(m, "TransferOp")
+      .value("read", TransferOp::read)
+      .value("write", TransferOp::write)
+      .value("fetch_add", TransferOp::fetch_add)
+      .value("compare_swap", TransferOp::compare_swap);
+
+  py::class_<PyBuffer>(m, "Buffer",
+                       "Memory registered with an engine (once per device). Holds the Python "
+                       "object it came from until the engine is closed.")
+      .def_property_readonly("address", [](const PyBuffer& b) {
+        return reinterpret_cast<std::uintptr_t>(b.reg->buffer.addr);
+      })
+      .def_property_readonly("nbytes", [](const PyBuffer& b) { return b.reg->buffer.length; })
+      .def("__len__", [](const PyBuffer& b) { return b.reg->buffer.length; })
+      .def_property_readonly("readonly", [](const PyBuffer& b) { return b.reg->readonly; })
+      .def_property_readonly("memory", [](const PyBuffer& b) { return to_string(b.reg->place); },
+                             "Where the memory is: \"host\", \"cuda\" or \"cuda-host\".")
+      .def_property_readonly(
+          "obj", [](const PyBuffer& b) { return b.reg->held->object(); },
+          "The object whose memory this is.")
+      .def("__repr__", [](const PyBuffer& b) {
+        return fmt::format("<rdmakit.Buffer {} bytes of {} memory at {:#x}{}>",
+                           b.reg->buffer.length, to_string(b.reg->place),
+                           reinterpret_cast<std::uintptr_t>(b.reg->buffer.addr),
+                           b.reg->readonly ? ", read-only" : "");
+      });
+
+  py::class_<PySegment>(m, "RemoteSegment", "A peer's named segment (Engine.segment).")
+      .def_readonly("peer", &PySegment::peer)
+      .def_readonly("name", &PySegment::name)
+      .def("__repr__", [](const PySegment& s) {
+        return fmt::format("<rdmakit.RemoteSegment {}/{}>", s.peer, s.name);
+      });
+
+  py::class_<PyTransfer>(m, "Transfer",
+                         "One transfer; made by rdmakit.write, read, fetch_add, compare_swap.")
+      .def_readonly("op", &PyTransfer::op)
+      .def_readonly("local", &PyTransfer::local)
+      .def_readonly("local_offset", &PyTransfer::local_offset)
+      .def_readonly("length", &PyTransfer::length)
+      .def_readonly("remote", &PyTransfer::remote)
+      .def_readonly("remote_offset", &PyTransfer::remote_offset)
+      .def("__repr__", [](const PyTransfer& t) {
+        return fmt::format("<rdmakit.Transfer {} {}/{}+{}>", to_string(t.op), t.remote.peer,
+                           t.remote.name, t.remote_offset);
+      });
+
+  const char* range_doc =
+      "local: an rdmakit.Buffer, or an object (array, tensor, memoryview, slice) whose memory "
+      "lies in one registered with the engine. length: bytes (default: the rest of local from "
+      "local_offset).";
+  for (auto [name, op, what] : {std::tuple{"write", TransferOp::write,
+                                          "An RDMA WRITE of local memory into a peer's segment. "},
+                                 std::tuple{"read", TransferOp::read,
+                                          "An RDMA READ of a peer's segment into local memory. "}}) {
+    m.def(
+        name,
+        [op = op](py::object local, const PySegment& remote, std::optional<std::uint64_t> length,
+                  std::uint64_t local_offset, std::uint64_t remote_offset) {
+          return make(op, std::move(local), remote, length, local_offset, remote_offset);
+        },
+        py::arg("local"), py::arg("remote"), py::kw_only(), py::arg("length") = py::none(),
+        py::arg("local_offset") = 0, py::arg("remote_offset") = 0,
+        (std::string(what) + range_doc).c_str());
+  }
+  m.def(
+      "fetch_add",
+      [](py::object local, const PySegment& remote, std::uint64_t add, std::uint64_t local_offset,
+         std::uint64_t remote_offset) {
+        return make(TransferOp::fetch_add, std::move(local), remote, 8, local_offset,
+                    remote_offset, add);
+      },
+      py::arg("local"), py::arg("remote"), py::arg("add"), py::kw_only(),
+      py::arg("local_offset") = 0, py::arg("remote_offset") = 0,
+      "Adds `add` to the 8-byte aligned remote word; its old value goes to local (8 bytes).");
+  m.def(
+      "compare_swap",
+      [](py::object local, const PySegment& remote, std::uint64_t expected, std::uint64_t desired,
+         std::uint64_t local_offset, std::uint64_t remote_offset) {
+        return make(TransferOp::compare_swap, std::move(local), remote, 8, local_offset,
+                    remote_offset, expected, desired);
+      },
+      py::arg("local"), py::arg("remote"), py::arg("expected"), py::arg("desired"),
+      py::kw_only(), py::arg("local_offset") = 0, py::arg("remote_offset") = 0,
+      "Stores `desired` in the remote word if it equals `expected`; its old value goes to local.");
+
+  py::class_<PyPlan>(m, "TransferPlan",
+                     "Transfers resolved once (Engine.prepare), to submit many times cheaply.")
+      .def("__len__", [](const PyPlan& p) { return p.transfers.size(); });
+
+  py::class_<Notification>(m, "Notification", "A message that came with a peer's batch.")
+      .def_readonly("peer", &Notification::peer)
+      .def_property_readonly("message",
+                             [](const Notification& n) {
+                               return py::bytes(reinterpret_cast<const char*>(n.message.data()),
+                                                n.message.size());
+                             })
+      .def("__repr__", [](const Notification& n) {
+        return fmt::format("<rdmakit.Notification from {}, {} bytes>", n.peer, n.message.size());
+      });
+
+  py::class_<PyBatch>(m, "Batch",
+                      "The transfers of one submit, in flight or done. `await batch` waits "
+                      "in an asyncio loop; wait() blocks (without the GIL).")
+      .def("done", [](const PyBatch& b) { return b.batch.done(); },
+           "Every transfer has ended.")
+      .def(
+          "wait",
+          [](const PyBatch& b, double timeout, bool check) {
+            bool ended;
+            {
+              py::gil_scoped_release nogil;
+              ended = b.batch.wait(to_ms(timeout, "wait"));
+            }
+            if (!ended) {
+              throw KindedError(ErrorKind::timeout, "Batch.wait", ETIMEDOUT,
+                                fmt::format("the batch of {} transfers was not done within {} s",
+                                            b.batch.size(), timeout),
+                                "a transfer to an unreachable peer ends within the link's "
+                                "handshake and retry deadlines; give it longer");
+            }
+            if (check) check_batch(b.batch);
+          },
+          py::arg("timeout") = 30.0, py::arg("check") = true,
+          "Waits until every transfer has ended (TimeoutError after `timeout` seconds); with "
+          "check, raises TransferError (PeerLostError when the peer is gone) if any failed.")
+      .def("check", [](const PyBatch& b) { check_batch(b.batch); },
+           "Raises TransferError or PeerLostError if a transfer failed (when done).")
+      .def("__len__", [](const PyBatch& b) { return b.batch.size(); })
+      .def_property_readonly("failed", [](const PyBatch& b) { return b.batch.failed(); })
+      .def(
+          "result",
+          [](const PyBatch& b, std::size_t i) {
+            if (i >= b.batch.size()) throw py::index_error("no such transfer in the batch");
+            TransferResult r = b.batch.result(i);
+            return py::make_tuple(to_string(r.status), r.reason);
+          },
+          "Transfer i's (status, reason); status is \"pending\", \"ok\", \"invalid\", "
+          "\"no_segment\", \"connect_failed\", \"peer_lost\" or \"failed\".")
+      .def("results",
+           [](const PyBatch& b) {
+             py::list out;
+             for (std::size_t i = 0; i < b.batch.size(); ++i) {
+               TransferResult r = b.batch.result(i);
+               out.append(py::make_tuple(to_string(r.status), r.reason));
+             }
+             return out;
+           })
+      .def("describe_failures", [](const PyBatch& b) { return b.batch.describe_failures(); })
+      .def_property_readonly("_engine", [](const PyBatch& b) { return b.engine; })
+      .def("__await__", [](py::object self) {
+        return aio("wait_batch")(self).attr("__await__")();
+      });
+
+  py::class_<PyEngine, std::shared_ptr<PyEngine>>(
+      m, "Engine", py::dynamic_attr(),
+      "Many peers, memory registered once, batched asynchronous transfers (docs/engine.md). "
+      "Every method may be called from any thread; calls that can wait run without the GIL.")
+      .def(py::init([](std::string name, std::string listen, std::optional<std::uint32_t> workers,
+                       std::uint32_t max_qps, bool listen_at_start, const py::object& psk,
+                       std::string device, double handshake_timeout, std::uint32_t send_depth) {
+             EngineConfig c;
+             c.name = std::move(name);
+             c.listen = std::move(listen);
+             c.workers = workers;
+             c.max_qps = max_qps;
+             c.listen_at_start = listen_at_start;
+             c.link.psk = key_from(psk);
+             c.link.device = std::move(device);
+             c.link.handshake_timeout = to_ms(handshake_timeout, "handshake_timeout");
+             c.link.send_depth = send_depth;
+             return std::make_shared<PyEngine>(std::move(c));
+           }),
+           py::kw_only(), py::arg("name") = "", py::arg("listen") = ":0",
+           py::arg("workers") = py::none(), py::arg("max_qps") = 1024,
+           py::arg("listen_at_start") = true, py::arg("psk") = py::none(),
+           py::arg("device") = "", py::arg("handshake_timeout") = 10.0,
+           py::arg("send_depth") = 64,
+           "name: as peers know it (default host:pid). listen: \"[host]:port\" (port 0: any; "
+           "empty: no listener). workers: progress threads (default one per device). psk: the "
+           "pre-shared key, bytes or a key file's path (both ends of a link hold the same).")
+      .def("close", &close_engine,
+           "Closes every link (what is in flight ends) and releases the registered objects.")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](py::object self, py::args) { close_engine(self); })
+      .def_property_readonly("port", [](PyEngine& e) {
+        return e.call([](Engine& x) { return x.port(); });
+      })
+      .def_property_readonly("fd", [](PyEngine& e) {
+        return e.call([](Engine& x) { return x.fd(); });
+      }, "Readable when a batch ends or a notification arrives (read 8 bytes to re-arm).")
+      .def("start_listening", [](PyEngine& e) { e.call([](Engine& x) { x.start_listening(); }); })
+      .def("info",
+           [](PyEngine& e) {
+             EngineInfo i = e.call([](Engine& x) { return x.info(); });
+             py::dict d;
+             d["name"] = i.name;
+             d["epoch"] = i.epoch;
+             d["port"] = i.port;
+             d["devices"] = i.devices;
+             d["memory_windows"] = i.memory_windows;
+             d["access_model"] = i.access_model;
+             return d;
+           })
+      .def("counters",
+           [](PyEngine& e) { return to_dict(e.call([](Engine& x) { return x.counters(); })); })
+      .def("register", &PyEngine::register_object, py::arg("obj"),
+           "Registers the memory of obj (buffer protocol or __dlpack__: bytearray, memoryview, "
+           "mmap, numpy array, torch tensor) once per device, and holds obj until close().")
+      .def(
+          "expose",
+          [](PyEngine& e, std::string name, const PyBuffer& b, const std::string& access,
+             std::uint64_t offset, std::uint64_t length) {
+            Access a = parse_access(access, "expose");
+            if (a == Access::none) throw Error("expose", EINVAL, "access is empty", "e.g. \"rw\"");
+            if (b.reg->readonly && (allows(a, Access::remote_write) ||
+                                    allows(a, Access::remote_atomic))) {
+              throw_buffer_error("expose", fmt::format("{}: the buffer is read-only, so peers may "
+                                             "not be given access \"{}\"", name, access),
+                                 "expose it with access \"r\", or register a writable object");
+            }
+            e.call([&](Engine& x) { x.expose(std::move(name), b.reg->buffer, a, offset, length); });
+          },
+          py::arg("name"), py::arg("buffer"), py::arg("access") = "rw", py::kw_only(),
+          py::arg("offset") = 0, py::arg("length") = 0,
+          "Makes a range of a registered buffer a segment peers reach by name. access: letters "
+          "r (read), w (write), a (atomics). length 0: to the buffer's end.")
+      .def("withdraw", [](PyEngine& e, const std::string& name) {
+        e.call([&](Engine& x) { x.withdraw(name); });
+      })
+      .def("add_peer",
+           [](PyEngine& e, std::string name, std::string address) {
+             e.call([&](Engine& x) { x.add_peer(std::move(name), std::move(address)); });
+           },
+           py::arg("name"), py::arg("address"),
+           "Adds a peer by name and \"host:port\"; nothing connects until a transfer needs it.")
+      .def("remove_peer", [](PyEngine& e, const std::string& name) {
+        e.call([&](Engine& x) { x.remove_peer(name); });
+      })
+      .def("peers",
+           [](PyEngine& e) {
+             std::vector<PeerInfo> ps = e.call([](Engine& x) { return x.peers(); });
+             py::list out;
+             for (const PeerInfo& p : ps) {
+               py::dict d;
+               d["name"] = p.name;
+               d["address"] = p.address;
+               d["worker"] = p.worker;
+               d["device"] = p.device;
+               d["linked"] = p.linked;
+               out.append(d);
+             }
+             return out;
+           })
+      .def("segment",
+           [](PyEngine& e, const std::string& peer, const std::string& name) {
+             RemoteSegment s = e.call([&](Engine& x) { return x.segment(peer, name); });
+             return PySegment{s, peer, name};
+           },
+           py::arg("peer"), py::arg("name"))
+      .def(
+          "connect",
+          [](PyEngine& e, const std::string& peer, double timeout) {
+            std::string why;
+            bool ok = e.call([&](Engine& x) { return x.connect(peer, to_ms(timeout, "connect"), &why); });
+            if (!ok) {
+              throw KindedError(ErrorKind::peer_lost, "connect", 0,
+                                fmt::format("peer {}: {}", peer, why));
+            }
+          },
+          py::arg("peer"), py::arg("timeout") = 10.0,
+          "Connects to a peer now and waits until its segments are known (PeerLostError).")
+      .def(
+          "prepare",
+          [](PyEngine& e, const py::iterable& transfers) {
+            return PyPlan{resolve_all(e, transfers)};
+          },
+          py::arg("transfers"),
+          "Resolves transfers once (their local memory found in the registrations): submitting "
+          "the plan then costs no per-transfer Python work.")
+      .def(
+          "submit",
+          [](PyEngine& e, const py::object& transfers, std::optional<py::bytes> notify) {
+            if (py::isinstance<PyPlan>(transfers)) {
+              return e.submit(transfers.cast<const PyPlan&>().transfers, notify);
+            }
+            return e.submit(resolve_all(e, transfers), notify);
+          },
+          py::arg("transfers"), py::kw_only(), py::arg("notify") = py::none(),
+          "Starts the transfers (a list of rdmakit.Transfer, or a TransferPlan) and returns "
+          "their Batch at once. notify: bytes delivered to each peer written to, after its "
+          "writes (at most 900 bytes). A transfer whose local memory is not registered raises "
+          "BufferError; one the engine refuses ends as \"invalid\" in the batch.")
+      .def("next_notification",
+           [](PyEngine& e) { return e.call([](Engine& x) { return x.next_notification(); }); },
+           "The next notification, or None.")
+      .def(
+          "progress",
+          [](PyEngine& e, double budget) {
+            return e.call([&](Engine& x) { return x.progress(to_ms(budget, "progress")); });
+          },
+          py::arg("budget") = 0.0, "workers=0 only: drives the engine for up to budget seconds.")
+      .def("notifications", [](py::object self) { return aio("notifications")(self); }, "An async iterator of notifications, driven by the engine's fd in the running loop.");
+}
+
+}  // namespace rdmakit::python

@@ -1,0 +1,104 @@
+// rdmakit.Engine and what goes with it (Buffer, RemoteSegment, Transfer, TransferPlan, Batch,
+// Notification), over rdmakit::Engine.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <shared_mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "pymemory.hpp"
+#include "rdmakit/engine.hpp"
+
+namespace rdmakit::python {
+
+namespace py = pybind11;
+
+/// A buffer registered with an engine, and the Python object whose memory it is (held until the
+/// engine is closed: the engine registers a buffer for its whole life).
+struct Registration {
+  Buffer buffer{};
+  std::unique_ptr<HeldMemory> held;
+  bool readonly = false;
+  MemoryPlace place = MemoryPlace::host;
+  ~Registration();  // releases `held` with the GIL
+};
+
+/// rdmakit.Buffer: what Engine.register returns.
+struct PyBuffer {
+  std::shared_ptr<Registration> reg;
+};
+
+/// rdmakit.RemoteSegment: a peer's named segment.
+struct PySegment {
+  RemoteSegment seg{};
+  std::string peer;
+  std::string name;
+};
+
+/// rdmakit.Transfer: one transfer as Python describes it; resolved against the engine's
+/// registrations at submit (or prepare).
+struct PyTransfer {
+  TransferOp op = TransferOp::write;
+  py::object local;  ///< an rdmakit.Buffer, or an object whose memory lies in a registration
+  std::uint64_t local_offset = 0;
+  std::optional<std::uint64_t> length;  ///< unset: the rest of `local` from local_offset
+  PySegment remote;
+  std::uint64_t remote_offset = 0;
+  std::uint64_t compare_add = 0;
+  std::uint64_t swap = 0;
+};
+
+/// rdmakit.TransferPlan: transfers resolved once, submitted as often as wanted.
+struct PyPlan {
+  std::vector<Transfer> transfers;
+};
+
+class PyEngine;
+
+/// rdmakit.Batch.
+struct PyBatch {
+  Batch batch;
+  std::shared_ptr<PyEngine> engine;  // the engine lives while a batch of it is referenced
+};
+
+/// rdmakit.Engine. Every call may come from any Python thread; the engine's own calls run with
+/// the GIL released, under a shared lock that close() takes exclusively.
+class PyEngine : public std::enable_shared_from_this<PyEngine> {
+ public:
+  explicit PyEngine(EngineConfig config);
+  ~PyEngine();
+
+  /// Runs f(engine) with the GIL released and the engine kept from closing meanwhile.
+  template <class F>
+  auto call(F&& f) {
+    py::gil_scoped_release nogil;
+    std::shared_lock lock(mu_);
+    return f(checked());
+  }
+  void close();
+
+  PyBuffer register_object(py::handle obj);
+  /// The transfer in engine terms: its local range found in a registration (BufferError when it
+  /// is in none, or it is read-only and the transfer would write it).
+  Transfer resolve(const PyTransfer& t) const;
+  PyBatch submit(std::span<const Transfer> transfers, const std::optional<py::bytes>& notify);
+
+ private:
+  Engine& checked();
+  std::shared_mutex mu_;
+  std::unique_ptr<Engine> engine_;
+  // By start address, to find the registration a transfer's range lies in. Touched with the
+  // GIL held only.
+  std::map<std::uintptr_t, std::shared_ptr<Registration>> regs_;
+};
+
+void bind_engine(py::module_& m);
+
+}  // namespace rdmakit::python

@@ -1,0 +1,50 @@
+#include "options.hpp"
+
+#include <cerrno>
+#include <cmath>
+#include <string>
+#include <string_view>
+
+#include <fmt/format.h>
+
+#include "rdmakit/connection.hpp"
+#include "rdmakit/error.hpp"
+
+namespace rdmakit::python {
+
+std::chrono::milliseconds to_ms(double seconds, const char* what) {
+  if (!std::isfinite(seconds) || seconds < 0 || seconds > 1e9) {
+    throw Error(what, EINVAL, fmt::format("timeout {} s is not a finite number of seconds >= 0",
+                                          seconds),
+                "every wait in rdmakit has a deadline: pass seconds, e.g. 10.0");
+  }
+  return std::chrono::milliseconds{static_cast<std::int64_t>(std::ceil(seconds * 1000.0))};
+}
+
+Access parse_access(const std::string& letters, const char* op) {
+  Access a = Access::none;
+  for (char c : letters) {
+    switch (c) {
+      case 'r': a = a | Access::remote_read; break;
+      case 'w': a = a | Access::remote_write; break;
+      case 'a': a = a | Access::remote_atomic; break;
+      default:
+        throw Error(op, EINVAL, fmt::format("access \"{}\": '{}' is not r, w or a", letters, c),
+                    "r: peers may read, w: write, a: run atomics; e.g. \"rw\"");
+    }
+  }
+  return a;
+}
+
+std::vector<std::uint8_t> key_from(const py::object& psk) {
+  if (psk.is_none()) return {};
+  if (py::isinstance<py::bytes>(psk) || py::isinstance<py::bytearray>(psk)) {
+    std::string s = py::isinstance<py::bytes>(psk) ? std::string(psk.cast<py::bytes>())
+                                                   : std::string(psk.cast<py::bytearray>());
+    return {s.begin(), s.end()};
+  }
+  py::object path = py::module_::import("os").attr("fspath")(psk);
+  return read_key_file(path.cast<std::string>());
+}
+
+}  // namespace rdmakit::python

@@ -1,0 +1,29 @@
+// Conversions of Python arguments shared by the bindings: seconds to deadlines, keys.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "rdmakit/memory.hpp"
+
+namespace rdmakit::python {
+
+namespace py = pybind11;
+
+/// Seconds (a float, as Python's own timeouts are) to milliseconds; a negative, NaN or
+/// infinite value is refused (every wait in rdmakit has a deadline).
+std::chrono::milliseconds to_ms(double seconds, const char* what);
+
+/// Remote access from letters: r (read), w (write), a (atomics); "" is none. `op` names the
+/// call in the error for any other letter.
+Access parse_access(const std::string& letters, const char* op);
+
+/// A pre-shared key: None (none), bytes (the key), or a str/PathLike naming a key file
+/// (read_key_file's checks apply).
+std::vector<std::uint8_t> key_from(const py::object& psk);
+
+}  // namespace rdmakit::python

@@ -1,0 +1,58 @@
+"""rdmakit.connect / Listener / Connection against rxe, both ends in one process."""
+import threading
+
+import numpy as np
+import pytest
+
+import rdmakit
+
+
+def test_write_read_and_messages_over_one_connection():
+    served = np.zeros(1 << 16, dtype=np.uint8)
+    listener = rdmakit.Listener(":0", advertise=[(served, "rw")])
+    accepted = {}
+    t = threading.Thread(target=lambda: accepted.setdefault("c", listener.accept(10.0)))
+    t.start()
+    mine = np.random.default_rng(5).integers(0, 256, 1 << 16, dtype=np.uint8)
+    back = np.zeros_like(mine)
+    with rdmakit.connect(f"127.0.0.1:{listener.port}") as conn:
+        t.join()
+        server = accepted["c"]
+        src = conn.register(mine)
+        dst = conn.register(back)
+        (region,) = conn.remote_regions
+        assert region.length == served.nbytes and "remote_write" in region.access
+        conn.write(src, region, wr_id=1)
+        c = conn.wait(10.0)
+        assert c["ok"] and c["wr_id"] == 1 and c["opcode"] == "RDMA_WRITE"
+        assert np.array_equal(served, mine)
+        conn.read(dst, region, remote_offset=1024, length=4096, wr_id=2)
+        assert conn.wait(10.0)["ok"]
+        assert np.array_equal(back[:4096], mine[1024:5120])
+        # Out of the advertised range: refused before posting, with the reason.
+        with pytest.raises(rdmakit.PostError, match="out_of_bounds|outside"):
+            conn.write(src, region, remote_offset=1)
+        conn.send_message(b"hello")
+        assert server.receive_message(10.0) == b"hello"
+        with pytest.raises(rdmakit.TimeoutError):
+            conn.wait(0.05)
+        server.close()
+    listener.close()
+
+
+def test_accept_times_out_with_a_timeout_error():
+    listener = rdmakit.Listener(":0")
+    with pytest.raises(rdmakit.TimeoutError):
+        listener.accept(0.1)
+    listener.close()
+
+
+def test_connecting_to_nobody_is_a_peer_lost_error():
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    with pytest.raises(rdmakit.Error) as e:
+        rdmakit.connect(f"127.0.0.1:{port}", handshake_timeout=1.0)
+    assert e.value.verb and e.value.hint is not None

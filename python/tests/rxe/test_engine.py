@@ -1,0 +1,238 @@
+"""The engine from Python against rxe, two engines in one process (run inside a lab VM):
+every byte checked at both ends, since both are here."""
+import asyncio
+import gc
+import mmap
+import os
+import socket
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import rdmakit
+
+POOL = 4 << 20
+
+
+@pytest.fixture
+def pair():
+    """A target exposing a 4 MiB numpy pool (read, write, atomics) and an initiator that knows it."""
+    target = rdmakit.Engine(name="target", listen=":0")
+    pool = np.zeros(POOL, dtype=np.uint8)
+    target.expose("pool", target.register(pool), "rwa")
+    init = rdmakit.Engine(name="init", listen="")
+    init.add_peer("target", f"127.0.0.1:{target.port}")
+    yield target, pool, init, init.segment("target", "pool")
+    init.close()
+    target.close()
+
+
+def random_bytes(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_numpy_write_then_read_back(pair):
+    target, pool, init, seg = pair
+    src = random_bytes(1 << 20, 1)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    init.register(src)
+    init.register(dst)
+    init.submit([rdmakit.write(src, seg, remote_offset=4096)]).wait(10.0)
+    assert np.array_equal(pool[4096:4096 + (1 << 20)], src)
+    init.submit([rdmakit.read(dst, seg, remote_offset=4096)]).wait(10.0)
+    assert np.array_equal(dst, src)
+    c = init.counters()
+    assert c["bytes"] == 2 << 20 and c["transfers"] == 2 and c["transfers_failed"] == 0
+
+
+def test_torch_tensors_and_their_views(pair):
+    target, pool, init, seg = pair
+    blocks = torch.arange(64 * 1024, dtype=torch.int32).reshape(64, 1024)  # 64 blocks of 4 KiB
+    init.register(blocks)
+    # Views of the registered tensor resolve to offsets inside it: no registration of their own.
+    batch = init.submit([rdmakit.write(blocks[b], seg, remote_offset=k * 4096)
+                         for k, b in enumerate((3, 7, 9))])
+    batch.wait(10.0)
+    got = torch.from_numpy(pool[:3 * 4096].copy().view(np.int32)).reshape(3, 1024)
+    assert torch.equal(got, blocks[[3, 7, 9]])
+    back = torch.zeros(3, 1024, dtype=torch.int32)
+    init.register(back)
+    init.submit([rdmakit.read(back, seg)]).wait(10.0)
+    assert torch.equal(back, blocks[[3, 7, 9]])
+
+
+def test_bytearray_and_mmap_sources(pair):
+    target, pool, init, seg = pair
+    ba = bytearray(os.urandom(65536))
+    anon = mmap.mmap(-1, 65536)
+    anon.write(os.urandom(65536))
+    with tempfile.TemporaryFile() as f:
+        f.write(os.urandom(65536))
+        f.flush()
+        filemap = mmap.mmap(f.fileno(), 65536)
+        for obj in (ba, anon, filemap):
+            init.register(obj)
+        init.submit([rdmakit.write(ba, seg, remote_offset=0),
+                     rdmakit.write(anon, seg, remote_offset=65536),
+                     rdmakit.write(filemap, seg, remote_offset=131072)]).wait(10.0)
+        assert pool[:65536].tobytes() == bytes(ba)
+        assert pool[65536:131072].tobytes() == anon[:]
+        assert pool[131072:196608].tobytes() == filemap[:]
+        init.close()  # releases the registrations before the maps close
+        filemap.close()
+    anon.close()
+
+
+def test_atomics_return_the_old_value(pair):
+    target, pool, init, seg = pair
+    words = pool[:16].view(np.uint64)
+    words[0] = 40
+    old = np.zeros(2, dtype=np.uint64)
+    init.register(old)
+    init.submit([rdmakit.fetch_add(old, seg, 2, remote_offset=0)]).wait(10.0)
+    assert old[0] == 40 and words[0] == 42
+    init.submit([rdmakit.compare_swap(old, seg, 42, 7, local_offset=8)]).wait(10.0)
+    assert old[1] == 42 and words[0] == 7
+
+
+def test_a_hundred_batches_awaited_together_and_notifications_by_async_for(pair):
+    target, pool, init, seg = pair
+    src = random_bytes(100 * 4096, 2)
+    init.register(src)
+
+    async def run():
+        batches = [init.submit([rdmakit.write(src[i * 4096:(i + 1) * 4096], seg,
+                                              remote_offset=i * 4096)],
+                               notify=b"block %d" % i)
+                   for i in range(100)]
+        done = await asyncio.wait_for(asyncio.gather(*batches), 20)
+        assert all(b.done() and b.failed == 0 for b in done)
+        seen = set()
+
+        async def consume():
+            async for note in target.notifications():
+                assert note.peer == "init"
+                seen.add(int(note.message.split()[1]))
+                if len(seen) == 100:
+                    return
+
+        await asyncio.wait_for(consume(), 20)
+        assert seen == set(range(100))
+
+    asyncio.run(run())
+    assert np.array_equal(pool[:100 * 4096], src)
+
+
+def test_the_source_deleted_in_flight_still_arrives_intact(pair):
+    target, pool, init, seg = pair
+    src = torch.from_numpy(random_bytes(POOL, 3))
+    expected = src.numpy().copy()
+    init.register(src)
+    batch = init.submit([rdmakit.write(src[i * 65536:(i + 1) * 65536], seg,
+                                       remote_offset=i * 65536) for i in range(POOL // 65536)])
+    del src  # the registration holds the tensor until the engine closes
+    gc.collect()
+    batch.wait(20.0)
+    assert np.array_equal(pool, expected)
+
+
+def test_bad_input_raises_clearly_and_the_engine_keeps_working(pair):
+    target, pool, init, seg = pair
+    with pytest.raises(rdmakit.BufferError, match="not contiguous"):
+        init.register(np.zeros((64, 64))[:, 1])
+    with pytest.raises(rdmakit.BufferError, match="not registered"):
+        init.submit([rdmakit.write(np.zeros(64, dtype=np.uint8), seg)])
+    ro = init.register(b"read-only bytes!")
+    with pytest.raises(rdmakit.BufferError, match="read-only"):
+        init.submit([rdmakit.read(ro, seg)])
+    with pytest.raises(rdmakit.BufferError, match="read-only"):
+        init.expose("ro", ro, "rw")
+    with rdmakit.Engine(name="other", listen="") as other:
+        theirs = other.register(bytearray(64))
+        with pytest.raises(rdmakit.BufferError, match="another engine"):
+            init.submit([rdmakit.write(theirs, seg)])
+    with pytest.raises(rdmakit.BufferError, match="overlaps"):
+        init.register(memoryview(ro.obj))  # the same bytes again
+    with pytest.raises(rdmakit.Error, match="nobody"):
+        init.segment("nobody", "pool")
+    with pytest.raises(rdmakit.Error):
+        init.expose("bad", ro, "rx")
+    # A segment the peer does not have: the batch fails with the reason, as data and raised.
+    missing = init.segment("target", "no-such-segment")
+    batch = init.submit([rdmakit.write(ro, missing)])
+    with pytest.raises(rdmakit.TransferError) as e:
+        batch.wait(10.0)
+    assert e.value.failures[0][:2] == (0, "no_segment")
+    assert batch.result(0)[0] == "no_segment"
+    # And it still works: a read-only source may be written from.
+    init.submit([rdmakit.write(ro, seg, remote_offset=100)]).wait(10.0)
+    assert pool[100:116].tobytes() == b"read-only bytes!"
+
+
+def test_a_lost_peer_is_a_peer_lost_error(pair):
+    target, pool, init, seg = pair
+    src = init.register(bytearray(4096))
+    init.submit([rdmakit.write(src, seg)]).wait(10.0)
+    target.close()
+    with pytest.raises(rdmakit.PeerLostError):
+        for _ in range(50):  # until the initiator has noticed the link is gone
+            init.submit([rdmakit.write(src, seg)]).wait(10.0)
+            time.sleep(0.1)
+
+
+def test_the_gil_is_released_while_waiting():
+    """A thread keeps counting while another waits on a handshake nobody answers."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)  # accepts TCP, never speaks: the handshake waits out its deadline
+    eng = rdmakit.Engine(name="lonely", listen="", handshake_timeout=1.0)
+    eng.add_peer("silent", f"127.0.0.1:{silent.getsockname()[1]}")
+    ticks = 0
+    stop = threading.Event()
+
+    def count():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+
+    t = threading.Thread(target=count)
+    t.start()
+    time.sleep(0.05)
+    before = ticks
+    with pytest.raises(rdmakit.PeerLostError, match="silent"):
+        eng.connect("silent", timeout=5.0)
+    during = ticks - before
+    stop.set()
+    t.join()
+    eng.close()
+    silent.close()
+    # The counting thread ran all along (with the GIL held by the waiter it could not).
+    assert during > 10000, during
+
+
+def test_a_plan_is_resolved_once_and_submitted_many_times(pair):
+    target, pool, init, seg = pair
+    src = random_bytes(128 * 64, 4)
+    init.register(src)
+    plan = init.prepare([rdmakit.write(src[i * 64:(i + 1) * 64], seg, remote_offset=i * 64)
+                         for i in range(128)])
+    assert len(plan) == 128
+    for _ in range(5):
+        init.submit(plan).wait(10.0)
+    assert np.array_equal(pool[:128 * 64], src)
+    assert init.counters()["transfers"] == 5 * 128
+
+
+def test_info_peers_and_closing():
+    with rdmakit.Engine(name="solo", listen=":0") as eng:
+        info = eng.info()
+        assert info["name"] == "solo" and info["port"] == eng.port and info["devices"]
+        assert info["memory_windows"]  # rxe has type-2 windows
+        eng.add_peer("p", "127.0.0.1:1")
+        assert [p["name"] for p in eng.peers()] == ["p"]
+    with pytest.raises(rdmakit.Error, match="closed"):
+        eng.info()
