@@ -104,14 +104,19 @@ def _reader(engine):
     return r
 
 
-async def wait_batch(batch):
-    """``await batch``: returns the batch when every transfer ended; raises TransferError
-    (PeerLostError when the peer is gone) if any failed."""
-    if not batch.done():
-        await _reader(batch._engine).watch(batch)
-    else:
-        batch.check()
+def _ready(batch):
+    batch.check()
     return batch
+    yield  # a generator: `await` gets the batch at once, the loop is not involved
+
+
+def batch_await(batch):
+    """``Batch.__await__``: an iterator that ends with the batch when every transfer ended and
+    raises TransferError (PeerLostError when the peer is gone) if any failed. A future's own
+    iterator when it must wait, so awaiting costs no coroutine of its own."""
+    if batch.done():
+        return _ready(batch)
+    return _reader(batch._engine).watch(batch).__await__()
 
 
 async def notifications(engine):

@@ -73,6 +73,16 @@ PyBuffer PyEngine::register_object(py::handle obj) {
   auto claimed = regs_.emplace(start, reg).first;
   try {
     reg->buffer = call([&](Engine& e) { return e.register_memory(m.addr, m.nbytes); });
+  } catch (const Error& e) {
+    regs_.erase(claimed);
+    if (m.place != MemoryPlace::cuda) throw;
+    // A GPU tensor is registered by its device pointer, which the NIC reaches only through
+    // nvidia-peermem: say so rather than "not mapped memory of this process".
+    throw Error(e.op(), e.sys_errno(),
+                fmt::format("{} (GPU memory of CUDA device {}, by its device pointer)", e.detail(),
+                            m.device),
+                "registering a GPU tensor by its address needs the nvidia-peermem module "
+                "(modprobe nvidia-peermem; rdmakit doctor checks it)");
   } catch (...) {
     regs_.erase(claimed);
     throw;
@@ -386,9 +396,7 @@ void bind_engine(py::module_& m) {
            })
       .def("describe_failures", [](const PyBatch& b) { return b.batch.describe_failures(); })
       .def_property_readonly("_engine", [](const PyBatch& b) { return b.engine; })
-      .def("__await__", [](py::object self) {
-        return aio("wait_batch")(self).attr("__await__")();
-      });
+      .def("__await__", [](py::object self) { return aio("batch_await")(self); });
 
   py::class_<PyEngine, std::shared_ptr<PyEngine>>(
       m, "Engine", py::dynamic_attr(),
