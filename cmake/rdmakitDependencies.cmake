@@ -23,16 +23,27 @@ if(NOT TARGET rdmakit::ibverbs)
     INTERFACE_LINK_LIBRARIES rdmakit::ibverbs)
 endif()
 
-# libsodium (the authenticated bootstrap's HMAC-SHA256, nonces, constant-time compare): private to
-# the library, but a static librdmakit needs it at link time, so the installed config finds it too.
-if(NOT TARGET rdmakit::sodium)
-  find_path(RDMAKIT_SODIUM_INCLUDE_DIR sodium.h)
-  find_library(RDMAKIT_SODIUM_LIBRARY sodium)
-  if(NOT RDMAKIT_SODIUM_INCLUDE_DIR OR NOT RDMAKIT_SODIUM_LIBRARY)
-    message(FATAL_ERROR "rdmakit needs libsodium (apt-get install libsodium-dev)")
+# A library that is private to rdmakit but that a static librdmakit needs at link time, as an
+# imported target, so the build and the installed config find it alike.
+#   _rdmakit_import(TARGET HEADER LIBRARY DEBIAN_PACKAGE)
+function(_rdmakit_import target header library package)
+  if(TARGET ${target})
+    return()
   endif()
-  add_library(rdmakit::sodium UNKNOWN IMPORTED)
-  set_target_properties(rdmakit::sodium PROPERTIES
-    IMPORTED_LOCATION ${RDMAKIT_SODIUM_LIBRARY}
-    INTERFACE_INCLUDE_DIRECTORIES ${RDMAKIT_SODIUM_INCLUDE_DIR})
-endif()
+  string(TOUPPER "${library}" name)
+  find_path(RDMAKIT_${name}_INCLUDE_DIR ${header})
+  find_library(RDMAKIT_${name}_LIBRARY ${library})
+  if(NOT RDMAKIT_${name}_INCLUDE_DIR OR NOT RDMAKIT_${name}_LIBRARY)
+    message(FATAL_ERROR "rdmakit needs ${library} (apt-get install ${package})")
+  endif()
+  add_library(${target} UNKNOWN IMPORTED)
+  set_target_properties(${target} PROPERTIES
+    IMPORTED_LOCATION ${RDMAKIT_${name}_LIBRARY}
+    INTERFACE_INCLUDE_DIRECTORIES ${RDMAKIT_${name}_INCLUDE_DIR})
+endfunction()
+
+# libsodium: the authenticated bootstrap's HMAC-SHA256, nonces, constant-time compare.
+_rdmakit_import(rdmakit::sodium sodium.h sodium libsodium-dev)
+# hiredis and libcurl: the metadata plane's Redis and etcd clients.
+_rdmakit_import(rdmakit::hiredis hiredis/hiredis.h hiredis libhiredis-dev)
+_rdmakit_import(rdmakit::curl curl/curl.h curl libcurl4-openssl-dev)

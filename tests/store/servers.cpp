@@ -1,0 +1,155 @@
+#include "servers.hpp"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <stdexcept>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "metadata/store.hpp"
+
+extern char** environ;
+
+namespace rdmakit::test {
+namespace {
+
+std::uint16_t free_port() {
+  int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  if (::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    throw std::runtime_error("no free port");
+  }
+  ::close(s);
+  return ntohs(a.sin_port);
+}
+
+}  // namespace
+
+StoreServer::StoreServer(Kind kind) : kind_(kind) {
+  char tmpl[] = "/tmp/rdmakit-store-XXXXXX";
+  if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error("mkdtemp");
+  dir_ = tmpl;
+  port_ = free_port();
+  peer_port_ = free_port();
+  start();
+}
+
+StoreServer::~StoreServer() {
+  kill();
+  std::error_code ec;
+  std::filesystem::remove_all(dir_, ec);
+}
+
+std::string StoreServer::uri() const {
+  return fmt::format("{}://127.0.0.1:{}", kind_ == Kind::redis ? "redis" : "etcd", port_);
+}
+
+void StoreServer::kill() {
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGKILL);
+  int status = 0;
+  ::waitpid(pid_, &status, 0);
+  pid_ = -1;
+}
+
+void StoreServer::restart_empty() {
+  kill();
+  std::error_code ec;
+  std::filesystem::remove_all(dir_ + "/data", ec);
+  start();
+}
+
+void StoreServer::start() {
+  std::vector<std::string> args;
+  if (kind_ == Kind::redis) {
+    args = {"redis-server", "--port", std::to_string(port_), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", dir_};
+  } else {
+    const std::string client = fmt::format("http://127.0.0.1:{}", port_);
+    const std::string peer = fmt::format("http://127.0.0.1:{}", peer_port_);
+    args = {"etcd", "--name", "t", "--data-dir", dir_ + "/data", "--listen-client-urls", client,
+            "--advertise-client-urls", client, "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer, "--initial-cluster", "t=" + peer};
+  }
+  const std::string log = dir_ + "/server.log";
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const int rc = posix_spawnp(&pid_, argv[0], &fa, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) throw std::runtime_error(fmt::format("cannot start {}: errno {}", args[0], rc));
+  // Ready when a read answers (the store's own client, with a short deadline each try).
+  auto store = detail::metadata::open_store(detail::metadata::parse_store_uri(uri()));
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds{30};
+  while (true) {
+    try {
+      (void)store->get("ready?", detail::deadline_in(std::chrono::milliseconds{500}));
+      return;
+    } catch (const Error&) {
+      if (std::chrono::steady_clock::now() > until) {
+        throw std::runtime_error(fmt::format("{} did not answer within 30 s (log: {})", args[0], log));
+      }
+      ::usleep(50'000);
+    }
+  }
+}
+
+FakeServer::FakeServer(std::string answer, bool close_after) {
+  fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  if (::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(fd_, 16) != 0 ||
+      ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    throw std::runtime_error("fake server: cannot listen");
+  }
+  port_ = ntohs(a.sin_port);
+  thread_ = std::thread([this, answer = std::move(answer), close_after] {
+    std::vector<int> open;
+    while (!stop_) {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 50) <= 0) continue;
+      int c = ::accept(fd_, nullptr, nullptr);
+      if (c < 0) continue;
+      char buf[4096];
+      pollfd q{c, POLLIN, 0};
+      if (::poll(&q, 1, 2000) > 0) (void)::read(c, buf, sizeof buf);
+      (void)::write(c, answer.data(), answer.size());
+      if (close_after) {
+        ::close(c);
+      } else {
+        open.push_back(c);
+      }
+    }
+    for (int c : open) ::close(c);
+  });
+}
+
+FakeServer::~FakeServer() {
+  stop_ = true;
+  thread_.join();
+  ::close(fd_);
+}
+
+}  // namespace rdmakit::test
