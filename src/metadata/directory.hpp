@@ -1,0 +1,93 @@
+#pragma once
+// An engine's view of its cluster in a store. It publishes the engine's own record under a lease
+// and keeps it there: refreshed every third of the lease, and put again by itself when the store
+// lost it (a restart, even empty; an outage longer than the lease). It keeps a cache of the other
+// engines' records, refreshed by listing the cluster's prefix, and reports who appeared, who
+// restarted (a new epoch) and who is gone.
+//
+// A store that is down changes nothing that is known: the cache keeps serving, and no engine is
+// declared gone for a failed listing. An engine whose entry is missing is gone only once it has
+// been missing longer than one refresh interval and one poll (a live engine puts its entry back
+// within one refresh interval of a store restart, so a restart does not drop anyone).
+//
+// Threads: one owner thread calls everything (the engine's metadata thread).
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/clock.hpp"
+#include "metadata/record.hpp"
+#include "metadata/store.hpp"
+
+namespace rdmakit::detail::metadata {
+
+struct DirectoryConfig {
+  StoreUri uri;
+  std::string cluster = "default";          ///< the namespace: several clusters share a store
+  std::chrono::milliseconds lease{10'000};  ///< an entry outlives its engine by at most this
+  std::chrono::milliseconds poll{1'000};    ///< how often the others are listed
+  std::chrono::milliseconds call_timeout{2'000};  ///< each call to the store
+};
+
+struct DirectoryChange {
+  enum class Kind : std::uint8_t { appeared, restarted, gone };
+  Kind kind;
+  EngineRecord record;  ///< gone: the last one seen
+};
+
+class Directory {
+ public:
+  /// `store`: a client for config.uri (made from it when null; tests pass their own).
+  explicit Directory(DirectoryConfig config, std::unique_ptr<Store> store = {});
+  Directory(const Directory&) = delete;
+  Directory& operator=(const Directory&) = delete;
+  /// Leaves the entry to its lease (a crash does the same); withdraw() removes it at once.
+  ~Directory();
+
+  /// What to publish (again whenever it changes: a segment exposed or withdrawn). Puts it now;
+  /// on failure it is kept and put by tick() when the store answers. Returns whether it got in.
+  bool publish(EngineRecord self);
+  /// Removes the entry and ends the lease (a clean shutdown); best effort, within one call's
+  /// timeout.
+  void withdraw() noexcept;
+
+  /// Does what is due: refreshes the lease, puts the record again if the store lost it, lists
+  /// the others. Never throws: a failure is kept in status(). Returns the changes seen.
+  std::vector<DirectoryChange> tick();
+  /// When tick() next has something to do.
+  [[nodiscard]] Deadline next_due() const noexcept;
+
+  /// A peer's record: from the cache, else from the store (until `deadline`). Throws Error
+  /// naming the store and the peer when the store does not have it or cannot be reached.
+  EngineRecord lookup(const std::string& name, Deadline deadline);
+  /// Every engine the cache knows (itself excluded), by name.
+  [[nodiscard]] const std::map<std::string, EngineRecord>& known() const noexcept { return peers_; }
+  /// "published under lease ..., N engines known" or the last failure, for info and doctor.
+  [[nodiscard]] std::string status() const;
+  [[nodiscard]] std::string shown() const { return store_->shown(); }
+
+ private:
+  Deadline call_deadline() const { return deadline_in(config_.call_timeout); }
+  void put_self();
+  void refresh();
+  std::vector<DirectoryChange> poll();
+
+  DirectoryConfig config_;
+  std::unique_ptr<Store> store_;
+  std::optional<EngineRecord> self_;
+  LeaseId lease_ = no_lease;
+  bool published_ = false;  // the store has the current record under lease_
+  Deadline next_refresh_{};
+  Deadline next_poll_{};
+  std::map<std::string, EngineRecord> peers_;
+  std::map<std::string, Deadline> missing_since_;
+  std::string failure_;       // the last call that failed, empty once one succeeds
+  std::string bad_entries_;   // entries of the prefix that are not records (skipped)
+};
+
+}  // namespace rdmakit::detail::metadata

@@ -1,0 +1,104 @@
+#include "metadata/record.hpp"
+
+#include <cerrno>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "rdmakit/error.hpp"
+
+namespace rdmakit::detail::metadata {
+namespace {
+
+using json = nlohmann::json;
+
+// Bounds on what a record may hold, so a corrupt or hostile entry cannot make a reader allocate
+// without limit.
+constexpr std::size_t max_list = 1024;
+constexpr std::size_t max_text = 256;
+
+[[noreturn]] void bad(const std::string& where, const std::string& why) {
+  throw Error("metadata record", EPROTO, fmt::format("{}: {}", where, why),
+              "the entry was not written by an rdmakit engine of this version (or was altered)");
+}
+
+std::string text(const json& j, const char* field, const std::string& where) {
+  auto it = j.find(field);
+  if (it == j.end() || !it->is_string()) bad(where, fmt::format("\"{}\" is missing or not a string", field));
+  auto s = it->get<std::string>();
+  if (s.size() > max_text) bad(where, fmt::format("\"{}\" is longer than {} bytes", field, max_text));
+  return s;
+}
+
+std::uint64_t number(const json& j, const char* field, const std::string& where) {
+  auto it = j.find(field);
+  if (it == j.end() || !it->is_number_unsigned()) {
+    bad(where, fmt::format("\"{}\" is missing or not a number >= 0", field));
+  }
+  return it->get<std::uint64_t>();
+}
+
+const json& list(const json& j, const char* field, const std::string& where) {
+  auto it = j.find(field);
+  if (it == j.end() || !it->is_array()) bad(where, fmt::format("\"{}\" is missing or not a list", field));
+  if (it->size() > max_list) bad(where, fmt::format("\"{}\" has more than {} entries", field, max_list));
+  return *it;
+}
+
+}  // namespace
+
+std::string engines_prefix(const std::string& cluster) {
+  return fmt::format("rdmakit/{}/engines/", cluster);
+}
+
+std::string engine_key(const std::string& cluster, const std::string& name) {
+  return engines_prefix(cluster) + name;
+}
+
+std::string encode(const EngineRecord& r) {
+  json j{{"v", record_version}, {"name", r.name}, {"epoch", r.epoch}, {"endpoints", r.endpoints}};
+  j["rails"] = json::array();
+  for (const RailRecord& x : r.rails) {
+    j["rails"].push_back({{"device", x.device}, {"port", x.port}, {"link_layer", x.link_layer},
+                          {"gid", x.gid}, {"subnet", x.subnet}});
+  }
+  j["segments"] = json::array();
+  for (const SegmentRecord& s : r.segments) {
+    j["segments"].push_back({{"name", s.name}, {"length", s.length}, {"memory", s.memory}});
+  }
+  return j.dump();
+}
+
+EngineRecord decode(std::string_view input, const std::string& where,
+                    const std::string& expected_name) {
+  json j = json::parse(input, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) bad(where, "not a JSON object");
+  const std::uint64_t v = number(j, "v", where);
+  if (v != record_version) {
+    bad(where, fmt::format("format version {}; this rdmakit reads version {}", v, record_version));
+  }
+  EngineRecord r;
+  r.name = text(j, "name", where);
+  if (r.name != expected_name) {
+    bad(where, fmt::format("names engine \"{}\" under the key of \"{}\"", r.name, expected_name));
+  }
+  r.epoch = number(j, "epoch", where);
+  for (const json& e : list(j, "endpoints", where)) {
+    if (!e.is_string() || e.get<std::string>().size() > max_text) bad(where, "an endpoint is not a short string");
+    r.endpoints.push_back(e.get<std::string>());
+  }
+  for (const json& x : list(j, "rails", where)) {
+    if (!x.is_object()) bad(where, "a rail is not an object");
+    const std::uint64_t port = number(x, "port", where);
+    if (port == 0 || port > 255) bad(where, fmt::format("rail port {} is not 1..255", port));
+    r.rails.push_back({text(x, "device", where), static_cast<std::uint32_t>(port),
+                       text(x, "link_layer", where), text(x, "gid", where), text(x, "subnet", where)});
+  }
+  for (const json& s : list(j, "segments", where)) {
+    if (!s.is_object()) bad(where, "a segment is not an object");
+    r.segments.push_back({text(s, "name", where), number(s, "length", where), text(s, "memory", where)});
+  }
+  return r;
+}
+
+}  // namespace rdmakit::detail::metadata

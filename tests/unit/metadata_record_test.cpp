@@ -1,0 +1,66 @@
+// The engine record's format: it round-trips, and anything else from a store is refused clearly.
+#include <gtest/gtest.h>
+
+#include "metadata/record.hpp"
+#include "rdmakit/error.hpp"
+
+namespace rdmakit::detail::metadata {
+namespace {
+
+EngineRecord sample() {
+  return {"kv-server",
+          0x1234abcd5678ull,
+          {"10.0.0.7:7600", "[fd00::7]:7600"},
+          {{"rxe0", 1, "ethernet", "::ffff:198.18.0.1", "198.18.0.0/24"},
+           {"rxe1", 1, "ethernet", "::ffff:198.18.1.1", "198.18.1.0/24"}},
+          {{"kv", 1 << 30, "host"}, {"weights", 4096, "cuda"}}};
+}
+
+TEST(EngineRecord, RoundTrips) {
+  const EngineRecord r = sample();
+  EXPECT_EQ(decode(encode(r), "test", "kv-server"), r);
+  EXPECT_EQ(engine_key("prod", "kv-server"), "rdmakit/prod/engines/kv-server");
+  EXPECT_EQ(engine_key("prod", "x").rfind(engines_prefix("prod"), 0), 0u);
+}
+
+TEST(EngineRecord, NeverCarriesKeysOrAddressesOfMemory) {
+  const std::string text = encode(sample());
+  for (const char* word : {"rkey", "lkey", "addr\"", "key\""}) {
+    EXPECT_EQ(text.find(word), std::string::npos) << word << " in " << text;
+  }
+}
+
+TEST(EngineRecord, BadInputIsRefusedWithTheReason) {
+  const std::string good = encode(sample());
+  struct Case {
+    std::string text;
+    const char* why;
+  };
+  std::string other_version = good;
+  other_version.replace(other_version.find("\"v\":1"), 5, "\"v\":2");
+  const Case cases[] = {
+      {"", "not a JSON object"},
+      {"[1,2]", "not a JSON object"},
+      {"{\"v\":1", "not a JSON object"},
+      {other_version, "format version 2"},
+      {R"({"v":1,"name":"kv-server","epoch":-1,"endpoints":[],"rails":[],"segments":[]})", "\"epoch\""},
+      {R"({"v":1,"name":"other","epoch":1,"endpoints":[],"rails":[],"segments":[]})", "names engine \"other\""},
+      {R"({"v":1,"name":"kv-server","epoch":1,"endpoints":[3],"rails":[],"segments":[]})", "endpoint"},
+      {R"({"v":1,"name":"kv-server","epoch":1,"endpoints":[],"rails":[{"device":"d"}],"segments":[]})", "\"port\""},
+      {R"({"v":1,"name":"kv-server","epoch":1,"endpoints":[],"rails":[],"segments":{}})", "\"segments\""},
+      {R"({"v":1,"name":"kv-server","epoch":1,"endpoints":[],"rails":[],"segments":[{"name":"s","length":1}]})", "\"memory\""},
+      {R"({"v":1,"name":")" + std::string(300, 'x') + R"(","epoch":1})", "longer than"},
+  };
+  for (const Case& c : cases) {
+    try {
+      (void)decode(c.text, "redis://h:1 key k", "kv-server");
+      ADD_FAILURE() << "accepted: " << c.text;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(c.why), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("redis://h:1 key k"), std::string::npos) << e.what();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace rdmakit::detail::metadata
