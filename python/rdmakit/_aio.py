@@ -1,9 +1,11 @@
 """asyncio glue: ``await batch`` and ``async for note in engine.notifications()``.
 
-One reader per (engine, event loop) watches the engine's descriptor with ``loop.add_reader``:
-when it becomes readable (a batch ended or a notification arrived) the reader re-arms it and
-settles the futures whose batches are done, then hands out notifications. No thread, no sleep,
-no polling: between events the loop sleeps in its selector.
+A reader in the event loop watches the engine's descriptor with ``loop.add_reader``: when it
+becomes readable (a batch ended or a notification arrived) the reader re-arms it, settles the
+futures of exactly the awaited batches that ended (each batch's on_done queues its token, on the
+engine's worker, before the descriptor is signalled), then hands out notifications. No thread,
+no sleep, no polling, no walk over every waiting batch: between events the loop sleeps in its
+selector.
 """
 
 import asyncio
@@ -17,7 +19,7 @@ class _Reader:
         self._engine = weakref.ref(engine)
         self._loop = loop
         self._fd = engine.fd
-        self._batches = []  # (batch, future) pairs still waiting
+        self._batches = {}  # token -> (batch, future) of the batches still waiting
         self._notes = collections.deque()  # futures of notifications() iterators
         loop.add_reader(self._fd, self._readable)
 
@@ -29,17 +31,14 @@ class _Reader:
         self.settle()
 
     def settle(self):
-        if self._batches:
-            waiting = []
-            for batch, fut in self._batches:
-                if fut.done():  # cancelled
-                    continue
-                if batch.done():
-                    self._finish(batch, fut)
-                else:
-                    waiting.append((batch, fut))
-            self._batches = waiting
         engine = self._engine()
+        if engine is not None:
+            # Exactly the awaited batches that ended (their on_done queued their tokens; one
+            # settled at once by watch() may be there too, and is no longer waited for).
+            for token in engine._take_done():
+                entry = self._batches.pop(token, None)
+                if entry is not None and not entry[1].done():  # not cancelled meanwhile
+                    self._finish(*entry)
         while self._notes and engine is not None:
             fut = self._notes[0]
             if fut.done():
@@ -53,11 +52,11 @@ class _Reader:
 
     def watch(self, batch):
         fut = self._loop.create_future()
-        # It may have ended since the caller looked (before the reader existed): look again.
-        if batch.done():
+        token, done = batch._watch()
+        if done:  # it ended since the caller looked
             self._finish(batch, fut)
         else:
-            self._batches.append((batch, fut))
+            self._batches[token] = (batch, fut)
         return fut
 
     @staticmethod
@@ -79,7 +78,9 @@ class _Reader:
             self._loop.remove_reader(self._fd)
         except (RuntimeError, ValueError, OSError):  # the loop is closed already
             pass
-        for _, fut in self._batches:
+        if why is None:  # its loop is closed: nothing can await these any more
+            return
+        for _, fut in self._batches.values():
             if not fut.done():
                 fut.set_exception(why)
         for fut in self._notes:
@@ -88,19 +89,22 @@ class _Reader:
 
 
 def _reader(engine):
+    """The engine's reader in the running loop. The engine has one descriptor, and a reader
+    that re-arms it takes the wake-up from any other, so one loop serves an engine at a time:
+    another may take over once the first is closed (asyncio.run after asyncio.run)."""
     loop = asyncio.get_running_loop()
-    last = getattr(engine, "_aio_last", None)  # the common case: one loop per engine
-    if last is not None and last[0] is loop:
-        return last[1]
-    readers = getattr(engine, "_aio_readers", None)
-    if readers is None:
-        readers = weakref.WeakKeyDictionary()
-        engine._aio_readers = readers
-    r = readers.get(loop)
-    if r is None:
-        r = _Reader(engine, loop)
-        readers[loop] = r
-    engine._aio_last = (loop, r)
+    r = getattr(engine, "_aio_reader", None)
+    if r is not None and r._loop is loop:
+        return r
+    if r is not None and not r._loop.is_closed():
+        from ._rdmakit import Error
+
+        raise Error("this engine's batches and notifications are awaited in another event loop "
+                    "that is still open; await them in that loop (asyncio.run_coroutine_threadsafe)"
+                    ", or close it first")
+    if r is not None:
+        r.close(None)
+    r = engine._aio_reader = _Reader(engine, loop)
     return r
 
 
@@ -119,6 +123,17 @@ def batch_await(batch):
     return _reader(batch._engine).watch(batch).__await__()
 
 
+def batch_future(batch):
+    """``Batch.future()``: an asyncio future of the running loop with the batch's outcome.
+    asyncio.gather and asyncio.wait take futures as they are, where any other awaitable gets a
+    task of its own: with many batches in flight, gather their futures."""
+    if batch.done():
+        fut = asyncio.get_running_loop().create_future()
+        _Reader._finish(batch, fut)
+        return fut
+    return _reader(batch._engine).watch(batch)
+
+
 async def notifications(engine):
     """The engine's notifications, as they arrive (an async generator)."""
     reader = _reader(engine)
@@ -130,14 +145,12 @@ async def notifications(engine):
 
 
 def detach(engine):
-    """At Engine.close(): settles what ended, fails what still waits, removes the readers."""
-    readers = getattr(engine, "_aio_readers", None)
-    if not readers:
+    """At Engine.close(): settles what ended, fails what still waits, removes the reader."""
+    r = getattr(engine, "_aio_reader", None)
+    if r is None:
         return
     from ._rdmakit import Error
 
-    for r in list(readers.values()):
-        r.settle()
-        r.close(Error("the engine was closed"))
-    readers.clear()
-    engine._aio_last = None
+    r.settle()
+    r.close(Error("the engine was closed"))
+    engine._aio_reader = None

@@ -1,4 +1,5 @@
 # Type stubs of the compiled module rdmakit._rdmakit (re-exported by the package rdmakit).
+import asyncio
 import builtins
 import enum
 from typing import Any, AsyncIterator, Generator, Iterable, Optional, Sequence, Tuple, Union
@@ -78,6 +79,7 @@ class Batch:
     def results(self) -> list[Tuple[str, str]]: ...
     def describe_failures(self) -> str: ...
     def __await__(self) -> Generator[Any, None, "Batch"]: ...
+    def future(self) -> "asyncio.Future[Batch]": ...
 
 Local = Any  # an rdmakit.Buffer, or an object whose memory lies in a registered one
 

@@ -157,8 +157,27 @@ PyBatch PyEngine::submit(std::span<const Transfer> transfers,
     std::string_view s = *notify;
     opts.notify.assign(s.begin(), s.end());
   }
+  auto await = std::make_shared<AwaitState>();
+  await->token = next_token_.fetch_add(1, std::memory_order_relaxed) + 1;
+  await->queue = done_;
+  // Runs before the engine signals its descriptor, so the reader that wakes finds the token.
+  opts.on_done = [await](const Batch&) {
+    // Pairs with the fence in Batch._watch: either it sees the batch done, or this sees it
+    // watched (or both, and the token is one the reader no longer waits for).
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (!await->watched.load(std::memory_order_relaxed)) return;
+    std::lock_guard lock(await->queue->mu);
+    await->queue->tokens.push_back(await->token);
+  };
   Batch b = call([&](Engine& e) { return e.submit(transfers, std::move(opts)); });
-  return PyBatch{std::move(b), shared_from_this()};
+  return PyBatch{std::move(b), shared_from_this(), std::move(await)};
+}
+
+std::vector<std::uint64_t> PyEngine::take_done() {
+  std::vector<std::uint64_t> out;
+  std::lock_guard lock(done_->mu);
+  out.swap(done_->tokens);
+  return out;
 }
 
 namespace {
@@ -240,7 +259,7 @@ py::dict to_dict(const EngineCounters& c) {
 void close_engine(const py::object& self) {
   self.cast<PyEngine&>().close();
   // Batches still awaited have ended now (completed or flushed): their futures are settled.
-  if (py::hasattr(self, "_aio_readers")) aio("detach")(self);
+  if (py::hasattr(self, "_aio_reader")) aio("detach")(self);
 }
 
 }  // namespace
@@ -396,7 +415,19 @@ void bind_engine(py::module_& m) {
            })
       .def("describe_failures", [](const PyBatch& b) { return b.batch.describe_failures(); })
       .def_property_readonly("_engine", [](const PyBatch& b) { return b.engine; })
-      .def("__await__", [](py::object self) { return aio("batch_await")(self); });
+      .def(
+          "_watch",
+          [](const PyBatch& b) {
+            b.await->watched.store(true, std::memory_order_relaxed);
+            std::atomic_thread_fence(std::memory_order_seq_cst);
+            return py::make_tuple(b.await->token, b.batch.done());
+          },
+          "For the asyncio reader: marks the batch awaited; (token, done).")
+      .def("__await__", [](py::object self) { return aio("batch_await")(self); })
+      .def("future", [](py::object self) { return aio("batch_future")(self); },
+           "An asyncio future of the running loop that resolves to the batch (or raises as "
+           "wait does). asyncio.gather wraps any other awaitable in a task: with many batches "
+           "in flight, gather their futures.");
 
   py::class_<PyEngine, std::shared_ptr<PyEngine>>(
       m, "Engine", py::dynamic_attr(),
@@ -537,6 +568,8 @@ void bind_engine(py::module_& m) {
           "their Batch at once. notify: bytes delivered to each peer written to, after its "
           "writes (at most 900 bytes). A transfer whose local memory is not registered raises "
           "BufferError; one the engine refuses ends as \"invalid\" in the batch.")
+      .def("_take_done", &PyEngine::take_done,
+           "For the asyncio reader: tokens of awaited batches that ended since the last call.")
       .def("next_notification",
            [](PyEngine& e) { return e.call([](Engine& x) { return x.next_notification(); }); },
            "The next notification, or None.")

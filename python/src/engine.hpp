@@ -4,9 +4,11 @@
 
 #include <pybind11/pybind11.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <shared_mutex>
 #include <span>
@@ -62,10 +64,26 @@ struct PyPlan {
 
 class PyEngine;
 
+/// Batches awaited in asyncio that have ended, by token: filled by the batches' on_done (on a
+/// worker thread, without the GIL), emptied by the event loop's reader, which so settles exactly
+/// the batches that ended instead of asking every waiting one.
+struct DoneQueue {
+  std::mutex mu;
+  std::vector<std::uint64_t> tokens;
+};
+
+/// Whether a batch is awaited, and its token (Batch.__await__ sets `watched`).
+struct AwaitState {
+  std::atomic<bool> watched{false};
+  std::uint64_t token = 0;
+  std::shared_ptr<DoneQueue> queue;
+};
+
 /// rdmakit.Batch.
 struct PyBatch {
   Batch batch;
   std::shared_ptr<PyEngine> engine;  // the engine lives while a batch of it is referenced
+  std::shared_ptr<AwaitState> await;
 };
 
 /// rdmakit.Engine. Every call may come from any Python thread; the engine's own calls run with
@@ -83,6 +101,8 @@ class PyEngine : public std::enable_shared_from_this<PyEngine> {
     return f(checked());
   }
   void close();
+  /// The tokens of awaited batches that ended since the last call.
+  std::vector<std::uint64_t> take_done();
 
   PyBuffer register_object(py::handle obj);
   /// The transfer in engine terms: its local range found in a registration (BufferError when it
@@ -93,6 +113,8 @@ class PyEngine : public std::enable_shared_from_this<PyEngine> {
  private:
   Engine& checked();
   std::shared_mutex mu_;
+  std::shared_ptr<DoneQueue> done_ = std::make_shared<DoneQueue>();
+  std::atomic<std::uint64_t> next_token_{0};
   std::unique_ptr<Engine> engine_;
   // By start address, to find the registration a transfer's range lies in. Touched with the
   // GIL held only.

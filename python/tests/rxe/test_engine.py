@@ -236,3 +236,53 @@ def test_info_peers_and_closing():
         assert [p["name"] for p in eng.peers()] == ["p"]
     with pytest.raises(rdmakit.Error, match="closed"):
         eng.info()
+
+
+def test_one_event_loop_at_a_time_and_a_new_one_once_it_closed(pair):
+    target, pool, init, seg = pair
+
+    async def next_note():
+        return await init.notifications().__anext__()
+
+    first = asyncio.new_event_loop()
+    with pytest.raises(asyncio.TimeoutError):  # nothing was sent: the reader waits in `first`
+        first.run_until_complete(asyncio.wait_for(next_note(), 0.05))
+    with pytest.raises(rdmakit.Error, match="another event loop"):
+        asyncio.run(next_note())
+    first.close()
+    src = init.register(bytearray(b"after the first loop closed"))
+    init.submit([rdmakit.write(src, seg, remote_offset=4096)], notify=b"hello").wait(10.0)
+
+    async def on_target():
+        return await asyncio.wait_for(target.notifications().__anext__(), 10)
+
+    assert asyncio.run(on_target()).message == b"hello"
+    # And the initiator's engine serves a new loop now that `first` is closed.
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(asyncio.wait_for(next_note(), 0.05))
+    asyncio.run(asyncio.wait_for(_await_write(init, src, seg), 10))
+    assert pool[:27].tobytes() == b"after the first loop closed"
+
+
+async def _await_write(eng, src, seg):
+    await eng.submit([rdmakit.write(src, seg)])
+
+
+def test_gathering_futures_and_awaiting_a_failed_batch(pair):
+    target, pool, init, seg = pair
+    src = random_bytes(64 * 512, 6)
+    init.register(src)
+
+    async def run():
+        futs = [init.submit([rdmakit.write(src[i * 512:(i + 1) * 512], seg,
+                                           remote_offset=i * 512)]).future() for i in range(64)]
+        assert all(isinstance(f, asyncio.Future) for f in futs)
+        done = await asyncio.wait_for(asyncio.gather(*futs), 20)
+        assert all(b.failed == 0 for b in done)
+        bad = init.submit([rdmakit.write(src, init.segment("target", "missing"))])
+        with pytest.raises(rdmakit.TransferError) as e:
+            await asyncio.wait_for(bad, 20)
+        assert e.value.failures[0][1] == "no_segment"
+
+    asyncio.run(run())
+    assert np.array_equal(pool[:64 * 512], src)
