@@ -27,6 +27,7 @@ class CMakeBuild(build_ext):
         build = pathlib.Path(self.build_temp).resolve() / "cmake"
         config = [
             "-DCMAKE_BUILD_TYPE=Release",
+            "-DCMAKE_CXX_FLAGS_RELEASE=-O2 -DNDEBUG",  # as fast here as -O3, and compiles faster
             f"-DPython3_EXECUTABLE={sys.executable}",
             "-DRDMAKIT_BUILD_PYTHON=ON",
             "-DRDMAKIT_BUILD_TOOLS=OFF",

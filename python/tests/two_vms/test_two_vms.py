@@ -50,23 +50,23 @@ def round_trip(eng, src, offset):
 
 
 def test_numpy_across_vms(engine):
-    src = np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8)
+    src = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
     engine.register(src)
     assert np.array_equal(round_trip(engine, src, 0), src)
 
 
 def test_torch_across_vms(engine):
-    src = torch.randn(1 << 20)  # 4 MiB of float32
+    src = torch.randn(1 << 18)  # 1 MiB of float32
     engine.register(src)
     back = round_trip(engine, src, 4 << 20)
     assert np.array_equal(back, src.numpy().view(np.uint8))
 
 
 def test_bytearray_and_mmap_across_vms(engine):
-    ba = bytearray(os.urandom(1 << 20))
+    ba = bytearray(os.urandom(256 << 10))
     engine.register(ba)
     assert round_trip(engine, ba, 8 << 20).tobytes() == bytes(ba)
-    mm = mmap.mmap(-1, 1 << 20)
-    mm.write(os.urandom(1 << 20))
+    mm = mmap.mmap(-1, 256 << 10)
+    mm.write(os.urandom(256 << 10))
     engine.register(mm)
     assert round_trip(engine, mm, 9 << 20).tobytes() == mm[:]
