@@ -611,6 +611,9 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
   std::uint32_t run_ok = 0, walked = 0;
   std::uint64_t bytes = 0;
   auto settle = [&] {
+    // The bytes first: a waiter that sees its batch done reads counters that include it.
+    if (bytes != 0) e_.count.bytes.fetch_add(bytes, std::memory_order_relaxed);
+    bytes = 0;
     if (run_ok == 0) return;
     const auto it = live_.find(run);
     if (it != live_.end()) {
@@ -647,7 +650,6 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
   settle();
   l.in_flight -= walked;
   in_flight_ -= walked;
-  if (bytes != 0) e_.count.bytes.fetch_add(bytes, std::memory_order_relaxed);
   l.ended = std::max(l.ended, upto);
 }
 
