@@ -41,11 +41,7 @@ Held::Item hold(py::handle obj, const std::string& access) {
   auto mem = HeldMemory::take(obj, "register");
   const MemoryOf& m = mem->memory();
   if (m.nbytes == 0) throw_buffer_error("register", "the object has no bytes");
-  if (m.readonly && (allows(remote, Access::remote_write) || allows(remote, Access::remote_atomic))) {
-    throw_buffer_error("register", fmt::format("the object is read-only, so the peer may not be "
-                                   "given access \"{}\"", access),
-                       "register it with access \"r\", or use a writable object");
-  }
+  refuse_remote_writes("register", "the object", m.readonly, remote, access);
   // A writable object may also be the target of this side's READs and atomics.
   Access a = m.readonly ? remote : (remote | Access::local_write);
   return {std::move(mem), a};
@@ -138,15 +134,7 @@ class PyConnection {
                   std::uint64_t remote_offset, std::uint64_t wr_id) {
     return call([&](Connection& c) {
       const MemoryRegion& mr = c.memory(region);
-      if (local_offset > mr.size()) {
-        throw_buffer_error("post", fmt::format("local_offset {} is past the region's {} bytes",
-                                       local_offset, mr.size()));
-      }
-      std::uint64_t n = length.value_or(mr.size() - local_offset);
-      if (n > mr.size() - local_offset) {
-        throw_buffer_error("post", fmt::format("length {} from local_offset {} passes the region's {} "
-                                       "bytes", n, local_offset, mr.size()));
-      }
+      const std::uint64_t n = local_range("post", mr.size(), local_offset, length);
       LocalSlice s = mr.local().subslice(local_offset, n);
       return op == Opcode::write ? c.post_write(s, remote, remote_offset, wr_id)
                                  : c.post_read(s, remote, remote_offset, wr_id);

@@ -129,19 +129,11 @@ Transfer PyEngine::resolve(const PyTransfer& t) const {
     }
     nbytes = m.nbytes;
   }
-  if (t.local_offset > nbytes) {
-    throw_buffer_error("submit", fmt::format("local_offset {} is past the local memory's {} bytes",
-                                   t.local_offset, nbytes));
-  }
+  const bool atomic = t.op == TransferOp::fetch_add || t.op == TransferOp::compare_swap;
+  out.length = local_range("submit", nbytes, t.local_offset, t.length,
+                           atomic ? std::optional<std::uint64_t>{8} : std::nullopt);
   out.local = reg->buffer;
   out.local_offset = base + t.local_offset;
-  bool atomic = t.op == TransferOp::fetch_add || t.op == TransferOp::compare_swap;
-  out.length = t.length.value_or(atomic ? 8 : nbytes - t.local_offset);
-  if (out.length > nbytes - t.local_offset) {
-    throw_buffer_error("submit", fmt::format("length {} from local_offset {} passes the local memory's {} "
-                                   "bytes",
-                                   out.length, t.local_offset, nbytes));
-  }
   if (reg->readonly && t.op != TransferOp::write) {
     throw_buffer_error("submit", fmt::format("a {} writes its local memory, which is read-only",
                                    to_string(t.op)),
@@ -490,12 +482,8 @@ void bind_engine(py::module_& m) {
              std::uint64_t offset, std::uint64_t length) {
             Access a = parse_access(access, "expose");
             if (a == Access::none) throw Error("expose", EINVAL, "access is empty", "e.g. \"rw\"");
-            if (b.reg->readonly && (allows(a, Access::remote_write) ||
-                                    allows(a, Access::remote_atomic))) {
-              throw_buffer_error("expose", fmt::format("{}: the buffer is read-only, so peers may "
-                                             "not be given access \"{}\"", name, access),
-                                 "expose it with access \"r\", or register a writable object");
-            }
+            refuse_remote_writes("expose", fmt::format("segment {}: its buffer", name),
+                                 b.reg->readonly, a, access);
             e.call([&](Engine& x) { x.expose(std::move(name), b.reg->buffer, a, offset, length); });
           },
           py::arg("name"), py::arg("buffer"), py::arg("access") = "rw", py::kw_only(),

@@ -151,4 +151,30 @@ MemoryOf memory_of(py::handle obj, const char* what) {
   return HeldMemory::take(obj, what)->memory();
 }
 
+std::uint64_t local_range(const char* op, std::uint64_t size, std::uint64_t offset,
+                          std::optional<std::uint64_t> length,
+                          std::optional<std::uint64_t> fallback) {
+  if (offset > size) {
+    throw_buffer_error(op, fmt::format("local_offset {} is past the local memory's {} bytes",
+                                       offset, size));
+  }
+  const std::uint64_t n = length.value_or(fallback.value_or(size - offset));
+  if (n > size - offset) {
+    throw_buffer_error(op, fmt::format("length {} from local_offset {} passes the local memory's "
+                                       "{} bytes",
+                                       n, offset, size));
+  }
+  return n;
+}
+
+void refuse_remote_writes(const char* op, const std::string& subject, bool readonly,
+                          Access access, const std::string& letters) {
+  if (!readonly || !(allows(access, Access::remote_write) || allows(access, Access::remote_atomic))) {
+    return;
+  }
+  throw_buffer_error(op, fmt::format("{} is read-only, so peers may not be given access \"{}\"",
+                                     subject, letters),
+                     "give access \"r\", or use a writable object");
+}
+
 }  // namespace rdmakit::python

@@ -7,7 +7,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+
+#include "rdmakit/memory.hpp"
 
 struct DLManagedTensor;
 
@@ -57,6 +60,17 @@ class HeldMemory {
 /// registration that holds it). Cheaper than HeldMemory::take: no DLPack round trip for torch
 /// tensors. Throws BufferError as take() does.
 MemoryOf memory_of(py::handle obj, const char* what);
+
+/// The length of [offset, offset + length) within `size` bytes of local memory: `length` unset
+/// means `fallback`, or else the rest from `offset`. BufferError naming `op` when it does not fit.
+std::uint64_t local_range(const char* op, std::uint64_t size, std::uint64_t offset,
+                          std::optional<std::uint64_t> length,
+                          std::optional<std::uint64_t> fallback = {});
+
+/// BufferError naming `op` and `subject` when read-only memory would be given to peers to write
+/// or to run atomics on (`access` as the caller spelled it, for the message).
+void refuse_remote_writes(const char* op, const std::string& subject, bool readonly,
+                          Access access, const std::string& letters);
 
 /// Raises the module's BufferError (an rdmakit.Error and a builtins.BufferError).
 [[noreturn]] void throw_buffer_error(const char* op, const std::string& message,
