@@ -213,18 +213,30 @@ class RedisStore final : public Store {
     }
   }
 
-  Reply raw(const std::vector<std::string>& args, Deadline deadline, const char* op) {
-    if (redisSetTimeout(ctx_.get(), remaining(deadline)) != REDIS_OK) lost(op);
+  // Queues one command on the connection (hiredis sends it at the next reply read).
+  void append(const std::vector<std::string>& args, const char* op) {
     std::vector<const char*> argv;
     std::vector<std::size_t> lens;
     for (const std::string& a : args) {
       argv.push_back(a.data());
       lens.push_back(a.size());
     }
-    Reply r(static_cast<redisReply*>(
-        redisCommandArgv(ctx_.get(), static_cast<int>(argv.size()), argv.data(), lens.data())));
-    if (!r) lost(op);
-    return r;
+    if (redisAppendCommandArgv(ctx_.get(), static_cast<int>(argv.size()), argv.data(),
+                               lens.data()) != REDIS_OK) {
+      lost(op);
+    }
+  }
+
+  Reply next_reply(const char* op) {
+    void* r = nullptr;
+    if (redisGetReply(ctx_.get(), &r) != REDIS_OK || r == nullptr) lost(op);
+    return Reply(static_cast<redisReply*>(r));
+  }
+
+  Reply raw(const std::vector<std::string>& args, Deadline deadline, const char* op) {
+    if (redisSetTimeout(ctx_.get(), remaining(deadline)) != REDIS_OK) lost(op);
+    append(args, op);
+    return next_reply(op);
   }
 
   Reply command(const std::vector<std::string>& args, Deadline deadline, const char* op) {
@@ -238,24 +250,9 @@ class RedisStore final : public Store {
                               Deadline deadline, const char* op) {
     if (!ctx_) connect(deadline);
     if (redisSetTimeout(ctx_.get(), remaining(deadline)) != REDIS_OK) lost(op);
-    for (const auto& args : cmds) {
-      std::vector<const char*> argv;
-      std::vector<std::size_t> lens;
-      for (const std::string& a : args) {
-        argv.push_back(a.data());
-        lens.push_back(a.size());
-      }
-      if (redisAppendCommandArgv(ctx_.get(), static_cast<int>(argv.size()), argv.data(),
-                                 lens.data()) != REDIS_OK) {
-        lost(op);
-      }
-    }
+    for (const auto& args : cmds) append(args, op);
     std::vector<Reply> out;
-    for (std::size_t i = 0; i < cmds.size(); ++i) {
-      void* r = nullptr;
-      if (redisGetReply(ctx_.get(), &r) != REDIS_OK || r == nullptr) lost(op);
-      out.emplace_back(static_cast<redisReply*>(r));
-    }
+    for (std::size_t i = 0; i < cmds.size(); ++i) out.push_back(next_reply(op));
     return out;
   }
 
