@@ -61,52 +61,26 @@ def expect_no_qemu_left(before, within=5.0):
         time.sleep(0.1)
 
 
-# Server and client in one guest, over the guest's own rxe0: the server is started first and the
-# client retries until the server listens (it cannot know when that is).
+# A pingpong client: it retries until the server listens (it cannot know when that is).
 PINGPONG_CLIENT = ("for i in $(seq 40); do ibv_rc_pingpong -d $RDMAKIT_LAB_DEVICE -g 1 -n 200 {host}"
                    " && exit 0; sleep 0.25; done; exit 1")
 
 
-def case_devinfo_pingpong_one_vm():
-    script = ("ibv_devinfo -d $RDMAKIT_LAB_DEVICE -v || exit 1; "
-              "ibv_rc_pingpong -d $RDMAKIT_LAB_DEVICE -g 1 -n 200 > server.out 2>&1 & server=$!; "
-              "(" + PINGPONG_CLIENT.format(host="127.0.0.1") + ") || exit 2; "
-              "wait $server || exit 3; cat server.out")
-    rc, out, _, _ = run_lab(["--timeout", "120", "--", "sh", "-c", script])
-    if rc != 0:
-        fail(f"lab exited {rc}")
-    if not re.search(r"state:\s+PORT_ACTIVE", out):
-        fail("ibv_devinfo did not show an ACTIVE port")
-    if not re.search(r"GID\[\s*1\]:\s+::ffff:198\.18\.0\.1, RoCE v2", out):
-        fail("GID 1 is not the RoCE v2 IPv4-mapped address")
-    # Both sides report the transfer: the client's and (from server.out) the server's.
-    if len(re.findall(r"200 iters in [\d.]+ seconds", out)) != 2:
-        fail("expected both pingpong sides to report 200 iterations")
-
-
-def case_pingpong_two_vms():
-    script = ('set -- $RDMAKIT_LAB_IPS; if [ "$RDMAKIT_LAB_INDEX" = 0 ]; then '
-              "exec ibv_rc_pingpong -d $RDMAKIT_LAB_DEVICE -g 1 -n 200; else "
-              + PINGPONG_CLIENT.format(host="$1") + "; fi")
-    rc, out, _, _ = run_lab(["--vms", "2", "--timeout", "120", "--", "sh", "-c", script])
-    if rc != 0:
-        fail(f"lab exited {rc}")
-    for vm, peer in ((0, "198.18.0.2"), (1, "198.18.0.1")):
-        if not re.search(rf"^\[{vm}\]\s+remote address: .*GID ::ffff:{re.escape(peer)}$", out, re.M):
-            fail(f"VM {vm} did not connect to {peer} over RoCE v2")
-        if not re.search(rf"^\[{vm}\] 200 iters in", out, re.M):
-            fail(f"VM {vm} did not complete the transfer")
-
-
 # --nics 2: every VM has eth0/rxe0 on 198.18.0.0/24 and eth1/rxe1 on 198.18.1.0/24, separate
-# networks. RC traffic crosses on rxe1 alone; then VM 1 takes eth1 down: rxe1's port leaves
-# ACTIVE while rxe0 stays up and still carries a pingpong (a rail can fail alone).
+# networks. VM 1 first checks its own device alone (ibv_devinfo, a pingpong over its own rxe0:
+# server and client in one guest), then RC traffic crosses on rxe1 alone; then VM 1 takes eth1
+# down: rxe1's port leaves ACTIVE while rxe0 stays up and still carries a pingpong with VM 0 (a
+# rail can fail alone). The other suites run in one VM, two and three: the lab's VM counts.
 def case_two_nics_two_vms():
+    one_vm = ("ibv_devinfo -d rxe0 -v || exit 4; "
+              "ibv_rc_pingpong -d rxe0 -g 1 -n 200 > server.out 2>&1 & server=$!; "
+              "(" + PINGPONG_CLIENT.replace("$RDMAKIT_LAB_DEVICE", "rxe0").format(host="127.0.0.1")
+              + ") || exit 5; wait $server || exit 6; sed 's/^/loopback server: /' server.out; ")
     script = ('set -- $RDMAKIT_LAB_IPS1; b=$1; set -- $RDMAKIT_LAB_IPS0; a=$1; '
               'echo "devices: $RDMAKIT_LAB_DEVICES ($RDMAKIT_LAB_NICS NICs), eth1 $RDMAKIT_LAB_IP1"; '
               'if [ "$RDMAKIT_LAB_INDEX" = 0 ]; then '
               "ibv_rc_pingpong -d rxe1 -g 1 -n 200 && exec ibv_rc_pingpong -d rxe0 -g 1 -n 200; else "
-              "(" + PINGPONG_CLIENT.replace("$RDMAKIT_LAB_DEVICE", "rxe1").format(host="$b") + ") || exit 1; "
+              + one_vm + "(" + PINGPONG_CLIENT.replace("$RDMAKIT_LAB_DEVICE", "rxe1").format(host="$b") + ") || exit 1; "
               "ip link set eth1 down; i=0; "
               "while grep -q ACTIVE /sys/class/infiniband/rxe1/ports/1/state; do "
               "i=$((i + 1)); [ $i -gt 50 ] && { echo 'rxe1 still ACTIVE 5 s after eth1 went down'; exit 2; }; "
@@ -118,6 +92,13 @@ def case_two_nics_two_vms():
         fail(f"lab exited {rc}")
     if not re.search(r"^\[1\] devices: rxe0 rxe1 \(2 NICs\), eth1 198\.18\.1\.2$", out, re.M):
         fail("VM 1 did not see two NICs with rxe0 and rxe1, eth1 on 198.18.1.0/24")
+    if not re.search(r"^\[1\]\s+state:\s+PORT_ACTIVE", out, re.M):
+        fail("ibv_devinfo did not show an ACTIVE port")
+    if not re.search(r"^\[1\]\s+GID\[\s*1\]:\s+::ffff:198\.18\.0\.2, RoCE v2", out, re.M):
+        fail("GID 1 of rxe0 is not the RoCE v2 IPv4-mapped address")
+    # The loopback pingpong's two sides both report: the client, and the server (server.out).
+    if not re.search(r"^\[1\] loopback server: 200 iters in", out, re.M):
+        fail("the one-guest pingpong's server did not report 200 iterations")
     for vm, peer in ((0, "198.18.1.2"), (1, "198.18.1.1"), (0, "198.18.0.2"), (1, "198.18.0.1")):
         if not re.search(rf"^\[{vm}\]\s+remote address: .*GID ::ffff:{re.escape(peer)}$", out, re.M):
             fail(f"VM {vm} did not run a pingpong with {peer} over RoCE v2")
