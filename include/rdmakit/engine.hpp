@@ -12,6 +12,7 @@
 
 #include "rdmakit/connection.hpp"
 #include "rdmakit/memory.hpp"
+#include "rdmakit/metadata.hpp"
 
 namespace rdmakit {
 
@@ -39,6 +40,11 @@ struct EngineConfig {
   /// a new link would pass it, the least recently used idle link is closed (an eviction, which
   /// its next transfer undoes by reconnecting); with no idle link to close, the connect waits.
   std::uint32_t max_qps = 1024;
+  /// Where peers are found: "p2p" (the default; add_peer with host:port), or a Redis or etcd
+  /// store in which the engine publishes itself (name, epoch, endpoints, rails, segments; never
+  /// keys or addresses) under a lease, finds peers by name, and learns of their restarts and
+  /// ends (docs/engine.md, "Metadata").
+  MetadataConfig metadata{};
 };
 
 /// A buffer registered with the engine: once per device, whatever the number of peers.
@@ -84,7 +90,8 @@ enum class TransferStatus : std::uint8_t {
   invalid,        ///< refused at submit (bounds, unknown buffer or peer, alignment); nothing moved
   no_segment,     ///< the peer has no such segment, or the range is outside it, or its access
                   ///< does not allow the operation
-  connect_failed, ///< the peer could not be reached (the reason says why)
+  connect_failed, ///< the peer could not be reached (the reason says why), or the metadata
+                  ///< store says it is gone (the reason names the peer and the store)
   peer_lost,      ///< the link broke while the transfer was in flight (the peer died, closed,
                   ///< restarted, or was removed)
   failed,         ///< an error completion (remote access error, retries exceeded, ...)
@@ -183,6 +190,9 @@ struct EngineInfo {
   /// the region's own key (which is why a key is then required).
   bool memory_windows = false;
   std::string access_model{};  ///< one line saying which, and why
+  /// The metadata store's state in one line: published or not, under which lease, how many
+  /// engines known, the last failure.
+  std::string metadata{};
 };
 
 /// A peer as this engine sees it (Engine::peers()).
@@ -238,16 +248,25 @@ class Engine {
   /// Adds a peer by name and bootstrap address ("host:port"); nothing is connected until a
   /// transfer needs it. Throws Error for a name in use.
   void add_peer(std::string name, std::string address);
+  /// Adds a peer found by name in the metadata store (its first published endpoint, followed
+  /// when it restarts elsewhere). Throws Error naming the store when it has no such engine or
+  /// does not answer within MetadataConfig::call_timeout, or when the engine has no store.
+  void add_peer(std::string name);
   /// Removes a peer: its links close (what is in flight fails as peer_lost), and its access to
   /// this engine's segments is revoked.
   void remove_peer(const std::string& name);
   /// Every peer added, in the order added.
   [[nodiscard]] std::vector<PeerInfo> peers() const;
-  /// A handle for `segment` of `peer` (added before). Throws Error for an unknown peer.
+  /// Every other engine of the cluster in the metadata store, as of the engine's last listing
+  /// (every MetadataConfig::poll); empty without a store.
+  [[nodiscard]] std::vector<PublishedEngine> directory() const;
+  /// A handle for `segment` of `peer`. With a metadata store, a peer not added yet is added
+  /// from it (add_peer(name)); without, an unknown peer is an Error.
   [[nodiscard]] RemoteSegment segment(const std::string& peer, const std::string& segment);
   /// Connects to `peer` now (instead of at its first transfer) and waits until its segments are
-  /// known; false with `why` on failure or timeout. With workers == 0 it drives progress itself
-  /// (Batch::wait does not: call progress() until Batch::done()).
+  /// known; false with `why` on failure or timeout. An unknown peer is found as segment() finds
+  /// it. With workers == 0 it drives progress itself (Batch::wait does not: call progress()
+  /// until Batch::done()).
   bool connect(const std::string& peer, std::chrono::milliseconds timeout, std::string* why = nullptr);
 
   /// Starts the transfers; never blocks on the network. Transfers that are invalid at once

@@ -10,6 +10,7 @@
 
 #include "bootstrap/auth.hpp"
 #include "engine/impl.hpp"
+#include "engine/metadata.hpp"
 #include "engine/protocol.hpp"
 #include "rdmakit/error.hpp"
 #include "verbs/memory_impl.hpp"
@@ -180,6 +181,7 @@ Engine::Impl::Impl(EngineConfig c)
   detail::engine_wire::check_name(name, "engine name");
   detail::check_key(cfg.link.psk);
   if (cfg.max_qps == 0) throw Error("engine config", EINVAL, "max_qps 0: at least 1");
+  const bool store = detail::uses_store(cfg.metadata);
   // One QP per link, no receives: the engine moves data by READ, WRITE and atomics, and its
   // messages travel on the control channel.
   cfg.link.qps = 1;
@@ -220,8 +222,15 @@ Engine::Impl::Impl(EngineConfig c)
   if (threads > 0) {
     for (auto& w : workers) w->start();
   }
-  for (int i = 0; i < 4; ++i) connectors.emplace_back([this] { connect_loop(); });
-  if (!cfg.listen.empty() && cfg.listen_at_start) start_listening();
+  try {
+    for (int i = 0; i < 4; ++i) connectors.emplace_back([this] { connect_loop(); });
+    if (!cfg.listen.empty() && cfg.listen_at_start) start_listening();
+    // Published once the listener's port is known (or later, by start_listening()).
+    if (store) meta = std::make_unique<detail::MetadataPlane>(*this);
+  } catch (...) {
+    shut_down();  // threads are running: a listen address in use must not end the process
+    throw;
+  }
 }
 
 detail::Worker* Engine::Impl::worker_for(const std::string& address, std::uint32_t id) {
@@ -245,9 +254,16 @@ void Engine::Impl::start_listening() {
   listener = detail::listen_with_hooks(cfg.listen, std::move(lc), hooks(nullptr),
                                       [this](Connection c) noexcept { adopt(std::move(c)); });
   listening.store(listener.get(), std::memory_order_release);
+  if (meta) meta->changed(/*wait=*/true);  // its endpoints, now that there is a port
 }
 
 Engine::Impl::~Impl() {
+  shut_down();
+  detail::wipe(cfg.link.psk);
+}
+
+void Engine::Impl::shut_down() noexcept {
+  meta.reset();  // its entry goes first (a clean shutdown), and its thread stops posting
   stopping.store(true);
   connect_cv.notify_all();
   {
@@ -256,9 +272,9 @@ Engine::Impl::~Impl() {
     listener.reset();  // its handshakes (which hand links to the workers) end first
   }  // its handshakes end (each bounded by its deadline) before the workers go
   for (auto& t : connectors) t.join();
+  connectors.clear();
   for (auto& w : workers) w->stop();
   workers.clear();
-  detail::wipe(cfg.link.psk);
 }
 
 void Engine::Impl::signal() noexcept {
@@ -358,13 +374,39 @@ void Engine::Impl::connect_loop() noexcept {
     }
     detail::Command c(detail::Command::Kind::link_up);
     c.peer = p;
-    try {
-      c.conn.emplace(Connection::Impl::connect(p->address, cfg.link, {}, hooks(p->worker)));
-      c.device = device_index(c.conn->info().device);
-    } catch (const std::exception& e) {
-      c.kind = detail::Command::Kind::connect_failed;
-      c.conn.reset();
-      c.text = fmt::format("connecting to peer '{}' at {}: {}", p->name, p->address, e.what());
+    for (std::string address;;) {
+      {
+        std::lock_guard lock(mu);
+        address = p->address;
+      }
+      try {
+        if (p->gone.load()) throw Error("connect", EHOSTUNREACH, gone_reason(*p));
+        if (p->from_store && cfg.link.retry_refused) {
+          // The store says the engine listens there: a refusal means its entry is stale (it
+          // died, or restarted elsewhere), which the next listing will tell; waiting out the
+          // handshake deadline would only hold the transfers for it.
+          ConnectionConfig once = cfg.link;
+          once.retry_refused = false;
+          struct Wipe {
+            ConnectionConfig& c;
+            ~Wipe() { detail::wipe(c.psk); }
+          } wipe{once};
+          c.conn.emplace(Connection::Impl::connect(address, once, {}, hooks(p->worker)));
+        } else {
+          c.conn.emplace(Connection::Impl::connect(address, cfg.link, {}, hooks(p->worker)));
+        }
+        c.device = device_index(c.conn->info().device);
+        break;
+      } catch (const std::exception& e) {
+        c.kind = detail::Command::Kind::connect_failed;
+        c.conn.reset();
+        c.text = fmt::format("connecting to peer '{}' at {}: {}", p->name, address, e.what());
+      }
+      // The store moved the peer (it restarted elsewhere) while this attempt ran: the transfers
+      // waiting for it go to the new address rather than fail with the old one's error.
+      std::lock_guard lock(mu);
+      if (stopping.load() || p->gone.load() || p->address == address) break;
+      c.kind = detail::Command::Kind::link_up;
     }
     try {
       p->worker->post(std::move(c));
@@ -430,6 +472,7 @@ EngineInfo Engine::info() const {
   for (const auto& d : impl_->layer->devices()) i.devices.push_back(d->name());
   i.memory_windows = impl_->windows;
   i.access_model = impl_->access_model;
+  i.metadata = impl_->meta ? impl_->meta->status() : "p2p: peers added by address, no store";
   return i;
 }
 
@@ -530,6 +573,7 @@ void Engine::expose(std::string name, const Buffer& buffer, Access access, std::
     impl_->segments[name] = {name, buffer.id, offset, length, access};
   }
   for (auto& w : impl_->workers) w->post(detail::Command(detail::Command::Kind::expose, nullptr, name));
+  if (impl_->meta) impl_->meta->changed(/*wait=*/false);
 }
 
 void Engine::withdraw(const std::string& name) {
@@ -538,22 +582,73 @@ void Engine::withdraw(const std::string& name) {
     if (impl_->segments.erase(name) == 0) throw Error("withdraw", ENOENT, fmt::format("no segment '{}'", name));
   }
   for (auto& w : impl_->workers) w->post(detail::Command(detail::Command::Kind::withdraw, nullptr, name));
+  if (impl_->meta) impl_->meta->changed(/*wait=*/false);
+}
+
+detail::Peer* Engine::Impl::add_peer(std::string peer_name, std::string address, bool from_store) {
+  detail::engine_wire::check_name(peer_name, "peer name");
+  (void)detail::parse_host_port(address, 0);
+  std::lock_guard lock(mu);
+  if (peer_ids.count(peer_name) != 0) throw Error("add_peer", EEXIST, fmt::format("a peer '{}' exists", peer_name));
+  if (peers.size() >= kMaxPeers) throw Error("add_peer", ENOSPC, fmt::format("{} peers already", kMaxPeers));
+  auto p = std::make_unique<Peer>();
+  p->id = static_cast<std::uint32_t>(peers.size() + 1);
+  p->name = std::move(peer_name);
+  p->address = std::move(address);
+  p->from_store = from_store;
+  p->worker = worker_for(p->address, p->id);
+  peer_ids[p->name] = p->id;
+  peers.push_back(std::move(p));
+  peer_table[peers.size() - 1].store(peers.back().get(), std::memory_order_release);
+  return peers.back().get();
+}
+
+detail::Peer* Engine::Impl::named(const std::string& peer_name, const char* verb) {
+  {
+    std::lock_guard lock(mu);
+    if (const auto it = peer_ids.find(peer_name); it != peer_ids.end()) return peer(it->second);
+  }
+  if (!meta) {
+    throw Error(verb, ENOENT, fmt::format("no peer '{}' (add_peer first: the engine has no metadata store)", peer_name));
+  }
+  const detail::metadata::EngineRecord r = meta->lookup(peer_name, detail::deadline_in(cfg.metadata.call_timeout));
+  if (r.endpoints.empty()) {
+    throw Error(verb, EADDRNOTAVAIL, fmt::format("engine '{}' in {} publishes no endpoint", peer_name, meta->shown()),
+                "it does not listen (EngineConfig::listen), so only it can open links");
+  }
+  try {
+    return add_peer(peer_name, r.endpoints.front(), /*from_store=*/true);
+  } catch (const Error& e) {
+    if (e.sys_errno() != EEXIST) throw;
+    std::lock_guard lock(mu);  // another thread added it meanwhile
+    return peer(peer_ids.at(peer_name));
+  }
+}
+
+std::string Engine::Impl::gone_reason(const Peer& p) const {
+  std::lock_guard lock(mu);
+  return p.gone_reason;
 }
 
 void Engine::add_peer(std::string name, std::string address) {
-  detail::engine_wire::check_name(name, "peer name");
-  (void)detail::parse_host_port(address, 0);
-  std::lock_guard lock(impl_->mu);
-  if (impl_->peer_ids.count(name) != 0) throw Error("add_peer", EEXIST, fmt::format("a peer '{}' exists", name));
-  if (impl_->peers.size() >= Impl::kMaxPeers) throw Error("add_peer", ENOSPC, fmt::format("{} peers already", Impl::kMaxPeers));
-  auto p = std::make_unique<Peer>();
-  p->id = static_cast<std::uint32_t>(impl_->peers.size() + 1);
-  p->name = std::move(name);
-  p->address = std::move(address);
-  p->worker = impl_->worker_for(p->address, p->id);
-  impl_->peer_ids[p->name] = p->id;
-  impl_->peers.push_back(std::move(p));
-  impl_->peer_table[impl_->peers.size() - 1].store(impl_->peers.back().get(), std::memory_order_release);
+  (void)impl_->add_peer(std::move(name), std::move(address), /*from_store=*/false);
+}
+
+void Engine::add_peer(std::string name) {
+  if (!impl_->meta) {
+    throw Error("add_peer", EINVAL,
+                fmt::format("peer '{}' has no address, and the engine has no metadata store to find it in", name),
+                "add_peer(name, \"host:port\"), or EngineConfig::metadata = a redis:// or etcd:// store");
+  }
+  {
+    std::lock_guard lock(impl_->mu);
+    if (impl_->peer_ids.count(name) != 0) throw Error("add_peer", EEXIST, fmt::format("a peer '{}' exists", name));
+  }
+  (void)impl_->named(name, "add_peer");
+}
+
+std::vector<PublishedEngine> Engine::directory() const {
+  return impl_->meta ? impl_->meta->known() : std::vector<PublishedEngine>{};
 }
 
 void Engine::remove_peer(const std::string& name) {
@@ -590,24 +685,12 @@ std::vector<PeerInfo> Engine::peers() const {
 
 RemoteSegment Engine::segment(const std::string& peer, const std::string& segment) {
   detail::engine_wire::check_name(segment, "segment name");
-  std::uint32_t id = 0;
-  {
-    std::lock_guard lock(impl_->mu);
-    const auto it = impl_->peer_ids.find(peer);
-    if (it == impl_->peer_ids.end()) throw Error("segment", ENOENT, fmt::format("no peer '{}' (add_peer first)", peer));
-    id = it->second;
-  }
-  return {id, impl_->slot_of(*impl_->peer(id), segment)};
+  Peer* p = impl_->named(peer, "segment");
+  return {p->id, impl_->slot_of(*p, segment)};
 }
 
 bool Engine::connect(const std::string& peer, std::chrono::milliseconds timeout, std::string* why) {
-  Peer* p = nullptr;
-  {
-    std::lock_guard lock(impl_->mu);
-    const auto it = impl_->peer_ids.find(peer);
-    if (it == impl_->peer_ids.end()) throw Error("connect", ENOENT, fmt::format("no peer '{}'", peer));
-    p = impl_->peer(it->second);
-  }
+  Peer* p = impl_->named(peer, "connect");
   std::unique_lock lock(p->m);
   const std::uint64_t before = p->attempts;
   lock.unlock();

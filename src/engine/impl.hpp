@@ -37,6 +37,7 @@
 namespace rdmakit::detail {
 
 class Worker;
+class MetadataPlane;
 struct Link;
 struct Peer;
 
@@ -94,12 +95,17 @@ struct SegmentDef {
   Access access = Access::none;
 };
 
-/// A peer added by name. `name`, `address`, `worker` are fixed at add_peer; the slot table is
-/// under Engine::Impl::mu; the rest belongs to the peer's worker.
+/// A peer added by name. `name`, `worker`, `from_store` are fixed at add_peer; `address`, the
+/// slot table and `gone_reason` are under Engine::Impl::mu; the rest belongs to the peer's worker.
 struct Peer {
   std::uint32_t id = 0;
   std::string name, address;
   Worker* worker = nullptr;
+  bool from_store = false;  // its address came from the metadata store (and follows its entry)
+  // The metadata store says its engine is gone: what waits for it fails, and so does what is
+  // submitted to it, until its entry is back (MetadataPlane).
+  std::atomic<bool> gone{false};
+  std::string gone_reason;
   std::map<std::string, std::uint32_t> slot_by_name;  // Engine::Impl::mu
   std::vector<std::string> slot_names;                // Engine::Impl::mu
   std::atomic<bool> removed{false};
@@ -183,7 +189,7 @@ struct DeviceCqs {
 
 /// What other threads ask a worker to do.
 struct Command {
-  enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick, restarted };
+  enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick, restarted, gone };
   explicit Command(Kind k, Peer* p = nullptr, std::string t = {}) : kind(k), peer(p), text(std::move(t)) {}
   Kind kind;
   std::shared_ptr<BatchState> batch;
@@ -362,6 +368,12 @@ struct Engine::Impl {
   std::unique_ptr<Listener> listener;
   void start_listening();
 
+  // The metadata store (null: p2p). Its thread posts to the workers: it goes first.
+  std::unique_ptr<detail::MetadataPlane> meta;
+
+  /// Stops every thread (the metadata plane's, the listener's, the connectors, the workers);
+  /// the destructor, and a constructor that fails once they run.
+  void shut_down() noexcept;
   void signal() noexcept;
   /// A BufferRec or Peer by id (0 or unknown: null). Lock-free.
   [[nodiscard]] detail::BufferRec* buffer(std::uint32_t id) const noexcept;
@@ -379,6 +391,13 @@ struct Engine::Impl {
   void adopt(Connection conn) noexcept;
   void request_connect(detail::Peer* p);
   std::uint32_t slot_of(detail::Peer& p, const std::string& segment);
+  /// Adds a peer (Engine::add_peer); throws Error for a name in use.
+  detail::Peer* add_peer(std::string name, std::string address, bool from_store);
+  /// The peer called `name`; with a metadata store, one not added yet is added from its entry.
+  /// Throws Error (for `verb`) naming why there is none.
+  detail::Peer* named(const std::string& name, const char* verb);
+  /// Why transfers to a peer the store says is gone fail.
+  std::string gone_reason(const detail::Peer& p) const;
   [[nodiscard]] detail::HandshakeHooks hooks(detail::Worker* preferred);
   void deliver(Notification n);
   /// Gives a registered buffer its id and publishes it to the workers.

@@ -300,6 +300,18 @@ void Worker::handle(Command& c) {
     }
     case Command::Kind::evict: (void)evict_one(); break;
     case Command::Kind::restarted: close_stale(c.text, c.epoch, nullptr); break;
+    case Command::Kind::gone: {
+      // The store says its engine is gone: what waits for a link fails now, not at the connect
+      // deadline, and the link (if the process is dead, about to fail anyway) goes.
+      Peer& p = *c.peer;
+      if (p.link != nullptr) break_link(*p.link, c.text);
+      while (!p.waiting.empty()) {
+        Xfer* x = p.waiting.front();
+        p.waiting.pop_front();
+        end(*x, TransferStatus::connect_failed, c.text);
+      }
+      break;
+    }
     case Command::Kind::kick: {
       Peer& p = *c.peer;
       if (p.link != nullptr && p.link->state == Link::State::ready) {
@@ -414,6 +426,7 @@ void Worker::start_transfer(Peer& p, Xfer& x) {
   if (p.removed.load(std::memory_order_relaxed)) {
     return end(x, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
   }
+  if (p.gone.load(std::memory_order_relaxed)) return end(x, TransferStatus::connect_failed, e_.gone_reason(p));
   p.waiting.push_back(&x);
   if (l == nullptr && !p.connecting) {
     p.connecting = true;
@@ -972,7 +985,7 @@ void Worker::break_link(Link& l, const std::string& why) {
     Peer& p = *l.peer;
     p.link = nullptr;
     // Transfers that waited for this link to be ready: another attempt, unless the peer is gone.
-    if (!p.waiting.empty() && !p.removed.load() && !p.connecting) {
+    if (!p.waiting.empty() && !p.removed.load() && !p.gone.load() && !p.connecting) {
       p.connecting = true;
       e_.request_connect(&p);
     }

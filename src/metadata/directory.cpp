@@ -7,7 +7,9 @@
 namespace rdmakit::detail::metadata {
 
 Directory::Directory(DirectoryConfig config, std::unique_ptr<Store> store)
-    : config_(std::move(config)), store_(store ? std::move(store) : open_store(config_.uri)) {}
+    : config_(std::move(config)), store_(store ? std::move(store) : open_store(config_.uri)) {
+  check_cluster(config_.cluster);
+}
 
 Directory::~Directory() = default;
 
@@ -76,29 +78,34 @@ void Directory::refresh() {
   }
 }
 
+ClusterListing read_cluster(Store& store, const std::string& cluster, Deadline deadline,
+                            const std::string& self) {
+  const std::string prefix = engines_prefix(cluster);
+  ClusterListing out;
+  for (const KeyValue& kv : store.list(prefix, deadline)) {
+    const std::string name = kv.key.substr(prefix.size());
+    if (name == self) continue;
+    try {
+      out.engines.emplace(name, decode(kv.value, fmt::format("{} key {}", store.shown(), kv.key), name));
+    } catch (const Error& e) {
+      out.skipped += (out.skipped.empty() ? "" : "; ") + e.detail();
+    }
+  }
+  return out;
+}
+
 std::vector<DirectoryChange> Directory::poll() {
   next_poll_ = deadline_in(config_.poll);
   std::vector<DirectoryChange> changes;
-  std::vector<KeyValue> entries;
+  ClusterListing listing;
   try {
-    entries = store_->list(engines_prefix(config_.cluster), call_deadline());
+    listing = read_cluster(*store_, config_.cluster, call_deadline(), self_ ? self_->name : std::string{});
   } catch (const Error& e) {
     failure_ = e.what();
     return changes;  // a store that is down says nothing about who is gone
   }
-  const std::string prefix = engines_prefix(config_.cluster);
-  std::map<std::string, EngineRecord> seen;
-  std::string bad;
-  for (const KeyValue& kv : entries) {
-    const std::string name = kv.key.substr(prefix.size());
-    if (self_ && name == self_->name) continue;
-    try {
-      seen.emplace(name, decode(kv.value, fmt::format("{} key {}", shown(), kv.key), name));
-    } catch (const Error& e) {
-      bad += (bad.empty() ? "" : "; ") + e.detail();
-    }
-  }
-  bad_entries_ = std::move(bad);
+  bad_entries_ = std::move(listing.skipped);
+  std::map<std::string, EngineRecord>& seen = listing.engines;
   for (auto& [name, rec] : seen) {
     missing_since_.erase(name);
     auto it = peers_.find(name);
@@ -179,3 +186,23 @@ std::string Directory::status() const {
 }
 
 }  // namespace rdmakit::detail::metadata
+
+namespace rdmakit {
+
+std::vector<PublishedEngine> list_engines(const MetadataConfig& config, std::string* skipped) {
+  using namespace detail::metadata;
+  const StoreUri uri = parse_store_uri(config.uri);
+  if (uri.kind == StoreUri::Kind::p2p) {
+    throw Error("list engines", EINVAL, "metadata \"p2p\" has no store to list",
+                "give a redis:// or etcd:// URI");
+  }
+  check_cluster(config.cluster);
+  auto store = open_store(uri);
+  ClusterListing l = read_cluster(*store, config.cluster, detail::deadline_in(config.call_timeout), {});
+  if (skipped != nullptr) *skipped = std::move(l.skipped);
+  std::vector<PublishedEngine> out;
+  for (auto& [name, rec] : l.engines) out.push_back(std::move(rec));
+  return out;
+}
+
+}  // namespace rdmakit

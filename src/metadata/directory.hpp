@@ -40,6 +40,15 @@ struct DirectoryChange {
   EngineRecord record;  ///< gone: the last one seen
 };
 
+/// The engines of a cluster in `store` (but `self`), by name; entries that are not records are
+/// skipped and named in `skipped`. Throws Error when the store cannot be read.
+struct ClusterListing {
+  std::map<std::string, EngineRecord> engines;
+  std::string skipped;
+};
+ClusterListing read_cluster(Store& store, const std::string& cluster, Deadline deadline,
+                            const std::string& self);
+
 class Directory {
  public:
   /// `store`: a client for config.uri (made from it when null; tests pass their own).

@@ -1,5 +1,7 @@
 #include "metadata/record.hpp"
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 
 #include <fmt/format.h>
@@ -46,6 +48,17 @@ const json& list(const json& j, const char* field, const std::string& where) {
 }
 
 }  // namespace
+
+void check_cluster(const std::string& cluster) {
+  const bool ok = !cluster.empty() && cluster.size() <= 64 &&
+                  std::all_of(cluster.begin(), cluster.end(), [](char c) {
+                    return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '.' || c == '_' || c == '-';
+                  });
+  if (!ok) {
+    throw Error("metadata config", EINVAL,
+                fmt::format("cluster \"{}\": 1 to 64 letters, digits, '.', '_' or '-'", cluster));
+  }
+}
 
 std::string engines_prefix(const std::string& cluster) {
   return fmt::format("rdmakit/{}/engines/", cluster);

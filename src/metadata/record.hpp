@@ -8,32 +8,13 @@
 #include <string_view>
 #include <vector>
 
+#include "rdmakit/metadata.hpp"
+
 namespace rdmakit::detail::metadata {
 
-struct RailRecord {
-  std::string device;
-  std::uint32_t port = 1;
-  std::string link_layer;  ///< "ethernet" or "infiniband"
-  std::string gid;         ///< the GID the engine would use, as an address
-  std::string subnet;      ///< e.g. "198.18.1.0/24" (RoCE) or the IB subnet prefix
-  friend bool operator==(const RailRecord&, const RailRecord&) = default;
-};
-
-struct SegmentRecord {
-  std::string name;
-  std::uint64_t length = 0;
-  std::string memory;  ///< the memory kind ("host", "cuda", ...)
-  friend bool operator==(const SegmentRecord&, const SegmentRecord&) = default;
-};
-
-struct EngineRecord {
-  std::string name;
-  std::uint64_t epoch = 0;             ///< new at every start
-  std::vector<std::string> endpoints;  ///< bootstrap addresses, "host:port"
-  std::vector<RailRecord> rails;
-  std::vector<SegmentRecord> segments;
-  friend bool operator==(const EngineRecord&, const EngineRecord&) = default;
-};
+using RailRecord = PublishedRail;
+using SegmentRecord = PublishedSegment;
+using EngineRecord = PublishedEngine;
 
 /// The record's format version, written as "v"; a reader refuses others.
 inline constexpr int record_version = 1;
@@ -45,6 +26,8 @@ inline constexpr int record_version = 1;
 [[nodiscard]] EngineRecord decode(std::string_view text, const std::string& where,
                                   const std::string& expected_name);
 
+/// Throws Error (EINVAL) unless `cluster` is 1..64 of [A-Za-z0-9._-] (it is part of every key).
+void check_cluster(const std::string& cluster);
 /// rdmakit/<cluster>/engines/ and rdmakit/<cluster>/engines/<name>.
 [[nodiscard]] std::string engines_prefix(const std::string& cluster);
 [[nodiscard]] std::string engine_key(const std::string& cluster, const std::string& name);

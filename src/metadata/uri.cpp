@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "rdmakit/error.hpp"
+#include "rdmakit/metadata.hpp"
 
 namespace rdmakit::detail::metadata {
 namespace {
@@ -94,3 +95,15 @@ StoreUri parse_store_uri(const std::string& text) {
 }
 
 }  // namespace rdmakit::detail::metadata
+
+namespace rdmakit {
+
+std::string MetadataConfig::shown_uri() const {
+  try {
+    return detail::metadata::parse_store_uri(uri).shown();
+  } catch (const Error&) {
+    return "(an invalid metadata URI)";
+  }
+}
+
+}  // namespace rdmakit

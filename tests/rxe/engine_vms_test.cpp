@@ -1,7 +1,8 @@
 // Runs in every VM of a lab with several VMs (rxe.library.three_vms): one engine per VM, all to
 // all. Each VM writes its own region of every other VM's segment from 8 threads at once, reads
 // it back and compares, then tells each peer (a notification after its writes); each VM checks
-// every byte the others wrote into its own memory once both have told it.
+// every byte the others wrote into its own memory once both have told it. Peers are added by
+// address, and again (tests/rxe/with_stores.sh) by name alone through Redis and through etcd.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -45,7 +46,8 @@ std::vector<std::string> lab_ips() {
 
 }  // namespace
 
-TEST(EngineVms, AllToAllFromEightThreadsEveryByteValidated) {
+// All to all among the lab's VMs; with `store`, peers are found by name in it.
+static void all_to_all(const std::string& store) {
   const auto ips = lab_ips();
   const char* index_env = std::getenv("RDMAKIT_LAB_INDEX");
   ASSERT_GE(ips.size(), 2u) << "run in a lab with several VMs";
@@ -56,14 +58,28 @@ TEST(EngineVms, AllToAllFromEightThreadsEveryByteValidated) {
   c.name = "vm" + std::to_string(me);
   c.listen = ":7620";
   c.link = lab::quiet();
+  if (!store.empty()) {
+    c.metadata.uri = store;
+    c.metadata.cluster = "vms";
+    c.metadata.lease = 3s;
+    c.metadata.poll = 200ms;
+  }
   Engine e(c);
   const Buffer seg = e.allocate_memory(n * kRegion);
   e.expose("kv", seg, Access::remote_read | Access::remote_write);
   std::vector<std::size_t> others;
   for (std::size_t v = 0; v < n; ++v) {
-    if (v == me) continue;
-    e.add_peer("vm" + std::to_string(v), ips[v] + ":7620");
-    others.push_back(v);
+    if (v != me) others.push_back(v);
+  }
+  if (store.empty()) {
+    for (const std::size_t v : others) e.add_peer("vm" + std::to_string(v), ips[v] + ":7620");
+  } else {
+    // The others start when they start: wait until the store lists them all, then add them by
+    // name (their endpoints, the address of each one's RDMA port, come from their entries).
+    for (int i = 0; i < 600 && e.directory().size() < others.size(); ++i) std::this_thread::sleep_for(100ms);
+    ASSERT_EQ(e.directory().size(), others.size()) << e.info().metadata;
+    for (const std::size_t v : others) e.add_peer("vm" + std::to_string(v));
+    for (const auto& p : e.peers()) EXPECT_EQ(p.address, ips[static_cast<std::size_t>(p.name[2] - '0')] + ":7620");
   }
   // Each thread has a source and a check buffer of one round.
   std::vector<Buffer> src, back;
@@ -157,4 +173,18 @@ TEST(EngineVms, AllToAllFromEightThreadsEveryByteValidated) {
               static_cast<unsigned long long>(cnt.bytes), static_cast<unsigned long long>(cnt.transfers),
               static_cast<unsigned long long>(cnt.windows_bound));
   // Nobody needs this engine's memory any more: each peer told it after its last read here.
+}
+
+TEST(EngineVms, AllToAllFromEightThreadsEveryByteValidated) { all_to_all(""); }
+
+// RDMAKIT_VMS_STORES (tests/rxe/with_stores.sh): the store URIs, each run in turn.
+TEST(EngineVms, FoundByNameThroughEachStore) {
+  const char* stores = std::getenv("RDMAKIT_VMS_STORES");
+  if (stores == nullptr) GTEST_SKIP() << "RDMAKIT_VMS_STORES names no store (tests/rxe/with_stores.sh sets it)";
+  std::istringstream in(stores);
+  for (std::string uri; in >> uri;) {
+    SCOPED_TRACE(uri);
+    all_to_all(uri);
+    std::printf("all to all by name through %s: done\n", uri.c_str());
+  }
 }

@@ -2,7 +2,8 @@
 // other side read and write, keeps receives posted for SENDs, says "ready" on stdout, and serves
 // until it is killed. With try-connect, a client in a process of its own: one connect attempt
 // per line on stdin, "connected" or "refused: WHY" on stdout for each.
-// With engine, an rdmakit::Engine called NAME on PORT exposing a 1 MiB segment "kv".
+// With engine, an rdmakit::Engine called NAME on PORT exposing a 1 MiB segment "kv", published in
+// the metadata store RDMAKIT_PEER_METADATA names (if set; cluster "t", lease 2 s, poll 200 ms).
 //   rdmakit_rxe_fault_peer connect HOST:PORT | listen PORT | try-connect HOST:PORT [no-keepalive]
 //                          | engine PORT NAME | engines PORT COUNT
 #include <chrono>
@@ -53,6 +54,13 @@ int main(int argc, char** argv) {
     ec.name = argv[3];
     ec.listen = ":" + std::string(argv[2]);
     ec.link.log = [](std::string_view) {};
+    if (const char* uri = std::getenv("RDMAKIT_PEER_METADATA")) {
+      ec.metadata.uri = uri;
+      ec.metadata.cluster = "t";
+      ec.metadata.lease = 2s;
+      ec.metadata.poll = 200ms;
+      ec.metadata.call_timeout = 1s;
+    }
     rdmakit::Engine engine(ec);
     const rdmakit::Buffer b = engine.allocate_memory(1 << 20);
     engine.expose("kv", b, rdmakit::Access::remote_read | rdmakit::Access::remote_write);

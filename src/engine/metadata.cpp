@@ -1,0 +1,315 @@
+#include "engine/metadata.hpp"
+
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "common/ipaddr.hpp"
+#include "engine/impl.hpp"
+#include "metadata/uri.hpp"
+#include "rdmakit/error.hpp"
+
+namespace rdmakit::detail {
+
+namespace md = metadata;
+
+namespace {
+
+md::DirectoryConfig directory_config(const MetadataConfig& c) {
+  md::DirectoryConfig d;
+  d.uri = md::parse_store_uri(c.uri);
+  d.cluster = c.cluster;
+  d.lease = c.lease;
+  d.poll = c.poll;
+  d.call_timeout = c.call_timeout;
+  if (c.lease < std::chrono::milliseconds{1000} || c.poll <= std::chrono::milliseconds{0} ||
+      c.call_timeout <= std::chrono::milliseconds{0}) {
+    throw Error("engine config", EINVAL,
+                fmt::format("metadata lease {} ms (at least 1000), poll {} ms and call_timeout {} ms (above 0)",
+                            c.lease.count(), c.poll.count(), c.call_timeout.count()));
+  }
+  return d;
+}
+
+bool wildcard(const std::string& host) {
+  return host.empty() || host == "0.0.0.0" || host == "::" || host == "*";
+}
+
+// The network of `prefix` bits of a 16-byte address, as "a.b.c.d/n" or "x::/n".
+std::string network(Ip16 a, unsigned bits, bool v4) {
+  const unsigned total = v4 ? 32 : 128;
+  bits = std::min(bits, total);
+  const unsigned from = v4 ? 12 : 0;  // IPv4-mapped: the last 4 bytes
+  for (unsigned i = 0; i < total; ++i) {
+    if (i >= bits) a[from + i / 8] &= static_cast<std::uint8_t>(~(0x80u >> (i % 8)));
+  }
+  std::string text = format_ip16(a);
+  if (v4 && text.rfind("::ffff:", 0) == 0) text.erase(0, 7);
+  return fmt::format("{}/{}", text, bits);
+}
+
+unsigned mask_bits(const sockaddr* mask) {
+  if (mask == nullptr) return 0;
+  if (mask->sa_family == AF_INET) {
+    return static_cast<unsigned>(std::popcount(reinterpret_cast<const sockaddr_in*>(mask)->sin_addr.s_addr));
+  }
+  unsigned n = 0;
+  for (const std::uint8_t b : reinterpret_cast<const sockaddr_in6*>(mask)->sin6_addr.s6_addr) n += static_cast<unsigned>(std::popcount(b));
+  return n;
+}
+
+}  // namespace
+
+bool uses_store(const MetadataConfig& config) {
+  const md::DirectoryConfig d = directory_config(config);
+  if (d.uri.kind == md::StoreUri::Kind::p2p) return false;
+  md::check_cluster(d.cluster);
+  return true;
+}
+
+std::string subnet_of(const std::string& address) {
+  const auto want = parse_ip16(address);
+  if (!want) return {};
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return {};
+  std::string out;
+  for (const ifaddrs* i = list; i != nullptr && out.empty(); i = i->ifa_next) {
+    if (i->ifa_addr == nullptr) continue;
+    Ip16 have{};
+    bool v4 = false;
+    if (i->ifa_addr->sa_family == AF_INET) {
+      v4 = true;
+      have[10] = have[11] = 0xff;
+      std::memcpy(have.data() + 12, &reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr, 4);
+    } else if (i->ifa_addr->sa_family == AF_INET6) {
+      std::memcpy(have.data(), &reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr, 16);
+    } else {
+      continue;
+    }
+    if (have == *want) out = network(have, mask_bits(i->ifa_netmask), v4);
+  }
+  ::freeifaddrs(list);
+  return out;
+}
+
+MetadataPlane::MetadataPlane(Engine::Impl& engine)
+    : e_(engine), dir_(directory_config(engine.cfg.metadata)) {
+  shown_ = dir_.shown();
+  {
+    std::lock_guard lock(dir_mu_);
+    // An engine that will listen (start_listening) is published then, with its endpoints: a
+    // peer that found it earlier could not reach it.
+    if (e_.cfg.listen.empty() || e_.listening.load() != nullptr) publish();
+    copy_out();
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+MetadataPlane::~MetadataPlane() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+  std::lock_guard lock(dir_mu_);
+  dir_.withdraw();
+}
+
+void MetadataPlane::changed(bool wait) noexcept {
+  if (wait) {
+    std::unique_lock lock(dir_mu_, std::defer_lock);
+    if (lock.try_lock_for(e_.cfg.metadata.call_timeout)) {
+      publish();
+      copy_out();
+      return;
+    }
+  }
+  {
+    std::lock_guard lock(mu_);
+    dirty_ = true;
+  }
+  cv_.notify_all();
+}
+
+void MetadataPlane::publish() noexcept {
+  try {
+    if (!dir_.publish(self_record())) {
+      e_.cfg.link.log(fmt::format("engine {}: not published in {} yet (retried): {}", e_.name, shown_, dir_.status()));
+    }
+  } catch (const std::exception& ex) {
+    try {
+      e_.cfg.link.log(fmt::format("engine {}: building its record for {}: {}", e_.name, shown_, ex.what()));
+    } catch (...) {
+    }
+  }
+}
+
+void MetadataPlane::copy_out() {
+  std::string s = dir_.status();
+  std::lock_guard lock(mu_);
+  known_ = dir_.known();
+  status_ = std::move(s);
+  due_ = dir_.next_due();
+}
+
+void MetadataPlane::run() noexcept {
+  for (;;) {
+    bool republish = false;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait_until(lock, due_, [this] { return stop_ || dirty_; });
+      if (stop_) return;
+      republish = std::exchange(dirty_, false);
+    }
+    std::vector<md::DirectoryChange> changes;
+    try {
+      std::lock_guard lock(dir_mu_);
+      if (republish) publish();
+      changes = dir_.tick();
+      copy_out();
+    } catch (const std::exception& ex) {
+      // Out of memory in a copy: the next round tries again.
+      (void)ex;
+    }
+    for (const auto& c : changes) {
+      try {
+        apply(c);
+      } catch (const std::exception& ex) {
+        try {
+          e_.cfg.link.log(fmt::format("engine {}: acting on {}'s news of '{}': {}", e_.name, shown_, c.record.name, ex.what()));
+        } catch (...) {
+        }
+      }
+    }
+  }
+}
+
+md::EngineRecord MetadataPlane::lookup(const std::string& name, Deadline deadline) {
+  {
+    std::lock_guard lock(mu_);
+    if (auto it = known_.find(name); it != known_.end()) return it->second;
+  }
+  std::unique_lock lock(dir_mu_, std::defer_lock);
+  if (!lock.try_lock_until(deadline)) {
+    throw Error("metadata lookup", ETIMEDOUT,
+                fmt::format("engine \"{}\" is not known here and {} is busy answering another call", name, shown_),
+                "the store is slow or unreachable: see EngineInfo::metadata");
+  }
+  md::EngineRecord r = dir_.lookup(name, deadline);
+  copy_out();
+  return r;
+}
+
+std::vector<md::EngineRecord> MetadataPlane::known() const {
+  std::lock_guard lock(mu_);
+  std::vector<md::EngineRecord> out;
+  for (const auto& [n, r] : known_) out.push_back(r);
+  return out;
+}
+
+std::string MetadataPlane::status() const {
+  std::lock_guard lock(mu_);
+  return status_;
+}
+
+md::EngineRecord MetadataPlane::self_record() const {
+  md::EngineRecord r;
+  r.name = e_.name;
+  r.epoch = e_.epoch;
+  for (const DeviceInfo& d : e_.layer->catalog()) {
+    for (const PortInfo& p : d.ports) {
+      if (p.gids.empty()) continue;
+      md::RailRecord rail;
+      rail.device = d.name;
+      rail.port = p.number;
+      rail.link_layer = p.link_layer == LinkLayer::ethernet ? "ethernet" : "infiniband";
+      try {
+        const GidChoice g = choose_gid(p.gids, e_.cfg.link.gid);
+        rail.gid = g.entry.address();
+        if (p.link_layer == LinkLayer::ethernet) {
+          rail.subnet = subnet_of(rail.gid.rfind("::ffff:", 0) == 0 ? rail.gid.substr(7) : rail.gid);
+        } else {
+          Ip16 prefix{};
+          std::copy_n(g.entry.gid.begin(), 8, prefix.begin());
+          rail.subnet = fmt::format("{}/64", format_ip16(prefix));
+        }
+      } catch (const Error&) {
+        continue;  // no usable GID on this port: not a rail
+      }
+      r.rails.push_back(std::move(rail));
+    }
+  }
+  const MetadataConfig& mc = e_.cfg.metadata;
+  const Listener* l = e_.listening.load(std::memory_order_acquire);
+  if (!mc.advertise.empty()) {
+    r.endpoints = mc.advertise;
+  } else if (l != nullptr) {
+    const HostPort at = parse_host_port(e_.cfg.listen, 0);
+    auto add = [&](const std::string& host) {
+      const std::string ep = HostPort{host, l->port()}.to_string();
+      if (std::find(r.endpoints.begin(), r.endpoints.end(), ep) == r.endpoints.end()) r.endpoints.push_back(ep);
+    };
+    if (!wildcard(at.host)) {
+      add(at.host);
+    } else {
+      for (const md::RailRecord& rail : r.rails) {
+        if (rail.link_layer != "ethernet" || rail.gid.rfind("fe80:", 0) == 0) continue;
+        add(rail.gid.rfind("::ffff:", 0) == 0 ? rail.gid.substr(7) : rail.gid);
+      }
+      if (r.endpoints.empty()) {
+        char host[256] = {};
+        (void)::gethostname(host, sizeof host - 1);
+        add(host);
+      }
+    }
+  }
+  std::lock_guard lock(e_.mu);
+  for (const auto& [name, s] : e_.segments) {
+    const BufferRec* b = e_.buffer(s.buffer);
+    r.segments.push_back({name, s.length, b != nullptr ? to_string(b->regions[0]->kind()) : "host"});
+  }
+  return r;
+}
+
+void MetadataPlane::apply(const md::DirectoryChange& c) {
+  using Kind = md::DirectoryChange::Kind;
+  Peer* p = nullptr;
+  std::string reason;
+  {
+    std::lock_guard lock(e_.mu);
+    const auto it = e_.peer_ids.find(c.record.name);
+    if (it == e_.peer_ids.end()) return;  // not one of this engine's peers: known, nothing to do
+    p = e_.peer(it->second);
+    if (c.kind == Kind::gone) {
+      reason = fmt::format("peer '{}' is gone from {}: its entry (epoch {:#x}) expired or was removed",
+                           c.record.name, shown_, c.record.epoch);
+      p->gone_reason = reason;
+      p->gone.store(true);
+    } else {
+      p->gone.store(false);
+      // A peer found through the store follows its entry (a restart on another port).
+      if (p->from_store && !c.record.endpoints.empty()) p->address = c.record.endpoints.front();
+    }
+  }
+  if (c.kind == Kind::gone) {
+    p->worker->post(Command(Command::Kind::gone, p, reason));
+  } else if (c.kind == Kind::restarted) {
+    // Its links to the old process (ours, and those it opened to us) go before they fail.
+    for (auto& w : e_.workers) {
+      Command cmd(Command::Kind::restarted, nullptr, c.record.name);
+      cmd.epoch = c.record.epoch;
+      w->post(std::move(cmd));
+    }
+  }
+}
+
+}  // namespace rdmakit::detail

@@ -1,0 +1,298 @@
+// Runs inside the lab: engines that find each other through a real Redis or etcd (started by each
+// case on this VM), move validated data, drop a SIGKILLed peer within its lease and find its
+// restart by themselves, keep working through a store outage and re-publish into a store
+// restarted empty; bad answers from a store get a clear error and no hang.
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "lab_helpers.hpp"
+#include "rdmakit/engine.hpp"
+#include "rdmakit/error.hpp"
+#include "servers.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+using rdmakit::Access;
+using rdmakit::Batch;
+using rdmakit::Buffer;
+using rdmakit::Engine;
+using rdmakit::EngineConfig;
+using rdmakit::RemoteSegment;
+using rdmakit::Transfer;
+using rdmakit::TransferOp;
+using rdmakit::TransferResult;
+using rdmakit::TransferStatus;
+using rdmakit::test::FakeServer;
+using rdmakit::test::StoreServer;
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kLease = 2s;
+constexpr auto kPoll = 200ms;
+
+rdmakit::MetadataConfig metadata(const std::string& uri) {
+  rdmakit::MetadataConfig m;
+  m.uri = uri;
+  m.cluster = "t";
+  m.lease = kLease;
+  m.poll = kPoll;
+  m.call_timeout = 1s;
+  return m;
+}
+
+EngineConfig config(const std::string& name, const std::string& uri) {
+  EngineConfig c;
+  c.name = name;
+  c.listen = "127.0.0.1:0";
+  c.link = lab::quiet();
+  c.metadata = metadata(uri);
+  return c;
+}
+
+void fill(void* p, std::size_t n, std::uint8_t seed) {
+  auto* b = static_cast<std::uint8_t*>(p);
+  for (std::size_t i = 0; i < n; ++i) b[i] = static_cast<std::uint8_t>(seed + i * 7 + (i >> 9));
+}
+
+TransferResult move(Engine& e, TransferOp op, const Buffer& local, RemoteSegment seg, std::uint64_t len) {
+  Transfer t;
+  t.op = op;
+  t.local = local;
+  t.length = len;
+  t.remote = seg;
+  Batch b = e.submit({&t, 1});
+  if (!b.wait(15s)) return {TransferStatus::pending, "no end within 15 s"};
+  return b.result(0);
+}
+
+// Writes `len` bytes of a pattern to `seg` and reads them back: every byte compared.
+void round_trip(Engine& e, RemoteSegment seg, std::uint64_t len, std::uint8_t seed) {
+  const Buffer out = e.allocate_memory(len), in = e.allocate_memory(len);
+  fill(out.addr, len, seed);
+  const TransferResult w = move(e, TransferOp::write, out, seg, len);
+  ASSERT_EQ(w.status, TransferStatus::ok) << w.reason;
+  const TransferResult r = move(e, TransferOp::read, in, seg, len);
+  ASSERT_EQ(r.status, TransferStatus::ok) << r.reason;
+  EXPECT_EQ(std::memcmp(out.addr, in.addr, len), 0);
+}
+
+bool lists(const std::vector<rdmakit::PublishedEngine>& v, const std::string& name) {
+  return std::any_of(v.begin(), v.end(), [&](const auto& e) { return e.name == name; });
+}
+
+// Polls `done` every 50 ms until it holds or `limit` passes; returns the time taken.
+template <typename F>
+std::chrono::milliseconds until(std::chrono::milliseconds limit, F done) {
+  const auto t0 = Clock::now();
+  while (!done() && Clock::now() - t0 < limit) std::this_thread::sleep_for(50ms);
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+}
+
+// A target in a process of its own (the fault peer's engine mode), published in `uri`.
+std::unique_ptr<lab::Child> target(const std::string& uri, const std::string& name) {
+  ::setenv("RDMAKIT_PEER_METADATA", uri.c_str(), 1);
+  auto c = std::make_unique<lab::Child>("engine", "0", name);
+  ::unsetenv("RDMAKIT_PEER_METADATA");
+  return c;
+}
+
+class Metadata : public ::testing::TestWithParam<StoreServer::Kind> {
+ protected:
+  StoreServer server{GetParam()};
+};
+
+// Two engines find each other by name alone, move data both ways, and each sees the other's
+// published record: endpoint, rails with their subnet, segments. Nothing else is in it.
+TEST_P(Metadata, EnginesFindEachOtherByNameAndMoveValidatedData) {
+  Engine b(config("b", server.uri()));
+  b.expose("kv", b.allocate_memory(1 << 20), Access::remote_read | Access::remote_write);
+  Engine a(config("a", server.uri()));
+  EXPECT_NE(a.info().metadata.find("published as \"a\""), std::string::npos) << a.info().metadata;
+  round_trip(a, a.segment("b", "kv"), 1 << 20, 3);
+  const auto peers = a.peers();
+  ASSERT_EQ(peers.size(), 1u);
+  EXPECT_EQ(peers[0].address, "127.0.0.1:" + std::to_string(b.port()));
+
+  // The directory as `a` sees it, and as the store lists it: b with its segment (published after
+  // the expose, by b's metadata thread) and its rails.
+  const auto seen = until(5s, [&] {
+    const auto d = a.directory();
+    return lists(d, "b") && !d[0].segments.empty();
+  });
+  ASSERT_LT(seen, 5s) << a.info().metadata;
+  const rdmakit::PublishedEngine rb = a.directory()[0];
+  EXPECT_EQ(rb.epoch, b.info().epoch);
+  ASSERT_EQ(rb.segments.size(), 1u);
+  EXPECT_EQ(rb.segments[0].name, "kv");
+  EXPECT_EQ(rb.segments[0].length, 1u << 20);
+  EXPECT_EQ(rb.segments[0].memory, "host");
+  ASSERT_FALSE(rb.rails.empty());
+  EXPECT_EQ(rb.rails[0].device, "rxe0");
+  EXPECT_EQ(rb.rails[0].link_layer, "ethernet");
+  EXPECT_EQ(rb.rails[0].gid, "::ffff:198.18.0.1");
+  EXPECT_EQ(rb.rails[0].subnet, "198.18.0.0/24");
+  std::string skipped;
+  const auto listed = rdmakit::list_engines(metadata(server.uri()), &skipped);
+  EXPECT_TRUE(lists(listed, "a") && lists(listed, "b"));
+  EXPECT_EQ(skipped, "");
+
+  // A name the store does not have: an error naming the store, the cluster and the name.
+  try {
+    a.add_peer("nobody");
+    ADD_FAILURE() << "a peer the store does not have was added";
+  } catch (const rdmakit::Error& e) {
+    EXPECT_EQ(e.sys_errno(), ENOENT);
+    EXPECT_NE(std::string(e.what()).find(server.uri()), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("nobody"), std::string::npos) << e.what();
+  }
+  // The engine that goes cleanly takes its entry with it.
+  { Engine c(config("c", server.uri())); }
+  EXPECT_FALSE(lists(rdmakit::list_engines(metadata(server.uri())), "c"));
+}
+
+// A SIGKILLed engine's entry is gone within its lease plus a second; then a transfer to it fails
+// at submit naming the peer and the store. Started again (a new epoch, a new port), it is found
+// and used without anyone telling the other engine.
+TEST_P(Metadata, AKilledEngineGoesWithinItsLeaseAndItsRestartIsFoundByItself) {
+  auto child = target(server.uri(), "c");
+  ASSERT_TRUE(child->ok() && child->await("ready")) << "FAULT_PEER is the peer program";
+  Engine a(config("a", server.uri()));
+  const RemoteSegment seg = a.segment("c", "kv");
+  round_trip(a, seg, 64 << 10, 5);
+  const std::string first_address = a.peers()[0].address;
+
+  child->kill();
+  const auto gone = until(kLease + 3s, [&] { return !lists(rdmakit::list_engines(metadata(server.uri())), "c"); });
+  std::printf("entry gone %lld ms after SIGKILL (lease %lld ms)\n", static_cast<long long>(gone.count()),
+              static_cast<long long>(std::chrono::milliseconds(kLease).count()));
+  EXPECT_LE(gone, kLease + 1s);
+  // The engine drops it one refresh interval and a poll after its entry went (a store restart
+  // must not drop anyone): then what is submitted to it fails at once, naming it and the store.
+  const Buffer buf = a.allocate_memory(4096);
+  TransferResult r;
+  const auto dropped = until(5s, [&] {
+    r = move(a, TransferOp::write, buf, seg, 4096);
+    return r.status == TransferStatus::connect_failed && r.reason.find("is gone from") != std::string::npos;
+  });
+  ASSERT_LT(dropped, 5s) << to_string(r.status) << ": " << r.reason;
+  EXPECT_NE(r.reason.find("'c'"), std::string::npos) << r.reason;
+  EXPECT_NE(r.reason.find(server.uri()), std::string::npos) << r.reason;
+
+  auto again = target(server.uri(), "c");
+  ASSERT_TRUE(again->ok() && again->await("ready"));
+  const auto back = until(10s, [&] { return move(a, TransferOp::write, buf, seg, 4096).status == TransferStatus::ok; });
+  std::printf("restarted engine used again after %lld ms\n", static_cast<long long>(back.count()));
+  ASSERT_LT(back, 10s);
+  EXPECT_NE(a.peers()[0].address, first_address) << "the restart listens on another port";
+  round_trip(a, seg, 64 << 10, 9);
+}
+
+// The store stops: linked engines keep moving data, past the lease; a name nobody knows fails
+// within its deadline naming the store. Restarted empty, the store gets every engine back within
+// one refresh interval, and nobody was dropped.
+TEST_P(Metadata, AStoreOutageLeavesLinksWorkingAndAnEmptyRestartGetsEveryoneBack) {
+  Engine b(config("b", server.uri()));
+  b.expose("kv", b.allocate_memory(256 << 10), Access::remote_read | Access::remote_write);
+  Engine a(config("a", server.uri()));
+  const RemoteSegment seg = a.segment("b", "kv");
+  round_trip(a, seg, 256 << 10, 1);
+
+  server.kill();
+  const auto t0 = Clock::now();
+  try {
+    (void)a.segment("nobody", "kv");
+    ADD_FAILURE() << "a lookup succeeded with the store down";
+  } catch (const rdmakit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(server.uri()), std::string::npos) << e.what();
+  }
+  EXPECT_LT(Clock::now() - t0, 3s) << "the lookup's deadline is 1 s";
+  for (int i = 0; Clock::now() - t0 < kLease + 1s; ++i) {
+    round_trip(a, seg, 64 << 10, static_cast<std::uint8_t>(i));
+    std::this_thread::sleep_for(100ms);
+  }
+  EXPECT_NE(a.info().metadata.find("last failure"), std::string::npos) << a.info().metadata;
+
+  server.restart_empty();
+  const auto back = until(5s, [&] {
+    try {
+      const auto l = rdmakit::list_engines(metadata(server.uri()));
+      return lists(l, "a") && lists(l, "b");
+    } catch (const rdmakit::Error&) {
+      return false;
+    }
+  });
+  std::printf("both engines back in the restarted store after %lld ms\n", static_cast<long long>(back.count()));
+  EXPECT_LE(back, std::chrono::milliseconds(kLease) / 3 + 1s);
+  round_trip(a, seg, 256 << 10, 2);
+  EXPECT_EQ(a.counters().connects, 1u) << "the link was never dropped";
+  EXPECT_EQ(b.counters().accepts, 1u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Stores, Metadata, ::testing::Values(StoreServer::Kind::redis, StoreServer::Kind::etcd),
+                         [](const auto& p) { return p.param == StoreServer::Kind::redis ? "redis" : "etcd"; });
+
+// A store that answers garbage, or closes mid-reply: the engine starts (publishing is retried),
+// says why in its info, and a lookup fails within its deadline naming the store.
+TEST(MetadataStore, GarbageAndClosedConnectionsGetAClearErrorAndNoHang) {
+  struct Case {
+    const char* scheme;
+    const char* answer;
+    bool close_after;
+  };
+  for (const Case& c : {Case{"redis", "$9999\r\nnot that long", true}, Case{"redis", "*1\r\n", false},
+                        Case{"etcd", "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nnope!", true},
+                        Case{"etcd", "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"header\":", false}}) {
+    SCOPED_TRACE(std::string(c.scheme) + ": " + c.answer);
+    FakeServer fake(c.answer, c.close_after);
+    const std::string uri = std::string(c.scheme) + "://127.0.0.1:" + std::to_string(fake.port());
+    const auto t0 = Clock::now();
+    Engine a(config("a", uri));
+    EXPECT_LT(Clock::now() - t0, 3s) << "a store that answers nonsense held up the start";
+    EXPECT_NE(a.info().metadata.find("not published"), std::string::npos) << a.info().metadata;
+    const auto t1 = Clock::now();
+    try {
+      (void)a.segment("b", "kv");
+      ADD_FAILURE() << "a lookup succeeded against garbage";
+    } catch (const rdmakit::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(uri), std::string::npos) << e.what();
+    }
+    EXPECT_LT(Clock::now() - t1, 3s);
+  }
+}
+
+// A configuration that cannot work is refused before anything starts; so is a listen address in
+// use (which used to end the process: the engine's threads were running when it threw).
+TEST(MetadataStore, BadConfigurationsAreRefusedBeforeAnythingRuns) {
+  auto refused = [](EngineConfig c, const char* what) {
+    try {
+      Engine e(std::move(c));
+      ADD_FAILURE() << what << " was accepted";
+    } catch (const rdmakit::Error& e) {
+      EXPECT_EQ(e.sys_errno(), EINVAL) << what << ": " << e.what();
+    }
+  };
+  refused(config("a", "zk://127.0.0.1:2181"), "a zk:// store");
+  EngineConfig c = config("a", "redis://127.0.0.1:1");
+  c.metadata.cluster = "a/b";
+  refused(c, "a cluster with a slash");
+  c = config("a", "redis://127.0.0.1:1");
+  c.metadata.lease = 10ms;
+  refused(c, "a 10 ms lease");
+
+  Engine first(config("first", "p2p"));
+  EngineConfig twin = config("twin", "p2p");
+  twin.listen = "127.0.0.1:" + std::to_string(first.port());
+  EXPECT_THROW(Engine e(twin), rdmakit::Error);
+  EXPECT_EQ(first.info().metadata.rfind("p2p", 0), 0u) << first.info().metadata;
+  EXPECT_THROW(first.add_peer("b"), rdmakit::Error) << "a name alone needs a store";
+}
+
+}  // namespace
