@@ -23,6 +23,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "metadata_options.hpp"
 #include "options.hpp"
 #include "rdmakit/engine.hpp"
 #include "rdmakit/error.hpp"
@@ -41,8 +42,10 @@ struct EngineNet {
   std::string psk_file;
   unsigned workers = 0;  // 0: the engine's default, one per device
   unsigned max_qps = 1024;
+  MetadataOptions metadata;
 
-  void add_to(CLI::App& app) {
+  void add_to(CLI::App& app, bool publishing) {
+    metadata.add_to(app, publishing);
     app.add_option("--name", name, "this engine's name (default: host:pid)");
     app.add_option("-d,--device", device, "RDMA device (default: the one the route to each peer uses)");
     app.add_option("--timeout", timeout_ms, "handshake deadline in ms")->capture_default_str();
@@ -60,6 +63,7 @@ struct EngineNet {
     if (!psk_file.empty()) c.link.psk = read_key_file(psk_file);
     if (workers != 0) c.workers = workers;
     c.max_qps = max_qps;
+    c.metadata = metadata.config();
     return c;
   }
 };
@@ -153,11 +157,12 @@ int run_serve(const ServeOptions& o) {
     for (const Exposed& s : segs) segj.push_back({{"name", s.name}, {"size", s.size}, {"kind", to_string(s.spec.kind)}});
     fmt::print("{}\n", nlohmann::json{{"event", "serving"}, {"name", info.name}, {"epoch", fmt::format("{:#x}", info.epoch)},
                                       {"port", info.port}, {"segments", segj}, {"memory_windows", info.memory_windows},
-                                      {"access_model", info.access_model}}.dump());
+                                      {"access_model", info.access_model}, {"metadata", info.metadata}}.dump());
   } else {
     fmt::print("rdmakit serve: engine {} (epoch {:#x}) listening on port {}\n", info.name, info.epoch, info.port);
     for (const Exposed& s : segs) fmt::print("  segment {}: {} bytes of {} memory\n", s.name, s.size, to_string(s.spec.kind));
     fmt::print("  access: {}\n", info.access_model);
+    fmt::print("  metadata: {}\n", info.metadata);
   }
   std::fflush(stdout);
   struct sigaction sa{};
@@ -212,10 +217,12 @@ struct PeerArg {
   std::string name, address;
 };
 
-PeerArg parse_peer(const std::string& text, std::size_t index) {
+// NAME=HOST:PORT, HOST:PORT, or (with a metadata store) NAME alone: found in the store.
+PeerArg parse_peer(const std::string& text, std::size_t index, bool store) {
   const auto eq = text.find('=');
-  if (eq == std::string::npos) return {fmt::format("peer{}", index), text};
-  return {text.substr(0, eq), text.substr(eq + 1)};
+  if (eq != std::string::npos) return {text.substr(0, eq), text.substr(eq + 1)};
+  if (store && text.find(':') == std::string::npos) return {text, {}};
+  return {fmt::format("peer{}", index), text};
 }
 
 // The byte at `offset` of peer `p`'s segment, as the benchmark writes it.
@@ -231,13 +238,17 @@ double cpu_seconds() {
 }
 
 int run_engine_bench(const BenchOpts& o) {
-  if (o.peers.empty()) throw Fail("give at least one --peer [NAME=]HOST:PORT");
+  if (o.peers.empty()) throw Fail("give at least one --peer [NAME=]HOST:PORT (or NAME, with --metadata)");
   Engine engine(o.net.config(""));
   std::vector<PeerArg> peers;
   std::vector<RemoteSegment> segs;
   for (std::size_t i = 0; i < o.peers.size(); ++i) {
-    peers.push_back(parse_peer(o.peers[i], i));
-    engine.add_peer(peers.back().name, peers.back().address);
+    peers.push_back(parse_peer(o.peers[i], i, o.net.metadata.store()));
+    if (peers.back().address.empty()) {
+      engine.add_peer(peers.back().name);  // found in the store
+    } else {
+      engine.add_peer(peers.back().name, peers.back().address);
+    }
     segs.push_back(engine.segment(peers.back().name, o.segment));
   }
   // Lazy connect, timed: from nothing to a link whose segments are known, per peer.
@@ -390,7 +401,7 @@ int run_engine_bench(const BenchOpts& o) {
 void add_serve(CLI::App& app, std::function<int()>& run) {
   auto o = std::make_shared<ServeOptions>();
   auto* sub = app.add_subcommand("serve", "run an engine that exposes named segments to peers (a target)");
-  o->net.add_to(*sub);
+  o->net.add_to(*sub, /*publishing=*/true);
   sub->add_option("--listen", o->listen, "[ADDR:]PORT to accept links on")->capture_default_str();
   sub->add_option("--expose", o->expose, "NAME:SIZE[:KIND] (K, M, G; host, hugepage, cuda, cuda-host); repeatable")
       ->required();
@@ -403,8 +414,10 @@ void add_serve(CLI::App& app, std::function<int()>& run) {
 void add_engine_bench(CLI::App& app, std::function<int()>& run) {
   auto o = std::make_shared<BenchOpts>();
   auto* sub = app.add_subcommand("engine-bench", "drive batched transfers at serve targets, like transfer_engine_bench");
-  o->net.add_to(*sub);
-  sub->add_option("--peer", o->peers, "[NAME=]HOST:PORT of a target (rdmakit serve); repeatable")->required();
+  o->net.add_to(*sub, /*publishing=*/false);
+  sub->add_option("--peer", o->peers,
+                  "[NAME=]HOST:PORT of a target (rdmakit serve), or its NAME with --metadata; repeatable")
+      ->required();
   sub->add_option("--segment", o->segment, "the targets' segment")->capture_default_str();
   sub->add_option("--op", o->op, "read or write")->check(CLI::IsMember({"read", "write"}))->capture_default_str();
   sub->add_option("--block-size", o->block, "bytes per transfer (K, M suffixes)")
