@@ -427,8 +427,12 @@ void bind_engine(py::module_& m) {
       "Every method may be called from any thread; calls that can wait run without the GIL.")
       .def(py::init([](std::string name, std::string listen, std::optional<std::uint32_t> workers,
                        std::uint32_t max_qps, bool listen_at_start, const py::object& psk,
-                       std::string device, double handshake_timeout, std::uint32_t send_depth) {
+                       std::string device, double handshake_timeout, std::uint32_t send_depth,
+                       std::string metadata, std::string cluster, double lease) {
              EngineConfig c;
+             c.metadata.uri = std::move(metadata);
+             c.metadata.cluster = std::move(cluster);
+             c.metadata.lease = to_ms(lease, "lease");
              c.name = std::move(name);
              c.listen = std::move(listen);
              c.workers = workers;
@@ -444,10 +448,14 @@ void bind_engine(py::module_& m) {
            py::arg("workers") = py::none(), py::arg("max_qps") = 1024,
            py::arg("listen_at_start") = true, py::arg("psk") = py::none(),
            py::arg("device") = "", py::arg("handshake_timeout") = 10.0,
-           py::arg("send_depth") = 64,
+           py::arg("send_depth") = 64, py::arg("metadata") = "p2p", py::arg("cluster") = "default",
+           py::arg("lease") = 10.0,
            "name: as peers know it (default host:pid). listen: \"[host]:port\" (port 0: any; "
            "empty: no listener). workers: progress threads (default one per device). psk: the "
-           "pre-shared key, bytes or a key file's path (both ends of a link hold the same).")
+           "pre-shared key, bytes or a key file's path (both ends of a link hold the same). "
+           "metadata: \"p2p\" (peers by address), \"redis://host:port\" or \"etcd://host:port\": "
+           "the engine publishes itself there (in `cluster`, under a lease of `lease` seconds) "
+           "and finds peers by name.")
       .def("close", &close_engine,
            "Closes every link (what is in flight ends) and releases the registered objects.")
       .def("__enter__", [](py::object self) { return self; })
@@ -469,6 +477,7 @@ void bind_engine(py::module_& m) {
              d["devices"] = i.devices;
              d["memory_windows"] = i.memory_windows;
              d["access_model"] = i.access_model;
+             d["metadata"] = i.metadata;
              return d;
            })
       .def("counters",
@@ -494,11 +503,40 @@ void bind_engine(py::module_& m) {
         e.call([&](Engine& x) { x.withdraw(name); });
       })
       .def("add_peer",
-           [](PyEngine& e, std::string name, std::string address) {
-             e.call([&](Engine& x) { x.add_peer(std::move(name), std::move(address)); });
+           [](PyEngine& e, std::string name, std::optional<std::string> address) {
+             e.call([&](Engine& x) {
+               if (address) {
+                 x.add_peer(std::move(name), std::move(*address));
+               } else {
+                 x.add_peer(std::move(name));
+               }
+             });
            },
-           py::arg("name"), py::arg("address"),
-           "Adds a peer by name and \"host:port\"; nothing connects until a transfer needs it.")
+           py::arg("name"), py::arg("address") = py::none(),
+           "Adds a peer by name and \"host:port\", or by name alone from the metadata store; "
+           "nothing connects until a transfer needs it.")
+      .def("directory",
+           [](PyEngine& e) {
+             std::vector<PublishedEngine> es = e.call([](Engine& x) { return x.directory(); });
+             py::list out;
+             for (const PublishedEngine& p : es) {
+               py::list rails, segs;
+               for (const PublishedRail& r : p.rails) {
+                 rails.append(py::dict(py::arg("device") = r.device, py::arg("port") = r.port,
+                                       py::arg("link_layer") = r.link_layer, py::arg("gid") = r.gid,
+                                       py::arg("subnet") = r.subnet));
+               }
+               for (const PublishedSegment& s : p.segments) {
+                 segs.append(py::dict(py::arg("name") = s.name, py::arg("length") = s.length,
+                                      py::arg("memory") = s.memory));
+               }
+               out.append(py::dict(py::arg("name") = p.name, py::arg("epoch") = p.epoch,
+                                   py::arg("endpoints") = p.endpoints, py::arg("rails") = rails,
+                                   py::arg("segments") = segs));
+             }
+             return out;
+           },
+           "Every other engine of the cluster in the metadata store, as of the last listing.")
       .def("remove_peer", [](PyEngine& e, const std::string& name) {
         e.call([&](Engine& x) { x.remove_peer(name); });
       })
