@@ -94,44 +94,94 @@ ClusterListing read_cluster(Store& store, const std::string& cluster, Deadline d
   return out;
 }
 
+// A record seen (listed, or put under the watch): new, restarted, or the same engine updated.
+void Directory::saw(EngineRecord rec, std::vector<DirectoryChange>& changes) {
+  missing_since_.erase(rec.name);
+  auto it = peers_.find(rec.name);
+  if (it == peers_.end()) {
+    changes.push_back({DirectoryChange::Kind::appeared, rec});
+    peers_.emplace(rec.name, std::move(rec));
+  } else if (it->second.epoch != rec.epoch) {
+    changes.push_back({DirectoryChange::Kind::restarted, rec});
+    it->second = std::move(rec);
+  } else {
+    it->second = std::move(rec);  // segments or endpoints may have changed
+  }
+}
+
+// Engines missing for longer than a refresh interval and a poll are gone: a live one puts its
+// entry back within a refresh interval of losing it (a store restarted empty).
+void Directory::expire_missing(std::vector<DirectoryChange>& changes) {
+  const auto grace = config_.lease / 3 + config_.poll;
+  for (auto it = missing_since_.begin(); it != missing_since_.end();) {
+    const auto peer = peers_.find(it->first);
+    if (peer == peers_.end()) {
+      it = missing_since_.erase(it);
+    } else if (Clock::now() - it->second > grace) {
+      changes.push_back({DirectoryChange::Kind::gone, peer->second});
+      peers_.erase(peer);
+      it = missing_since_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Directory::on_event(const WatchEvent& ev, std::vector<DirectoryChange>& changes) {
+  const std::string prefix = engines_prefix(config_.cluster);
+  if (ev.key.rfind(prefix, 0) != 0) return;
+  const std::string name = ev.key.substr(prefix.size());
+  if (self_ && name == self_->name) return;
+  if (!ev.value) {
+    if (peers_.contains(name)) missing_since_.try_emplace(name, Clock::now());
+    return;
+  }
+  try {
+    saw(decode(*ev.value, fmt::format("{} key {}", shown(), ev.key), name), changes);
+  } catch (const Error& e) {
+    bad_entries_ = e.detail();
+  }
+}
+
+// With a store that watches (etcd), changes arrive as they happen and are applied one by one;
+// a watch that breaks (the store went away or restarted) is followed by a listing and a new
+// watch. Without one (Redis), every poll lists the cluster.
 std::vector<DirectoryChange> Directory::poll() {
   next_poll_ = deadline_in(config_.poll);
   std::vector<DirectoryChange> changes;
+  if (watching_) {
+    try {
+      for (const WatchEvent& ev : store_->watch_events()) on_event(ev, changes);
+      expire_missing(changes);
+      return changes;
+    } catch (const Error& e) {
+      failure_ = e.what();
+      watching_ = false;  // list again, then watch from there
+    }
+  }
   ClusterListing listing;
+  std::optional<std::string> version;
   try {
+    version = store_->version(engines_prefix(config_.cluster), call_deadline());
+    // Nothing changed since the last listing and nobody is missing: a listing would tell nothing.
+    if (version && version == listed_version_ && missing_since_.empty()) return changes;
     listing = read_cluster(*store_, config_.cluster, call_deadline(), self_ ? self_->name : std::string{});
   } catch (const Error& e) {
     failure_ = e.what();
     return changes;  // a store that is down says nothing about who is gone
   }
+  listed_version_ = version;
   bad_entries_ = std::move(listing.skipped);
-  std::map<std::string, EngineRecord>& seen = listing.engines;
-  for (auto& [name, rec] : seen) {
-    missing_since_.erase(name);
-    auto it = peers_.find(name);
-    if (it == peers_.end()) {
-      changes.push_back({DirectoryChange::Kind::appeared, rec});
-      peers_.emplace(name, rec);
-    } else if (it->second.epoch != rec.epoch) {
-      changes.push_back({DirectoryChange::Kind::restarted, rec});
-      it->second = rec;
-    } else {
-      it->second = rec;  // segments or endpoints may have changed
-    }
+  for (const auto& [name, rec] : peers_) {
+    if (!listing.engines.contains(name)) missing_since_.try_emplace(name, Clock::now());
   }
-  const auto grace = config_.lease / 3 + config_.poll;
-  for (auto it = peers_.begin(); it != peers_.end();) {
-    if (seen.contains(it->first)) {
-      ++it;
-      continue;
-    }
-    auto [since, fresh] = missing_since_.try_emplace(it->first, Clock::now());
-    if (!fresh && Clock::now() - since->second > grace) {
-      changes.push_back({DirectoryChange::Kind::gone, it->second});
-      missing_since_.erase(since);
-      it = peers_.erase(it);
-    } else {
-      ++it;
+  for (auto& [name, rec] : listing.engines) saw(std::move(rec), changes);
+  expire_missing(changes);
+  if (version) {
+    try {
+      watching_ = store_->watch(engines_prefix(config_.cluster), *version, call_deadline());
+    } catch (const Error& e) {
+      failure_ = e.what();  // polled until a watch can be made
     }
   }
   return changes;
@@ -180,6 +230,8 @@ std::string Directory::status() const {
     s = fmt::format("\"{}\" not published yet", self_->name);
   }
   s += fmt::format(", {} other engines known in {}", peers_.size(), shown());
+  s += watching_ ? ", kept current by its watch"
+                 : fmt::format(", listed every {} ms", config_.poll.count());
   if (!failure_.empty()) s += "; last failure: " + failure_;
   if (!bad_entries_.empty()) s += "; skipped entries: " + bad_entries_;
   return s;

@@ -2,7 +2,8 @@
 // An engine's view of its cluster in a store. It publishes the engine's own record under a lease
 // and keeps it there: refreshed every third of the lease, and put again by itself when the store
 // lost it (a restart, even empty; an outage longer than the lease). It keeps a cache of the other
-// engines' records, refreshed by listing the cluster's prefix, and reports who appeared, who
+// engines' records, kept current by the store's watch of the cluster's prefix (etcd), or by
+// listing it every poll (Redis, or while no watch can be made), and reports who appeared, who
 // restarted (a new epoch) and who is gone.
 //
 // A store that is down changes nothing that is known: the cache keeps serving, and no engine is
@@ -85,6 +86,9 @@ class Directory {
   void put_self();
   void refresh();
   std::vector<DirectoryChange> poll();
+  void saw(EngineRecord rec, std::vector<DirectoryChange>& changes);
+  void expire_missing(std::vector<DirectoryChange>& changes);
+  void on_event(const WatchEvent& ev, std::vector<DirectoryChange>& changes);
 
   DirectoryConfig config_;
   std::unique_ptr<Store> store_;
@@ -95,6 +99,8 @@ class Directory {
   Deadline next_poll_{};
   std::map<std::string, EngineRecord> peers_;
   std::map<std::string, Deadline> missing_since_;
+  std::optional<std::string> listed_version_;  // the store's version() at the last listing
+  bool watching_ = false;  // the store watches the cluster's prefix for us (etcd)
   std::string failure_;       // the last call that failed, empty once one succeeds
   std::string bad_entries_;   // entries of the prefix that are not records (skipped)
 };

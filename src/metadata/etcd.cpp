@@ -5,6 +5,7 @@
 #include <sodium.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cerrno>
 #include <memory>
 #include <mutex>
@@ -51,16 +52,26 @@ std::string prefix_end(std::string prefix) {
   return std::string(1, '\0');  // every key
 }
 
-// etcd's int64 fields arrive as JSON strings.
+// etcd's int64 fields arrive as JSON strings (and are left out when 0).
 std::int64_t int_field(const json& j, const char* name) {
   auto it = j.find(name);
   if (it == j.end()) return 0;
-  if (it->is_string()) return std::stoll(it->get<std::string>());
-  return it->get<std::int64_t>();
+  std::int64_t v = 0;
+  if (it->is_number_integer()) return it->get<std::int64_t>();
+  if (it->is_string()) {
+    const std::string& t = it->get_ref<const std::string&>();
+    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+    if (ec == std::errc() && end == t.data() + t.size()) return v;
+  }
+  throw Error("etcd answer", EPROTO, fmt::format("field \"{}\" is {}, not an integer", name, it->dump().substr(0, 40)),
+              "is this etcd's v3 gateway (etcd 3.4 or later)?");
 }
 
 struct CurlFree {
   void operator()(CURL* c) const noexcept { curl_easy_cleanup(c); }
+};
+struct CurlMultiFree {
+  void operator()(CURLM* m) const noexcept { curl_multi_cleanup(m); }
 };
 
 std::size_t collect(char* data, std::size_t size, std::size_t n, void* out) {
@@ -129,6 +140,21 @@ class EtcdStore final : public Store {
     if (!kvs->is_array()) malformed("list", r);
     for (const json& kv : *kvs) out.push_back({decode(kv, "key", "list"), decode(kv, "value", "list")});
     return out;
+  }
+
+  std::optional<std::string> version(const std::string& prefix, Deadline deadline) override {
+    // A count-only range answers with the header alone: the store's revision (bumped by every
+    // put, delete and lease expiry) and its cluster's id (new when it restarts empty).
+    json r = call("/v3/kv/range", {{"key", b64(prefix.empty() ? std::string(1, '\0') : prefix)},
+                                   {"range_end", b64(prefix_end(prefix))}, {"count_only", true}},
+                  deadline, "version");
+    auto h = r.find("header");
+    if (h == r.end() || !h->is_object()) malformed("version", r);
+    const std::int64_t rev = int_field(*h, "revision");
+    if (rev <= 0) malformed("version", r);
+    // The cluster id is a uint64 (as a JSON string): kept as text.
+    const auto id = h->find("cluster_id");
+    return fmt::format("{}:{}", id == h->end() ? "" : id->is_string() ? id->get<std::string>() : id->dump(), rev);
   }
 
   void remove(const std::string& key, Deadline deadline) override {
@@ -209,9 +235,7 @@ class EtcdStore final : public Store {
     }
     CURL* c = curl_.get();
     curl_easy_reset(c);
-    const bool v6 = to.host.find(':') != std::string::npos;
-    const std::string url =
-        fmt::format("http://{}{}{}:{}{}", v6 ? "[" : "", to.host, v6 ? "]" : "", to.port, path);
+    const std::string url = url_of(to, path);
     curl_easy_setopt(c, CURLOPT_URL, url.c_str());
     curl_easy_setopt(c, CURLOPT_POST, 1L);
     curl_easy_setopt(c, CURLOPT_POSTFIELDS, payload.c_str());
@@ -227,9 +251,139 @@ class EtcdStore final : public Store {
     return rc;
   }
 
+  static std::string url_of(const HostPort& to, const char* path) {
+    const bool v6 = to.host.find(':') != std::string::npos;
+    return fmt::format("http://{}{}{}:{}{}", v6 ? "[" : "", to.host, v6 ? "]" : "", to.port, path);
+  }
+
+  // The watch: one streaming POST to /v3/watch on the endpoint that last answered, driven by a
+  // curl multi handle from watch_events() (never blocking), its answer a JSON object per line.
+  struct WatchStream {
+    std::unique_ptr<CURLM, CurlMultiFree> multi;
+    std::unique_ptr<CURL, CurlFree> easy;
+    std::string body;     // the create request (curl reads it from here)
+    std::string pending;  // received, not yet a whole line
+    std::string where;    // the endpoint, for messages
+    bool created = false;
+    ~WatchStream() {
+      if (multi && easy) curl_multi_remove_handle(multi.get(), easy.get());
+    }
+  };
+
+ public:
+  bool watch(const std::string& prefix, const std::string& version, Deadline deadline) override {
+    watch_.reset();
+    const auto colon = version.find(':');
+    std::int64_t rev = 0;
+    if (colon == std::string::npos ||
+        std::from_chars(version.data() + colon + 1, version.data() + version.size(), rev).ec != std::errc()) {
+      throw Error("etcd watch", EINVAL, fmt::format("{}: version \"{}\" is not one of this store's", shown(), version));
+    }
+    auto w = std::make_unique<WatchStream>();
+    w->multi.reset(curl_multi_init());
+    w->easy.reset(curl_easy_init());
+    if (!w->multi || !w->easy) throw Error("curl_multi_init", ENOMEM, shown());
+    const HostPort& to = uri_.hosts[current_];
+    w->where = to.to_string();
+    w->body = json{{"create_request",
+                    {{"key", b64(prefix.empty() ? std::string(1, '\0') : prefix)},
+                     {"range_end", b64(prefix_end(prefix))},
+                     {"start_revision", std::to_string(rev + 1)},
+                     {"progress_notify", true}}}}
+                  .dump();
+    const std::string url = url_of(to, "/v3/watch");
+    CURL* c = w->easy.get();
+    const auto left = std::max<std::int64_t>(1, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
+    curl_easy_setopt(c, CURLOPT_URL, url.c_str());
+    curl_easy_setopt(c, CURLOPT_POST, 1L);
+    curl_easy_setopt(c, CURLOPT_POSTFIELDS, w->body.c_str());
+    curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE, static_cast<long>(w->body.size()));
+    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(left));
+    // A store that vanishes without closing the connection (its host died) is found out by TCP
+    // keepalives within ~10 s; one that closes it, at once.
+    curl_easy_setopt(c, CURLOPT_TCP_KEEPALIVE, 1L);
+    curl_easy_setopt(c, CURLOPT_TCP_KEEPIDLE, 5L);
+    curl_easy_setopt(c, CURLOPT_TCP_KEEPINTVL, 2L);
+    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(c, CURLOPT_PROXY, "");
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, collect);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, &w->pending);
+    if (curl_multi_add_handle(w->multi.get(), c) != CURLM_OK) throw Error("curl_multi_add_handle", ENOMEM, shown());
+    watch_ = std::move(w);
+    return true;
+  }
+
+  std::vector<WatchEvent> watch_events() override {
+    if (!watch_) throw Error("etcd watch", EINVAL, fmt::format("{}: no watch was started", shown()));
+    WatchStream& w = *watch_;
+    int running = 0;
+    curl_multi_perform(w.multi.get(), &running);
+    std::string ended;
+    int left = 0;
+    while (CURLMsg* m = curl_multi_info_read(w.multi.get(), &left)) {
+      if (m->msg == CURLMSG_DONE) {
+        ended = m->data.result == CURLE_OK ? "the store closed the watch" : curl_easy_strerror(m->data.result);
+      }
+    }
+    std::vector<WatchEvent> out;
+    const std::string where = w.where;
+    try {
+      for (std::size_t nl; (nl = w.pending.find('\n')) != std::string::npos;) {
+        const std::string line = w.pending.substr(0, nl);
+        w.pending.erase(0, nl + 1);
+        if (line.find_first_not_of(" \r") == std::string::npos) continue;
+        read_watch_message(w, line, out);
+      }
+    } catch (...) {
+      watch_.reset();  // a watch that said something wrong is over: the caller lists again
+      throw;
+    }
+    if (!ended.empty()) {
+      watch_.reset();
+      throw Error("etcd watch", EPIPE, fmt::format("{}: the watch on {} ended: {}", shown(), where, ended),
+                  "list again and watch from there");
+    }
+    return out;
+  }
+
+ private:
+  void read_watch_message(WatchStream& w, const std::string& line, std::vector<WatchEvent>& out) {
+    const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) {
+      throw Error("etcd watch", EPROTO, fmt::format("{} sent a line that is not JSON: \"{}\"", shown(), line.substr(0, 120)));
+    }
+    if (j.contains("error")) {
+      const json& e = j["error"];
+      const std::string msg = e.is_object() ? e.value("message", e.dump()) : e.dump();
+      throw Error("etcd watch", EPROTO, fmt::format("{}: {}", shown(), msg.substr(0, 200)));
+    }
+    auto r = j.find("result");
+    if (r == j.end() || !r->is_object()) malformed("watch", j);
+    if (r->value("canceled", false)) {
+      const std::string why = r->value("cancel_reason", std::string("canceled"));
+      throw Error("etcd watch", ESTALE,
+                  fmt::format("{}: the watch was canceled ({}; compacted at revision {})", shown(), why,
+                              int_field(*r, "compact_revision")),
+                  "list again and watch from there");
+    }
+    if (r->value("created", false)) w.created = true;
+    auto events = r->find("events");
+    if (events == r->end()) return;  // created, or a progress notification
+    if (!events->is_array()) malformed("watch", j);
+    for (const json& ev : *events) {
+      auto kv = ev.find("kv");
+      if (kv == ev.end() || !kv->is_object()) malformed("watch", j);
+      WatchEvent e;
+      e.key = decode(*kv, "key", "watch");
+      if (ev.value("type", std::string("PUT")) != "DELETE") e.value = decode(*kv, "value", "watch");
+      out.push_back(std::move(e));
+    }
+  }
+
   StoreUri uri_;
   std::unique_ptr<CURL, CurlFree> curl_;
   std::size_t current_ = 0;
+  std::unique_ptr<WatchStream> watch_;  // after curl_: its handles go first
 };
 
 }  // namespace

@@ -35,6 +35,13 @@ class LeaseLost : public Error {
   using Error::Error;
 };
 
+/// A change under a watched prefix: a key put (with its value) or deleted (removed, or its lease
+/// expired or was revoked).
+struct WatchEvent {
+  std::string key;
+  std::optional<std::string> value;  ///< nullopt: deleted
+};
+
 /// Entries put under a lease vanish when it is not refreshed within its time to live.
 using LeaseId = std::int64_t;
 inline constexpr LeaseId no_lease = 0;
@@ -61,6 +68,27 @@ class Store {
   /// Every entry whose key starts with `prefix`, in key order.
   virtual std::vector<KeyValue> list(const std::string& prefix, Deadline deadline) = 0;
   virtual void remove(const std::string& key, Deadline deadline) = 0;
+  /// A token that changes whenever an entry under `prefix` may have changed (put, removed,
+  /// expired, the store restarted), read without listing them: a poller lists only when it
+  /// changed. Nullopt: the store has none (Redis), so every poll lists.
+  virtual std::optional<std::string> version(const std::string& prefix, Deadline deadline) {
+    (void)prefix;
+    (void)deadline;
+    return std::nullopt;
+  }
+  /// Watches every key under `prefix` for the changes after `version` (what version() returned
+  /// when the caller listed them): watch_events() hands them over. False: the store cannot
+  /// watch (Redis), so the caller polls. Throws Error when the store cannot be reached.
+  virtual bool watch(const std::string& prefix, const std::string& version, Deadline deadline) {
+    (void)prefix;
+    (void)version;
+    (void)deadline;
+    return false;
+  }
+  /// The changes received since the last call, in order, without waiting. Throws Error when the
+  /// watch broke (the store went away or restarted, or no longer has that history): list
+  /// again, then watch again from the listing's version.
+  virtual std::vector<WatchEvent> watch_events() { return {}; }
 };
 
 /// A client for `uri` (redis or etcd); it connects at its first call.

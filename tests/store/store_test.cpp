@@ -113,6 +113,76 @@ TEST_P(StoreTest, AStoppedStoreFailsWithinTheDeadlineNamingIt) {
   EXPECT_LT(Clock::now() - t0, 1500ms);
 }
 
+// etcd: a version token that a poller compares to skip a listing. Reading and keeping a lease
+// alive change nothing; a put and a revoke (which deletes the lease's keys) do. Redis has none.
+TEST_P(StoreTest, AVersionTellsWhetherAnythingChanged) {
+  const auto v0 = store->version("ns/engines/", in(2s));
+  if (GetParam() == StoreServer::Kind::redis) {
+    EXPECT_EQ(v0, std::nullopt);
+    return;
+  }
+  ASSERT_TRUE(v0.has_value());
+  (void)store->list("ns/engines/", in(2s));
+  EXPECT_EQ(store->version("ns/engines/", in(2s)), v0);
+  store->put("ns/engines/a", "1", no_lease, in(2s));
+  const auto v1 = store->version("ns/engines/", in(2s));
+  EXPECT_NE(v1, v0);
+  const LeaseId lease = store->grant(5s, in(2s));
+  store->put("ns/engines/b", "2", lease, in(2s));
+  const auto v2 = store->version("ns/engines/", in(2s));
+  EXPECT_NE(v2, v1);
+  store->refresh(lease, in(2s));
+  EXPECT_EQ(store->version("ns/engines/", in(2s)), v2);
+  store->revoke(lease, in(2s));
+  EXPECT_NE(store->version("ns/engines/", in(2s)), v2);
+}
+
+// etcd's watch: every put and delete under the prefix after the version it starts from, in
+// order (a revoked lease's keys as deletes), nothing from elsewhere; when the store goes, the
+// watch says so. Redis cannot watch.
+TEST_P(StoreTest, AWatchDeliversEveryChangeAfterItsVersion) {
+  store->put("ns/engines/a", "before", no_lease, in(2s));
+  const auto v = store->version("ns/engines/", in(2s));
+  if (GetParam() == StoreServer::Kind::redis) {
+    EXPECT_FALSE(store->watch("ns/engines/", "0:1", in(2s)));
+    return;
+  }
+  ASSERT_TRUE(v.has_value());
+  store->put("ns/engines/b", "two", no_lease, in(2s));  // after the version, before the watch
+  ASSERT_TRUE(store->watch("ns/engines/", *v, in(2s)));
+  const LeaseId lease = store->grant(5s, in(2s));
+  store->put("ns/engines/c", "three", lease, in(2s));
+  store->put("other/engines/x", "elsewhere", no_lease, in(2s));
+  store->remove("ns/engines/b", in(2s));
+  store->revoke(lease, in(2s));
+  std::vector<WatchEvent> got;
+  for (int i = 0; i < 100 && got.size() < 4; ++i) {
+    for (auto& e : store->watch_events()) got.push_back(std::move(e));
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_EQ(got.size(), 4u);
+  EXPECT_EQ(got[0].key, "ns/engines/b");
+  EXPECT_EQ(got[0].value, "two");
+  EXPECT_EQ(got[1].key, "ns/engines/c");
+  EXPECT_EQ(got[1].value, "three");
+  EXPECT_EQ(got[2].key, "ns/engines/b");
+  EXPECT_EQ(got[2].value, std::nullopt);
+  EXPECT_EQ(got[3].key, "ns/engines/c");
+  EXPECT_EQ(got[3].value, std::nullopt);
+  server.kill();
+  bool ended = false;
+  for (int i = 0; i < 100 && !ended; ++i) {
+    try {
+      (void)store->watch_events();
+      std::this_thread::sleep_for(20ms);
+    } catch (const Error& e) {
+      ended = true;
+      EXPECT_NE(std::string(e.what()).find(server.uri()), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_TRUE(ended) << "the watch did not notice the store went";
+}
+
 INSTANTIATE_TEST_SUITE_P(Stores, StoreTest,
                          ::testing::Values(StoreServer::Kind::redis, StoreServer::Kind::etcd),
                          [](const auto& param_info) {
