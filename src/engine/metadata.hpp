@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/deadline_mutex.hpp"
 #include "metadata/directory.hpp"
 #include "rdmakit/engine.hpp"
 
@@ -56,7 +57,7 @@ class MetadataPlane {
 
   Engine::Impl& e_;
   std::string shown_;
-  std::timed_mutex dir_mu_;
+  DeadlineMutex dir_mu_;
   metadata::Directory dir_;
   mutable std::mutex mu_;  // below
   std::condition_variable cv_;

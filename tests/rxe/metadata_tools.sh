@@ -3,7 +3,7 @@
 # (both started here): two `rdmakit serve` targets publish themselves, `rdmakit peers` lists them
 # (text and JSON, segments included), `rdmakit engine-bench` drives them by name with every byte
 # validated, a name the store lacks fails naming it, and a SIGKILLed serve's entry leaves the store
-# within its lease (3 s) and a second.
+# within its lease (2 s) and a second.
 #   metadata_tools.sh PATH_TO_rdmakit
 set -u
 R=$1
@@ -30,9 +30,9 @@ for u in redis://127.0.0.1:6399 etcd://127.0.0.1:2399; do
     i=$((i + 1)); [ $i -gt 300 ] && fail "$s never answered"
     sleep 0.1
   done
-  "$R" serve --name t1 --metadata "$u" --cluster lab --lease 3 --listen 7641 --expose kv:8M --json > "$d/t1.$s.out" 2>&1 &
+  "$R" serve --name t1 --metadata "$u" --cluster lab --lease 2 --listen 7641 --expose kv:8M --json > "$d/t1.$s.out" 2>&1 &
   t1=$!
-  "$R" serve --name t2 --metadata "$u" --cluster lab --lease 3 --listen 7642 --expose kv:8M --json > "$d/t2.$s.out" 2>&1 &
+  "$R" serve --name t2 --metadata "$u" --cluster lab --lease 2 --listen 7642 --expose kv:8M --json > "$d/t2.$s.out" 2>&1 &
   t2=$!
   pids="$pids $t1 $t2"
   i=0
@@ -48,11 +48,11 @@ for u in redis://127.0.0.1:6399 etcd://127.0.0.1:2399; do
   echo "$json" | grep -q '"endpoints":\["198.18.0.1:7641"\]' || fail "$s: t1's endpoint is not its RDMA port's address: $json"
   echo "$json" | grep -q '"subnet":"198.18.0.0/24"' || fail "$s: the rail's subnet is missing: $json"
   out=$("$R" engine-bench --metadata "$u" --cluster lab --peer t1 --peer t2 --op write --block-size 64K \
-          --batch-size 16 --duration 1 --validate) || fail "$s: write bench by name: $out"
+          --batch-size 16 --duration 0.3 --validate) || fail "$s: write bench by name: $out"
   echo "$out"
   echo "$out" | grep -q "validated: every byte" || fail "$s: write not validated"
   out=$("$R" engine-bench --metadata "$u" --cluster lab --peer t1 --peer t2 --op read --block-size 4K \
-          --batch-size 64 --duration 1 --validate --json) || fail "$s: read bench by name: $out"
+          --batch-size 64 --duration 0.3 --validate --json) || fail "$s: read bench by name: $out"
   echo "$out" | grep -q '"mismatches":0' || fail "$s: read mismatches: $out"
   out=$("$R" engine-bench --metadata "$u" --cluster lab --peer nobody --duration 1 2>&1) \
     && fail "$s: a name the store does not have was found"
@@ -65,8 +65,8 @@ for u in redis://127.0.0.1:6399 etcd://127.0.0.1:2399; do
     sleep 0.05
   done
   gone=$(( $(ms) - t0 ))
-  echo "$s: t2's entry gone $gone ms after its SIGKILL (lease 3 s)"
-  [ "$gone" -le 4000 ] || fail "$s: the entry outlived its engine by more than the lease and a second"
+  echo "$s: t2's entry gone $gone ms after its SIGKILL (lease 2 s)"
+  [ "$gone" -le 3000 ] || fail "$s: the entry outlived its engine by more than the lease and a second"
   lists "$u" t1 || fail "$s: t1 went too"
   kill -TERM $t1
   wait $t1 || fail "$s: serve t1 exited $?"
