@@ -73,9 +73,9 @@ PINGPONG_CLIENT = ("for i in $(seq 40); do ibv_rc_pingpong -d $RDMAKIT_LAB_DEVIC
 # rail can fail alone). The other suites run in one VM, two and three: the lab's VM counts.
 def case_two_nics_two_vms():
     one_vm = ("ibv_devinfo -d rxe0 -v || exit 4; "
-              "ibv_rc_pingpong -d rxe0 -g 1 -n 200 > server.out 2>&1 & server=$!; "
+              "ibv_rc_pingpong -d rxe0 -g 1 -n 200 > /tmp/server.out 2>&1 & server=$!; "
               "(" + PINGPONG_CLIENT.replace("$RDMAKIT_LAB_DEVICE", "rxe0").format(host="127.0.0.1")
-              + ") || exit 5; wait $server || exit 6; sed 's/^/loopback server: /' server.out; ")
+              + ") || exit 5; wait $server || exit 6; sed 's/^/loopback server: /' /tmp/server.out; ")
     script = ('set -- $RDMAKIT_LAB_IPS1; b=$1; set -- $RDMAKIT_LAB_IPS0; a=$1; '
               'echo "devices: $RDMAKIT_LAB_DEVICES ($RDMAKIT_LAB_NICS NICs), eth1 $RDMAKIT_LAB_IP1"; '
               'if [ "$RDMAKIT_LAB_INDEX" = 0 ]; then '

@@ -261,7 +261,8 @@ TEST(MetadataStore, GarbageAndClosedConnectionsGetAClearErrorAndNoHang) {
     EngineConfig ec = config("a", uri);
     ec.metadata.call_timeout = 300ms;  // each call to a server that never finishes its answer
     Engine a(ec);
-    EXPECT_LT(Clock::now() - t0, 1s) << "a store that answers nonsense held up the start (calls have 300 ms)";
+    // Calls have 300 ms; the rest is the engine's own start (a second under ASan in a VM).
+    EXPECT_LT(Clock::now() - t0, 3s) << "a store that answers nonsense held up the start";
     EXPECT_NE(a.info().metadata.find("not published"), std::string::npos) << a.info().metadata;
     const auto t1 = Clock::now();
     try {
@@ -270,7 +271,7 @@ TEST(MetadataStore, GarbageAndClosedConnectionsGetAClearErrorAndNoHang) {
     } catch (const rdmakit::Error& e) {
       EXPECT_NE(std::string(e.what()).find(uri), std::string::npos) << e.what();
     }
-    EXPECT_LT(Clock::now() - t1, 1s) << "the lookup's deadline is 300 ms";
+    EXPECT_LT(Clock::now() - t1, 2s) << "the lookup's deadline is 300 ms";
   }
 }
 
