@@ -235,6 +235,12 @@ class Engine {
   /// lets it be registered so). With several devices, memory that only a dma-buf or a bounce
   /// buffer reaches is refused (Error, ENOTSUP) rather than shared by one device.
   Buffer allocate_memory(std::size_t length, const MemorySpec& spec = {});
+  /// Deregisters a buffer on every device, so its memory may be freed: transfers submitted with
+  /// it from now on end as `invalid`; this waits until those already in flight have ended (each
+  /// ends within its link's failure bounds) and throws Error (ETIMEDOUT) if they have not within
+  /// `timeout` (the buffer then stays registered and refuses new transfers: call again). Throws
+  /// Error (EBUSY) while a segment exposes it (withdraw it first). The handle's id is not reused.
+  void unregister_memory(const Buffer& buffer, std::chrono::milliseconds timeout = std::chrono::seconds{30});
   /// Makes [offset, offset + length) of `buffer` a segment called `name` (1..64 bytes) that
   /// peers may access as `access` allows (remote_read, remote_write, remote_atomic). Peers
   /// already linked are told at once; nothing is frozen at the handshake. Throws Error for a

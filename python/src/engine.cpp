@@ -90,6 +90,21 @@ PyBuffer PyEngine::register_object(py::handle obj) {
   return PyBuffer{reg};
 }
 
+void PyEngine::unregister(const PyBuffer& b, double timeout) {
+  const auto start = reinterpret_cast<std::uintptr_t>(b.reg->buffer.addr);
+  auto registered = [&] {
+    auto it = regs_.find(start);
+    return it != regs_.end() && it->second == b.reg ? it : regs_.end();
+  };
+  if (registered() == regs_.end()) {
+    throw_buffer_error("unregister", "the buffer is not registered with this engine (any more)");
+  }
+  const auto ms = to_ms(timeout, "timeout");
+  call([&](Engine& e) { e.unregister_memory(b.reg->buffer, ms); });
+  // Found again: the GIL was let go meanwhile.
+  if (auto it = registered(); it != regs_.end()) regs_.erase(it);
+}
+
 Transfer PyEngine::resolve(const PyTransfer& t) const {
   Transfer out;
   out.op = t.op;
@@ -482,6 +497,9 @@ void bind_engine(py::module_& m) {
            })
       .def("counters",
            [](PyEngine& e) { return to_dict(e.call([](Engine& x) { return x.counters(); })); })
+      .def("unregister", &PyEngine::unregister, py::arg("buffer"), py::arg("timeout") = 30.0,
+           "Deregisters a buffer (its transfers in flight end first; later ones are refused) and "
+           "lets go of its object. Refused while a segment exposes it.")
       .def("register", &PyEngine::register_object, py::arg("obj"),
            "Registers the memory of obj (buffer protocol or __dlpack__: bytearray, memoryview, "
            "mmap, numpy array, torch tensor) once per device, and holds obj until close().")

@@ -23,7 +23,7 @@ namespace rdmakit::python {
 namespace py = pybind11;
 
 /// A buffer registered with an engine, and the Python object whose memory it is (held until the
-/// engine is closed: the engine registers a buffer for its whole life).
+/// engine is closed or the buffer is unregistered).
 struct Registration {
   Buffer buffer{};
   std::unique_ptr<HeldMemory> held;
@@ -105,6 +105,9 @@ class PyEngine : public std::enable_shared_from_this<PyEngine> {
   std::vector<std::uint64_t> take_done();
 
   PyBuffer register_object(py::handle obj);
+  /// Engine::unregister_memory, then lets go of the object (BufferError when `b` is not
+  /// registered with this engine any more).
+  void unregister(const PyBuffer& b, double timeout);
   /// The transfer in engine terms: its local range found in a registration (BufferError when it
   /// is in none, or it is read-only and the transfer would write it).
   Transfer resolve(const PyTransfer& t) const;

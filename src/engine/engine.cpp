@@ -568,12 +568,62 @@ void Engine::expose(std::string name, const Buffer& buffer, Access access, std::
     throw Error("expose", EINVAL, fmt::format("segment '{}': access {} (remote_read, remote_write, remote_atomic)", name, to_string(access)));
   }
   {
-    std::lock_guard lock(impl_->mu);
+    std::lock_guard lock(impl_->mu);  // unregister_memory() retires a buffer under it
+    if (b->retired.load()) throw Error("expose", EINVAL, fmt::format("segment '{}': buffer {} was unregistered", name, buffer.id));
     if (impl_->segments.count(name) != 0) throw Error("expose", EEXIST, fmt::format("a segment '{}' exists", name));
     impl_->segments[name] = {name, buffer.id, offset, length, access};
   }
   for (auto& w : impl_->workers) w->post(detail::Command(detail::Command::Kind::expose, nullptr, name));
   if (impl_->meta) impl_->meta->changed(/*wait=*/false);
+}
+
+void Engine::unregister_memory(const Buffer& buffer, std::chrono::milliseconds timeout) {
+  detail::BufferRec* b = impl_->buffer(buffer.id);
+  if (b == nullptr) throw Error("unregister_memory", EINVAL, fmt::format("buffer {} is not this engine's", buffer.id));
+  if (b->released.load()) throw Error("unregister_memory", EINVAL, fmt::format("buffer {} was unregistered already", buffer.id));
+  {
+    std::lock_guard lock(impl_->mu);
+    std::string users;
+    for (const auto& [n, s] : impl_->segments) {
+      if (s.buffer == buffer.id) users += (users.empty() ? "'" : ", '") + n + "'";
+    }
+    if (!users.empty()) {
+      throw Error("unregister_memory", EBUSY, fmt::format("buffer {} backs segment(s) {}", buffer.id, users),
+                  "withdraw them first: peers may be reading and writing it");
+    }
+    b->retired.store(true, std::memory_order_release);  // from here, its new transfers are refused
+  }
+  // Each worker says when none of its transfers in flight uses the buffer; then no request the
+  // NIC may still process names its regions, and they go.
+  auto r = std::make_shared<detail::Retirement>();
+  r->buffer = buffer.id;
+  r->workers_left = static_cast<std::uint32_t>(impl_->workers.size());
+  for (auto& w : impl_->workers) {
+    detail::Command c(detail::Command::Kind::retire);
+    c.retirement = r;
+    w->post(std::move(c));
+  }
+  const auto until = detail::deadline_in(timeout);
+  std::unique_lock lock(r->m);
+  while (r->workers_left > 0 && detail::Clock::now() < until) {
+    if (impl_->threads == 0) {
+      lock.unlock();  // no worker thread: this call drives them
+      (void)impl_->workers[0]->run(std::min(until, detail::deadline_in(std::chrono::milliseconds{10})), false);
+      lock.lock();
+    } else {
+      r->cv.wait_until(lock, until, [&] { return r->workers_left == 0; });
+    }
+  }
+  if (r->workers_left > 0) {
+    throw Error("unregister_memory", ETIMEDOUT,
+                fmt::format("buffer {}: its transfers in flight did not end within {} ms", buffer.id, timeout.count()),
+                "it stays registered (and refuses new transfers): call again once they have ended");
+  }
+  lock.unlock();
+  std::lock_guard reg(impl_->mu);
+  if (b->released.exchange(true)) return;  // another call released it meanwhile
+  b->slices.clear();
+  b->regions.clear();  // deregistered on every device
 }
 
 void Engine::withdraw(const std::string& name) {

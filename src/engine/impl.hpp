@@ -85,6 +85,30 @@ struct BufferRec {
   Buffer handle;
   std::vector<std::optional<MemoryRegion>> regions;
   std::vector<LocalSlice> slices;  // regions[d].local(), computed once (the post path reads it)
+  // Engine::unregister_memory: `retired` is set at the call (no more segments of it); each
+  // worker sets its bit in `retired_by` when it takes the call's command, so what was submitted
+  // before it still runs and what comes after is refused; the regions go once every worker has
+  // no transfer of it left (`released`). The record stays (a tombstone: the workers read the
+  // table without a lock).
+  std::atomic<bool> retired{false};
+  std::atomic<std::uint64_t> retired_by{0};  // one bit per worker
+  std::atomic<bool> released{false};
+};
+
+/// An unregister_memory() waiting for the workers: each says when none of its transfers in
+/// flight uses the buffer any more.
+struct Retirement {
+  std::uint32_t buffer = 0;
+  std::mutex m;
+  std::condition_variable cv;
+  std::uint32_t workers_left = 0;  // under m
+  void worker_done() {
+    {
+      std::lock_guard lock(m);
+      --workers_left;
+    }
+    cv.notify_all();
+  }
 };
 
 /// A named segment of a buffer.
@@ -189,7 +213,7 @@ struct DeviceCqs {
 
 /// What other threads ask a worker to do.
 struct Command {
-  enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick, restarted, gone };
+  enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick, restarted, gone, retire };
   explicit Command(Kind k, Peer* p = nullptr, std::string t = {}) : kind(k), peer(p), text(std::move(t)) {}
   Kind kind;
   std::shared_ptr<BatchState> batch;
@@ -199,6 +223,7 @@ struct Command {
   std::string text;  // a failure, a segment's name, or a restarted peer's name
   std::uint32_t device = 0;
   std::uint64_t epoch = 0;  // restarted: the peer's new epoch
+  std::shared_ptr<Retirement> retirement;  // retire
 };
 
 class Worker {
@@ -284,6 +309,8 @@ class Worker {
   void watch(Link& l, bool on);
   void sleep(Deadline until) noexcept;
   void notify_peers(BatchState& b);
+  /// Tells each retirement whose buffer none of this worker's transfers in flight uses.
+  void check_retiring() noexcept;
 
   Engine::Impl& e_;
   std::uint32_t index_;
@@ -310,6 +337,7 @@ class Worker {
   std::vector<Link*> to_flush_;
   std::vector<Link*> open_chains_;  // links with a chain being built (empty between commands)
   Deadline next_tick_{};
+  std::vector<std::shared_ptr<Retirement>> retiring_;  // waiting for transfers of their buffer
 };
 
 }  // namespace rdmakit::detail

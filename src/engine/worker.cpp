@@ -201,11 +201,13 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
       got += q->router.poll([this](DataPath& dp, const Completion& c) { on_completion(dp, c); });
     }
     flush_queued_links();
+    if (!retiring_.empty() && got > 0) check_retiring();
     const Deadline now = Clock::now();
     if (now >= next_tick_) {
       next_tick_ = now + std::chrono::milliseconds{1};
       sleep(now);  // a zero wait: the links' control channels, device events
       reap_links();
+      if (!retiring_.empty()) check_retiring();
     }
     if (!forever && now >= until) break;
     if (got == 0 && in_flight_ == 0 && to_flush_.empty() && !has_mail_.load(std::memory_order_acquire)) {
@@ -300,6 +302,12 @@ void Worker::handle(Command& c) {
     }
     case Command::Kind::evict: (void)evict_one(); break;
     case Command::Kind::restarted: close_stale(c.text, c.epoch, nullptr); break;
+    case Command::Kind::retire:
+      // Transfers of it submitted before this command were admitted already: those after are not.
+      if (BufferRec* b = e_.buffer(c.retirement->buffer)) b->retired_by.fetch_or(std::uint64_t{1} << index_);
+      retiring_.push_back(std::move(c.retirement));
+      check_retiring();
+      break;
     case Command::Kind::gone: {
       // The store says its engine is gone: what waits for a link fails now, not at the connect
       // deadline, and the link (if the process is dead, about to fail anyway) goes.
@@ -334,6 +342,7 @@ namespace {
 // Why transfer t cannot be posted at all (the common case, that it can, stays out of the loop).
 [[gnu::noinline, gnu::cold]] std::string invalid_reason(const Transfer& t, const BufferRec* b, const Peer* p) {
   if (b == nullptr) return fmt::format("buffer {} is not this engine's", t.local.id);
+  if (b->retired.load()) return fmt::format("buffer {} was unregistered", t.local.id);
   if (t.local_offset > b->handle.length || t.length > b->handle.length - t.local_offset) {
     return fmt::format("[{}, +{}) is outside the local buffer of {} bytes", t.local_offset, t.length, b->handle.length);
   }
@@ -398,7 +407,8 @@ void Worker::admit(Xfer& x, Route& r) {
   const BufferRec* buf = e_.buffer(t.local.id);
   Peer* peer = e_.peer(t.remote.peer);
   const std::uint64_t buf_len = buf != nullptr ? buf->handle.length : 0;
-  if (peer == nullptr || peer->removed.load(std::memory_order_relaxed) || bad_range(t, buf_len)) {
+  if (peer == nullptr || peer->removed.load(std::memory_order_relaxed) || bad_range(t, buf_len) ||
+      (buf->retired_by.load(std::memory_order_relaxed) >> index_ & 1) != 0) {
     return end(x, TransferStatus::invalid, invalid_reason(t, buf, peer));
   }
   x.buf = buf;
@@ -1061,6 +1071,25 @@ void Worker::watch(Link& l, bool on) {
   } else {
     (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, l.impl.control.get(), nullptr);
     l.watched = false;
+  }
+}
+
+void Worker::check_retiring() noexcept {
+  for (auto it = retiring_.begin(); it != retiring_.end();) {
+    const std::uint32_t id = (*it)->buffer;
+    bool used = false;
+    for (const auto& [b, live] : live_) {
+      for (std::uint32_t i = 0; i < b->size && !used; ++i) {
+        used = b->x[i].t.local.id == id && b->x[i].status.load(std::memory_order_relaxed) == TransferStatus::pending;
+      }
+      if (used) break;
+    }
+    if (used) {
+      ++it;
+    } else {
+      (*it)->worker_done();
+      it = retiring_.erase(it);
+    }
   }
 }
 

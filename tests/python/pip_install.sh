@@ -9,7 +9,9 @@ set -eu
 py=$1 src=$2 venv=$3 scratch=$4
 rm -rf "$venv" "$scratch"
 "$py" -m venv --system-site-packages "$venv"
-"$venv/bin/pip" install --no-build-isolation --no-index --quiet --disable-pip-version-check "$src"
+# -O1 instead of the package's -O2: a third less compile time in CI, where nothing is timed.
+RDMAKIT_CMAKE_ARGS="-DCMAKE_CXX_FLAGS_RELEASE=-O1" \
+  "$venv/bin/pip" install --no-build-isolation --no-index --quiet --disable-pip-version-check "$src"
 cd /
 "$venv/bin/python" - <<'PY'
 import importlib.metadata, sys

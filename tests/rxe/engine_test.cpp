@@ -395,6 +395,48 @@ TEST(Engine, AnIdleEngineUsesNoCpu) {
   EXPECT_EQ(a.counters().links, 1u);  // still linked: idle, not torn down
 }
 
+// A buffer unregistered while a batch of writes from it is in flight: the call returns once they
+// have ended (all of them ok, every byte there), its regions are gone (the device holds fewer
+// MRs), a later transfer with it is refused with the reason, and a buffer that backs a segment is
+// refused until the segment is withdrawn.
+TEST(Engine, UnregisterWaitsForTransfersInFlightThenReleasesTheRegions) {
+  Target b("b", 8 << 20);
+  Engine a(config("a"));
+  a.add_peer("b", at(b.engine));
+  std::string why;
+  ASSERT_TRUE(a.connect("b", 10s, &why)) << why;
+  std::vector<std::uint8_t> mem(8 << 20);
+  fill(mem.data(), mem.size(), 9);
+  const Buffer src = a.register_memory(mem.data(), mem.size());
+  const long mrs = lab::rdma_resources()["mr"];
+  std::vector<Transfer> t;
+  for (std::uint64_t k = 0; k < 128; ++k) t.push_back(xfer(TransferOp::write, src, k * 65536, 65536, a.segment("b", "kv"), k * 65536));
+  Batch bt = a.submit(t);
+  a.unregister_memory(src);
+  EXPECT_TRUE(bt.done()) << "unregister_memory returned with transfers of the buffer in flight";
+  EXPECT_EQ(bt.failed(), 0u) << bt.describe_failures();
+  EXPECT_TRUE(same(b.buf.addr, mem.data(), mem.size()));
+  EXPECT_LT(lab::rdma_resources()["mr"], mrs) << "its regions are still registered";
+  const Transfer late = xfer(TransferOp::write, src, 0, 64, a.segment("b", "kv"), 0);
+  Batch lb = a.submit({&late, 1});
+  ASSERT_TRUE(lb.wait(5s));
+  EXPECT_EQ(lb.result(0).status, TransferStatus::invalid);
+  EXPECT_NE(lb.result(0).reason.find("unregistered"), std::string::npos) << lb.result(0).reason;
+  EXPECT_THROW(a.unregister_memory(src), rdmakit::Error);
+  const Buffer seg = a.allocate_memory(4096);
+  a.expose("mine", seg, Access::remote_read);
+  try {
+    a.unregister_memory(seg);
+    ADD_FAILURE() << "a buffer that backs a segment was unregistered";
+  } catch (const rdmakit::Error& e) {
+    EXPECT_EQ(e.sys_errno(), EBUSY);
+    EXPECT_NE(std::string(e.what()).find("'mine'"), std::string::npos) << e.what();
+  }
+  a.withdraw("mine");
+  a.unregister_memory(seg);
+  EXPECT_THROW(a.expose("again", seg, Access::remote_read), rdmakit::Error);
+}
+
 // The end of a batch is observable without polling: the callback runs once, on a worker, with
 // the batch done, and the engine's descriptor becomes readable.
 TEST(Engine, ABatchEndsWithItsCallbackAndTheDescriptor) {

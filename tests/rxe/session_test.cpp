@@ -319,7 +319,9 @@ TEST(Session, HandshakesCannotPinMemoryBeyondTheBudget) {
   const auto hello = rdmakit::wire::encode_hello(fake);
   std::vector<int> stalled;
   for (int i = 0; i < 10; ++i) {
-    const int fd = lab::raw_connect("127.0.0.1", listener.port(), 1);
+    // A served one's answer may take over a second under TSan: read until the listener closes
+    // it at its handshake deadline, or 5 s.
+    const int fd = lab::raw_connect("127.0.0.1", listener.port(), 5);
     ASSERT_GE(fd, 0);
     ASSERT_TRUE(lab::send_bytes(fd, hello));  // and then never READY
     stalled.push_back(fd);

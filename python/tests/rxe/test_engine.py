@@ -286,3 +286,18 @@ def test_gathering_futures_and_awaiting_a_failed_batch(pair):
 
     asyncio.run(run())
     assert np.array_equal(pool[:64 * 512], src)
+
+
+def test_unregister_lets_go_and_refuses_later_use(pair):
+    target, pool, init, seg = pair
+    src = random_bytes(64 << 10, 11)
+    buf = init.register(src)
+    init.submit([rdmakit.write(buf, seg)]).wait(10.0)
+    init.unregister(buf)
+    assert np.array_equal(pool[:64 << 10], src)
+    with pytest.raises(BufferError):
+        init.submit([rdmakit.write(src, seg)])
+    with pytest.raises(BufferError):
+        init.unregister(buf)
+    init.register(src)  # the same memory may be registered again
+    init.submit([rdmakit.write(src, seg)]).wait(10.0)
