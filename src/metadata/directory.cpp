@@ -131,7 +131,15 @@ void Directory::on_event(const WatchEvent& ev, std::vector<DirectoryChange>& cha
   const std::string prefix = engines_prefix(config_.cluster);
   if (ev.key.rfind(prefix, 0) != 0) return;
   const std::string name = ev.key.substr(prefix.size());
-  if (self_ && name == self_->name) return;
+  if (self_ && name == self_->name) {
+    // Its own entry deleted while its lease lives (by hand, or by another process of the same
+    // name): put it back at the next tick rather than stay invisible until the lease is lost.
+    if (!ev.value && published_) {
+      published_ = false;
+      next_refresh_ = Clock::now();
+    }
+    return;
+  }
   if (!ev.value) {
     if (peers_.contains(name)) missing_since_.try_emplace(name, Clock::now());
     return;

@@ -176,6 +176,19 @@ TEST_P(DirectoryTest, AnEntryThatIsNotARecordIsSkippedWithTheReason) {
   EXPECT_THROW((void)b.lookup("junk", deadline_in(1s)), Error);
 }
 
+// An engine's entry deleted behind its back (its lease still alive) is put back within a
+// refresh interval: with etcd the watch shows the delete, with Redis the refresh finds the key
+// gone.
+TEST_P(DirectoryTest, AnEntryDeletedByHandIsPutBack) {
+  Directory a(config());
+  ASSERT_TRUE(a.publish(engine("a", 7)));
+  (void)a.tick();  // lists, and with etcd starts the watch
+  auto store = open_store(parse_store_uri(server.uri()));
+  store->remove(engine_key("test", "a"), deadline_in(1s));
+  const auto back = tick_until({&a}, 3s, [&] { return store->get(engine_key("test", "a"), deadline_in(1s)).has_value(); });
+  EXPECT_LT(back, 2s) << a.status();
+}
+
 INSTANTIATE_TEST_SUITE_P(Stores, DirectoryTest,
                          ::testing::Values(StoreServer::Kind::redis, StoreServer::Kind::etcd),
                          [](const auto& param_info) {
