@@ -289,6 +289,8 @@ class Worker {
   /// Ends the transfers whose slots of `l`'s ring lie in [l.ended, upto): ok, or with `s`.
   void walk(Link& l, std::uint64_t upto, TransferStatus s, const std::string& why) noexcept;
   void end(Xfer& x, TransferStatus s, std::string reason) noexcept;
+  /// Ends every transfer waiting for `p`'s link with `s` and `why`.
+  void fail_waiting(Peer& p, TransferStatus s, const std::string& why) noexcept;
   void bound(Link& l, Window& w, const Completion& c);
   void on_completion(DataPath& dp, const Completion& c);
   void link_up(Command& c);

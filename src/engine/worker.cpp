@@ -288,11 +288,7 @@ void Worker::handle(Command& c) {
       Peer& p = *c.peer;
       if (p.worker == this) {
         if (p.link != nullptr) break_link(*p.link, fmt::format("peer '{}' was removed", p.name));
-        while (!p.waiting.empty()) {
-          Xfer* x = p.waiting.front();
-          p.waiting.pop_front();
-          end(*x, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
-        }
+        fail_waiting(p, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
       }
       // Its access to our segments goes with the links it opened to us.
       for (auto& l : links_) {
@@ -313,11 +309,7 @@ void Worker::handle(Command& c) {
       // deadline, and the link (if the process is dead, about to fail anyway) goes.
       Peer& p = *c.peer;
       if (p.link != nullptr) break_link(*p.link, c.text);
-      while (!p.waiting.empty()) {
-        Xfer* x = p.waiting.front();
-        p.waiting.pop_front();
-        end(*x, TransferStatus::connect_failed, c.text);
-      }
+      fail_waiting(p, TransferStatus::connect_failed, c.text);
       break;
     }
     case Command::Kind::kick: {
@@ -811,11 +803,7 @@ void Worker::link_up(Command& c) {
 
 void Worker::connect_failed(Peer& p, const std::string& why) {
   p.connecting = false;
-  while (!p.waiting.empty()) {
-    Xfer* x = p.waiting.front();
-    p.waiting.pop_front();
-    end(*x, TransferStatus::connect_failed, why);
-  }
+  fail_waiting(p, TransferStatus::connect_failed, why);
   std::lock_guard lock(p.m);
   ++p.attempts;
   p.up = false;
@@ -1071,6 +1059,14 @@ void Worker::watch(Link& l, bool on) {
   } else {
     (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, l.impl.control.get(), nullptr);
     l.watched = false;
+  }
+}
+
+void Worker::fail_waiting(Peer& p, TransferStatus s, const std::string& why) noexcept {
+  while (!p.waiting.empty()) {
+    Xfer* x = p.waiting.front();
+    p.waiting.pop_front();
+    end(*x, s, why);
   }
 }
 
