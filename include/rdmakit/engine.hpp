@@ -16,6 +16,27 @@
 
 namespace rdmakit {
 
+/// How the engine uses several NICs: the rails of a peer link (docs/engine.md, "Rails").
+struct RailConfig {
+  /// Most rails a peer link holds (QPs on distinct local ports). 0: every local port that reaches
+  /// a port of the peer (same link layer, GIDs of one family on one subnet); 1: only the port
+  /// its address is reached through.
+  std::uint32_t max = 0;
+  /// The local devices rails may use, and the only ones this engine offers its peers as rails
+  /// (empty: all).
+  std::vector<std::string> devices{};
+  /// A read or write of at least this many bytes is cut into slices spread over the peer's rails
+  /// (each slice to the rail with the fewest bytes outstanding, so a slower rail gets fewer);
+  /// shorter ones go whole to one rail. 0: never sliced.
+  std::uint64_t slice_threshold = 512 * 1024;
+  /// The bytes of one slice (the last may be shorter); at least 4096.
+  std::uint64_t slice_size = 256 * 1024;
+  /// A rail that failed is probed (reconnected) after this, the wait doubling after each failed
+  /// probe up to probe_max; it carries transfers again once it answers.
+  std::chrono::milliseconds probe_first{500};
+  std::chrono::milliseconds probe_max{4000};
+};
+
 /// Everything an Engine is built from, passed by value.
 struct EngineConfig {
   /// This engine's name, as its peers know it (1..64 bytes). Empty: "host:pid".
@@ -29,9 +50,11 @@ struct EngineConfig {
   /// Engine::start_listening().
   bool listen_at_start = true;
   /// Settings of every peer link: device, timeouts, keepalive, queue depths, the pre-shared key
-  /// (psk: both ends of a link must hold the same). One QP per link (the engine spreads over
-  /// peers, not over QPs; several NICs come as rails). A link's depth is its send_depth.
+  /// (psk: both ends of a link must hold the same). One QP per link and rail (the engine spreads
+  /// over peers and NICs, not over QPs of one port). A link's depth is its send_depth.
   ConnectionConfig link{};
+  /// Several NICs: which ports a peer link holds QPs on, slicing, failover.
+  RailConfig rails{};
   /// Progress threads (at most 64). Each polls the CQs its links share while work is in flight
   /// and sleeps on the completion channel when idle. Unset: one per RDMA device. 0: the caller
   /// drives progress() (then nothing moves between calls).
@@ -177,6 +200,11 @@ struct EngineCounters {
   /// Time the binds of windows_bound took, from posting to completion, in nanoseconds, summed:
   /// what giving one more peer access to a segment costs (it does not grow with the peers).
   std::uint64_t window_bind_ns = 0;
+  std::uint64_t rail_links = 0;    ///< links opened on a peer's further rails, in all
+  std::uint64_t rail_failures = 0; ///< rails that went down (error completion, port down, QP fatal)
+  std::uint64_t slices = 0;        ///< slices that sliced transfers were cut into
+  /// Reads and writes (or their slices) re-posted on another rail after theirs failed.
+  std::uint64_t reposted = 0;
 };
 
 /// What the engine is built on.
@@ -195,6 +223,18 @@ struct EngineInfo {
   std::string metadata{};
 };
 
+/// One rail of a peer link: a local port and the peer's port it reaches.
+struct RailInfo {
+  std::string local;   ///< "rxe1 port 1 (198.18.1.2, 198.18.1.0/24)"
+  std::string peer;    ///< the peer's port it reaches (empty for an unused one)
+  std::string state;   ///< "up", "connecting", "down" (failed: probed again), "unused"
+  std::string reason;  ///< why it is down or unused
+  std::uint64_t bytes = 0;     ///< moved by reads and writes that completed on it
+  std::uint64_t slices = 0;    ///< slices that completed on it
+  std::uint64_t failures = 0;  ///< times it went down
+  std::uint64_t reposted = 0;  ///< transfers or slices of it re-posted on another rail
+};
+
 /// A peer as this engine sees it (Engine::peers()).
 struct PeerInfo {
   std::string name{};
@@ -204,6 +244,9 @@ struct PeerInfo {
   std::uint32_t worker = 0;
   std::string device{};  ///< the local device of its link (empty until it was first linked)
   bool linked = false;   ///< a link to it is up now
+  /// Its rails: the first is the port its address is reached through; then every other local
+  /// port, used or not (with the reason). Learnt from the peer when the link first came up.
+  std::vector<RailInfo> rails{};
 };
 
 /// Many peers, memory registered once, batched asynchronous transfers from any number of

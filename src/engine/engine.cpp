@@ -181,6 +181,12 @@ Engine::Impl::Impl(EngineConfig c)
   detail::engine_wire::check_name(name, "engine name");
   detail::check_key(cfg.link.psk);
   if (cfg.max_qps == 0) throw Error("engine config", EINVAL, "max_qps 0: at least 1");
+  if (cfg.rails.slice_size < 4096 || cfg.rails.probe_first.count() <= 0 || cfg.rails.probe_max < cfg.rails.probe_first) {
+    throw Error("engine config", EINVAL,
+                fmt::format("rails: slice_size {} (at least 4096), probe_first {} ms (above 0), probe_max {} ms "
+                            "(at least probe_first)",
+                            cfg.rails.slice_size, cfg.rails.probe_first.count(), cfg.rails.probe_max.count()));
+  }
   const bool store = detail::uses_store(cfg.metadata);
   // One QP per link, no receives: the engine moves data by READ, WRITE and atomics, and its
   // messages travel on the control channel.
@@ -354,10 +360,10 @@ detail::Attachment Engine::Impl::attach(const std::string& device, Worker* prefe
               "add workers, or lower EngineConfig::link.send_depth");
 }
 
-void Engine::Impl::request_connect(Peer* p) {
+void Engine::Impl::request_connect(Peer* p, detail::RailState* rail) {
   {
     std::lock_guard lock(connect_mu);
-    to_connect.push_back(p);
+    to_connect.emplace_back(p, rail);
   }
   connect_cv.notify_one();
 }
@@ -365,15 +371,21 @@ void Engine::Impl::request_connect(Peer* p) {
 void Engine::Impl::connect_loop() noexcept {
   for (;;) {
     Peer* p = nullptr;
+    detail::RailState* rail = nullptr;
     {
       std::unique_lock lock(connect_mu);
       connect_cv.wait(lock, [this] { return stopping.load() || !to_connect.empty(); });
       if (stopping.load()) return;
-      p = to_connect.front();
+      std::tie(p, rail) = to_connect.front();
       to_connect.pop_front();
     }
     detail::Command c(detail::Command::Kind::link_up);
     c.peer = p;
+    if (rail != nullptr) {
+      connect_rail(*p, *rail, c);
+      p->worker->post(std::move(c));
+      continue;
+    }
     for (std::string address;;) {
       {
         std::lock_guard lock(mu);
@@ -413,6 +425,30 @@ void Engine::Impl::connect_loop() noexcept {
     } catch (...) {
       // Out of memory queueing it: the peer's transfers wait for the next attempt.
     }
+  }
+}
+
+void Engine::Impl::connect_rail(Peer& p, detail::RailState& rail, detail::Command& c) noexcept {
+  // A further rail: bootstrapped at the peer port's own address, from the local port's device.
+  // A probe of a failed rail should not hold a connector for a whole handshake deadline.
+  ConnectionConfig rc = cfg.link;
+  struct Wipe {
+    ConnectionConfig& c;
+    ~Wipe() { detail::wipe(c.psk); }
+  } wipe{rc};
+  rc.device = rail.local.device;
+  rc.port = rail.local.port;
+  rc.retry_refused = false;
+  rc.handshake_timeout = std::min(rc.handshake_timeout, std::chrono::milliseconds{3000});
+  c.rail = &rail;
+  try {
+    if (p.gone.load() || p.removed.load()) throw Error("connect", EHOSTUNREACH, "the peer is gone");
+    c.conn.emplace(Connection::Impl::connect(rail.peer.endpoint, rc, {}, hooks(p.worker)));
+    c.device = device_index(c.conn->info().device);
+  } catch (const std::exception& e) {
+    c.kind = detail::Command::Kind::connect_failed;
+    c.conn.reset();
+    c.text = fmt::format("rail {} to peer '{}' at {}: {}", rail.local.describe(), p.name, rail.peer.endpoint, e.what());
   }
 }
 
@@ -498,6 +534,10 @@ EngineCounters Engine::counters() const noexcept {
   o.notifications_sent = c.notifications_sent.load();
   o.notifications_received = c.notifications_received.load();
   o.windows_bound = c.windows_bound.load();
+  o.rail_links = c.rail_links.load();
+  o.rail_failures = c.rail_failures.load();
+  o.slices = c.slices.load();
+  o.reposted = c.reposted.load();
   o.window_bind_ns = c.window_bind_ns.load();
   return o;
 }
@@ -647,6 +687,7 @@ detail::Peer* Engine::Impl::add_peer(std::string peer_name, std::string address,
   p->address = std::move(address);
   p->from_store = from_store;
   p->worker = worker_for(p->address, p->id);
+  p->rails.push_back(std::make_unique<detail::RailState>());
   peer_ids[p->name] = p->id;
   peers.push_back(std::move(p));
   peer_table[peers.size() - 1].store(peers.back().get(), std::memory_order_release);
@@ -727,6 +768,12 @@ std::vector<PeerInfo> Engine::peers() const {
     {
       std::lock_guard pl(p->m);
       i.linked = p->up;
+      for (const auto& r : p->rails) {
+        if (r->local.device.empty()) continue;  // the first, before its link came up
+        i.rails.push_back({r->local.describe(), r->peer.device.empty() ? std::string{} : r->peer.describe(), r->state,
+                           r->reason, r->bytes.load(), r->slices.load(), r->failures.load(), r->reposted.load()});
+      }
+      for (const auto& u : p->unused_rails) i.rails.push_back({u.local, {}, "unused", u.reason, 0, 0, 0, 0});
     }
     out.push_back(std::move(i));
   }

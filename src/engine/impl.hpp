@@ -30,6 +30,8 @@
 #include "common/fifo.hpp"
 #include "connection/impl.hpp"
 #include "datapath/router.hpp"
+#include "engine/protocol.hpp"
+#include "engine/rails.hpp"
 #include "rdmakit/engine.hpp"
 #include "verbs/device_layer.hpp"
 #include "verbs/handles.hpp"
@@ -42,6 +44,7 @@ struct Link;
 struct Peer;
 
 struct BufferRec;
+struct SliceGroup;
 
 /// One transfer of a batch: the caller's description, and its result. A posted request's wr_id
 /// is its address (8-byte aligned: bit 0 marks a window bind instead).
@@ -50,7 +53,9 @@ struct Xfer {
   Transfer t;
   const BufferRec* buf = nullptr;  // t.local's, once the worker has checked it
   BatchState* batch = nullptr;
+  SliceGroup* group = nullptr;  // a slice: the sliced transfer's group (its end goes there)
   std::uint32_t index = 0;
+  std::uint8_t tries = 0;  // re-posts on another rail after its rail failed
   /// Stored once, when the transfer ends; a failure's reason is in BatchState::reasons first.
   std::atomic<TransferStatus> status{TransferStatus::pending};
 };
@@ -78,6 +83,34 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
 
  private:
   void last_ended() noexcept;
+};
+
+/// The slices of one sliced transfer (Worker::slice): they end into it, and the transfer ends
+/// when the last has, ok or with the first failure.
+struct SliceGroup {
+  Xfer* parent = nullptr;
+  std::deque<Xfer> slices;  // deque: an Xfer does not move
+  std::uint32_t left = 0;
+  TransferStatus status = TransferStatus::ok;
+  std::string reason;
+};
+
+/// One rail of a peer link: a local port, the peer's port it reaches, the link on it. rails[0]
+/// of a peer is its first (its address's, Peer::link); the others are opened once the first
+/// link learns the peer's ports (RAILS). Never freed before the engine: the connect queue and the
+/// links point at them. `local`, `peer`, `endpoint` are set before the rail is first connected
+/// and fixed after (rails[0]'s: by the worker, read by peers() under Peer::m).
+struct RailState {
+  RailPort local, peer;
+  // The worker's:
+  Link* link = nullptr;
+  bool connecting = false;
+  bool wanted = true;  // false once evicted (idle): opened again with the first rail
+  Deadline probe_at{};
+  std::chrono::milliseconds backoff{0};
+  // Shown by peers(): under Peer::m.
+  std::string state = "connecting", reason;
+  std::atomic<std::uint64_t> bytes{0}, slices{0}, failures{0}, reposted{0};
 };
 
 /// A registered buffer: one region per device (index as in the device layer).
@@ -134,12 +167,16 @@ struct Peer {
   std::vector<std::string> slot_names;                // Engine::Impl::mu
   std::atomic<bool> removed{false};
   std::atomic<int> device{-1};  // its last link's device index (for peers())
+  // Its rails (RailState): [0] from add_peer on; grown by its worker under `m`.
+  std::vector<std::unique_ptr<RailState>> rails;
+  std::vector<RailUnused> unused_rails;  // local ports that carry none, and why; under `m`
   // The worker's:
   Link* link = nullptr;     // the link this engine initiated, once up
   bool connecting = false;
   std::uint64_t epoch = 0;  // of the last link's IDENT
   bool ever_connected = false;
   Fifo<Xfer*> waiting;  // transfers waiting for the link to be ready
+  std::size_t next_rail = 0;  // where Worker::pick starts (ties go round)
   // For Engine::connect(): the link's state, under `m`.
   std::mutex m;
   std::condition_variable cv;
@@ -166,6 +203,7 @@ struct Link {
   std::uint32_t device = 0;
   bool initiated = false;
   Peer* peer = nullptr;  // initiated links
+  RailState* rail = nullptr;  // initiated links: the rail it is on
   std::string peer_name;  // from its IDENT
   std::uint64_t peer_epoch = 0;
   enum class State { syncing, ready, closing } state = State::syncing;
@@ -179,6 +217,9 @@ struct Link {
   bool synced_sent = false;
   std::uint64_t in_flight = 0;  // transfers posted and not ended
   Fifo<Xfer*> backlog;          // to be posted (in chains, as the send queue has room)
+  // Bytes of reads and writes posted and not walked, and waiting in the backlog: the measure
+  // by which a peer's rails share its transfers (Worker::pick).
+  std::uint64_t bytes_out = 0, backlog_bytes = 0;
   // The chain being built on the link's data path (Worker::room_on), and how many more it takes.
   bool chain_open = false;
   std::uint32_t chain_room = 0;
@@ -195,6 +236,7 @@ struct Link {
   struct Deferred {
     Xfer* x;
     std::string reason;
+    bool transport = false;  // the rail's fault (not the peer's refusal): another rail may do it
   };
   std::vector<Deferred> deferred;
   Deadline broke_at{};
@@ -223,6 +265,7 @@ struct Command {
   std::string text;  // a failure, a segment's name, or a restarted peer's name
   std::uint32_t device = 0;
   std::uint64_t epoch = 0;  // restarted: the peer's new epoch
+  RailState* rail = nullptr;  // link_up, connect_failed: of a further rail (null: the first)
   std::shared_ptr<Retirement> retirement;  // retire
 };
 
@@ -295,6 +338,27 @@ class Worker {
   void on_completion(DataPath& dp, const Completion& c);
   void link_up(Command& c);
   void connect_failed(Peer& p, const std::string& why);
+  // Rails.
+  /// The ready link of `p` (its first or a further rail) with the fewest bytes outstanding;
+  /// with `instead_of`, another of the same peer process (epoch). Null: none ready.
+  Link* pick(Peer& p, const Link* instead_of = nullptr) noexcept;
+  /// Whether transfer x to `p` is cut into slices over its rails.
+  bool slices_for(const Peer& p, const Xfer& x) const noexcept;
+  /// Cuts x into slices, each queued on the rail with the fewest bytes outstanding.
+  void slice(Peer& p, Xfer& x);
+  /// A slice ended: its transfer ends with the last.
+  void slice_ended(Xfer& s, TransferStatus st, std::string reason) noexcept;
+  /// Queues x on `l` (its backlog) and has it flushed.
+  void queue_on(Link& l, Xfer& x);
+  /// x did not complete on `l` because the link failed: re-posted on another rail of the peer
+  /// when it is a read or write and one is ready, else ended with `s`.
+  void lost(Link& l, Xfer& x, TransferStatus s, std::string why) noexcept;
+  /// The peer's ports arrived on its first link: plans and opens the further rails.
+  void on_rails(Link& l, const engine_wire::Message& m);
+  void rail_down(Peer& p, RailState& r, const std::string& why, bool probe);
+  void probe_rails(Deadline now);
+  /// What the accepting side tells a link about its ports.
+  std::vector<std::uint8_t> rails_message(const Link& l) const;
   void tick_link(Link& l, Deadline now);
   void on_message(Link& l, std::span<const std::uint8_t> bytes);
   void make_ready(Link& l);
@@ -340,6 +404,8 @@ class Worker {
   std::vector<Link*> open_chains_;  // links with a chain being built (empty between commands)
   Deadline next_tick_{};
   std::vector<std::shared_ptr<Retirement>> retiring_;  // waiting for transfers of their buffer
+  std::unordered_map<Xfer*, std::unique_ptr<SliceGroup>> groups_;  // by sliced transfer
+  std::vector<std::pair<Peer*, RailState*>> probes_;  // failed rails waiting for their probe
 };
 
 }  // namespace rdmakit::detail
@@ -376,7 +442,8 @@ struct Engine::Impl {
   struct {
     std::atomic<std::uint64_t> qps{0}, links{0}, connects{0}, reconnects{0}, accepts{0}, evictions{0},
         restarts{0}, batches{0}, transfers{0}, transfers_failed{0}, bytes{0}, notifications_sent{0},
-        notifications_received{0}, windows_bound{0}, window_bind_ns{0};
+        notifications_received{0}, windows_bound{0}, window_bind_ns{0}, rail_links{0}, rail_failures{0},
+        slices{0}, reposted{0};
   } count;
 
   detail::Fd event_fd;  // readable when a batch ends or a notification arrives
@@ -389,7 +456,7 @@ struct Engine::Impl {
   // Connecting: a queue of peers and the threads that run their handshakes.
   std::mutex connect_mu;
   std::condition_variable connect_cv;
-  std::deque<detail::Peer*> to_connect;
+  std::deque<std::pair<detail::Peer*, detail::RailState*>> to_connect;  // rail null: the first
   std::atomic<bool> stopping{false};
   std::vector<std::thread> connectors;
 
@@ -417,9 +484,11 @@ struct Engine::Impl {
   /// budget. Throws a "busy" Error when there is neither.
   detail::Attachment attach(const std::string& device, detail::Worker* preferred);
   void connect_loop() noexcept;
+  /// A further rail's link, into `c` (link_up, or connect_failed with the reason).
+  void connect_rail(detail::Peer& p, detail::RailState& rail, detail::Command& c) noexcept;
   /// A link a peer opened, from the listener's handshake thread: to the worker it was built on.
   void adopt(Connection conn) noexcept;
-  void request_connect(detail::Peer* p);
+  void request_connect(detail::Peer* p, detail::RailState* rail = nullptr);
   std::uint32_t slot_of(detail::Peer& p, const std::string& segment);
   /// Adds a peer (Engine::add_peer); throws Error for a name in use.
   detail::Peer* add_peer(std::string name, std::string address, bool from_store);

@@ -14,6 +14,7 @@
 
 #include "common/ipaddr.hpp"
 #include "engine/impl.hpp"
+#include "engine/rails.hpp"
 #include "metadata/uri.hpp"
 #include "rdmakit/error.hpp"
 
@@ -39,33 +40,6 @@ md::DirectoryConfig directory_config(const MetadataConfig& c) {
   return d;
 }
 
-bool wildcard(const std::string& host) {
-  return host.empty() || host == "0.0.0.0" || host == "::" || host == "*";
-}
-
-// The network of `prefix` bits of a 16-byte address, as "a.b.c.d/n" or "x::/n".
-std::string network(Ip16 a, unsigned bits, bool v4) {
-  const unsigned total = v4 ? 32 : 128;
-  bits = std::min(bits, total);
-  const unsigned from = v4 ? 12 : 0;  // IPv4-mapped: the last 4 bytes
-  for (unsigned i = 0; i < total; ++i) {
-    if (i >= bits) a[from + i / 8] &= static_cast<std::uint8_t>(~(0x80u >> (i % 8)));
-  }
-  std::string text = format_ip16(a);
-  if (v4 && text.rfind("::ffff:", 0) == 0) text.erase(0, 7);
-  return fmt::format("{}/{}", text, bits);
-}
-
-unsigned mask_bits(const sockaddr* mask) {
-  if (mask == nullptr) return 0;
-  if (mask->sa_family == AF_INET) {
-    return static_cast<unsigned>(std::popcount(reinterpret_cast<const sockaddr_in*>(mask)->sin_addr.s_addr));
-  }
-  unsigned n = 0;
-  for (const std::uint8_t b : reinterpret_cast<const sockaddr_in6*>(mask)->sin6_addr.s6_addr) n += static_cast<unsigned>(std::popcount(b));
-  return n;
-}
-
 }  // namespace
 
 bool uses_store(const MetadataConfig& config) {
@@ -73,31 +47,6 @@ bool uses_store(const MetadataConfig& config) {
   if (d.uri.kind == md::StoreUri::Kind::p2p) return false;
   md::check_cluster(d.cluster);
   return true;
-}
-
-std::string subnet_of(const std::string& address) {
-  const auto want = parse_ip16(address);
-  if (!want) return {};
-  ifaddrs* list = nullptr;
-  if (::getifaddrs(&list) != 0) return {};
-  std::string out;
-  for (const ifaddrs* i = list; i != nullptr && out.empty(); i = i->ifa_next) {
-    if (i->ifa_addr == nullptr) continue;
-    Ip16 have{};
-    bool v4 = false;
-    if (i->ifa_addr->sa_family == AF_INET) {
-      v4 = true;
-      have[10] = have[11] = 0xff;
-      std::memcpy(have.data() + 12, &reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr, 4);
-    } else if (i->ifa_addr->sa_family == AF_INET6) {
-      std::memcpy(have.data(), &reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr, 16);
-    } else {
-      continue;
-    }
-    if (have == *want) out = network(have, mask_bits(i->ifa_netmask), v4);
-  }
-  ::freeifaddrs(list);
-  return out;
 }
 
 MetadataPlane::MetadataPlane(Engine::Impl& engine)
@@ -225,28 +174,14 @@ md::EngineRecord MetadataPlane::self_record() const {
   md::EngineRecord r;
   r.name = e_.name;
   r.epoch = e_.epoch;
-  for (const DeviceInfo& d : e_.layer->catalog()) {
-    for (const PortInfo& p : d.ports) {
-      if (p.gids.empty()) continue;
-      md::RailRecord rail;
-      rail.device = d.name;
-      rail.port = p.number;
-      rail.link_layer = p.link_layer == LinkLayer::ethernet ? "ethernet" : "infiniband";
-      try {
-        const GidChoice g = choose_gid(p.gids, e_.cfg.link.gid);
-        rail.gid = g.entry.address();
-        if (p.link_layer == LinkLayer::ethernet) {
-          rail.subnet = subnet_of(rail.gid.rfind("::ffff:", 0) == 0 ? rail.gid.substr(7) : rail.gid);
-        } else {
-          Ip16 prefix{};
-          std::copy_n(g.entry.gid.begin(), 8, prefix.begin());
-          rail.subnet = fmt::format("{}/64", format_ip16(prefix));
-        }
-      } catch (const Error&) {
-        continue;  // no usable GID on this port: not a rail
-      }
-      r.rails.push_back(std::move(rail));
-    }
+  for (const RailPort& p : local_rails(e_.layer->catalog(), e_.cfg.link.gid, e_.cfg.rails.devices)) {
+    md::RailRecord rail;
+    rail.device = p.device;
+    rail.port = p.port;
+    rail.link_layer = p.link_layer == LinkLayer::ethernet ? "ethernet" : "infiniband";
+    rail.gid = format_ip16(p.gid);
+    rail.subnet = p.prefix == 0 ? std::string{} : p.subnet();
+    r.rails.push_back(std::move(rail));
   }
   const MetadataConfig& mc = e_.cfg.metadata;
   const Listener* l = e_.listening.load(std::memory_order_acquire);
@@ -258,7 +193,7 @@ md::EngineRecord MetadataPlane::self_record() const {
       const std::string ep = HostPort{host, l->port()}.to_string();
       if (std::find(r.endpoints.begin(), r.endpoints.end(), ep) == r.endpoints.end()) r.endpoints.push_back(ep);
     };
-    if (!wildcard(at.host)) {
+    if (!wildcard_host(at.host)) {
       add(at.host);
     } else {
       for (const md::RailRecord& rail : r.rails) {

@@ -73,7 +73,4 @@ class MetadataPlane {
 /// lease or timeout, so an engine refuses them before it starts anything.
 [[nodiscard]] bool uses_store(const MetadataConfig& config);
 
-/// The network of a local interface address, "198.18.1.0/24" ("" when no interface has it).
-[[nodiscard]] std::string subnet_of(const std::string& address);
-
 }  // namespace rdmakit::detail

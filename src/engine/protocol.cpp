@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "bootstrap/socket.hpp"
 #include "rdmakit/error.hpp"
 
 namespace rdmakit::detail::engine_wire {
@@ -81,6 +82,22 @@ std::vector<std::uint8_t> encode(const Message& m) {
       put(out, m.bytes.size(), 2);
       out.insert(out.end(), m.bytes.begin(), m.bytes.end());
       break;
+    case Kind::rails:
+      if (m.rails.size() > kMaxRails) {
+        throw Error("engine rails", EMSGSIZE, fmt::format("{} ports; at most {}", m.rails.size(), kMaxRails));
+      }
+      put(out, m.listen_port, 2);
+      out.push_back(m.this_rail);
+      out.push_back(static_cast<std::uint8_t>(m.rails.size()));
+      for (const RailPort& r : m.rails) {
+        put_name(out, r.device);
+        out.push_back(r.port);
+        out.push_back(static_cast<std::uint8_t>(r.link_layer));
+        out.insert(out.end(), r.gid.begin(), r.gid.end());
+        out.push_back(r.prefix);
+        out.push_back(r.endpoint.empty() ? 0 : 1);
+      }
+      break;
   }
   return out;
 }
@@ -129,6 +146,36 @@ Message decode(std::span<const std::uint8_t> bytes) {
       }
       m.bytes.assign(bytes.begin() + static_cast<std::ptrdiff_t>(r.at), bytes.end());
       r.at = bytes.size();
+      break;
+    }
+    case 6: {
+      m.kind = Kind::rails;
+      m.listen_port = static_cast<std::uint16_t>(r.get(2, "listen port"));
+      m.this_rail = static_cast<std::uint8_t>(r.get(1, "this rail"));
+      const auto n = static_cast<std::size_t>(r.get(1, "rail count"));
+      if (n > kMaxRails) throw Error("engine message", EPROTO, fmt::format("{} rails (at most {})", n, kMaxRails));
+      if (m.this_rail != 0xff && m.this_rail >= n) {
+        throw Error("engine message", EPROTO, fmt::format("this link's rail {} of {}", m.this_rail, n));
+      }
+      for (std::size_t i = 0; i < n; ++i) {
+        RailPort p;
+        p.device = r.name();
+        p.port = static_cast<std::uint8_t>(r.get(1, "port"));
+        const auto ll = r.get(1, "link layer");
+        if (ll != 1 && ll != 2) throw Error("engine message", EPROTO, fmt::format("rail {} link layer {}", i, ll));
+        p.link_layer = static_cast<LinkLayer>(ll);
+        for (auto& b : p.gid) b = static_cast<std::uint8_t>(r.get(1, "gid"));
+        p.prefix = static_cast<std::uint8_t>(r.get(1, "prefix"));
+        if (p.prefix > (p.v4() ? 32 : 128)) throw Error("engine message", EPROTO, fmt::format("rail {} prefix /{}", i, p.prefix));
+        const auto has = r.get(1, "has endpoint");
+        if (has > 1) throw Error("engine message", EPROTO, fmt::format("rail {} endpoint flag {}", i, has));
+        p.active = true;
+        if (has == 1) {
+          if (m.listen_port == 0) throw Error("engine message", EPROTO, "a rail endpoint without a listen port");
+          p.endpoint = HostPort{p.address(), m.listen_port}.to_string();
+        }
+        m.rails.push_back(std::move(p));
+      }
       break;
     }
     default: throw Error("engine message", EPROTO, fmt::format("unknown kind {}", kind));

@@ -1,5 +1,5 @@
 #pragma once
-// The engine's messages between two linked engines, version 1. They travel as application
+// The engine's messages between two linked engines, version 2. They travel as application
 // messages on the link's control channel (sealed there when the link has a key), each at most
 // Connection::max_message_size bytes, with fixed-width big-endian fields, every one checked:
 //
@@ -9,6 +9,11 @@
 //   WITHDRAW: name length u8 | name
 //   SYNCED:   (empty) every segment exposed when the link came up has been announced
 //   NOTIFY:   length u16 (0..900) | bytes
+//   RAILS:    listen port u16 | this link's rail u8 (0xff: none listed) | count u8 (0..16) |
+//             count x { device length u8 (1..64) | device | port u8 | link layer u8 (1 IB, 2 Eth) |
+//                       gid 16 bytes | prefix u8 | has endpoint u8 (0/1) }
+//             the accepting side's ports that can carry rails (rails.hpp); a rail with an
+//             endpoint is bootstrapped at its GID's address and the listen port.
 //
 // The side that accepted a link binds a memory window per segment on the link's QP and
 // announces it (SEGMENT); the side that initiated it is the only one that posts on it.
@@ -18,16 +23,18 @@
 #include <string>
 #include <vector>
 
+#include "engine/rails.hpp"
 #include "rdmakit/memory.hpp"
 
 namespace rdmakit::detail::engine_wire {
 
 inline constexpr std::uint8_t kMagic = 0xE7;
-inline constexpr std::uint8_t kVersion = 1;
+inline constexpr std::uint8_t kVersion = 2;  // 2: RAILS
 inline constexpr std::size_t kMaxName = 64;
 inline constexpr std::size_t kMaxNotify = 900;
+inline constexpr std::size_t kMaxRails = 16;
 
-enum class Kind : std::uint8_t { ident = 1, segment = 2, withdraw = 3, synced = 4, notify = 5 };
+enum class Kind : std::uint8_t { ident = 1, segment = 2, withdraw = 3, synced = 4, notify = 5, rails = 6 };
 
 struct Message {
   Kind kind = Kind::ident;
@@ -35,6 +42,9 @@ struct Message {
   std::uint64_t epoch = 0;     // ident
   RemoteRegion region;         // segment
   std::vector<std::uint8_t> bytes;  // notify
+  std::uint16_t listen_port = 0;    // rails
+  std::uint8_t this_rail = 0xff;    // rails
+  std::vector<RailPort> rails;      // rails (endpoint: the address and listen_port, or empty)
 };
 
 inline Message ident(std::string name, std::uint64_t epoch) {
@@ -66,6 +76,15 @@ inline Message notify(std::vector<std::uint8_t> bytes) {
   Message m;
   m.kind = Kind::notify;
   m.bytes = std::move(bytes);
+  return m;
+}
+
+inline Message rails(std::uint16_t listen_port, std::uint8_t this_rail, std::vector<RailPort> ports) {
+  Message m;
+  m.kind = Kind::rails;
+  m.listen_port = listen_port;
+  m.this_rail = this_rail;
+  m.rails = std::move(ports);
   return m;
 }
 

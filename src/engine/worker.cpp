@@ -170,6 +170,8 @@ void Worker::stop() noexcept {
       end(*x, TransferStatus::peer_lost, closed);
     }
   }
+  probes_.clear();
+  groups_.clear();  // every slice ended above, and with it its group
 }
 
 // --- the loop ------------------------------------------------------------------------------------
@@ -207,6 +209,7 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
       next_tick_ = now + std::chrono::milliseconds{1};
       sleep(now);  // a zero wait: the links' control channels, device events
       reap_links();
+      if (!probes_.empty()) probe_rails(now);
       if (!retiring_.empty()) check_retiring();
     }
     if (!forever && now >= until) break;
@@ -214,7 +217,9 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
       // A closing link is reaped once its peer's fate is known (Link::deferred): look again soon.
       const bool closing = std::any_of(links_.begin(), links_.end(),
                                        [](const auto& l) { return l->state == Link::State::closing; });
-      const auto nap = closing ? std::chrono::milliseconds{5} : std::chrono::milliseconds{1000};
+      const auto nap = closing             ? std::chrono::milliseconds{5}
+                       : !probes_.empty() ? std::chrono::milliseconds{50}
+                                          : std::chrono::milliseconds{1000};
       sleep(forever ? now + nap : std::min(until, now + nap));
       reap_links();
       if (!forever && Clock::now() >= until) break;
@@ -269,7 +274,14 @@ void Worker::handle(Command& c) {
   switch (c.kind) {
     case Command::Kind::submit: submit(c.batch, c.indexes); break;
     case Command::Kind::link_up: link_up(c); break;
-    case Command::Kind::connect_failed: connect_failed(*c.peer, c.text); break;
+    case Command::Kind::connect_failed:
+      if (c.rail != nullptr) {
+        c.rail->connecting = false;
+        rail_down(*c.peer, *c.rail, c.text, /*went_down=*/false);
+      } else {
+        connect_failed(*c.peer, c.text);
+      }
+      break;
     case Command::Kind::expose: {
       SegmentDef def;
       {
@@ -288,6 +300,9 @@ void Worker::handle(Command& c) {
       Peer& p = *c.peer;
       if (p.worker == this) {
         if (p.link != nullptr) break_link(*p.link, fmt::format("peer '{}' was removed", p.name));
+        for (const auto& r : p.rails) {
+          if (r->link != nullptr) break_link(*r->link, fmt::format("peer '{}' was removed", p.name));
+        }
         fail_waiting(p, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
       }
       // Its access to our segments goes with the links it opened to us.
@@ -309,6 +324,9 @@ void Worker::handle(Command& c) {
       // deadline, and the link (if the process is dead, about to fail anyway) goes.
       Peer& p = *c.peer;
       if (p.link != nullptr) break_link(*p.link, c.text);
+      for (const auto& r : p.rails) {
+        if (r->link != nullptr) break_link(*r->link, c.text);
+      }
       fail_waiting(p, TransferStatus::connect_failed, c.text);
       break;
     }
@@ -404,8 +422,8 @@ void Worker::admit(Xfer& x, Route& r) {
     return end(x, TransferStatus::invalid, invalid_reason(t, buf, peer));
   }
   x.buf = buf;
-  Link* l = peer->link;
-  if (l == nullptr || l->state != Link::State::ready || !l->backlog.empty() || too_long(*l, t) || !room_on(*l)) {
+  Link* l = pick(*peer);
+  if (l == nullptr || !l->backlog.empty() || too_long(*l, t) || slices_for(*peer, x) || !room_on(*l)) {
     return start_transfer(*peer, x);
   }
   const std::optional<RemoteRegion>* seg = t.remote.slot < l->by_slot.size() ? &l->by_slot[t.remote.slot] : nullptr;
@@ -414,17 +432,18 @@ void Worker::admit(Xfer& x, Route& r) {
   if (!chain(*l, x, reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset, s.lkey(), s.writable(), **seg)) return;
   // What the next transfers of the same buffer and segment reuse; valid while nothing but
   // chain() runs (which keeps the link as it is, or says it did not).
-  r = {true, t.local.id, t.remote.peer, t.remote.slot, buf_len, l->impl.dp.limits().max_msg_size, l, &**seg,
+  // A transfer long enough to be sliced takes the long way too.
+  const std::uint64_t threshold = e_.cfg.rails.slice_threshold;
+  const std::uint64_t max_msg = threshold != 0 ? std::min<std::uint64_t>(l->impl.dp.limits().max_msg_size, threshold - 1)
+                                               : l->impl.dp.limits().max_msg_size;
+  r = {true, t.local.id, t.remote.peer, t.remote.slot, buf_len, max_msg, l, &**seg,
        reinterpret_cast<std::uint64_t>(s.addr()), s.lkey(), s.writable()};
 }
 
 void Worker::start_transfer(Peer& p, Xfer& x) {
+  if (slices_for(p, x)) return slice(p, x);
+  if (Link* l = pick(p)) return queue_on(*l, x);
   Link* l = p.link;
-  if (l != nullptr && l->state == Link::State::ready) {
-    l->backlog.push_back(&x);
-    queue_flush(*l);
-    return;
-  }
   if (p.removed.load(std::memory_order_relaxed)) {
     return end(x, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
   }
@@ -514,7 +533,7 @@ void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
   (void)dp.begin_chain(dp.lane(0), kSignalEvery);  // forgets it
   WrRing& ring = dp.lane(0).sq;
   for (std::uint32_t k = 0; k < n; ++k) {
-    end(*reinterpret_cast<Xfer*>(ring.staged(k).wr_id), TransferStatus::peer_lost, why);
+    lost(l, *reinterpret_cast<Xfer*>(ring.staged(k).wr_id), TransferStatus::peer_lost, why);
   }
 }
 
@@ -545,6 +564,7 @@ void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
     return false;
   }
   --l.chain_room;
+  l.bytes_out += len;
   return true;
 }
 
@@ -591,9 +611,13 @@ void Worker::post_alone(Link& l, Xfer& x) {
     l.alone.push_back(&x);
     ++l.in_flight;
     ++in_flight_;
+    l.bytes_out += t.length;
     return;
   }
-  if (r.status == PostStatus::queue_full) return l.backlog.push_front(&x);
+  if (r.status == PostStatus::queue_full) {
+    l.backlog_bytes += t.length;
+    return l.backlog.push_front(&x);
+  }
   std::string why = fmt::format("peer '{}': {}", l.peer->name, r.describe());
   end(x, r.status == PostStatus::failed ? TransferStatus::failed : status_of(r.status), why);
   if (r.status == PostStatus::failed) break_link(l, why);
@@ -607,12 +631,14 @@ void Worker::flush(Link& l) {
       if (l.chain_open) post_chain(l);
       if (l.state != Link::State::ready) return;
       l.backlog.pop_front();
+      l.backlog_bytes -= x.t.length;
       post_alone(l, x);
       if (!l.backlog.empty() && l.backlog.front() == &x) return;  // no room: back in front
       continue;
     }
     if (!room_on(l)) return;  // a completion makes room, and flushes again
     l.backlog.pop_front();
+    l.backlog_bytes -= x.t.length;
     (void)chain(l, x);
   }
 }
@@ -623,8 +649,8 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
   // case) are counted once; anything else ends one by one.
   BatchState* run = nullptr;
   bool plain = false;  // the run's transfers end by the count
-  std::uint32_t run_ok = 0, walked = 0;
-  std::uint64_t bytes = 0;
+  std::uint32_t run_ok = 0, walked = 0, slices = 0;
+  std::uint64_t bytes = 0, out = 0, moved = 0;
   auto settle = [&] {
     // The bytes first: a waiter that sees its batch done reads counters that include it.
     if (bytes != 0) e_.count.bytes.fetch_add(bytes, std::memory_order_relaxed);
@@ -649,12 +675,17 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
     if (slot.kind >= WrRing::part || (slot.wr_id & 1) != 0) [[unlikely]] continue;
     Xfer& x = *reinterpret_cast<Xfer*>(slot.wr_id);
     ++walked;
+    out += x.t.length;
+    if (s == TransferStatus::ok && x.t.op <= TransferOp::write) {
+      moved += x.t.length;
+      slices += x.group != nullptr;
+    }
     if (x.batch != run) [[unlikely]] {
       settle();
       run = x.batch;
       plain = s == TransferStatus::ok && run->notify.empty();
     }
-    if (!plain) [[unlikely]] {
+    if (!plain || x.group != nullptr) [[unlikely]] {
       end(x, s, why);
       continue;
     }
@@ -665,10 +696,16 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
   settle();
   l.in_flight -= walked;
   in_flight_ -= walked;
+  l.bytes_out -= std::min(l.bytes_out, out);
+  if (l.rail != nullptr && moved != 0) {
+    l.rail->bytes.fetch_add(moved, std::memory_order_relaxed);
+    if (slices != 0) l.rail->slices.fetch_add(slices, std::memory_order_relaxed);
+  }
   l.ended = std::max(l.ended, upto);
 }
 
 void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
+  if (x.group != nullptr) [[unlikely]] return slice_ended(x, s, std::move(reason));
   BatchState& b = *x.batch;
   const auto it = live_.find(&b);
   if (it == live_.end()) return;
@@ -686,9 +723,10 @@ void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
       } else if (--w->second == 0) {
         live.writes_left.erase(w);
         // Every write of the batch to this peer has completed: the data is in its memory.
-        if (p->link != nullptr && p->link->state == Link::State::ready) {
+        Link* to = p->link != nullptr && p->link->state == Link::State::ready ? p->link : pick(*p);
+        if (to != nullptr) {
           try {
-            send(*p->link, ew::encode(ew::notify(b.notify)));
+            send(*to, ew::encode(ew::notify(b.notify)));
             e_.count.notifications_sent.fetch_add(1, std::memory_order_relaxed);
           } catch (...) {
           }
@@ -723,15 +761,25 @@ void Worker::on_completion(DataPath& dp, const Completion& c) {
   if (part) std::erase(l.alone, x);
   --l.in_flight;
   --in_flight_;
+  l.bytes_out -= std::min(l.bytes_out, x->t.length);
   l.last_used = Clock::now();
   if (c.ok()) {
+    if (l.rail != nullptr && x->t.op <= TransferOp::write) {
+      l.rail->bytes.fetch_add(x->t.length, std::memory_order_relaxed);
+      if (x->group != nullptr) l.rail->slices.fetch_add(1, std::memory_order_relaxed);
+    }
     end(*x, TransferStatus::ok, {});
   } else if (c.status == IBV_WC_WR_FLUSH_ERR) {
-    end(*x, TransferStatus::peer_lost,
-        fmt::format("peer '{}': {}", l.peer->name, dp.failure().empty() ? "the link broke" : dp.failure()));
+    lost(l, *x, TransferStatus::peer_lost,
+         fmt::format("peer '{}': {}", l.peer->name, dp.failure().empty() ? "the link broke" : dp.failure()));
   } else {
     // The link breaks on it (the data path's one break routine); ended when the link is reaped.
-    l.deferred.push_back({x, fmt::format("peer '{}': {}", l.peer->name, c.describe())});
+    // What the peer refused, or this side got wrong, would fail on any rail; the rest (retries
+    // exceeded, a QP or port that failed under it) is the rail's, and another may do it.
+    const bool rails_fault = c.status != IBV_WC_REM_ACCESS_ERR && c.status != IBV_WC_REM_INV_REQ_ERR &&
+                             c.status != IBV_WC_LOC_PROT_ERR && c.status != IBV_WC_LOC_LEN_ERR &&
+                             c.status != IBV_WC_LOC_ACCESS_ERR;
+    l.deferred.push_back({x, fmt::format("peer '{}': {}", l.peer->name, c.describe()), rails_fault});
   }
   if (!l.backlog.empty()) queue_flush(l);
 }
@@ -777,9 +825,34 @@ void Worker::link_up(Command& c) {
   e_.count.links.fetch_add(1, std::memory_order_relaxed);
   watch(l, true);
   send(l, ew::encode(ew::ident(e_.name, e_.epoch)));
+  if (l.initiated && c.rail != nullptr) {  // a further rail of the peer's link
+    Peer& p = *l.peer;
+    l.rail = c.rail;
+    c.rail->link = &l;
+    c.rail->connecting = false;
+    e_.count.rail_links.fetch_add(1, std::memory_order_relaxed);
+    if (p.removed.load() || p.gone.load()) break_link(l, fmt::format("peer '{}' is gone", p.name));
+    return;
+  }
   if (l.initiated) {
     Peer& p = *l.peer;
     p.link = &l;
+    l.rail = p.rails[0].get();
+    {
+      // The first rail is the port the connection chose for the peer's address.
+      RailPort first;
+      for (RailPort& r : local_rails(e_.layer->catalog(), e_.cfg.link.gid)) {
+        if (r.device == l.impl.info.device && r.port == l.impl.info.port) first = std::move(r);
+      }
+      first.device = l.impl.info.device;
+      first.port = l.impl.info.port;
+      first.link_layer = l.impl.info.link_layer;
+      first.gid = l.impl.info.local_gid.gid;
+      first.active = true;
+      std::lock_guard lock(p.m);
+      l.rail->local = std::move(first);
+      l.rail->state = "connecting";
+    }
     p.connecting = false;
     p.device.store(static_cast<int>(l.device), std::memory_order_relaxed);
     e_.count.connects.fetch_add(1, std::memory_order_relaxed);
@@ -789,6 +862,12 @@ void Worker::link_up(Command& c) {
     return;
   }
   e_.count.accepts.fetch_add(1, std::memory_order_relaxed);
+  // Our ports, so that the peer opens its further rails (it uses them on the link it opened).
+  try {
+    send(l, rails_message(l));
+  } catch (const std::exception& ex) {
+    e_.cfg.link.log(fmt::format("engine {}: telling {} our rails: {}", e_.name, l.impl.info.peer_address, ex.what()));
+  }
   std::vector<SegmentDef> defs;
   {
     std::lock_guard lock(e_.mu);
@@ -941,6 +1020,10 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
     case ew::Kind::notify:
       e_.deliver({l.peer_name.empty() ? l.impl.info.peer_address : l.peer_name, std::move(m.bytes)});
       break;
+    case ew::Kind::rails:
+      if (!l.initiated) return break_link(l, "it sent its rails on a link it opened (only the accepting side does)");
+      if (l.rail == l.peer->rails[0].get()) on_rails(l, m);  // a further rail's copy says nothing new
+      break;
   }
 }
 
@@ -958,9 +1041,17 @@ void Worker::close_stale(const std::string& name, std::uint64_t epoch, const Lin
 void Worker::make_ready(Link& l) {
   l.state = Link::State::ready;
   Peer& p = *l.peer;
+  const bool first = l.rail == p.rails[0].get();
+  {
+    std::lock_guard lock(p.m);
+    l.rail->state = "up";
+    l.rail->reason.clear();
+  }
+  l.rail->backoff = std::chrono::milliseconds{0};
   Fifo<Xfer*> waiting;
   std::swap(waiting, p.waiting);
   for (; !waiting.empty(); waiting.pop_front()) start_transfer(p, *waiting.front());
+  if (!first) return;
   std::lock_guard lock(p.m);
   p.up = true;
   ++p.attempts;
@@ -977,7 +1068,15 @@ void Worker::break_link(Link& l, const std::string& why) {
   while (!l.backlog.empty()) {
     Xfer* x = l.backlog.front();
     l.backlog.pop_front();
-    end(*x, TransferStatus::peer_lost, reason);
+    lost(l, *x, TransferStatus::peer_lost, reason);
+  }
+  l.backlog_bytes = 0;
+  if (l.initiated && l.rail != nullptr && l.rail != l.peer->rails[0].get()) {
+    if (l.rail->link == &l) rail_down(*l.peer, *l.rail, why, /*went_down=*/true);
+  } else if (l.initiated && l.rail != nullptr) {
+    std::lock_guard lock(l.peer->m);
+    l.rail->state = "down";
+    l.rail->reason = why;
   }
   if (l.initiated && l.peer->link == &l) {
     Peer& p = *l.peer;
@@ -1008,8 +1107,12 @@ void Worker::reap_links() {
     }
     for (Link::Deferred& d : l.deferred) {
       if (peer_gone) {
-        end(*d.x, TransferStatus::peer_lost,
-            fmt::format("{} (the peer's process went away: {})", d.reason, l.impl.control_gone_reason()));
+        // The peer closed this link (its process died, or only this rail failed on its side and
+        // its windows went with the link): another rail of a live peer does it.
+        lost(l, *d.x, TransferStatus::peer_lost,
+             fmt::format("{} (the peer's process went away: {})", d.reason, l.impl.control_gone_reason()));
+      } else if (d.transport) {
+        lost(l, *d.x, TransferStatus::failed, std::move(d.reason));
       } else {
         end(*d.x, TransferStatus::failed, std::move(d.reason));
       }
@@ -1018,7 +1121,7 @@ void Worker::reap_links() {
     // Nothing is outstanding: what was retired without news (behind a drain marker) completed;
     // a split transfer whose parts never all came back did not.
     walk(l, l.impl.dp.lane(0).sq.next_seq(), TransferStatus::ok, {});
-    for (Xfer* x : l.alone) end(*x, TransferStatus::peer_lost, fmt::format("peer '{}': the link broke", l.initiated ? l.peer->name : l.peer_name));
+    for (Xfer* x : l.alone) lost(l, *x, TransferStatus::peer_lost, fmt::format("peer '{}': the link broke", l.initiated ? l.peer->name : l.peer_name));
     l.alone.clear();
     close_link(l);
     it = links_.erase(it);
@@ -1031,6 +1134,7 @@ void Worker::close_link(Link& l) noexcept {
   l.windows.clear();  // revoked before the QP goes
   l.impl.close(std::chrono::milliseconds{500});
   if (l.initiated && l.peer->link == &l) l.peer->link = nullptr;
+  if (l.rail != nullptr && l.rail->link == &l) l.rail->link = nullptr;
   e_.count.links.fetch_sub(1, std::memory_order_relaxed);
 }
 
@@ -1044,6 +1148,8 @@ bool Worker::evict_one() {
   }
   if (victim == nullptr) return false;
   e_.count.evictions.fetch_add(1, std::memory_order_relaxed);
+  // An evicted further rail is not probed: it opens again with the peer's next first link.
+  if (victim->rail != nullptr) victim->rail->wanted = false;
   break_link(*victim, "evicted to stay within the engine's QP budget (idle)");
   reap_links();
   return true;

@@ -18,6 +18,7 @@
 
 #include "connection/impl.hpp"
 #include "engine/protocol.hpp"
+#include "engine_helpers.hpp"
 #include "lab_helpers.hpp"
 #include "rdmakit/engine.hpp"
 #include "rdmakit/error.hpp"
@@ -51,17 +52,7 @@ void fill(void* p, std::size_t n, std::uint8_t seed) {
 
 bool same(const void* a, const void* b, std::size_t n) { return std::memcmp(a, b, n) == 0; }
 
-Transfer xfer(TransferOp op, Buffer local, std::uint64_t loff, std::uint64_t len, rdmakit::RemoteSegment seg,
-              std::uint64_t roff) {
-  Transfer t;
-  t.op = op;
-  t.local = local;
-  t.local_offset = loff;
-  t.length = len;
-  t.remote = seg;
-  t.remote_offset = roff;
-  return t;
-}
+using lab::xfer;
 
 // A target engine with one segment "kv" of `bytes`, readable and writable.
 struct Target {

@@ -44,7 +44,7 @@ TEST(EngineWire, EveryKindRoundTrips) {
 
 TEST(EngineWire, FieldsAreBigEndianAtFixedOffsets) {
   const auto b = ew::encode(ew::segment("s", {0x1122334455667788, 0x10, 0xaabbccdd, Access::remote_write}));
-  const std::vector<std::uint8_t> want = {0xE7, 1, 2, 1, 's', 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88,
+  const std::vector<std::uint8_t> want = {0xE7, 2, 2, 1, 's', 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88,
                                           0, 0, 0, 0, 0, 0, 0, 0x10, 0xaa, 0xbb, 0xcc, 0xdd, 0, 0, 0, 4};
   EXPECT_EQ(b, want);
 }
@@ -55,8 +55,8 @@ TEST(EngineWire, MalformedMessagesAreRefusedWithAReason) {
   bad[0] = 0;
   EXPECT_NE(refusal(bad).find("bad magic"), std::string::npos);
   bad = good;
-  bad[1] = 2;
-  EXPECT_NE(refusal(bad).find("version 2"), std::string::npos);
+  bad[1] = 1;  // before RAILS
+  EXPECT_NE(refusal(bad).find("version 1; this engine speaks 2"), std::string::npos);
   bad = good;
   bad[2] = 9;
   EXPECT_NE(refusal(bad).find("unknown kind 9"), std::string::npos);
@@ -81,6 +81,93 @@ TEST(EngineWire, MalformedMessagesAreRefusedWithAReason) {
   auto note = ew::encode(ew::notify({1, 2, 3}));
   note[4] = 4;  // claims one byte more than there is
   EXPECT_NE(refusal(note).find("notification of 4 bytes"), std::string::npos);
+}
+
+namespace {
+
+rdmakit::detail::RailPort port(const std::string& device, const char* address, std::uint8_t prefix) {
+  rdmakit::detail::RailPort p;
+  p.device = device;
+  p.gid = *rdmakit::detail::parse_ip16(address);
+  p.prefix = prefix;
+  p.active = true;
+  return p;
+}
+
+}  // namespace
+
+TEST(EngineWire, RailsRoundTripWithTheirEndpoints) {
+  auto a = port("rxe0", "198.18.0.2", 24);
+  a.endpoint = "x";  // any: the wire carries only whether there is one
+  const auto b = port("mlx5_1", "fd00::7", 64);
+  const auto m = ew::decode(ew::encode(ew::rails(7620, 1, {a, b})));
+  ASSERT_EQ(m.kind, ew::Kind::rails);
+  EXPECT_EQ(m.listen_port, 7620);
+  EXPECT_EQ(m.this_rail, 1);
+  ASSERT_EQ(m.rails.size(), 2u);
+  EXPECT_EQ(m.rails[0].device, "rxe0");
+  EXPECT_EQ(m.rails[0].subnet(), "198.18.0.0/24");
+  EXPECT_EQ(m.rails[0].endpoint, "198.18.0.2:7620");
+  EXPECT_EQ(m.rails[1].subnet(), "fd00::/64");
+  EXPECT_TRUE(m.rails[1].endpoint.empty());
+  EXPECT_TRUE(ew::decode(ew::encode(ew::rails(0, 0xff, {}))).rails.empty());
+}
+
+TEST(EngineWire, MalformedRailsAreRefusedWithAReason) {
+  const auto good = ew::encode(ew::rails(7620, 0, {port("rxe0", "198.18.0.2", 24)}));
+  for (std::size_t cut = 0; cut < good.size(); ++cut) {
+    EXPECT_FALSE(refusal({good.begin(), good.begin() + static_cast<std::ptrdiff_t>(cut)}).empty()) << cut;
+  }
+  auto bad = good;
+  bad[5] = 1;  // this link's rail 1 of 1
+  EXPECT_NE(refusal(bad).find("this link's rail 1 of 1"), std::string::npos) << refusal(bad);
+  bad = good;
+  bad[6] = 17;
+  EXPECT_NE(refusal(bad).find("17 rails"), std::string::npos) << refusal(bad);
+  bad = good;
+  bad[bad.size() - 2] = 33;  // an IPv4 prefix of 33 bits
+  EXPECT_NE(refusal(bad).find("prefix /33"), std::string::npos) << refusal(bad);
+  bad = good;
+  bad.back() = 2;
+  EXPECT_NE(refusal(bad).find("endpoint flag 2"), std::string::npos) << refusal(bad);
+  bad = ew::encode(ew::rails(0, 0, {port("rxe0", "198.18.0.2", 24)}));
+  bad.back() = 1;  // an endpoint, but no port to reach it at
+  EXPECT_NE(refusal(bad).find("without a listen port"), std::string::npos) << refusal(bad);
+  EXPECT_THROW((void)ew::encode(ew::rails(1, 0xff, std::vector<rdmakit::detail::RailPort>(17, port("r", "1.2.3.4", 8)))),
+               rdmakit::Error);
+}
+
+// Which local ports carry rails to a peer, and why the others do not.
+TEST(Rails, EveryLocalPortThatReachesAPeerPortWithAnEndpointIsARail) {
+  using rdmakit::detail::match_rails;
+  auto l0 = port("rxe0", "198.18.0.2", 24), l1 = port("rxe1", "198.18.1.2", 24), l2 = port("rxe2", "10.0.0.2", 8);
+  auto p0 = port("rxe0", "198.18.0.3", 24), p1 = port("rxe1", "198.18.1.3", 24);
+  p0.endpoint = "198.18.0.3:1";
+  p1.endpoint = "198.18.1.3:1";
+  const auto m = match_rails({l0, l1, l2}, {p0, p1}, "rxe0", 1, 0, 16);
+  ASSERT_EQ(m.rails.size(), 1u);
+  EXPECT_EQ(m.rails[0].local.device, "rxe1");
+  EXPECT_EQ(m.rails[0].peer.endpoint, "198.18.1.3:1");
+  ASSERT_EQ(m.unused.size(), 1u);
+  EXPECT_NE(m.unused[0].reason.find("no port of the peer is on 10.0.0.0/8"), std::string::npos) << m.unused[0].reason;
+  // The peer's port on that subnet has no endpoint (its listener is bound elsewhere).
+  p1.endpoint.clear();
+  const auto none = match_rails({l0, l1}, {p0, p1}, "rxe0", 1, 0, 16);
+  EXPECT_TRUE(none.rails.empty());
+  ASSERT_EQ(none.unused.size(), 1u);
+  EXPECT_NE(none.unused[0].reason.find("has no endpoint"), std::string::npos);
+  // Another family, or another prefix length, does not reach.
+  EXPECT_FALSE(rdmakit::detail::reaches(port("a", "198.18.1.2", 24), port("b", "198.18.1.3", 16)));
+  EXPECT_FALSE(rdmakit::detail::reaches(port("a", "198.18.1.2", 24), port("b", "fd00::2", 24)));
+  EXPECT_TRUE(rdmakit::detail::reaches(port("a", "fd00::1", 64), port("b", "fd00::2", 64)));
+  // Two local ports on one subnet, one peer port there: both use it; the limit is kept.
+  p1.endpoint = "198.18.1.3:1";
+  auto l1b = port("rxe3", "198.18.1.9", 24);
+  EXPECT_EQ(match_rails({l0, l1, l1b}, {p0, p1}, "rxe0", 1, 0, 16).rails.size(), 2u);
+  const auto capped = match_rails({l0, l1, l1b}, {p0, p1}, "rxe0", 1, 0, 1);
+  EXPECT_EQ(capped.rails.size(), 1u);
+  ASSERT_EQ(capped.unused.size(), 1u);
+  EXPECT_NE(capped.unused[0].reason.find("rail limit"), std::string::npos);
 }
 
 TEST(EngineWire, EncodeRefusesWhatCannotBeDecoded) {
