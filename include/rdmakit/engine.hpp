@@ -235,6 +235,15 @@ struct RailInfo {
   std::uint64_t reposted = 0;  ///< transfers or slices of it re-posted on another rail
 };
 
+/// A device as a buffer's transfers rank it (Engine::locality()): a peer's rails on devices of
+/// the best rank among those up carry the transfers; the others are used while none of those is.
+struct DeviceRank {
+  std::string device;
+  int rank = 0;        ///< 0 first
+  int numa_node = -1;  ///< the device's; -1: none or unknown
+  std::string why;     ///< "on NUMA node 0, the buffer's", ...
+};
+
 /// A peer as this engine sees it (Engine::peers()).
 struct PeerInfo {
   std::string name{};
@@ -284,6 +293,9 @@ class Engine {
   /// `timeout` (the buffer then stays registered and refuses new transfers: call again). Throws
   /// Error (EBUSY) while a segment exposes it (withdraw it first). The handle's id is not reused.
   void unregister_memory(const Buffer& buffer, std::chrono::milliseconds timeout = std::chrono::seconds{30});
+  /// How `buffer`'s transfers rank the devices: by the NUMA node of its pages against each
+  /// NIC's. Throws Error for an unknown buffer.
+  [[nodiscard]] std::vector<DeviceRank> locality(const Buffer& buffer) const;
   /// Makes [offset, offset + length) of `buffer` a segment called `name` (1..64 bytes) that
   /// peers may access as `access` allows (remote_read, remote_write, remote_atomic). Peers
   /// already linked are told at once; nothing is frozen at the handshake. Throws Error for a

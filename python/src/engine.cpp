@@ -260,6 +260,10 @@ py::dict to_dict(const EngineCounters& c) {
   d["notifications_received"] = c.notifications_received;
   d["windows_bound"] = c.windows_bound;
   d["window_bind_ns"] = c.window_bind_ns;
+  d["rail_links"] = c.rail_links;
+  d["rail_failures"] = c.rail_failures;
+  d["slices"] = c.slices;
+  d["reposted"] = c.reposted;
   return d;
 }
 
@@ -443,8 +447,14 @@ void bind_engine(py::module_& m) {
       .def(py::init([](std::string name, std::string listen, std::optional<std::uint32_t> workers,
                        std::uint32_t max_qps, bool listen_at_start, const py::object& psk,
                        std::string device, double handshake_timeout, std::uint32_t send_depth,
-                       std::string metadata, std::string cluster, double lease) {
+                       std::string metadata, std::string cluster, double lease, std::uint32_t rails,
+                       std::vector<std::string> rail_devices, std::uint64_t slice_size,
+                       std::uint64_t slice_threshold) {
              EngineConfig c;
+             c.rails.max = rails;
+             c.rails.devices = std::move(rail_devices);
+             c.rails.slice_size = slice_size;
+             c.rails.slice_threshold = slice_threshold;
              c.metadata.uri = std::move(metadata);
              c.metadata.cluster = std::move(cluster);
              c.metadata.lease = to_ms(lease, "lease");
@@ -464,13 +474,16 @@ void bind_engine(py::module_& m) {
            py::arg("listen_at_start") = true, py::arg("psk") = py::none(),
            py::arg("device") = "", py::arg("handshake_timeout") = 10.0,
            py::arg("send_depth") = 64, py::arg("metadata") = "p2p", py::arg("cluster") = "default",
-           py::arg("lease") = 10.0,
+           py::arg("lease") = 10.0, py::arg("rails") = 0, py::arg("rail_devices") = std::vector<std::string>{},
+           py::arg("slice_size") = RailConfig{}.slice_size, py::arg("slice_threshold") = RailConfig{}.slice_threshold,
            "name: as peers know it (default host:pid). listen: \"[host]:port\" (port 0: any; "
            "empty: no listener). workers: progress threads (default one per device). psk: the "
            "pre-shared key, bytes or a key file's path (both ends of a link hold the same). "
            "metadata: \"p2p\" (peers by address), \"redis://host:port\" or \"etcd://host:port\": "
            "the engine publishes itself there (in `cluster`, under a lease of `lease` seconds) "
-           "and finds peers by name.")
+           "and finds peers by name. rails: most NIC ports a peer link uses (0: every port that "
+           "reaches the peer); rail_devices: the devices rails may use (default all); reads and writes "
+           "of at least slice_threshold bytes are cut into slices of slice_size over the rails.")
       .def("close", &close_engine,
            "Closes every link (what is in flight ends) and releases the registered objects.")
       .def("__enter__", [](py::object self) { return self; })
@@ -569,6 +582,20 @@ void bind_engine(py::module_& m) {
                d["worker"] = p.worker;
                d["device"] = p.device;
                d["linked"] = p.linked;
+               py::list rails;
+               for (const RailInfo& r : p.rails) {
+                 py::dict rd;
+                 rd["local"] = r.local;
+                 rd["peer"] = r.peer;
+                 rd["state"] = r.state;
+                 rd["reason"] = r.reason;
+                 rd["bytes"] = r.bytes;
+                 rd["slices"] = r.slices;
+                 rd["failures"] = r.failures;
+                 rd["reposted"] = r.reposted;
+                 rails.append(rd);
+               }
+               d["rails"] = rails;
                out.append(d);
              }
              return out;

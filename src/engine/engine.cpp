@@ -10,6 +10,7 @@
 
 #include "bootstrap/auth.hpp"
 #include "engine/impl.hpp"
+#include "engine/locality.hpp"
 #include "engine/metadata.hpp"
 #include "engine/protocol.hpp"
 #include "rdmakit/error.hpp"
@@ -476,6 +477,10 @@ std::uint32_t Engine::Impl::slot_of(Peer& p, const std::string& segment) {
 
 Buffer Engine::Impl::publish(std::unique_ptr<detail::BufferRec> rec) {
   for (const auto& r : rec->regions) rec->slices.push_back(r->local());
+  rec->numa_node = detail::memory_numa_node(rec->handle.addr);
+  for (const DeviceRank& r : detail::rank_devices(layer->devices(), rec->numa_node)) {
+    rec->rank.push_back(static_cast<std::uint8_t>(r.rank));
+  }
   std::lock_guard lock(mu);
   if (buffers.size() >= kMaxBuffers) {
     throw Error("register memory", ENOSPC, fmt::format("{} buffers already (the most an engine holds)", kMaxBuffers));
@@ -593,6 +598,12 @@ Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
   rec->handle.addr = first.data();
   rec->handle.length = length;
   return impl_->publish(std::move(rec));
+}
+
+std::vector<DeviceRank> Engine::locality(const Buffer& buffer) const {
+  const detail::BufferRec* b = impl_->buffer(buffer.id);
+  if (b == nullptr || b->retired.load()) throw Error("locality", EINVAL, fmt::format("buffer {} is not this engine's", buffer.id));
+  return detail::rank_devices(impl_->layer->devices(), b->numa_node);
 }
 
 void Engine::expose(std::string name, const Buffer& buffer, Access access, std::uint64_t offset, std::uint64_t length) {
@@ -792,7 +803,11 @@ bool Engine::connect(const std::string& peer, std::chrono::milliseconds timeout,
   const std::uint64_t before = p->attempts;
   lock.unlock();
   p->worker->post(detail::Command(detail::Command::Kind::kick, p));
-  const auto settled = [&] { return p->up || p->attempts > before; };
+  // Up, and its further rails tried (each up or down: a rail that fails does not fail this).
+  const auto rails_tried = [&] {
+    return std::none_of(p->rails.begin() + 1, p->rails.end(), [](const auto& r) { return r->state == "connecting"; });
+  };
+  const auto settled = [&] { return (p->up && rails_tried()) || (!p->up && p->attempts > before); };
   const auto until = detail::deadline_in(timeout);
   lock.lock();
   if (impl_->threads == 0) {

@@ -118,6 +118,8 @@ struct BufferRec {
   Buffer handle;
   std::vector<std::optional<MemoryRegion>> regions;
   std::vector<LocalSlice> slices;  // regions[d].local(), computed once (the post path reads it)
+  int numa_node = -1;                // of its pages (locality.hpp); -1: unknown
+  std::vector<std::uint8_t> rank;    // by device index: a peer's rails on the best ranked carry it
   // Engine::unregister_memory: `retired` is set at the call (no more segments of it); each
   // worker sets its bit in `retired_by` when it takes the call's command, so what was submitted
   // before it still runs and what comes after is refused; the regions go once every worker has
@@ -341,7 +343,8 @@ class Worker {
   // Rails.
   /// The ready link of `p` (its first or a further rail) with the fewest bytes outstanding;
   /// with `instead_of`, another of the same peer process (epoch). Null: none ready.
-  Link* pick(Peer& p, const Link* instead_of = nullptr) noexcept;
+  /// Rails on devices that `buf` ranks first are taken while one is ready (null: any).
+  Link* pick(Peer& p, const BufferRec* buf, const Link* instead_of = nullptr) noexcept;
   /// Whether transfer x to `p` is cut into slices over its rails.
   bool slices_for(const Peer& p, const Xfer& x) const noexcept;
   /// Cuts x into slices, each queued on the rail with the fewest bytes outstanding.

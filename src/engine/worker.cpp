@@ -422,7 +422,7 @@ void Worker::admit(Xfer& x, Route& r) {
     return end(x, TransferStatus::invalid, invalid_reason(t, buf, peer));
   }
   x.buf = buf;
-  Link* l = pick(*peer);
+  Link* l = pick(*peer, buf);
   if (l == nullptr || !l->backlog.empty() || too_long(*l, t) || slices_for(*peer, x) || !room_on(*l)) {
     return start_transfer(*peer, x);
   }
@@ -442,7 +442,7 @@ void Worker::admit(Xfer& x, Route& r) {
 
 void Worker::start_transfer(Peer& p, Xfer& x) {
   if (slices_for(p, x)) return slice(p, x);
-  if (Link* l = pick(p)) return queue_on(*l, x);
+  if (Link* l = pick(p, x.buf)) return queue_on(*l, x);
   Link* l = p.link;
   if (p.removed.load(std::memory_order_relaxed)) {
     return end(x, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
@@ -723,7 +723,7 @@ void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
       } else if (--w->second == 0) {
         live.writes_left.erase(w);
         // Every write of the batch to this peer has completed: the data is in its memory.
-        Link* to = p->link != nullptr && p->link->state == Link::State::ready ? p->link : pick(*p);
+        Link* to = p->link != nullptr && p->link->state == Link::State::ready ? p->link : pick(*p, nullptr);
         if (to != nullptr) {
           try {
             send(*to, ew::encode(ew::notify(b.notify)));
@@ -1051,7 +1051,11 @@ void Worker::make_ready(Link& l) {
   Fifo<Xfer*> waiting;
   std::swap(waiting, p.waiting);
   for (; !waiting.empty(); waiting.pop_front()) start_transfer(p, *waiting.front());
-  if (!first) return;
+  if (!first) {
+    std::lock_guard lock(p.m);
+    p.cv.notify_all();  // Engine::connect() waits for the rails too
+    return;
+  }
   std::lock_guard lock(p.m);
   p.up = true;
   ++p.attempts;

@@ -21,15 +21,18 @@ constexpr std::uint8_t kMaxTries = 3;
 
 }  // namespace
 
-Link* Worker::pick(Peer& p, const Link* instead_of) noexcept {
+Link* Worker::pick(Peer& p, const BufferRec* buf, const Link* instead_of) noexcept {
   Link* best = nullptr;
   std::uint64_t least = ~std::uint64_t{0};
+  unsigned best_rank = ~0u;
   auto consider = [&](Link* c) {
     if (c == nullptr || c == instead_of || c->state != Link::State::ready) return;
     // Another rail of the same process: a restarted peer's new links are not the old one's.
     if (instead_of != nullptr && c->peer_epoch != instead_of->peer_epoch) return;
+    const unsigned rank = buf != nullptr && c->device < buf->rank.size() ? buf->rank[c->device] : 0;
     const std::uint64_t load = c->bytes_out + c->backlog_bytes;
-    if (load < least) {
+    if (rank < best_rank || (rank == best_rank && load < least)) {
+      best_rank = rank;
       least = load;
       best = c;
     }
@@ -80,7 +83,7 @@ void Worker::slice(Peer& p, Xfer& x) {
   groups_.emplace(&x, std::move(g));
   // Each to the rail with the fewest bytes outstanding (counting the slices queued so far).
   for (Xfer& s : group.slices) {
-    Link* l = pick(p);
+    Link* l = pick(p, x.buf);
     if (l == nullptr) {  // cannot happen (slices_for saw two rails ready), but never lose one
       end(s, TransferStatus::peer_lost, fmt::format("peer '{}': no rail is up", p.name));
       continue;
@@ -110,7 +113,7 @@ void Worker::lost(Link& l, Xfer& x, TransferStatus s, std::string why) noexcept 
       (s == TransferStatus::peer_lost || s == TransferStatus::failed)) {
     Peer& p = *l.peer;
     if (!p.removed.load(std::memory_order_relaxed) && !p.gone.load(std::memory_order_relaxed)) {
-      if (Link* to = pick(p, &l)) {
+      if (Link* to = pick(p, x.buf, &l)) {
         ++x.tries;
         e_.count.reposted.fetch_add(1, std::memory_order_relaxed);
         if (l.rail != nullptr) l.rail->reposted.fetch_add(1, std::memory_order_relaxed);
@@ -187,6 +190,7 @@ void Worker::rail_down(Peer& p, RailState& r, const std::string& why, bool went_
     probes_.emplace_back(&p, &r);
   }
   std::lock_guard lock(p.m);
+  p.cv.notify_all();  // Engine::connect() waits for the rails too
   r.state = "down";
   r.reason = probe ? fmt::format("{} (probed again in {} ms)", why, r.backoff.count())
                    : r.wanted ? why : fmt::format("{} (opened again with the peer's next link)", why);

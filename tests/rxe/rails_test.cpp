@@ -21,6 +21,7 @@
 #include "engine_helpers.hpp"
 #include "lab_helpers.hpp"
 #include "rdmakit/engine.hpp"
+#include "rdmakit/error.hpp"
 
 namespace {
 
@@ -396,4 +397,21 @@ TEST(Rails, AcrossTwoVmsBothRailsCarry64MiB) {
   std::printf("across VMs: 128 MiB in %.2f s (%.0f MB/s), rxe0 %.1f%%, rxe1 %.1f%%%s\n", secs, 128 * 1.048576 / secs,
               100.0 * static_cast<double>(r0->bytes) / total, 100.0 * static_cast<double>(r1->bytes) / total,
               describe(info).c_str());
+}
+
+// The ranking of the devices for a buffer is shown: rxe has no NUMA affinity, so in the lab both
+// rank the same (and both rails carry, above) and each says why.
+TEST(Rails, TheDeviceRankingOfABufferIsShown) {
+  if (!two_nics()) GTEST_SKIP() << "needs a lab VM with two NICs (--nics 2)";
+  Engine a(config("a"));
+  const Buffer b = a.allocate_memory(1 << 20);
+  const auto ranks = a.locality(b);
+  ASSERT_EQ(ranks.size(), 2u);
+  for (const auto& r : ranks) {
+    EXPECT_EQ(r.rank, 0) << r.device << ": " << r.why;
+    EXPECT_EQ(r.numa_node, -1) << r.device;
+    EXPECT_FALSE(r.why.empty());
+    std::printf("%s: rank %d, %s\n", r.device.c_str(), r.rank, r.why.c_str());
+  }
+  EXPECT_THROW((void)a.locality(Buffer{999, nullptr, 0}), rdmakit::Error);
 }

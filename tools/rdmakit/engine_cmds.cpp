@@ -42,6 +42,10 @@ struct EngineNet {
   std::string psk_file;
   unsigned workers = 0;  // 0: the engine's default, one per device
   unsigned max_qps = 1024;
+  unsigned rails = 0;  // 0: every port that reaches the peer
+  std::vector<std::string> rail_devices;
+  std::uint64_t slice_size = RailConfig{}.slice_size;
+  std::uint64_t slice_threshold = RailConfig{}.slice_threshold;
   MetadataOptions metadata;
 
   void add_to(CLI::App& app, bool publishing) {
@@ -52,6 +56,14 @@ struct EngineNet {
     app.add_option("--psk-file", psk_file, "pre-shared key file (both ends the same)");
     app.add_option("--workers", workers, "progress threads (default: one per RDMA device)")->check(CLI::Range(1u, 64u));
     app.add_option("--max-qps", max_qps, "QP budget")->check(CLI::Range(1u, 1u << 20))->capture_default_str();
+    app.add_option("--rails", rails, "most rails (NIC ports) per peer link; 0: every port that reaches the peer")
+        ->check(CLI::Range(0u, 16u))->capture_default_str();
+    app.add_option("--rail-device", rail_devices, "a device rails may use (and this engine offers); repeatable "
+                                                   "(default: all)");
+    app.add_option("--slice-size", slice_size, "bytes per slice of a transfer spread over rails (K, M suffixes)")
+        ->transform(CLI::AsSizeValue(false))->check(CLI::Range(4096ull, 1ull << 30))->capture_default_str();
+    app.add_option("--slice-threshold", slice_threshold, "transfers of at least this many bytes are sliced; 0: never")
+        ->transform(CLI::AsSizeValue(false))->capture_default_str();
   }
   EngineConfig config(std::string listen) const {
     EngineConfig c;
@@ -63,6 +75,10 @@ struct EngineNet {
     if (!psk_file.empty()) c.link.psk = read_key_file(psk_file);
     if (workers != 0) c.workers = workers;
     c.max_qps = max_qps;
+    c.rails.max = rails;
+    c.rails.devices = rail_devices;
+    c.rails.slice_size = slice_size;
+    c.rails.slice_threshold = slice_threshold;
     c.metadata = metadata.config();
     return c;
   }
@@ -86,7 +102,37 @@ nlohmann::json counters_json(const EngineCounters& c) {
           {"notifications_sent", c.notifications_sent},
           {"notifications_received", c.notifications_received},
           {"windows_bound", c.windows_bound},
-          {"window_bind_ns", c.window_bind_ns}};
+          {"window_bind_ns", c.window_bind_ns},
+          {"rail_links", c.rail_links},
+          {"rail_failures", c.rail_failures},
+          {"slices", c.slices},
+          {"reposted", c.reposted}};
+}
+
+// Each peer's rails: the port pairs, their state and what each carried.
+nlohmann::json rails_json(const std::vector<PeerInfo>& peers) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const PeerInfo& p : peers) {
+    for (const RailInfo& r : p.rails) {
+      out.push_back({{"peer", p.name}, {"local", r.local}, {"remote", r.peer}, {"state", r.state}, {"reason", r.reason},
+                     {"bytes", r.bytes}, {"slices", r.slices}, {"failures", r.failures}, {"reposted", r.reposted}});
+    }
+  }
+  return out;
+}
+
+void print_rails(const std::vector<PeerInfo>& peers, std::uint64_t total) {
+  for (const PeerInfo& p : peers) {
+    for (const RailInfo& r : p.rails) {
+      if (r.state == "unused") {
+        fmt::print("  rail {} of {}: unused: {}\n", r.local, p.name, r.reason);
+        continue;
+      }
+      fmt::print("  rail {} -> {} of {}: {}, {} bytes ({:.1f}%), {} slices, {} failures{}\n", r.local, r.peer, p.name,
+                 r.state, r.bytes, total == 0 ? 0.0 : 100.0 * static_cast<double>(r.bytes) / static_cast<double>(total),
+                 r.slices, r.failures, r.reason.empty() ? "" : " (" + r.reason + ")");
+    }
+  }
 }
 
 // --- serve ---------------------------------------------------------------------------------------
@@ -382,7 +428,8 @@ int run_engine_bench(const BenchOpts& o) {
                      {"connect_ms", connect_avg},
                      {"validated", o.validate},
                      {"mismatches", mismatches.load()},
-                     {"counters", counters_json(engine.counters())}};
+                     {"counters", counters_json(engine.counters())},
+                     {"rails", rails_json(engine.peers())}};
     fmt::print("{}\n", j.dump());
   } else {
     fmt::print("engine-bench {} block {} B, batch {}, {} thread(s), {} peer(s), {:.2f} s\n", o.op, o.block, o.batch,
@@ -391,6 +438,10 @@ int run_engine_bench(const BenchOpts& o) {
                tps, pct(0.5), pct(0.99), cpu / secs);
     fmt::print("  connecting took {:.1f} ms per peer (handshake, the peer's windows bound and announced)\n", connect_avg);
     if (o.validate) fmt::print("  validated: {}\n", mismatches.load() == 0 ? "every byte" : "MISMATCHES");
+    print_rails(engine.peers(), engine.counters().bytes);
+    for (const DeviceRank& r : engine.locality(bufs.front())) {
+      fmt::print("  locality of the buffers: {} rank {}: {}\n", r.device, r.rank, r.why);
+    }
   }
   if (mismatches.load() != 0) throw Fail(fmt::format("{} blocks had wrong bytes", mismatches.load()));
   return 0;
