@@ -218,6 +218,9 @@ struct EngineInfo {
   /// the region's own key (which is why a key is then required).
   bool memory_windows = false;
   std::string access_model{};  ///< one line saying which, and why
+  /// This engine's ports that can carry rails, one line each: device, port, address, subnet, and
+  /// where a peer bootstraps a rail on it (or why it cannot: the listener is bound elsewhere).
+  std::vector<std::string> rails{};
   /// The metadata store's state in one line: published or not, under which lease, how many
   /// engines known, the last failure.
   std::string metadata{};

@@ -13,6 +13,7 @@
 #include "engine/locality.hpp"
 #include "engine/metadata.hpp"
 #include "engine/protocol.hpp"
+#include "engine/rails.hpp"
 #include "rdmakit/error.hpp"
 #include "verbs/memory_impl.hpp"
 
@@ -514,6 +515,15 @@ EngineInfo Engine::info() const {
   i.memory_windows = impl_->windows;
   i.access_model = impl_->access_model;
   i.metadata = impl_->meta ? impl_->meta->status() : "p2p: peers added by address, no store";
+  const std::uint16_t lp = port();
+  const std::string host = impl_->cfg.listen.empty() ? std::string{} : detail::parse_host_port(impl_->cfg.listen, 0).host;
+  for (const detail::RailPort& r :
+       detail::local_rails(impl_->layer->catalog(), impl_->cfg.link.gid, impl_->cfg.rails.devices, lp, host)) {
+    i.rails.push_back(r.describe() + (!r.endpoint.empty() ? ": peers open rails at " + r.endpoint
+                                      : lp == 0       ? ": not offered (no listener yet)"
+                                      : !r.active     ? ": not offered (the port is not ACTIVE)"
+                                                      : ": not offered (the listener is bound to " + host + ")"));
+  }
   return i;
 }
 

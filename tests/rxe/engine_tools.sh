@@ -1,7 +1,8 @@
 #!/bin/sh
 # rdmakit serve and rdmakit engine-bench across two lab VMs: VM 0 serves a segment, VM 1 writes
 # and reads it with every byte validated (text and JSON), and a missing segment fails with its
-# name. VM 0 stops at SIGTERM once VM 1 is done and reports what it saw.
+# name. With two NICs per VM (the suite's lab), the write runs over both rails and reports each,
+# and --rails 1 keeps to one. VM 0 stops at SIGTERM once VM 1 is done and reports what it saw.
 #   engine_tools.sh PATH_TO_rdmakit
 set -u
 R=$1
@@ -20,6 +21,10 @@ if [ "$RDMAKIT_LAB_INDEX" = 0 ]; then
   cat serve.out.$$
   grep -q '"event":"serving"' serve.out.$$ || fail "no serving line"
   grep -q '"memory_windows":true' serve.out.$$ || fail "rxe has type-2 windows"
+  if [ "${RDMAKIT_LAB_NICS:-1}" -ge 2 ]; then
+    grep '"event":"serving"' serve.out.$$ | grep -q 'rxe1 port 1 (198.18.1.[0-9]*, 198.18.1.0/24): peers open rails at' \
+      || fail "serve does not offer rxe1 as a rail"
+  fi
   grep '"event":"stopped"' serve.out.$$ | grep -q '"accepts":[1-9]' || fail "no link was accepted"
   rm -f serve.out.$$ "$done_file"
 else
@@ -28,6 +33,17 @@ else
     || fail "write bench: $out"
   echo "$out"
   echo "$out" | grep -q "validated: every byte" || fail "write not validated"
+  if [ "${RDMAKIT_LAB_NICS:-1}" -ge 2 ]; then
+    for d in rxe0 rxe1; do
+      echo "$out" | grep -q "rail $d port 1 (.*) -> $d port 1 (.*) of target: up, [1-9][0-9]* bytes" \
+        || fail "the write did not report bytes on rail $d"
+    done
+    out=$("$R" engine-bench --peer target=$1:7630 --op write --block-size 1M --batch-size 4 --duration 1 --rails 1 --validate) \
+      || fail "write bench with --rails 1: $out"
+    echo "$out"
+    echo "$out" | grep -q "rail rxe1 port 1 (.*) of target: unused: past the engine's rail limit" \
+      || fail "--rails 1 used rxe1, or did not say why not"
+  fi
   out=$("$R" engine-bench --peer target=$1:7630 --op read --block-size 4K --batch-size 128 --threads 2 --duration 1 --validate --json) \
     || fail "read bench: $out"
   echo "$out"

@@ -203,11 +203,13 @@ int run_serve(const ServeOptions& o) {
     for (const Exposed& s : segs) segj.push_back({{"name", s.name}, {"size", s.size}, {"kind", to_string(s.spec.kind)}});
     fmt::print("{}\n", nlohmann::json{{"event", "serving"}, {"name", info.name}, {"epoch", fmt::format("{:#x}", info.epoch)},
                                       {"port", info.port}, {"segments", segj}, {"memory_windows", info.memory_windows},
-                                      {"access_model", info.access_model}, {"metadata", info.metadata}}.dump());
+                                      {"access_model", info.access_model}, {"metadata", info.metadata},
+                                      {"rails", info.rails}}.dump());
   } else {
     fmt::print("rdmakit serve: engine {} (epoch {:#x}) listening on port {}\n", info.name, info.epoch, info.port);
     for (const Exposed& s : segs) fmt::print("  segment {}: {} bytes of {} memory\n", s.name, s.size, to_string(s.spec.kind));
     fmt::print("  access: {}\n", info.access_model);
+    for (const std::string& r : info.rails) fmt::print("  rail: {}\n", r);
     fmt::print("  metadata: {}\n", info.metadata);
   }
   std::fflush(stdout);
