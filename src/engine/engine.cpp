@@ -11,6 +11,7 @@
 #include "bootstrap/auth.hpp"
 #include "engine/impl.hpp"
 #include "engine/locality.hpp"
+#include "memory/cuda.hpp"
 #include "engine/metadata.hpp"
 #include "engine/protocol.hpp"
 #include "engine/rails.hpp"
@@ -478,8 +479,8 @@ std::uint32_t Engine::Impl::slot_of(Peer& p, const std::string& segment) {
 
 Buffer Engine::Impl::publish(std::unique_ptr<detail::BufferRec> rec) {
   for (const auto& r : rec->regions) rec->slices.push_back(r->local());
-  rec->numa_node = detail::memory_numa_node(rec->handle.addr);
-  for (const DeviceRank& r : detail::rank_devices(layer->devices(), rec->numa_node)) {
+  rec->numa_node = rec->gpu_pci.empty() ? detail::memory_numa_node(rec->handle.addr) : -1;
+  for (const DeviceRank& r : detail::rank_devices(layer->devices(), rec->numa_node, rec->gpu_pci)) {
     rec->rank.push_back(static_cast<std::uint8_t>(r.rank));
   }
   std::lock_guard lock(mu);
@@ -607,13 +608,14 @@ Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
   }
   rec->handle.addr = first.data();
   rec->handle.length = length;
+  if (spec.kind == MemoryKind::cuda) rec->gpu_pci = detail::pci_path_of_bus(detail::cuda_pci_bus_id(spec.gpu));
   return impl_->publish(std::move(rec));
 }
 
 std::vector<DeviceRank> Engine::locality(const Buffer& buffer) const {
   const detail::BufferRec* b = impl_->buffer(buffer.id);
   if (b == nullptr || b->retired.load()) throw Error("locality", EINVAL, fmt::format("buffer {} is not this engine's", buffer.id));
-  return detail::rank_devices(impl_->layer->devices(), b->numa_node);
+  return detail::rank_devices(impl_->layer->devices(), b->numa_node, b->gpu_pci);
 }
 
 void Engine::expose(std::string name, const Buffer& buffer, Access access, std::uint64_t offset, std::uint64_t length) {

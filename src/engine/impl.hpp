@@ -119,6 +119,7 @@ struct BufferRec {
   std::vector<std::optional<MemoryRegion>> regions;
   std::vector<LocalSlice> slices;  // regions[d].local(), computed once (the post path reads it)
   int numa_node = -1;                // of its pages (locality.hpp); -1: unknown
+  std::string gpu_pci;               // GPU memory: the GPU's sysfs path (locality.hpp)
   std::vector<std::uint8_t> rank;    // by device index: a peer's rails on the best ranked carry it
   // Engine::unregister_memory: `retired` is set at the call (no more segments of it); each
   // worker sets its bit in `retired_by` when it takes the call's command, so what was submitted

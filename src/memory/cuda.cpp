@@ -4,6 +4,7 @@
 #include <infiniband/verbs.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <string>
@@ -45,6 +46,7 @@ class CudaApi {
     load(error_name, "cuGetErrorName");
     // CUDA 11.7+; older drivers lack it and the dma-buf path is skipped.
     handle_for_range = reinterpret_cast<decltype(handle_for_range)>(::dlsym(lib_, "cuMemGetHandleForAddressRange"));
+    pci_bus_id = reinterpret_cast<decltype(pci_bus_id)>(::dlsym(lib_, "cuDeviceGetPCIBusId"));
   }
   CudaApi(const CudaApi&) = delete;
   CudaApi& operator=(const CudaApi&) = delete;
@@ -88,6 +90,7 @@ class CudaApi {
   Result (*htod)(DevicePtr, const void*, std::size_t) = nullptr;
   Result (*error_name)(Result, const char**) = nullptr;
   Result (*handle_for_range)(void*, DevicePtr, std::size_t, int, unsigned long long) = nullptr;
+  Result (*pci_bus_id)(char*, int, cuda::Device) = nullptr;  // optional: locality only
 
  private:
   template <typename F>
@@ -122,6 +125,24 @@ std::size_t whole_pages(std::size_t n) {
 }
 
 }  // namespace
+
+std::string cuda_pci_bus_id(int gpu) noexcept {
+  try {
+    CudaApi api;
+    api.check_device(gpu);
+    cuda::Device dev = 0;
+    char id[32] = {};
+    if (api.pci_bus_id == nullptr || api.device_get(&dev, gpu) != kSuccess ||
+        api.pci_bus_id(id, static_cast<int>(sizeof id), dev) != kSuccess) {
+      return {};
+    }
+    std::string s(id);
+    for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));  // as sysfs names it
+    return s;
+  } catch (...) {
+    return {};
+  }
+}
 
 CudaMemory::CudaMemory(int gpu, std::size_t length)
     : api_(std::make_unique<CudaApi>()), length_(length), allocated_(whole_pages(length)) {

@@ -62,6 +62,10 @@ class CudaMemory {
   int dmabuf_fd_ = -1;
 };
 
+/// CUDA device `gpu`'s PCI bus id ("0000:3b:00.0"), or empty when there is no driver, no such
+/// device, or the driver cannot say (locality uses it; nothing fails without it).
+[[nodiscard]] std::string cuda_pci_bus_id(int gpu) noexcept;
+
 /// Throws Error (ENODEV) when there is no CUDA driver, or no device `gpu`.
 void check_cuda(int gpu);
 

@@ -27,4 +27,5 @@ static_assert(std::is_same_v<decltype(&::cuCtxPushCurrent_v2), CUresult (*)(CUco
 static_assert(std::is_same_v<decltype(&::cuCtxPopCurrent_v2), CUresult (*)(CUcontext*)>);
 static_assert(std::is_same_v<decltype(&::cuMemsetD8_v2), CUresult (*)(CUdeviceptr, unsigned char, size_t)>);
 static_assert(std::is_same_v<decltype(&::cuMemAlloc_v2), CUresult (*)(CUdeviceptr*, size_t)>);
+static_assert(std::is_same_v<decltype(&::cuDeviceGetPCIBusId), CUresult (*)(char*, int, CUdevice)>);
 }  // namespace rdmakit::detail::cuda

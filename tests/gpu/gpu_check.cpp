@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/locality.hpp"
 #include "memory/cuda.hpp"
 #include "rdmakit/connection.hpp"
 #include "rdmakit/device.hpp"
@@ -177,6 +178,17 @@ int main(int argc, char** argv) {
     std::vector<std::uint8_t> back(kOdd);
     m.to_host(back.data(), 0, kOdd);
     return back == bytes ? std::string{} : "bytes differ after a round trip";
+  });
+
+  // Locality ranks GPU memory by the PCIe hops between the GPU and each NIC: it needs the GPU's
+  // bus id and its sysfs path.
+  check("PCIe locality", [&]() -> std::string {
+    const std::string id = rdmakit::detail::cuda_pci_bus_id(gpu);
+    if (id.empty()) return "cuDeviceGetPCIBusId gave nothing";
+    const std::string path = rdmakit::detail::pci_path_of_bus(id);
+    if (path.empty()) return "no /sys/bus/pci/devices/" + id;
+    std::printf("  GPU %d is %s at %s\n", gpu, id.c_str(), path.c_str());
+    return {};
   });
 
   try {
