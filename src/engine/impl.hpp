@@ -69,6 +69,7 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   Xfer* x = nullptr;  // size entries, one allocation
   std::atomic<std::uint32_t> remaining{0};
   std::atomic<std::uint32_t> failed{0};
+  std::atomic<bool> sliced{false};  // a transfer of it was cut into slices (Worker::slice)
   mutable std::mutex mu;  // reasons, and wait()
   mutable std::condition_variable cv;
   bool callback_ran = false;  // under mu: the batch ended and its callback (if any) returned

@@ -650,10 +650,11 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
   BatchState* run = nullptr;
   bool plain = false;  // the run's transfers end by the count
   std::uint32_t run_ok = 0, walked = 0, slices = 0;
-  std::uint64_t bytes = 0, out = 0, moved = 0;
+  std::uint64_t bytes = 0, out = 0, moved = 0;  // moved: read and written on this rail
   auto settle = [&] {
     // The bytes first: a waiter that sees its batch done reads counters that include it.
     if (bytes != 0) e_.count.bytes.fetch_add(bytes, std::memory_order_relaxed);
+    moved += bytes;
     bytes = 0;
     if (run_ok == 0) return;
     const auto it = live_.find(run);
@@ -676,16 +677,17 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
     Xfer& x = *reinterpret_cast<Xfer*>(slot.wr_id);
     ++walked;
     out += x.t.length;
-    if (s == TransferStatus::ok && x.t.op <= TransferOp::write) {
-      moved += x.t.length;
-      slices += x.group != nullptr;
-    }
     if (x.batch != run) [[unlikely]] {
       settle();
       run = x.batch;
-      plain = s == TransferStatus::ok && run->notify.empty();
+      // A batch with slices ends them one by one too: they end into their transfer's group.
+      plain = s == TransferStatus::ok && run->notify.empty() && !run->sliced.load(std::memory_order_relaxed);
     }
-    if (!plain || x.group != nullptr) [[unlikely]] {
+    if (!plain) [[unlikely]] {
+      if (s == TransferStatus::ok && x.t.op <= TransferOp::write) {
+        moved += x.t.length;
+        slices += x.group != nullptr;
+      }
       end(x, s, why);
       continue;
     }

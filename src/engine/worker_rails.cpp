@@ -22,6 +22,10 @@ constexpr std::uint8_t kMaxTries = 3;
 }  // namespace
 
 Link* Worker::pick(Peer& p, const BufferRec* buf, const Link* instead_of) noexcept {
+  if (p.rails.size() == 1) [[likely]] {  // one rail: nothing to choose (the common case, kept short)
+    Link* l = p.link;
+    return l != nullptr && l != instead_of && l->state == Link::State::ready ? l : nullptr;
+  }
   Link* best = nullptr;
   std::uint64_t least = ~std::uint64_t{0};
   unsigned best_rank = ~0u;
@@ -67,6 +71,7 @@ void Worker::queue_on(Link& l, Xfer& x) {
 void Worker::slice(Peer& p, Xfer& x) {
   auto g = std::make_unique<SliceGroup>();
   g->parent = &x;
+  x.batch->sliced.store(true, std::memory_order_relaxed);
   const std::uint64_t size = e_.cfg.rails.slice_size;
   for (std::uint64_t off = 0; off < x.t.length; off += size) {
     Transfer t = x.t;
