@@ -371,6 +371,20 @@ void Engine::Impl::request_connect(Peer* p, detail::RailState* rail) {
   connect_cv.notify_one();
 }
 
+namespace {
+
+// A copy of a link's settings, for one connect that changes some of them; its copy of the key is
+// wiped when it goes.
+struct LinkConfigCopy {
+  explicit LinkConfigCopy(const ConnectionConfig& c) : cfg(c) {}
+  LinkConfigCopy(const LinkConfigCopy&) = delete;
+  LinkConfigCopy& operator=(const LinkConfigCopy&) = delete;
+  ~LinkConfigCopy() { detail::wipe(cfg.psk); }
+  ConnectionConfig cfg;
+};
+
+}  // namespace
+
 void Engine::Impl::connect_loop() noexcept {
   for (;;) {
     Peer* p = nullptr;
@@ -400,13 +414,9 @@ void Engine::Impl::connect_loop() noexcept {
           // The store says the engine listens there: a refusal means its entry is stale (it
           // died, or restarted elsewhere), which the next listing will tell; waiting out the
           // handshake deadline would only hold the transfers for it.
-          ConnectionConfig once = cfg.link;
-          once.retry_refused = false;
-          struct Wipe {
-            ConnectionConfig& c;
-            ~Wipe() { detail::wipe(c.psk); }
-          } wipe{once};
-          c.conn.emplace(Connection::Impl::connect(address, once, {}, hooks(p->worker)));
+          LinkConfigCopy once(cfg.link);
+          once.cfg.retry_refused = false;
+          c.conn.emplace(Connection::Impl::connect(address, once.cfg, {}, hooks(p->worker)));
         } else {
           c.conn.emplace(Connection::Impl::connect(address, cfg.link, {}, hooks(p->worker)));
         }
@@ -431,14 +441,17 @@ void Engine::Impl::connect_loop() noexcept {
   }
 }
 
+std::vector<detail::RailPort> Engine::Impl::offered_rails() const {
+  const Listener* l = listening.load(std::memory_order_acquire);
+  const std::string host = cfg.listen.empty() ? std::string{} : detail::parse_host_port(cfg.listen, 0).host;
+  return detail::local_rails(layer->catalog(), cfg.link.gid, cfg.rails.devices, l != nullptr ? l->port() : 0, host);
+}
+
 void Engine::Impl::connect_rail(Peer& p, detail::RailState& rail, detail::Command& c) noexcept {
   // A further rail: bootstrapped at the peer port's own address, from the local port's device.
   // A probe of a failed rail should not hold a connector for a whole handshake deadline.
-  ConnectionConfig rc = cfg.link;
-  struct Wipe {
-    ConnectionConfig& c;
-    ~Wipe() { detail::wipe(c.psk); }
-  } wipe{rc};
+  LinkConfigCopy copy(cfg.link);
+  ConnectionConfig& rc = copy.cfg;
   rc.device = rail.local.device;
   rc.port = rail.local.port;
   rc.retry_refused = false;
@@ -516,14 +529,12 @@ EngineInfo Engine::info() const {
   i.memory_windows = impl_->windows;
   i.access_model = impl_->access_model;
   i.metadata = impl_->meta ? impl_->meta->status() : "p2p: peers added by address, no store";
-  const std::uint16_t lp = port();
-  const std::string host = impl_->cfg.listen.empty() ? std::string{} : detail::parse_host_port(impl_->cfg.listen, 0).host;
-  for (const detail::RailPort& r :
-       detail::local_rails(impl_->layer->catalog(), impl_->cfg.link.gid, impl_->cfg.rails.devices, lp, host)) {
+  for (const detail::RailPort& r : impl_->offered_rails()) {
     i.rails.push_back(r.describe() + (!r.endpoint.empty() ? ": peers open rails at " + r.endpoint
-                                      : lp == 0       ? ": not offered (no listener yet)"
+                                      : i.port == 0   ? ": not offered (no listener yet)"
                                       : !r.active     ? ": not offered (the port is not ACTIVE)"
-                                                      : ": not offered (the listener is bound to " + host + ")"));
+                                                      : ": not offered (the listener is bound to " +
+                                                            detail::parse_host_port(impl_->cfg.listen, 0).host + ")"));
   }
   return i;
 }

@@ -247,6 +247,9 @@ struct Link {
   explicit Link(Connection c) : conn(std::move(c)), impl(Connection::Impl::of(conn)) {}
 };
 
+/// Whether transfers can go on `l` now.
+inline bool ready(const Link* l) noexcept { return l != nullptr && l->state == Link::State::ready; }
+
 /// A worker's CQ on one device, shared by its links there.
 struct DeviceCqs {
   std::shared_ptr<DeviceResources> dev;
@@ -360,7 +363,9 @@ class Worker {
   void lost(Link& l, Xfer& x, TransferStatus s, std::string why) noexcept;
   /// The peer's ports arrived on its first link: plans and opens the further rails.
   void on_rails(Link& l, const engine_wire::Message& m);
-  void rail_down(Peer& p, RailState& r, const std::string& why, bool probe);
+  /// A further rail is down (`went_down`: its link broke; else a connect to it failed): shown,
+  /// and probed again after its backoff unless it was evicted or the peer is gone.
+  void rail_down(Peer& p, RailState& r, const std::string& why, bool went_down);
   void probe_rails(Deadline now);
   /// What the accepting side tells a link about its ports.
   std::vector<std::uint8_t> rails_message(const Link& l) const;
@@ -374,6 +379,8 @@ class Worker {
   void send(Link& l, const std::vector<std::uint8_t>& msg);
   void withdraw(const std::string& name);
   void break_link(Link& l, const std::string& why);
+  /// Breaks every link this engine opened to `p` (its first and its further rails).
+  void break_links(Peer& p, const std::string& why);
   void reap_links();
   void close_link(Link& l) noexcept;
   bool evict_one();
@@ -489,6 +496,9 @@ struct Engine::Impl {
   /// budget. Throws a "busy" Error when there is neither.
   detail::Attachment attach(const std::string& device, detail::Worker* preferred);
   void connect_loop() noexcept;
+  /// This engine's ports that can carry rails, each with the endpoint where a peer opens one
+  /// (none while there is no listener, or where the listener is bound to another address).
+  [[nodiscard]] std::vector<detail::RailPort> offered_rails() const;
   /// A further rail's link, into `c` (link_up, or connect_failed with the reason).
   void connect_rail(detail::Peer& p, detail::RailState& rail, detail::Command& c) noexcept;
   /// A link a peer opened, from the listener's handshake thread: to the worker it was built on.

@@ -1,13 +1,7 @@
 #include "engine/metadata.hpp"
 
-#include <arpa/inet.h>
-#include <ifaddrs.h>
-#include <netinet/in.h>
-
 #include <algorithm>
-#include <bit>
 #include <cerrno>
-#include <cstring>
 #include <utility>
 
 #include <fmt/format.h>

@@ -91,17 +91,6 @@ bool reaches(const RailPort& a, const RailPort& b) noexcept {
   return masked(a.gid, a.prefix, a.v4()) == masked(b.gid, b.prefix, b.v4());
 }
 
-std::string subnet_of(const std::string& address) {
-  const auto want = parse_ip16(address);
-  if (!want) return {};
-  const auto bits = prefix_of(*want);
-  if (!bits) return {};
-  RailPort p;
-  p.gid = *want;
-  p.prefix = static_cast<std::uint8_t>(*bits);
-  return p.subnet();
-}
-
 std::vector<RailPort> local_rails(const std::vector<DeviceInfo>& catalog, const GidSelector& selector,
                                   const std::vector<std::string>& devices, std::uint16_t listen_port,
                                   const std::string& listen_host) {

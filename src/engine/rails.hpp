@@ -51,9 +51,6 @@ struct RailPort {
 /// Whether a listen host accepts on every address ("", "0.0.0.0", "::", "*").
 [[nodiscard]] bool wildcard_host(const std::string& host);
 
-/// "a.b.c.d/n" of an interface that holds `address`, or empty.
-[[nodiscard]] std::string subnet_of(const std::string& address);
-
 /// One rail a link to a peer should hold: a local port and the peer's port it reaches.
 struct RailPlan {
   RailPort local;

@@ -299,10 +299,7 @@ void Worker::handle(Command& c) {
     case Command::Kind::remove_peer: {
       Peer& p = *c.peer;
       if (p.worker == this) {
-        if (p.link != nullptr) break_link(*p.link, fmt::format("peer '{}' was removed", p.name));
-        for (const auto& r : p.rails) {
-          if (r->link != nullptr) break_link(*r->link, fmt::format("peer '{}' was removed", p.name));
-        }
+        break_links(p, fmt::format("peer '{}' was removed", p.name));
         fail_waiting(p, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
       }
       // Its access to our segments goes with the links it opened to us.
@@ -323,16 +320,13 @@ void Worker::handle(Command& c) {
       // The store says its engine is gone: what waits for a link fails now, not at the connect
       // deadline, and the link (if the process is dead, about to fail anyway) goes.
       Peer& p = *c.peer;
-      if (p.link != nullptr) break_link(*p.link, c.text);
-      for (const auto& r : p.rails) {
-        if (r->link != nullptr) break_link(*r->link, c.text);
-      }
+      break_links(p, c.text);
       fail_waiting(p, TransferStatus::connect_failed, c.text);
       break;
     }
     case Command::Kind::kick: {
       Peer& p = *c.peer;
-      if (p.link != nullptr && p.link->state == Link::State::ready) {
+      if (ready(p.link)) {
         std::lock_guard lock(p.m);
         p.up = true;
         p.cv.notify_all();
@@ -725,7 +719,7 @@ void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
       } else if (--w->second == 0) {
         live.writes_left.erase(w);
         // Every write of the batch to this peer has completed: the data is in its memory.
-        Link* to = p->link != nullptr && p->link->state == Link::State::ready ? p->link : pick(*p, nullptr);
+        Link* to = ready(p->link) ? p->link : pick(*p, nullptr);
         if (to != nullptr) {
           try {
             send(*to, ew::encode(ew::notify(b.notify)));
@@ -1094,6 +1088,13 @@ void Worker::break_link(Link& l, const std::string& why) {
     }
     std::lock_guard lock(p.m);
     p.up = false;
+  }
+}
+
+void Worker::break_links(Peer& p, const std::string& why) {
+  if (p.link != nullptr) break_link(*p.link, why);
+  for (std::size_t k = 1; k < p.rails.size(); ++k) {
+    if (p.rails[k]->link != nullptr) break_link(*p.rails[k]->link, why);
   }
 }
 

@@ -23,14 +23,13 @@ constexpr std::uint8_t kMaxTries = 3;
 
 Link* Worker::pick(Peer& p, const BufferRec* buf, const Link* instead_of) noexcept {
   if (p.rails.size() == 1) [[likely]] {  // one rail: nothing to choose (the common case, kept short)
-    Link* l = p.link;
-    return l != nullptr && l != instead_of && l->state == Link::State::ready ? l : nullptr;
+    return ready(p.link) && p.link != instead_of ? p.link : nullptr;
   }
   Link* best = nullptr;
   std::uint64_t least = ~std::uint64_t{0};
   unsigned best_rank = ~0u;
   auto consider = [&](Link* c) {
-    if (c == nullptr || c == instead_of || c->state != Link::State::ready) return;
+    if (!ready(c) || c == instead_of) return;
     // Another rail of the same process: a restarted peer's new links are not the old one's.
     if (instead_of != nullptr && c->peer_epoch != instead_of->peer_epoch) return;
     const unsigned rank = buf != nullptr && c->device < buf->rank.size() ? buf->rank[c->device] : 0;
@@ -54,12 +53,9 @@ Link* Worker::pick(Peer& p, const BufferRec* buf, const Link* instead_of) noexce
 bool Worker::slices_for(const Peer& p, const Xfer& x) const noexcept {
   const std::uint64_t threshold = e_.cfg.rails.slice_threshold;
   if (threshold == 0 || x.t.length < threshold || x.group != nullptr || x.t.op > TransferOp::write) return false;
-  int ready = p.link != nullptr && p.link->state == Link::State::ready ? 1 : 0;
-  for (std::size_t k = 1; k < p.rails.size() && ready < 2; ++k) {
-    const Link* l = p.rails[k]->link;
-    ready += l != nullptr && l->state == Link::State::ready ? 1 : 0;
-  }
-  return ready >= 2;
+  int up = ready(p.link) ? 1 : 0;
+  for (std::size_t k = 1; k < p.rails.size() && up < 2; ++k) up += ready(p.rails[k]->link) ? 1 : 0;
+  return up >= 2;
 }
 
 void Worker::queue_on(Link& l, Xfer& x) {
@@ -132,8 +128,7 @@ void Worker::lost(Link& l, Xfer& x, TransferStatus s, std::string why) noexcept 
 std::vector<std::uint8_t> Worker::rails_message(const Link& l) const {
   const Listener* listening = e_.listening.load(std::memory_order_acquire);
   const std::uint16_t port = listening != nullptr ? listening->port() : 0;
-  const std::string host = e_.cfg.listen.empty() ? std::string{} : parse_host_port(e_.cfg.listen, 0).host;
-  std::vector<RailPort> ports = local_rails(e_.layer->catalog(), e_.cfg.link.gid, e_.cfg.rails.devices, port, host);
+  std::vector<RailPort> ports = e_.offered_rails();
   if (ports.size() > ew::kMaxRails) ports.resize(ew::kMaxRails);
   std::uint8_t here = 0xff;
   for (std::size_t i = 0; i < ports.size(); ++i) {
