@@ -456,8 +456,11 @@ void Worker::queue_flush(Link& l) {
 }
 
 void Worker::flush_queued_links() {
-  // flush() neither queues nor closes a link, so the list holds still while it runs.
-  for (Link* l : to_flush_) {
+  // flush() closes no link, but it may break one (a post refused, a data path found broken),
+  // and that link's transfers are re-posted on another rail (lost()), which joins this list while
+  // it runs: by index, to its end, so none is dropped with its flush_queued still set.
+  for (std::size_t i = 0; i < to_flush_.size(); ++i) {
+    Link* l = to_flush_[i];
     l->flush_queued = false;
     flush(*l);
   }
