@@ -35,9 +35,29 @@ struct TraceEvent {
 /// `rdmakit trace: <text>`, or the JSON object when `json`. RDMAKIT_TRACE uses the same.
 [[nodiscard]] std::function<void(const TraceEvent&)> trace_to_stderr(bool json);
 
+/// How a connection is set up. Either way the same versioned, validated exchange of parameters
+/// and regions runs, with the same pre-shared-key authentication and sealed session, on a
+/// control channel that stays open for the connection's life (BYE, messages, keepalive).
+enum class ConnectMethod : std::uint8_t {
+  /// rdmakit's own bootstrap over TCP (the peer's TCP port): works wherever TCP does; the
+  /// device, port and GID follow the IP route the TCP connection took.
+  tcp,
+  /// The RDMA connection manager (librdmacm; the peer's rdma_cm port, a port space of its
+  /// own): the kernel resolves the address and route (ARP and the routing table on RoCE, path
+  /// records on InfiniBand) to a device, port and source GID, and the control channel is a
+  /// small QP of its own connected by the CM. What rping, UCX's sockaddr endpoints and
+  /// perftest -R use; routed RoCE v2 and IB without IPoIB-reachable TCP need it.
+  rdma_cm,
+};
+[[nodiscard]] const char* to_string(ConnectMethod m) noexcept;
+/// "tcp", or "rdma_cm" (also "cm"); throws Error for anything else.
+[[nodiscard]] ConnectMethod parse_connect_method(std::string_view text);
+
 /// Everything a connection is built from, passed by value. The defaults detect a dead peer within
 /// about 4 s (500 ms ACK timeout x 7 tries) and never wait forever.
 struct ConnectionConfig {
+  /// TCP bootstrap or rdma_cm. Both sides must use the same (a listener serves one).
+  ConnectMethod method = ConnectMethod::tcp;
   std::string device;       ///< RDMA device; empty: the first one with an ACTIVE port
   std::uint8_t port = 0;    ///< device port; 0: the device's first ACTIVE port
   GidSelector gid;          ///< source GID; default: by priority (RoCE v2 IPv4 first)
@@ -89,7 +109,10 @@ struct ConnectionConfig {
   /// none is answered for `keepalive_timeout` the peer is lost (wait() reports peer_lost). The
   /// probes are TCP keepalives, answered by the peer's kernel: they need no thread and no call
   /// into rdmakit on either side, and a peer application that is merely busy is never taken for
-  /// dead. Whole seconds (rounded up); 0 turns keepalive off.
+  /// dead. Whole seconds (rounded up); 0 turns keepalive off. Over rdma_cm the probe is a
+  /// zero-length SEND on the control QP, sent from wait() (or the engine's worker) and answered
+  /// by the peer's NIC; an unanswered one fails after the QP's retries (ack_timeout x
+  /// (retry_count + 1)), which then stand for keepalive_timeout.
   std::chrono::milliseconds keepalive_interval{1000};
   std::chrono::milliseconds keepalive_timeout{3000};
   /// Receives a TraceEvent for every handshake step, QP transition, error completion and close
@@ -247,6 +270,7 @@ struct ConnectionInfo {
   std::uint32_t qps = 1;          ///< QPs the connection stripes over
   bool atomics = false;           ///< both devices support remote atomics
   std::string peer_address;  ///< the bootstrap peer, "host:port"
+  ConnectMethod method = ConnectMethod::tcp;  ///< how the connection was set up
   wire::EndpointInfo local;
   wire::EndpointInfo remote;
 };
@@ -267,8 +291,9 @@ class Connection {
   /// register memory, advertise() what the peer may access, post receives.
   using Setup = std::function<void(Connection&)>;
 
-  /// Connects to a listener at "host:port" ("[v6addr]:port" for IPv6). Throws Error on failure,
-  /// including the peer's reason when it rejected us.
+  /// Connects to a listener at "host:port" ("[v6addr]:port" for IPv6): its TCP port, or with
+  /// ConnectionConfig::method rdma_cm, its rdma_cm port. Throws Error on failure, including the
+  /// peer's reason when it rejected us.
   static Connection connect(const std::string& host_port, const ConnectionConfig& config,
                             const Setup& setup = {});
 
@@ -376,7 +401,8 @@ class Connection {
 /// Never overwrites: throws Error if the file exists, or cannot be written.
 void generate_key_file(const std::string& path);
 
-/// Accepts connections on a TCP port. Each client's handshake runs on its own thread with its
+/// Accepts connections on a TCP port, or with config.connection.method rdma_cm, on an rdma_cm
+/// port (the same limits, deadlines and refusals either way). Each client's handshake runs on its own thread with its
 /// own deadline, so a stalled or malicious client delays nobody; rejected handshakes are logged
 /// (config.connection.log) and counted, and the listener keeps serving, also when a thread
 /// cannot be started or memory runs out (that client is refused as "busy").

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -75,6 +76,26 @@ struct DeviceInfo {
 /// Enumerates every RDMA device with its ports and GID tables. Throws Error when the verbs
 /// library cannot list devices; an empty result means there are none.
 [[nodiscard]] std::vector<DeviceInfo> list_devices();
+
+/// What the RDMA connection manager resolves an address to: the device, port, source address and
+/// GID that the kernel's route uses, and the path (rdma_resolve_addr, then rdma_resolve_route;
+/// nothing reaches the peer but a neighbour lookup, or on InfiniBand a path query). What a
+/// connection with ConnectMethod::rdma_cm would use (`rdmakit devices --to`).
+struct RouteInfo {
+  std::string address;     ///< the peer address resolved
+  std::string device;
+  std::uint8_t port = 0;
+  std::string source;      ///< the local IP address the route leaves from
+  int gid_index = -1;      ///< the source GID's index in the port's table
+  std::string source_gid;
+  std::string dest_gid;
+  std::uint32_t path_mtu = 0;
+  std::uint8_t hop_limit = 0;      ///< the GRH's hop limit (the route's TTL on RoCE)
+  std::uint8_t traffic_class = 0;
+};
+/// Resolves `address` (an IP address or a host name). Throws Error naming the CM step that
+/// failed (no RDMA device on the route, no neighbour reply) by `timeout`.
+[[nodiscard]] RouteInfo resolve_route(const std::string& address, std::chrono::milliseconds timeout);
 
 /// Picks a device by name, or when `name` is empty the one with an ACTIVE port that has a GID
 /// with `route_address` (the bootstrap socket's own address: the NIC the kernel routes to the

@@ -69,12 +69,12 @@ void check_key(std::span<const std::uint8_t> key) {
   }
 }
 
-std::unique_ptr<Session> authenticate_client(int fd, std::span<const std::uint8_t> key, Deadline deadline,
+std::unique_ptr<Session> authenticate_client(Channel& ch, std::span<const std::uint8_t> key, Deadline deadline,
                                              const std::string& peer) {
   init_sodium();
   const Nonce mine = fresh_nonce();
-  send_control(fd, nullptr, wire::MessageType::auth_challenge, mine, deadline);  // before any session
-  const Message reply = recv_message(fd, deadline);
+  send_control(ch, nullptr, wire::MessageType::auth_challenge, mine, deadline);  // before any session
+  const Message reply = recv_message(ch, deadline);
   if (reply.header.type == wire::MessageType::reject) {
     throw Error("bootstrap authentication", ECONNREFUSED,
                 fmt::format("{} refused: {}", peer, wire::decode_reject(reply.payload)),
@@ -91,18 +91,18 @@ std::unique_ptr<Session> authenticate_client(int fd, std::span<const std::uint8_
   if (!same(mac(key, kServerLabel, mine, theirs), their_mac)) {
     // Nothing more than that: the server is not the one we meant, or its key differs.
     try {
-      send_all(fd, wire::encode_reject("the server failed to prove it knows the pre-shared key"),
+      ch.send_all(wire::encode_reject("the server failed to prove it knows the pre-shared key"),
                deadline_in(std::chrono::milliseconds{500}));
     } catch (const std::exception&) {
     }
     refuse(peer, "the server failed to prove it knows the pre-shared key",
            "the server uses another key (or is not the intended server): give both sides the same key");
   }
-  send_control(fd, nullptr, wire::MessageType::auth_proof, mac(key, kClientLabel, mine, theirs), deadline);
+  send_control(ch, nullptr, wire::MessageType::auth_proof, mac(key, kClientLabel, mine, theirs), deadline);
   return std::make_unique<Session>(key, mine, theirs, Role::client);
 }
 
-std::unique_ptr<Session> authenticate_server(int fd, std::span<const std::uint8_t> key, const Message& first,
+std::unique_ptr<Session> authenticate_server(Channel& ch, std::span<const std::uint8_t> key, const Message& first,
                                              Deadline deadline, const std::string& peer) {
   init_sodium();
   if (first.header.type != wire::MessageType::auth_challenge) {
@@ -119,8 +119,8 @@ std::unique_ptr<Session> authenticate_server(int fd, std::span<const std::uint8_
   const Mac proof = mac(key, kServerLabel, theirs, mine);
   std::copy(mine.begin(), mine.end(), response.begin());
   std::copy(proof.begin(), proof.end(), response.begin() + kNonceSize);
-  send_control(fd, nullptr, wire::MessageType::auth_response, response, deadline);
-  const Message answer = recv_message(fd, deadline);
+  send_control(ch, nullptr, wire::MessageType::auth_response, response, deadline);
+  const Message answer = recv_message(ch, deadline);
   if (answer.header.type != wire::MessageType::auth_proof ||
       !same(mac(key, kClientLabel, theirs, mine), answer.payload)) {
     refuse(peer, "authentication failed", "the client does not know the pre-shared key");

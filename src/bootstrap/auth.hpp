@@ -28,17 +28,17 @@ inline constexpr const char* kBusyReason = "busy: ";
 /// Throws Error for a key that is too short to be one.
 void check_key(std::span<const std::uint8_t> key);
 
-/// The client's side, run right after the TCP connect: challenge, verify the server's proof
+/// The client's side, run right after the control channel connects: challenge, verify the server's proof
 /// (throws if it does not know the key), send ours. Returns the session every later message
 /// travels in. The server may still reject us afterwards: its sealed REJECT arrives instead of
 /// its HELLO.
-std::unique_ptr<Session> authenticate_client(int fd, std::span<const std::uint8_t> key, Deadline deadline,
+std::unique_ptr<Session> authenticate_client(Channel& ch, std::span<const std::uint8_t> key, Deadline deadline,
                                              const std::string& peer);
 
 /// The server's side, given the client's first message: answers the challenge, checks the proof;
 /// throws Error (after sending a REJECT) when the client sent no challenge or a wrong proof.
 /// Returns the session every later message travels in.
-std::unique_ptr<Session> authenticate_server(int fd, std::span<const std::uint8_t> key, const Message& first,
+std::unique_ptr<Session> authenticate_server(Channel& ch, std::span<const std::uint8_t> key, const Message& first,
                                              Deadline deadline, const std::string& peer);
 
 }  // namespace rdmakit::detail

@@ -123,19 +123,19 @@ std::optional<Message> Session::open(const wire::Header& outer, std::span<const 
   }
 }
 
-void send_control(int fd, Session* session, wire::MessageType type, std::span<const std::uint8_t> payload,
+void send_control(Channel& ch, Session* session, wire::MessageType type, std::span<const std::uint8_t> payload,
                   Deadline deadline) {
   if (session != nullptr) {
-    send_all(fd, session->seal(type, payload), deadline);
+    ch.send_all(session->seal(type, payload), deadline);
     return;
   }
   auto msg = wire::encode_header(type, static_cast<std::uint32_t>(payload.size()));
   msg.insert(msg.end(), payload.begin(), payload.end());
-  send_all(fd, msg, deadline);
+  ch.send_all(msg, deadline);
 }
 
-Message recv_control(int fd, Session* session, Deadline deadline, const std::string& peer) {
-  Message m = recv_message(fd, deadline);
+Message recv_control(Channel& ch, Session* session, Deadline deadline, const std::string& peer) {
+  Message m = recv_message(ch, deadline);
   if (session == nullptr) return m;
   if (m.header.type != wire::MessageType::sealed) {
     throw Error("bootstrap session", EBADMSG,

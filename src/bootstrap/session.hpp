@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "bootstrap/socket.hpp"
+#include "bootstrap/channel.hpp"
 
 namespace rdmakit::detail {
 
@@ -71,10 +71,10 @@ class Session {
 };
 
 /// Sends a message on the control channel: sealed when there is a session, plain otherwise.
-void send_control(int fd, Session* session, wire::MessageType type, std::span<const std::uint8_t> payload,
+void send_control(Channel& ch, Session* session, wire::MessageType type, std::span<const std::uint8_t> payload,
                   Deadline deadline);
 /// Receives one message: with a session it must be a SEALED frame that opens (else Error naming
 /// what came: a message in the clear, or a frame that failed to authenticate).
-Message recv_control(int fd, Session* session, Deadline deadline, const std::string& peer);
+Message recv_control(Channel& ch, Session* session, Deadline deadline, const std::string& peer);
 
 }  // namespace rdmakit::detail

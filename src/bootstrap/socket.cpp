@@ -45,8 +45,9 @@ void set_nonblocking(int fd) {
   }
 }
 
-// "10.0.0.1:5", "[fe80::1]:5"; without the port when `with_port` is false ("10.0.0.1", "fe80::1").
-std::string sockaddr_text(const sockaddr* sa, bool with_port = true) {
+}  // namespace
+
+std::string sockaddr_text(const sockaddr* sa, bool with_port) {
   char host[INET6_ADDRSTRLEN] = {};
   if (sa->sa_family == AF_INET) {
     auto* in = reinterpret_cast<const sockaddr_in*>(sa);
@@ -64,8 +65,6 @@ std::string sockaddr_text(const sockaddr* sa, bool with_port = true) {
   }
   return "?";
 }
-
-}  // namespace
 
 Fd& Fd::operator=(Fd&& o) noexcept {
   if (this != &o) {
@@ -332,15 +331,6 @@ void recv_exact(int fd, std::span<std::uint8_t> bytes, Deadline deadline) {
       throw Error("bootstrap receive", errno, peer_address(fd));
     }
   }
-}
-
-Message recv_message(int fd, Deadline deadline) {
-  std::uint8_t head[wire::kHeaderSize];
-  recv_exact(fd, head, deadline);
-  Message m{wire::decode_header(head), {}};
-  m.payload.resize(m.header.length);
-  recv_exact(fd, m.payload, deadline);
-  return m;
 }
 
 long recv_nonblocking(int fd, std::span<std::uint8_t> buf, int* error) noexcept {

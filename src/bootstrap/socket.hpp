@@ -2,6 +2,8 @@
 // TCP for the bootstrap and control channel. Every operation takes a deadline: nothing here can
 // block past it, whatever the peer does (stalls, trickles bytes, never answers).
 
+#include <sys/socket.h>
+
 #include <chrono>
 #include <cstdint>
 #include <span>
@@ -53,6 +55,9 @@ std::uint16_t local_port(int fd);
 /// The socket's own IP address, without port ("10.0.0.1", "fe80::1"); empty if unknown.
 std::string local_address(int fd);
 std::string peer_address(int fd);
+/// "10.0.0.1:5", "[fe80::1]:5"; without the port when `with_port` is false ("10.0.0.1",
+/// "fe80::1"). An IPv4-mapped IPv6 address reads as IPv4.
+std::string sockaddr_text(const sockaddr* sa, bool with_port = true);
 /// The local address the kernel would send from to reach `to` (a numeric host), found without
 /// sending anything; empty for a name or when there is no route.
 std::string route_source(const HostPort& to);
@@ -60,13 +65,11 @@ std::string route_source(const HostPort& to);
 void send_all(int fd, std::span<const std::uint8_t> bytes, Deadline deadline);
 void recv_exact(int fd, std::span<std::uint8_t> bytes, Deadline deadline);
 
-/// One framed message: header validated, payload length checked before it is read.
+/// One framed message (recv_message in channel.hpp reads one).
 struct Message {
   wire::Header header;
   std::vector<std::uint8_t> payload;
 };
-Message recv_message(int fd, Deadline deadline);
-
 /// Reads what is there without blocking: the byte count, kRecvWouldBlock when nothing is, or
 /// kRecvClosed on EOF or a socket error (the peer is gone either way; `error` says which: 0 for
 /// EOF, else the errno, e.g. ETIMEDOUT when keepalive gave up).

@@ -1,4 +1,4 @@
-// The client's side of the handshake: TCP connect -> (authenticate) -> open the device on the
+// The client's side of the handshake: TCP or rdma_cm connect -> (authenticate) -> open the device on the
 // route the kernel chose -> Setup -> HELLO exchange -> RTS -> READY.
 #include <sys/random.h>
 
@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "bootstrap/auth.hpp"
+#include "cm/cm.hpp"
 #include "connection/handshake.hpp"
 #include "connection/impl.hpp"
 #include "rdmakit/error.hpp"
@@ -49,28 +50,32 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
     // A listener at its limits answers "busy": like a refused connect, that is worth retrying
     // until the deadline when the caller asked for retries (the QPs and HELLO are reused).
     for (;;) {
-      step = "TCP connect";
-      m.control = detail::tcp_connect(to, deadline, config.retry_refused);
-      const int fd = m.control.get();
-      m.set_keepalive(fd);
       try {
+        if (config.method == ConnectMethod::rdma_cm) {
+          step = "rdma_cm connect";
+          m.control = detail::cm_connect(to, {config.ack_timeout, config.retry_count, config.rnr_timer}, deadline, config.retry_refused);
+        } else {
+          step = "TCP connect";
+          m.control = std::make_unique<detail::TcpChannel>(detail::tcp_connect(to, deadline, config.retry_refused));
+        }
+        m.set_keepalive();
         m.session.reset();
         if (m.psk) {
           step = "authentication";
-          m.session = detail::authenticate_client(fd, m.psk->bytes(), deadline, m.info.peer_address);
+          m.session = detail::authenticate_client(*m.control, m.psk->bytes(), deadline, m.info.peer_address);
         }
         if (m.qps.empty()) {
-          // The device, port and GID follow the route the kernel picked for the bootstrap
-          // connection, as rdma_cm would: the socket's own address is on that netdev.
+          // The device, port and GID follow the route the kernel picked for the control
+          // channel: the CM's resolution, or the TCP socket's own address (on that netdev).
           step = "setup";
-          m.open(detail::local_address(fd));
+          m.open(*m.control);
           if (setup) setup(conn);
         }
         step = "HELLO exchange";
         const auto hello = wire::encode_hello(m.info.local);
         m.send_control(wire::MessageType::hello, std::span(hello).subspan(wire::kHeaderSize), deadline);
         m.trace_hello("hello_sent", m.info.local);
-        reply = detail::recv_control(fd, m.session.get(), deadline, m.info.peer_address);
+        reply = detail::recv_control(*m.control, m.session.get(), deadline, m.info.peer_address);
         detail::expect(reply, wire::MessageType::hello, m.info.peer_address);
         break;
       } catch (const Error& e) {
@@ -80,14 +85,13 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
         std::this_thread::sleep_for(jitter(50, 100));
       }
     }
-    const int fd = m.control.get();
     step = "QP transitions";
     try {
       wire::EndpointInfo remote = wire::decode_hello(reply.payload);
       m.trace_hello("hello_received", remote);
       m.finish(std::move(remote));
     } catch (const std::exception& e) {
-      detail::send_reject(fd, m.session.get(), e.what());
+      detail::send_reject(*m.control, m.session.get(), e.what());
       throw;
     }
     step = "READY";

@@ -144,10 +144,20 @@ void Connection::Impl::release_budget() noexcept {
   budget_held = 0;
 }
 
-void Connection::Impl::open(const std::string& local_address) {
+void Connection::Impl::open(const detail::Channel& control_channel) {
   if (!layer) layer = detail::DeviceLayer::acquire();
   const auto devices = layer->catalog();
-  const DeviceInfo& d = pick_device(devices, cfg.device, local_address);
+  const std::string local_address = control_channel.local_address();
+  const std::string resolved = control_channel.device();
+  if (!resolved.empty() && !cfg.device.empty() && resolved != cfg.device) {
+    throw Error("rdma_cm", EINVAL,
+                fmt::format("the CM resolved {} to device {}, but the configuration asks for {}",
+                            info.peer_address, resolved, cfg.device),
+                fmt::format("over rdma_cm the route decides the device: leave the device unset, or "
+                            "connect to an address that {} reaches",
+                            cfg.device));
+  }
+  const DeviceInfo& d = pick_device(devices, resolved.empty() ? cfg.device : resolved, local_address);
   const PortInfo& p = pick_port(d, cfg.port, local_address);
   const GidChoice gid = choose_gid(p.gids, cfg.gid, local_address);
 
@@ -231,6 +241,7 @@ void Connection::Impl::open(const std::string& local_address) {
       return transition_event(raw.back()->qp_num, "RESET->INIT", detail::init_attr_lines(p.number));
     });
   }
+  info.method = cfg.method;
   info.send_depth = cfg.send_depth;
   info.recv_depth = cfg.recv_depth;
   info.qps = cfg.qps;
@@ -369,6 +380,14 @@ void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
   if (dev) dev->device->unsubscribe(this);
   for (MemoryRegion& r : regions) MemoryRegion::Impl::deregister(r);
   control.reset();
+}
+
+const char* to_string(ConnectMethod m) noexcept { return m == ConnectMethod::rdma_cm ? "rdma_cm" : "tcp"; }
+
+ConnectMethod parse_connect_method(std::string_view text) {
+  if (text == "tcp") return ConnectMethod::tcp;
+  if (text == "rdma_cm" || text == "cm") return ConnectMethod::rdma_cm;
+  throw Error("connection method", EINVAL, fmt::format("'{}': tcp or rdma_cm", text));
 }
 
 Connection::Connection(std::unique_ptr<Impl> impl) noexcept : impl_(std::move(impl)) {}

@@ -1,9 +1,5 @@
 // The control channel after the handshake: BYE, application messages, keepalive, and noticing
 // that the peer is gone. The data path never throws, so neither does reading it.
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <sys/socket.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <optional>
@@ -15,37 +11,9 @@
 
 namespace rdmakit {
 
-namespace {
-
-int whole_seconds(std::chrono::milliseconds d) {
-  return static_cast<int>(std::max<long long>(1, (d.count() + 999) / 1000));
-}
-
-}  // namespace
-
-// TCP keepalive does the heartbeat: after `interval` with nothing from the peer's host, a probe
-// every `interval`; TCP_USER_TIMEOUT ends the connection when nothing has been acknowledged for
-// `timeout` (with probes out, or with data unacknowledged). The socket then reports ETIMEDOUT,
-// which pump_control sees like an EOF.
-void Connection::Impl::set_keepalive(int fd) const {
-  if (cfg.keepalive_interval.count() == 0) return;
-  const int on = 1;
-  const int interval = whole_seconds(cfg.keepalive_interval);
-  const int probes = std::max(1, whole_seconds(cfg.keepalive_timeout) / interval);
-  const auto user_timeout = static_cast<unsigned>(cfg.keepalive_timeout.count());
-  if (::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on) != 0 ||
-      ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &interval, sizeof interval) != 0 ||
-      ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval) != 0 ||
-      ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes) != 0 ||
-      ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout) != 0) {
-    throw Error("setsockopt(keepalive)", errno,
-                fmt::format("interval {} s, timeout {} ms", interval, cfg.keepalive_timeout.count()));
-  }
-}
-
 void Connection::Impl::send_control(wire::MessageType type, std::span<const std::uint8_t> payload,
                                     detail::Deadline deadline) {
-  detail::send_control(control.get(), session.get(), type, payload, deadline);
+  detail::send_control(*control, session.get(), type, payload, deadline);
 }
 
 std::string Connection::Impl::control_gone_reason() const {
@@ -86,7 +54,7 @@ void Connection::Impl::pump_control() noexcept {
   };
   for (;;) {
     int err = 0;
-    const long n = detail::recv_nonblocking(control.get(), {cbuf.data() + cfill, cbuf.size() - cfill}, &err);
+    const long n = control->recv_nonblocking({cbuf.data() + cfill, cbuf.size() - cfill}, &err);
     if (n == detail::kRecvClosed) return gone(err);
     if (n == detail::kRecvWouldBlock) break;
     cfill += static_cast<std::size_t>(n);

@@ -17,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "bootstrap/channel.hpp"
 #include "bootstrap/session.hpp"
 #include "bootstrap/socket.hpp"
 #include "datapath/datapath.hpp"
@@ -121,7 +122,7 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   detail::DataPath dp;             // posts to and polls the objects above; owns none of them
 
   // Control channel, and with a key the session every message after the proof travels in.
-  detail::Fd control;
+  std::unique_ptr<detail::Channel> control;
   std::unique_ptr<detail::Session> session;
   State state = State::setup;
   bool bye_received = false;
@@ -151,18 +152,19 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   /// Connection::connect, with the library's hooks (connect.cpp).
   static Connection connect(const std::string& host_port, const ConnectionConfig& config,
                             const Setup& setup, const detail::HandshakeHooks& hooks);
-  /// The listener's side of the handshake on an accepted socket, whose ownership it takes
-  /// (accept.cpp). `admission` is the listener's per-peer slot, held while the connection lives.
-  static Connection accept(int fd, const std::string& peer, const ConnectionConfig& config,
+  /// The listener's side of the handshake on an accepted control channel (accept.cpp).
+  /// `admission` is the listener's per-peer slot, held while the connection lives.
+  static Connection accept(std::unique_ptr<detail::Channel> channel, const std::string& peer, const ConnectionConfig& config,
                            std::shared_ptr<const detail::Secret> key, const Setup& setup,
                            std::shared_ptr<void> admission, std::shared_ptr<detail::PinBudget> budget,
                            const detail::HandshakeHooks& hooks = {});
 
   // connection.cpp
   /// Opens the device, builds CQs and QPs (in INIT) and the data path, and fills in our
-  /// EndpointInfo. `local_address` is the bootstrap socket's own address: the GID (and device)
-  /// with that address is the one the kernel's route uses, so it is chosen unless configured.
-  void open(const std::string& local_address);
+  /// EndpointInfo. The control channel's own address is on the route the kernel uses to the
+  /// peer (and over rdma_cm, its device is the one the CM resolved): the GID (and device) with
+  /// that address is chosen unless configured.
+  void open(const detail::Channel& control_channel);
   /// Both sides' parameters are known: check they can talk, then INIT -> RTR -> RTS.
   void finish(wire::EndpointInfo remote);
   void connected() noexcept;
@@ -175,8 +177,8 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   void log(const std::string& msg) noexcept;
 
   // control.cpp
-  /// Keepalive probes on the control socket (ConnectionConfig::keepalive_*).
-  void set_keepalive(int fd) const;
+  /// Keepalive probes on the control channel (ConnectionConfig::keepalive_*).
+  void set_keepalive() const { control->keepalive(cfg.keepalive_interval, cfg.keepalive_timeout); }
   /// One message on the control channel, sealed when there is a session.
   void send_control(wire::MessageType type, std::span<const std::uint8_t> payload, detail::Deadline deadline);
   void pump_control() noexcept;
@@ -188,14 +190,14 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
       if (done()) return true;
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - detail::Clock::now());
       if (left.count() <= 0) return false;
-      detail::wait_readable(control.get(), std::min(left, std::chrono::milliseconds{100}));
+      detail::wait_readable(control->fd(), std::min(left, std::chrono::milliseconds{100}));
     }
   }
   [[nodiscard]] std::string control_gone_reason() const;
 
   // events.cpp: the data path's housekeeping, about once a millisecond in wait().
   void tick(detail::Deadline now) noexcept override;
-  [[nodiscard]] int wake_fd() const noexcept override { return control ? control.get() : -1; }
+  [[nodiscard]] int wake_fd() const noexcept override { return control ? control->fd() : -1; }
   /// Pumps the device's async events without blocking; breaks the connection on one that
   /// concerns it (port down, QP, CQ or device fatal), whichever thread read it.
   void pump_async() noexcept;

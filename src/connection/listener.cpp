@@ -1,5 +1,6 @@
-// Listener: accepts on one thread, runs each client's handshake on a thread of its own with its
-// own deadline, and hands out the connections whose handshake succeeded.
+// Listener: accepts on one thread (TCP connections, or rdma_cm connect requests), runs each
+// client's handshake on a thread of its own with its own deadline, and hands out the
+// connections whose handshake succeeded.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -19,6 +20,7 @@
 
 #include "bootstrap/auth.hpp"
 #include "bootstrap/socket.hpp"
+#include "cm/cm.hpp"
 #include "connection/handshake.hpp"
 #include "connection/impl.hpp"
 #include "rdmakit/connection.hpp"
@@ -70,6 +72,27 @@ std::string peer_group(const std::string& peer, std::uint32_t ipv6_prefix) {
   return fmt::format("{}/{}", text, ipv6_prefix);
 }
 
+// A client that arrived: a TCP connection, or an rdma_cm connect request. Refused at once, or
+// its control channel opened on its handshake thread.
+struct Arrival {
+  std::string peer;
+  detail::Fd tcp;
+  std::optional<detail::CmRequest> cm;
+
+  // Without a thread: a flood costs one accept (or CM request) and one short write (or REJ).
+  void refuse(const std::string& why) noexcept {
+    if (cm) return cm->refuse(why);
+    try {
+      detail::send_all(tcp.get(), wire::encode_reject(why), detail::deadline_in(std::chrono::milliseconds{20}));
+    } catch (...) {
+    }
+  }
+  std::unique_ptr<detail::Channel> open(const ConnectionConfig& c) {
+    if (!cm) return std::make_unique<detail::TcpChannel>(std::move(tcp));
+    return cm->accept({c.ack_timeout, c.retry_count, c.rnr_timer}, detail::deadline_in(c.handshake_timeout));
+  }
+};
+
 struct Handshake {
   std::thread thread;
   std::string host;
@@ -91,7 +114,8 @@ struct Listener::Impl {
   std::shared_ptr<detail::PinBudget> budget;
   std::shared_ptr<PeerCounts> established = std::make_shared<PeerCounts>();
   Connection::Setup setup;
-  detail::Fd fd;
+  detail::Fd fd;                          // TCP: the listening socket
+  std::unique_ptr<detail::CmListener> cm;  // rdma_cm: the listening id
   std::uint16_t port = 0;
   std::mutex mu;
   std::condition_variable ready_cv;
@@ -112,8 +136,10 @@ struct Listener::Impl {
                                               detail::HandshakeHooks hooks,
                                               std::function<void(Connection)> deliver);
   void accept_loop() noexcept;
-  void serve(detail::Fd& client, const std::string& peer, std::list<Handshake>& running);
-  void refuse(int client, const std::string& peer, const std::string& why) noexcept;
+  void serve(const std::shared_ptr<Arrival>& client, std::list<Handshake>& running);
+  void refuse(Arrival& client, const std::string& why) noexcept;
+  /// The clients waiting on the listening socket or CM id, without blocking.
+  std::vector<std::shared_ptr<Arrival>> arrivals();
   void log(const std::string& msg) noexcept {
     try {
       cfg.connection.log(msg);
@@ -126,23 +152,20 @@ struct Listener::Impl {
   }
 };
 
-// Refused at once, without a thread: a flood costs one accept and one short write each.
-void Listener::Impl::refuse(int client, const std::string& peer, const std::string& why) noexcept {
-  try {
-    detail::send_all(client, wire::encode_reject(why), detail::deadline_in(std::chrono::milliseconds{20}));
-  } catch (...) {
-  }
+void Listener::Impl::refuse(Arrival& client, const std::string& why) noexcept {
+  client.refuse(why);
   rejected.fetch_add(1);
   try {
-    log(fmt::format("refused connection from {}: {}", peer, why));
+    log(fmt::format("refused connection from {}: {}", client.peer, why));
   } catch (...) {
   }
 }
 
 // One accepted client: refused at a limit, else its handshake on a thread of its own. Throws
 // (std::system_error when no thread can be started, bad_alloc) only before the thread owns the
-// socket; the caller then refuses the client.
-void Listener::Impl::serve(detail::Fd& client, const std::string& peer, std::list<Handshake>& running) {
+// client; the caller then refuses it.
+void Listener::Impl::serve(const std::shared_ptr<Arrival>& client, std::list<Handshake>& running) {
+  const std::string& peer = client->peer;
   const std::string host = peer_group(peer, cfg.ipv6_peer_prefix);
   const auto from_host = static_cast<std::uint32_t>(
       std::count_if(running.begin(), running.end(), [&](const Handshake& x) { return x.host == host; }));
@@ -158,19 +181,18 @@ void Listener::Impl::serve(detail::Fd& client, const std::string& peer, std::lis
   } else if (cfg.max_connections_per_peer != 0 && established->of(host) >= cfg.max_connections_per_peer) {
     busy = fmt::format("too many connections from {} (at most {})", host, cfg.max_connections_per_peer);
   }
-  if (!busy.empty()) return refuse(client.get(), peer, busy);
+  if (!busy.empty()) return refuse(*client, busy);
 
   Handshake& h = running.emplace_back();
   try {
     h.host = host;
     auto slot = PeerCounts::take(established, host);
-    // The socket moves into the thread only once the thread exists: if it cannot be started,
-    // the client is still ours to refuse.
-    const int raw = client.get();
-    h.thread = std::thread([this, raw, peer, done = h.done, slot = std::move(slot)]() mutable {
+    // The client is shared with the thread: if the thread cannot be started, it is still ours
+    // to refuse.
+    h.thread = std::thread([this, client, peer, done = h.done, slot = std::move(slot)]() mutable {
       try {
         Connection conn =
-            Connection::Impl::accept(raw, peer, cfg.connection, psk, setup, std::move(slot), budget, hooks);
+            Connection::Impl::accept(client->open(cfg.connection), peer, cfg.connection, psk, setup, std::move(slot), budget, hooks);
         if (deliver) {
           deliver(std::move(conn));
         } else {
@@ -193,7 +215,6 @@ void Listener::Impl::serve(detail::Fd& client, const std::string& peer, std::lis
       done->store(true);
       poke();
     });
-    (void)client.release();  // the thread owns it now
   } catch (...) {
     running.pop_back();
     throw;
@@ -213,11 +234,10 @@ void Listener::Impl::accept_loop() noexcept {
     }
   };
   while (!stop.load()) {
-    std::string peer;
-    detail::Fd client;
+    std::shared_ptr<Arrival> client;
     try {
       // No timeout: an idle listener does not wake (a client, a finished handshake or stop do).
-      pollfd p[2] = {{fd.get(), POLLIN, 0}, {wake.get(), POLLIN, 0}};
+      pollfd p[2] = {{cm ? cm->fd() : fd.get(), POLLIN, 0}, {wake.get(), POLLIN, 0}};
       if (::poll(p, 2, -1) < 0 && errno != EINTR) throw Error("poll", errno, "the listener's socket");
       if ((p[1].revents & POLLIN) != 0) {
         std::uint64_t n = 0;
@@ -225,23 +245,46 @@ void Listener::Impl::accept_loop() noexcept {
       }
       reap(false);
       if ((p[0].revents & POLLIN) == 0) continue;
-      client = detail::tcp_accept(fd.get(), std::chrono::milliseconds{0}, &peer);
-      if (!client) continue;
-      serve(client, peer, running);
+      for (auto& a : arrivals()) {
+        client = std::move(a);
+        if (client->cm && !client->cm->invalid().empty()) {
+          refuse(*client, client->cm->invalid());
+        } else {
+          serve(client, running);
+        }
+        client.reset();
+      }
     } catch (const std::exception& e) {
       // A thread that cannot be started (EAGAIN), memory that runs out, an accept that fails:
       // this client is refused, the listener keeps serving the others.
-      if (client) refuse(client.get(), peer, fmt::format("{}the server cannot take it now ({})", detail::kBusyReason, e.what()));
+      if (client) refuse(*client, fmt::format("{}the server cannot take it now ({})", detail::kBusyReason, e.what()));
       if (!client) {
         log(fmt::format("accept failed: {}", e.what()));
         std::this_thread::sleep_for(std::chrono::milliseconds{10});
       }
     } catch (...) {
-      if (client) refuse(client.get(), peer, fmt::format("{}the server cannot take it now", detail::kBusyReason));
+      if (client) refuse(*client, fmt::format("{}the server cannot take it now", detail::kBusyReason));
     }
   }
   // Every handshake has a deadline, so this join is bounded by handshake_timeout.
   reap(true);
+}
+
+std::vector<std::shared_ptr<Arrival>> Listener::Impl::arrivals() {
+  std::vector<std::shared_ptr<Arrival>> out;
+  if (cm) {
+    while (auto req = cm->next()) {
+      auto a = std::make_shared<Arrival>();
+      a->peer = req->peer();
+      a->cm.emplace(std::move(*req));
+      out.push_back(std::move(a));
+    }
+    return out;
+  }
+  auto a = std::make_shared<Arrival>();
+  a->tcp = detail::tcp_accept(fd.get(), std::chrono::milliseconds{0}, &a->peer);
+  if (a->tcp) out.push_back(std::move(a));
+  return out;
 }
 
 Listener::Listener(const std::string& address, ListenerConfig config, Connection::Setup setup)
@@ -283,8 +326,13 @@ Listener::Listener(std::unique_ptr<Impl> impl, const std::string& address, Liste
   }
   impl_->cfg = std::move(config);
   impl_->setup = std::move(setup);
-  impl_->fd = detail::tcp_listen(detail::parse_host_port(address, 0), 128);
-  impl_->port = detail::local_port(impl_->fd.get());
+  if (impl_->cfg.connection.method == ConnectMethod::rdma_cm) {
+    impl_->cm = std::make_unique<detail::CmListener>(detail::parse_host_port(address, 0), 128);
+    impl_->port = impl_->cm->port();
+  } else {
+    impl_->fd = detail::tcp_listen(detail::parse_host_port(address, 0), 128);
+    impl_->port = detail::local_port(impl_->fd.get());
+  }
   try {
     impl_->devices = detail::DeviceLayer::acquire();
   } catch (const std::exception&) {

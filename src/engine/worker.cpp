@@ -1171,9 +1171,9 @@ void Worker::watch(Link& l, bool on) {
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP;
     ev.data.u64 = reinterpret_cast<std::uint64_t>(&l);
-    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, l.impl.control.get(), &ev) == 0) l.watched = true;
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, l.impl.control->fd(), &ev) == 0) l.watched = true;
   } else {
-    (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, l.impl.control.get(), nullptr);
+    (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, l.impl.control->fd(), nullptr);
     l.watched = false;
   }
 }

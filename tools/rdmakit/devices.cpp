@@ -4,6 +4,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -22,7 +23,52 @@ struct DevicesOptions {
   bool json_out = false;
   bool trace = false;
   std::string gid;
+  std::vector<std::string> to;  // --to: show the CM's route to these addresses instead
+  unsigned timeout_ms = 3000;
 };
+
+// What rdma_cm resolves each address to: the device, port and GID the kernel's route uses.
+int run_routes(const DevicesOptions& o) {
+  json out = json::array();
+  int status = 0;
+  for (const std::string& a : o.to) {
+    try {
+      const RouteInfo r = resolve_route(a, std::chrono::milliseconds{o.timeout_ms});
+      out.push_back({{"to", a},
+                     {"address", r.address},
+                     {"device", r.device},
+                     {"port", r.port},
+                     {"source", r.source},
+                     {"gid_index", r.gid_index},
+                     {"source_gid", r.source_gid},
+                     {"dest_gid", r.dest_gid},
+                     {"path_mtu", r.path_mtu},
+                     {"hop_limit", r.hop_limit},
+                     {"traffic_class", r.traffic_class}});
+    } catch (const Error& e) {
+      out.push_back({{"to", a}, {"error", e.what()}});
+      status = 1;
+    }
+  }
+  if (o.json_out) {
+    fmt::print("{}\n", json{{"routes", out}}.dump(2));
+    return status;
+  }
+  for (const auto& r : out) {
+    if (r.contains("error")) {
+      fmt::print("route to {}: {}\n", r["to"].get<std::string>(), r["error"].get<std::string>());
+      continue;
+    }
+    fmt::print("route to {} ({}), as rdma_cm resolves it:\n", r["to"].get<std::string>(), r["address"].get<std::string>());
+    fmt::print("  device      {} port {}\n", r["device"].get<std::string>(), r["port"].get<int>());
+    fmt::print("  source      {}\n", r["source"].get<std::string>());
+    fmt::print("  source GID  [{}] {}\n", r["gid_index"].get<int>(), r["source_gid"].get<std::string>());
+    fmt::print("  dest GID    {}\n", r["dest_gid"].get<std::string>());
+    fmt::print("  path MTU    {}, hop limit {}, traffic class {}\n", r["path_mtu"].get<unsigned>(),
+               r["hop_limit"].get<unsigned>(), r["traffic_class"].get<unsigned>());
+  }
+  return status;
+}
 
 json netdev_json(const std::optional<doctor::Netdev>& nd) {
   if (!nd) return nullptr;
@@ -207,8 +253,16 @@ void add_devices(CLI::App& app, std::function<int()>& run) {
   CLI::App* sub = app.add_subcommand("devices", "list RDMA devices, ports, netdevs and GIDs, and the GID rdmakit uses");
   sub->add_flag("--json", o->json_out, "print JSON");
   sub->add_option("-g,--gid", o->gid, "show the choice for this GID selector (index or IP) instead of the default");
+  sub->add_option("--to", o->to,
+                  "instead, show the device, port, source GID and path that rdma_cm resolves this "
+                  "peer address to (what --cm rdma_cm uses); repeatable");
+  sub->add_option("--timeout", o->timeout_ms, "deadline in ms for each --to resolution")
+      ->check(CLI::Range(1u, 60'000u))
+      ->capture_default_str();
   add_trace_flag(*sub, o->trace);
-  sub->callback([o, &run] { run = guarded("devices", [o] { return run_devices(*o); }); });
+  sub->callback([o, &run] {
+    run = guarded("devices", [o] { return o->to.empty() ? run_devices(*o) : run_routes(*o); });
+  });
 }
 
 void add_doctor(CLI::App& app, std::function<int()>& run) {

@@ -19,6 +19,12 @@ void ConnectOptions::add_to(CLI::App& app) {
                  "for each operation")
       ->check(CLI::Range(1u, 3'600'000u))
       ->capture_default_str();
+  app.add_option("--cm", method,
+                 "how to connect: tcp (rdmakit's TCP bootstrap) or rdma_cm (the RDMA connection "
+                 "manager resolves address, route, device and GID; ports are rdma_cm ports); both "
+                 "sides the same")
+      ->check(CLI::IsMember({"tcp", "rdma_cm", "cm"}))
+      ->capture_default_str();
   app.add_option("--psk-file", psk_file,
                  "pre-shared key (a file of at least 16 bytes, mode 600): both sides prove they know "
                  "it before any connection parameter or key is exchanged");
@@ -58,6 +64,7 @@ std::string ConnectOptions::listen_address() const {
 
 ConnectionConfig ConnectOptions::config() const {
   ConnectionConfig cfg;
+  cfg.method = parse_connect_method(method);
   cfg.device = device;
   cfg.port = static_cast<std::uint8_t>(ib_port);
   cfg.gid = GidSelector::parse(gid);
@@ -73,14 +80,14 @@ std::string describe(const ConnectionInfo& i) {
   const auto& l = i.local;
   const auto& r = i.remote;
   return fmt::format(
-      "  peer        {}\n"
+      "  peer        {} (over {})\n"
       "  device      {} port {} ({})\n"
       "  local GID   [{}] {} {} ({})\n"
       "  remote GID  [{}] {} {}\n"
       "  path MTU    {} (local active {}, remote active {})\n"
       "  local QP    QPN {:#08x} PSN {:#08x}\n"
       "  remote QP   QPN {:#08x} PSN {:#08x}\n",
-      i.peer_address, i.device, i.port, to_string(i.link_layer), l.gid_index, i.local_gid.address(),
+      i.peer_address, to_string(i.method), i.device, i.port, to_string(i.link_layer), l.gid_index, i.local_gid.address(),
       to_string(l.gid_type), i.gid_reason, r.gid_index,
       GidEntry{r.gid_index, r.gid_type, r.gid, {}}.address(), to_string(r.gid_type), i.path_mtu,
       i.local_mtu, i.remote_mtu, l.qpn, l.psn, r.qpn, r.psn);

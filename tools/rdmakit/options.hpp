@@ -23,6 +23,7 @@ struct ConnectOptions {
   unsigned ib_port = 0;
   std::string gid;
   unsigned timeout_ms = 10'000;
+  std::string method = "tcp";  // --cm
   std::string psk_file;     // --psk-file
   bool trace = false;       // --trace
   bool trace_json = false;  // a subcommand's --json makes trace lines JSON too

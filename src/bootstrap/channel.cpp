@@ -1,0 +1,68 @@
+#include "bootstrap/channel.hpp"
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include <fmt/format.h>
+
+#include "rdmakit/error.hpp"
+
+namespace rdmakit::detail {
+
+namespace {
+
+int whole_seconds(std::chrono::milliseconds d) {
+  return static_cast<int>(std::max<long long>(1, (d.count() + 999) / 1000));
+}
+
+}  // namespace
+
+void TcpChannel::send_all(std::span<const std::uint8_t> bytes, Deadline deadline) {
+  detail::send_all(fd_.get(), bytes, deadline);
+}
+
+void TcpChannel::recv_exact(std::span<std::uint8_t> bytes, Deadline deadline) {
+  detail::recv_exact(fd_.get(), bytes, deadline);
+}
+
+long TcpChannel::recv_nonblocking(std::span<std::uint8_t> buf, int* error) noexcept {
+  return detail::recv_nonblocking(fd_.get(), buf, error);
+}
+
+std::string TcpChannel::local_address() const { return detail::local_address(fd_.get()); }
+
+// TCP keepalive does the heartbeat: after `interval` with nothing from the peer's host, a probe
+// every `interval`; TCP_USER_TIMEOUT ends the connection when nothing has been acknowledged for
+// `timeout` (with probes out, or with data unacknowledged). The socket then reports ETIMEDOUT.
+// The probes are answered by the peer's kernel: no thread and no call into rdmakit on either side.
+void TcpChannel::keepalive(std::chrono::milliseconds interval_ms, std::chrono::milliseconds timeout) {
+  if (interval_ms.count() == 0) return;
+  const int fd = fd_.get();
+  const int on = 1;
+  const int interval = whole_seconds(interval_ms);
+  const int probes = std::max(1, whole_seconds(timeout) / interval);
+  const auto user_timeout = static_cast<unsigned>(timeout.count());
+  if (::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on) != 0 ||
+      ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &interval, sizeof interval) != 0 ||
+      ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval) != 0 ||
+      ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes) != 0 ||
+      ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout) != 0) {
+    throw Error("setsockopt(keepalive)", errno,
+                fmt::format("interval {} s, timeout {} ms", interval, timeout.count()));
+  }
+}
+
+Message recv_message(Channel& ch, Deadline deadline) {
+  std::uint8_t head[wire::kHeaderSize];
+  ch.recv_exact(head, deadline);
+  Message m{wire::decode_header(head), {}};
+  m.payload.resize(m.header.length);
+  ch.recv_exact(m.payload, deadline);
+  return m;
+}
+
+}  // namespace rdmakit::detail

@@ -1,0 +1,61 @@
+#pragma once
+// The control channel a connection's handshake and later messages travel on: a reliable, ordered
+// byte stream with deadlines. Over TCP it is the bootstrap socket (TcpChannel); over rdma_cm it
+// is a small QP of its own, connected by the CM (src/cm/). The framing, authentication and
+// sealing above it (session.hpp, auth.hpp) are the same for both.
+
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "bootstrap/socket.hpp"
+#include "common/clock.hpp"
+
+namespace rdmakit::detail {
+
+class Channel {
+ public:
+  Channel() = default;
+  Channel(const Channel&) = delete;
+  Channel& operator=(const Channel&) = delete;
+  virtual ~Channel() = default;
+
+  /// Sends every byte by the deadline, or throws Error (the peer closed, the deadline passed).
+  virtual void send_all(std::span<const std::uint8_t> bytes, Deadline deadline) = 0;
+  /// Fills `bytes` by the deadline, or throws Error saying how far it got.
+  virtual void recv_exact(std::span<std::uint8_t> bytes, Deadline deadline) = 0;
+  /// What has arrived, without blocking: a byte count, kRecvWouldBlock, or kRecvClosed with
+  /// `error` set to why (0 for an orderly close, ETIMEDOUT when keepalive gave up, else errno).
+  virtual long recv_nonblocking(std::span<std::uint8_t> buf, int* error) noexcept = 0;
+  /// A descriptor that becomes readable when recv_nonblocking may have something (data, a close).
+  [[nodiscard]] virtual int fd() const noexcept = 0;
+  /// Turns on liveness probes: after `interval` with nothing from the peer, probe; when none is
+  /// answered within `timeout`, the channel reports ETIMEDOUT. Both 0: off.
+  virtual void keepalive(std::chrono::milliseconds interval, std::chrono::milliseconds timeout) = 0;
+  /// The channel's own address on this host (the route the peer is reached by), without port.
+  [[nodiscard]] virtual std::string local_address() const = 0;
+  /// The RDMA device the channel resolved the peer to (rdma_cm), or empty (TCP: the caller
+  /// picks the device by local_address()).
+  [[nodiscard]] virtual std::string device() const { return {}; }
+};
+
+/// The bootstrap socket as a channel.
+class TcpChannel final : public Channel {
+ public:
+  explicit TcpChannel(Fd fd) noexcept : fd_(std::move(fd)) {}
+  void send_all(std::span<const std::uint8_t> bytes, Deadline deadline) override;
+  void recv_exact(std::span<std::uint8_t> bytes, Deadline deadline) override;
+  long recv_nonblocking(std::span<std::uint8_t> buf, int* error) noexcept override;
+  [[nodiscard]] int fd() const noexcept override { return fd_.get(); }
+  void keepalive(std::chrono::milliseconds interval, std::chrono::milliseconds timeout) override;
+  [[nodiscard]] std::string local_address() const override;
+
+ private:
+  Fd fd_;
+};
+
+/// One framed message: header validated, payload length checked before it is read.
+Message recv_message(Channel& ch, Deadline deadline);
+
+}  // namespace rdmakit::detail
