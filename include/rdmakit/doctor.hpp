@@ -108,6 +108,7 @@ struct PeerOptions {
   std::uint32_t rtt_samples = 200;
   std::function<void(const TraceEvent&)> trace;
   std::vector<std::uint8_t> psk;  ///< the listener's pre-shared key, if it has one
+  ConnectMethod method = ConnectMethod::tcp;  ///< the listener's: TCP bootstrap or rdma_cm
 };
 
 /// Two-sided doctor: connects to `host_port` (a doctor listener or any rdmakit listener),

@@ -217,6 +217,18 @@ Check diagnose(const Error& e) {
     if (d.fix.empty()) d.fix = "give both sides the same pre-shared key (--psk-file)";
   } else if (op == "bootstrap handshake" && err == ECONNREFUSED) {
     d.fix = "the peer refused the connection for the reason it gave above";
+  } else if (op.rfind("rdma_", 0) == 0) {
+    // The CM's steps: each error already names the event, its status and the likely cause.
+    d.id = "peer.rdma_cm";
+    d.title = "rdma_cm connection";
+    if (op == "rdma_resolve_addr" || op == "rdma_cm address resolution") {
+      d.title = "rdma_cm address resolution";
+    } else if (op == "rdma_resolve_route" || op == "rdma_cm route resolution") {
+      d.title = "rdma_cm route resolution";
+    } else if (err == ECONNREFUSED && d.detail.find("invalid service ID") != std::string::npos) {
+      d.fix = "nothing listens on that rdma_cm port: start the peer with --cm rdma_cm (rdma_cm "
+              "ports are not TCP ports), or check the address and port";
+    }
   } else if (op.rfind("ibv_modify_qp", 0) == 0) {
     d.title = "QP setup";
   } else if (op == "ibv_reg_mr") {
@@ -308,6 +320,7 @@ void serve(Connection& c, std::chrono::milliseconds timeout) {
 Report check_peer(const std::string& host_port, const PeerOptions& o) {
   Report r;
   ConnectionConfig cfg;
+  cfg.method = o.method;
   cfg.device = o.local.device;
   cfg.port = o.local.port;
   cfg.gid = o.local.gid;

@@ -16,8 +16,10 @@
 
 #include <gtest/gtest.h>
 
+#include "engine_helpers.hpp"
 #include "lab_helpers.hpp"
 #include "rdmakit/connection.hpp"
+#include "rdmakit/engine.hpp"
 #include "rdmakit/error.hpp"
 
 extern char** environ;
@@ -307,6 +309,55 @@ TEST(Cm, ConnectCloseCyclesLeakNothing) {
   }
   EXPECT_EQ(lab::rdma_resources(), before);
   EXPECT_EQ(lab::open_fds(), fds);
+}
+
+// The engine's links over rdma_cm: the same batches, windows and notifications.
+TEST(Cm, TheEngineLinksThroughTheCm) {
+  auto config = [](const std::string& name) {
+    rdmakit::EngineConfig c;
+    c.name = name;
+    c.listen = lab_ip() + ":0";
+    c.link = cm(key('e'));
+    return c;
+  };
+  rdmakit::Engine b(config("b"));
+  const rdmakit::Buffer kv = b.allocate_memory(1 << 20);
+  b.expose("kv", kv, Access::remote_read | Access::remote_write);
+  rdmakit::Engine a(config("a"));
+  a.add_peer("b", lab_ip() + ":" + std::to_string(b.port()));
+  const auto seg = a.segment("b", "kv");
+  const rdmakit::Buffer src = a.allocate_memory(1 << 20);
+  const rdmakit::Buffer dst = a.allocate_memory(1 << 20);
+  auto* p = static_cast<std::uint8_t*>(src.addr);
+  for (std::size_t i = 0; i < src.length; ++i) p[i] = static_cast<std::uint8_t>(i * 13 + (i >> 10));
+  std::vector<rdmakit::Transfer> writes;
+  for (std::uint64_t k = 0; k < 16; ++k) {
+    writes.push_back(lab::xfer(rdmakit::TransferOp::write, src, k * 65536, 65536, seg, k * 65536));
+  }
+  rdmakit::SubmitOptions o;
+  o.notify = {'d', 'o', 'n', 'e'};
+  rdmakit::Batch w = a.submit(writes, o);
+  ASSERT_TRUE(w.wait(10s));
+  EXPECT_EQ(w.failed(), 0u) << w.describe_failures();
+  std::optional<rdmakit::Notification> n;
+  for (int i = 0; i < 100 && !n; ++i) {
+    pollfd pfd{b.fd(), POLLIN, 0};
+    if (::poll(&pfd, 1, 50) > 0) {
+      std::uint64_t v = 0;
+      (void)!::read(b.fd(), &v, sizeof v);
+    }
+    n = b.next_notification();
+  }
+  ASSERT_TRUE(n.has_value());
+  EXPECT_EQ(n->message, o.notify);
+  EXPECT_EQ(std::memcmp(kv.addr, src.addr, src.length), 0);
+  const rdmakit::Transfer one = lab::xfer(rdmakit::TransferOp::read, dst, 0, 1 << 20, seg, 0);
+  rdmakit::Batch r = a.submit({&one, 1});
+  ASSERT_TRUE(r.wait(10s));
+  EXPECT_EQ(r.failed(), 0u) << r.describe_failures();
+  EXPECT_EQ(std::memcmp(dst.addr, src.addr, src.length), 0);
+  EXPECT_EQ(a.counters().connects, 1u);
+  EXPECT_EQ(b.counters().accepts, 1u);
 }
 
 }  // namespace

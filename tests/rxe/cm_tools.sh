@@ -1,6 +1,6 @@
 #!/bin/sh
 # The tools over rdma_cm across two lab VMs (two NICs each): devices --to shows the CM's route
-# to each of VM 0's networks; hello with a key; bench with --validate (every operation, four QPs
+# to each of VM 0's networks; hello with a key; doctor --peer; bench with --validate (every operation, four QPs
 # striped); a client with the wrong key and one to a port where nothing listens, each refused
 # with the reason. VM 0 serves, VM 1 connects; the clients retry until the servers listen.
 # Usage: cm_tools.sh PATH_TO_RDMAKIT
@@ -20,6 +20,9 @@ cm="--cm rdma_cm --timeout 20000"
 benches="write:-q4:-s1048576 read:-q3:-s262144 send:-q1:-s4096 atomic:-q1:-s8"
 
 if [ "$RDMAKIT_LAB_INDEX" = 0 ]; then
+  # A doctor listener for VM 1's two-sided checks, up until VM 0 is done.
+  "$R" doctor --cm rdma_cm --listen 13060 > "$out/doctor" 2>&1 &
+  doctor=$!
   timeout 60 "$R" hello $cm --listen 13040 --psk-file "$out/key" > "$out/hello" 2>&1 || fail "hello server exited $?"
   expect "$out/hello" "peer        $client:"
   expect "$out/hello" "(over rdma_cm)"
@@ -34,6 +37,7 @@ if [ "$RDMAKIT_LAB_INDEX" = 0 ]; then
   timeout 60 "$R" hello $cm --listen 13050 --psk-file "$out/key" > "$out/hello-refusing" 2>&1 || fail "keyed server exited $?"
   expect "$out/hello-refusing" "authentication failed"
   expect "$out/hello-refusing" 'received: "Hello,World"'
+  kill $doctor
   cat "$out/hello"
   echo "PASS: rdma_cm tools (server)"
   exit 0
@@ -64,7 +68,17 @@ done
 expect "$out/bench-write" "(+3 more QPs"
 timeout 30 "$R" hello $cm --connect "$server:13050" --psk-file "$out/other" > "$out/hello-wrong" 2>&1 && fail "a wrong key connected"
 expect "$out/hello-wrong" "failed to prove it knows the pre-shared key"
-# While VM 0 still waits for the right key: a port where nothing listens.
+# While VM 0 still waits for the right key: the doctor over rdma_cm, and a port where nothing
+# listens.
+i=0
+until "$R" doctor --cm rdma_cm --peer "$server:13060" > "$out/doctor" 2>&1; do
+  i=$((i + 1)); [ $i -gt 20 ] && fail "doctor --cm rdma_cm --peer failed"; sleep 0.5
+done
+expect "$out/doctor" "[ok  ] tiny WRITE"
+expect "$out/doctor" "[ok  ] tiny SEND"
+"$R" doctor --cm rdma_cm --peer "$server:13069" > "$out/doctor-nobody" 2>&1 && fail "doctor passed with no peer"
+expect "$out/doctor-nobody" "rdma_cm connection"
+expect "$out/doctor-nobody" "fix: nothing listens on that rdma_cm port"
 timeout 30 "$R" hello --cm rdma_cm --timeout 1500 --connect "$server:13059" > "$out/hello-nobody" 2>&1 && fail "connected to nothing"
 expect "$out/hello-nobody" "nothing listens on that rdma_cm port"
 timeout 60 "$R" hello $cm --connect "$server:13050" --psk-file "$out/key" > "$out/hello-right" 2>&1 || fail "the right key was refused"

@@ -3,14 +3,17 @@
 # and reads it with every byte validated (text and JSON), and a missing segment fails with its
 # name. With two NICs per VM (the suite's lab), the write runs over both rails and reports each,
 # and --rails 1 keeps to one. VM 0 stops at SIGTERM once VM 1 is done and reports what it saw.
-#   engine_tools.sh PATH_TO_rdmakit
+# With rdma_cm as the second argument, every link (rails too) connects through the CM.
+#   engine_tools.sh PATH_TO_rdmakit [tcp|rdma_cm]
 set -u
 R=$1
+method=${2:-tcp}
+cm="--cm $method"
 set -- $RDMAKIT_LAB_IPS
-done_file=".engine-tools-done-$RDMAKIT_LAB_RUN"
+done_file=".engine-tools-done-$method-$RDMAKIT_LAB_RUN"
 fail() { echo "FAIL: $*"; exit 1; }
 if [ "$RDMAKIT_LAB_INDEX" = 0 ]; then
-  "$R" serve --name target --listen 7630 --expose kv:16M --json > serve.out.$$ 2>&1 &
+  "$R" serve $cm --name target --listen 7630 --expose kv:16M --json > serve.out.$$ 2>&1 &
   pid=$!
   i=0
   until [ -e "$done_file" ]; do
@@ -29,7 +32,7 @@ if [ "$RDMAKIT_LAB_INDEX" = 0 ]; then
   rm -f serve.out.$$ "$done_file"
 else
   trap 'touch "$done_file"' EXIT
-  out=$("$R" engine-bench --peer target=$1:7630 --op write --block-size 64K --batch-size 32 --duration 1 --validate) \
+  out=$("$R" engine-bench $cm --peer target=$1:7630 --op write --block-size 64K --batch-size 32 --duration 1 --validate) \
     || fail "write bench: $out"
   echo "$out"
   echo "$out" | grep -q "validated: every byte" || fail "write not validated"
@@ -38,18 +41,18 @@ else
       echo "$out" | grep -q "rail $d port 1 (.*) -> $d port 1 (.*) of target: up, [1-9][0-9]* bytes" \
         || fail "the write did not report bytes on rail $d"
     done
-    out=$("$R" engine-bench --peer target=$1:7630 --op write --block-size 1M --batch-size 4 --duration 1 --rails 1 --validate) \
+    out=$("$R" engine-bench $cm --peer target=$1:7630 --op write --block-size 1M --batch-size 4 --duration 1 --rails 1 --validate) \
       || fail "write bench with --rails 1: $out"
     echo "$out"
     echo "$out" | grep -q "rail rxe1 port 1 (.*) of target: unused: past the engine's rail limit" \
       || fail "--rails 1 used rxe1, or did not say why not"
   fi
-  out=$("$R" engine-bench --peer target=$1:7630 --op read --block-size 4K --batch-size 128 --threads 2 --duration 1 --validate --json) \
+  out=$("$R" engine-bench $cm --peer target=$1:7630 --op read --block-size 4K --batch-size 128 --threads 2 --duration 1 --validate --json) \
     || fail "read bench: $out"
   echo "$out"
   echo "$out" | grep -q '"mismatches":0' || fail "read mismatches"
   echo "$out" | grep -q '"validated":true' || fail "read not validated"
-  out=$("$R" engine-bench --peer target=$1:7630 --segment nope --duration 1 2>&1) && fail "a missing segment succeeded"
+  out=$("$R" engine-bench $cm --peer target=$1:7630 --segment nope --duration 1 2>&1) && fail "a missing segment succeeded"
   echo "$out"
   echo "$out" | grep -q "no segment 'nope'" || fail "the error does not name the segment"
   echo "$out" | grep -q "it has: kv" || fail "the error does not list the segments there are"

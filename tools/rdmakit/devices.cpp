@@ -220,6 +220,7 @@ int run_doctor(const DoctorOptions& o) {
     doctor::PeerOptions po;
     po.local = local;
     po.timeout = o.net.timeout();
+    po.method = parse_connect_method(o.net.method);
     if (o.net.trace) po.trace = trace_to_stderr(o.json_out);
     if (!o.net.psk_file.empty()) po.psk = read_key_file(o.net.psk_file);
     ConnectOptions target = o.net;

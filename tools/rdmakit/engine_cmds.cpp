@@ -40,6 +40,7 @@ struct EngineNet {
   std::string device;
   unsigned timeout_ms = 10'000;
   std::string psk_file;
+  std::string method = "tcp";
   unsigned workers = 0;  // 0: the engine's default, one per device
   unsigned max_qps = 1024;
   unsigned rails = 0;  // 0: every port that reaches the peer
@@ -54,6 +55,9 @@ struct EngineNet {
     app.add_option("-d,--device", device, "RDMA device (default: the one the route to each peer uses)");
     app.add_option("--timeout", timeout_ms, "handshake deadline in ms")->capture_default_str();
     app.add_option("--psk-file", psk_file, "pre-shared key file (both ends the same)");
+    app.add_option("--cm", method, "how links connect: tcp or rdma_cm (then ports are rdma_cm ports); every engine the same")
+        ->check(CLI::IsMember({"tcp", "rdma_cm", "cm"}))
+        ->capture_default_str();
     app.add_option("--workers", workers, "progress threads (default: one per RDMA device)")->check(CLI::Range(1u, 64u));
     app.add_option("--max-qps", max_qps, "QP budget")->check(CLI::Range(1u, 1u << 20))->capture_default_str();
     app.add_option("--rails", rails, "most rails (NIC ports) per peer link; 0: every port that reaches the peer")
@@ -69,6 +73,7 @@ struct EngineNet {
     EngineConfig c;
     c.name = name;
     c.listen = std::move(listen);
+    c.link.method = parse_connect_method(method);
     c.link.device = device;
     c.link.handshake_timeout = std::chrono::milliseconds{timeout_ms};
     c.link.retry_refused = true;  // a target started at the same moment may not listen yet
