@@ -125,6 +125,13 @@ Error cm_event_error(const char* step, const CmEvent& e, const std::string& peer
   const int err = e.status < 0 ? -e.status : 0;
   switch (e.type) {
     case RDMA_CM_EVENT_ADDR_ERROR:
+      if (err == ETIMEDOUT || err == EHOSTUNREACH) {
+        return Error(step, err,
+                     fmt::format("{}: {} ({}): no neighbour answered for the peer or the route's next hop",
+                                 peer, name, errno_name(err)),
+                     "no ARP/ND reply: the peer (or the gateway the route names) is down or not on that "
+                     "network; check `ip route get` the address and `ip neigh`");
+      }
       return Error(step, err != 0 ? err : EADDRNOTAVAIL,
                    fmt::format("{}: {} ({}): the address is not reachable through any RDMA device", peer,
                                name, errno_name(err)),
