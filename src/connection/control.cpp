@@ -28,6 +28,13 @@ std::string Connection::Impl::control_gone_reason() const {
       return "the peer is gone: its control channel closed (process exited or killed, or the "
              "host went down)";
     case ETIMEDOUT:
+      if (cfg.method == ConnectMethod::rdma_cm) {
+        // The probe is a SEND on the control QP: it fails once its retries are spent.
+        return fmt::format("the peer's host stopped answering: the control QP's keepalive probe was "
+                           "not acknowledged after {} tries of {} ms (the host is down, paused or "
+                           "partitioned from this one)",
+                           cfg.retry_count + 1, cfg.ack_timeout.count());
+      }
       return fmt::format("the peer's host stopped answering: no keepalive reply for {} ms (the host "
                          "is down, paused or partitioned from this one)",
                          cfg.keepalive_timeout.count());

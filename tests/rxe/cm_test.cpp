@@ -276,9 +276,9 @@ TEST(Cm, ABusyListenerRefusesAndRetryingClientsGetIn) {
 // The peer process is killed: its kernel sends the CM's DREQ, so the loss is seen at once, long
 // before the data QPs' retries (ack_timeout x retry_count, ~4 s) would give up.
 TEST(Cm, AKilledPeerIsLostAtOnceThroughTheCm) {
-  ::setenv("RDMAKIT_PEER_METHOD", "rdma_cm", 1);
+  ::setenv("RDMAKIT_TEST_METHOD", "rdma_cm", 1);
   lab::Child victim("listen", "15300");
-  ::unsetenv("RDMAKIT_PEER_METHOD");
+  ::unsetenv("RDMAKIT_TEST_METHOD");
   ASSERT_TRUE(victim.ok());
   ASSERT_TRUE(victim.await("listening"));
   Connection c = Connection::connect(lab_ip() + ":15300", cm(), buffer(64 * 1024));

@@ -50,12 +50,7 @@ using rdmakit::WorkRequest;
 
 double ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
-ConnectionConfig quiet() {
-  ConnectionConfig cfg;
-  cfg.log = [](std::string_view) {};
-  cfg.retry_refused = true;
-  return cfg;
-}
+ConnectionConfig quiet() { return lab::quiet(); }
 
 std::string target(const Listener& l) { return "127.0.0.1:" + std::to_string(l.port()); }
 

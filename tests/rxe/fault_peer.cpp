@@ -1,6 +1,6 @@
 // The peer the fault tests kill: connects (or listens), advertises a 64 KiB buffer it lets the
 // other side read and write, keeps receives posted for SENDs, says "ready" on stdout, and serves
-// until it is killed (through rdma_cm with RDMAKIT_PEER_METHOD=rdma_cm). With try-connect, a client in a process of its own: one connect attempt
+// until it is killed (through rdma_cm with RDMAKIT_TEST_METHOD=rdma_cm). With try-connect, a client in a process of its own: one connect attempt
 // per line on stdin, "connected" or "refused: WHY" on stdout for each.
 // With engine, an rdmakit::Engine called NAME on PORT exposing a 1 MiB segment "kv", published in
 // the metadata store RDMAKIT_PEER_METADATA names (if set; cluster "t", lease 2 s, poll 200 ms).
@@ -73,8 +73,10 @@ int main(int argc, char** argv) {
   cfg.retry_refused = true;
   cfg.recv_depth = 128;
   if (argc == 4 && std::string(argv[3]) == "no-keepalive") cfg.keepalive_interval = cfg.keepalive_timeout = 0ms;
-  // RDMAKIT_PEER_METHOD=rdma_cm: connect and listen through the CM (ports are rdma_cm ports).
-  if (const char* m = std::getenv("RDMAKIT_PEER_METHOD")) cfg.method = rdmakit::parse_connect_method(m);
+  // RDMAKIT_TEST_METHOD=rdma_cm: connect and listen through the CM (ports are rdma_cm ports).
+  if (const char* m = std::getenv("RDMAKIT_TEST_METHOD"); m != nullptr && *m != '\0') {
+    cfg.method = rdmakit::parse_connect_method(m);
+  }
   auto setup = [](rdmakit::Connection& c) {
     const auto& m = c.allocate_memory(64 * 1024, rdmakit::Access::local_write | rdmakit::Access::remote_read |
                                                      rdmakit::Access::remote_write);

@@ -147,11 +147,19 @@ inline std::vector<std::pair<rdmakit::wire::Header, std::vector<std::uint8_t>>> 
   return out;
 }
 
+/// The connection method a suite case asks for: RDMAKIT_TEST_METHOD=rdma_cm runs a case that
+/// uses quiet() (and the fault peer) through rdma_cm; the default is the TCP bootstrap.
+inline rdmakit::ConnectMethod test_method() {
+  const char* m = std::getenv("RDMAKIT_TEST_METHOD");
+  return m != nullptr && *m != '\0' ? rdmakit::parse_connect_method(m) : rdmakit::ConnectMethod::tcp;
+}
+
 /// A connection config that logs nothing and retries a refused connect until its deadline.
 inline rdmakit::ConnectionConfig quiet() {
   rdmakit::ConnectionConfig cfg;
   cfg.log = [](std::string_view) {};
   cfg.retry_refused = true;
+  cfg.method = test_method();
   return cfg;
 }
 
