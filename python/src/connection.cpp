@@ -79,8 +79,9 @@ Connection::Setup advertiser(const std::shared_ptr<Held>& held) {
 }
 
 ConnectionConfig config_from(const py::object& psk, std::string device, double handshake_timeout,
-                             std::uint32_t qps) {
+                             std::uint32_t qps, const std::string& method) {
   ConnectionConfig c;
+  c.method = parse_connect_method(method);
   c.psk = key_from(psk);
   c.device = std::move(device);
   c.handshake_timeout = to_ms(handshake_timeout, "handshake_timeout");
@@ -287,9 +288,9 @@ void bind_connection(py::module_& m) {
   m.def(
       "connect",
       [](const std::string& address, const py::iterable& advertise, const py::object& psk,
-         std::string device, double handshake_timeout, std::uint32_t qps) {
+         std::string device, double handshake_timeout, std::uint32_t qps, const std::string& method) {
         auto held = hold_all(advertise);
-        ConnectionConfig cfg = config_from(psk, std::move(device), handshake_timeout, qps);
+        ConnectionConfig cfg = config_from(psk, std::move(device), handshake_timeout, qps, method);
         cfg.retry_refused = true;
         Connection::Setup setup = advertiser(held);
         std::optional<Connection> conn;
@@ -301,9 +302,11 @@ void bind_connection(py::module_& m) {
       },
       py::arg("address"), py::kw_only(), py::arg("advertise") = py::tuple(),
       py::arg("psk") = py::none(), py::arg("device") = "", py::arg("handshake_timeout") = 10.0,
-      py::arg("qps") = 1,
+      py::arg("qps") = 1, py::arg("method") = "tcp",
       "Connects to a Listener at \"host:port\". advertise: objects (or (obj, access) pairs, "
-      "access letters r, w, a) the peer may reach, registered before the handshake.");
+      "access letters r, w, a) the peer may reach, registered before the handshake. method: "
+      "\"tcp\" (rdmakit's TCP bootstrap) or \"rdma_cm\" (the connection manager; the port is "
+      "an rdma_cm port), as the listener uses.");
 
   struct PyListener {
     std::shared_ptr<Held> held;
@@ -311,10 +314,11 @@ void bind_connection(py::module_& m) {
   };
   py::class_<PyListener>(m, "Listener", "Accepts connections; every one gets `advertise`.")
       .def(py::init([](const std::string& address, const py::iterable& advertise,
-                       const py::object& psk, std::string device, double handshake_timeout) {
+                       const py::object& psk, std::string device, double handshake_timeout,
+                       const std::string& method) {
              auto l = std::make_unique<PyListener>();
              l->held = hold_all(advertise);
-             ListenerConfig cfg(config_from(psk, std::move(device), handshake_timeout, 1));
+             ListenerConfig cfg(config_from(psk, std::move(device), handshake_timeout, 1, method));
              Connection::Setup setup = advertiser(l->held);
              py::gil_scoped_release nogil;
              l->listener = std::make_unique<Listener>(address, cfg, setup);
@@ -322,7 +326,7 @@ void bind_connection(py::module_& m) {
            }),
            py::arg("address") = ":0", py::kw_only(), py::arg("advertise") = py::tuple(),
            py::arg("psk") = py::none(), py::arg("device") = "",
-           py::arg("handshake_timeout") = 10.0)
+           py::arg("handshake_timeout") = 10.0, py::arg("method") = "tcp")
       .def_property_readonly("port",
                              [](const PyListener& l) { return l.listener ? l.listener->port() : 0; })
       .def(

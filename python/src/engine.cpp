@@ -449,8 +449,9 @@ void bind_engine(py::module_& m) {
                        std::string device, double handshake_timeout, std::uint32_t send_depth,
                        std::string metadata, std::string cluster, double lease, std::uint32_t rails,
                        std::vector<std::string> rail_devices, std::uint64_t slice_size,
-                       std::uint64_t slice_threshold) {
+                       std::uint64_t slice_threshold, const std::string& method) {
              EngineConfig c;
+             c.link.method = parse_connect_method(method);
              c.rails.max = rails;
              c.rails.devices = std::move(rail_devices);
              c.rails.slice_size = slice_size;
@@ -476,6 +477,7 @@ void bind_engine(py::module_& m) {
            py::arg("send_depth") = 64, py::arg("metadata") = "p2p", py::arg("cluster") = "default",
            py::arg("lease") = 10.0, py::arg("rails") = 0, py::arg("rail_devices") = std::vector<std::string>{},
            py::arg("slice_size") = RailConfig{}.slice_size, py::arg("slice_threshold") = RailConfig{}.slice_threshold,
+           py::arg("method") = "tcp",
            "name: as peers know it (default host:pid). listen: \"[host]:port\" (port 0: any; "
            "empty: no listener). workers: progress threads (default one per device). psk: the "
            "pre-shared key, bytes or a key file's path (both ends of a link hold the same). "
@@ -483,7 +485,8 @@ void bind_engine(py::module_& m) {
            "the engine publishes itself there (in `cluster`, under a lease of `lease` seconds) "
            "and finds peers by name. rails: most NIC ports a peer link uses (0: every port that "
            "reaches the peer); rail_devices: the devices rails may use (default all); reads and writes "
-           "of at least slice_threshold bytes are cut into slices of slice_size over the rails.")
+           "of at least slice_threshold bytes are cut into slices of slice_size over the rails. method: "
+           "how links connect, \"tcp\" or \"rdma_cm\" (every engine the same).")
       .def("close", &close_engine,
            "Closes every link (what is in flight ends) and releases the registered objects.")
       .def("__enter__", [](py::object self) { return self; })

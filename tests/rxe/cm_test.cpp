@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -105,12 +106,17 @@ struct RawCmClient {
   }
   // Resolves, builds a QP and connects with `data` as the request's private data; returns the
   // outcome (ESTABLISHED or REJECTED).
-  rdma_cm_event_type connect(const std::string& ip, std::uint16_t port, const std::vector<std::uint8_t>& data) {
+  rdma_cm_event_type connect(const std::string& ip, std::uint16_t port, const std::vector<std::uint8_t>& data,
+                             const std::string& from = {}) {
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_port = htons(port);
     ::inet_pton(AF_INET, ip.c_str(), &a.sin_addr);
-    if (rdma_resolve_addr(id, nullptr, reinterpret_cast<sockaddr*>(&a), 2000) != 0 ||
+    sockaddr_in src{};
+    src.sin_family = AF_INET;
+    if (!from.empty()) ::inet_pton(AF_INET, from.c_str(), &src.sin_addr);
+    if (rdma_resolve_addr(id, from.empty() ? nullptr : reinterpret_cast<sockaddr*>(&src),
+                          reinterpret_cast<sockaddr*>(&a), 2000) != 0 ||
         next() != RDMA_CM_EVENT_ADDR_RESOLVED || rdma_resolve_route(id, 2000) != 0 ||
         next() != RDMA_CM_EVENT_ROUTE_RESOLVED) {
       return RDMA_CM_EVENT_ADDR_ERROR;
@@ -271,6 +277,46 @@ TEST(Cm, ABusyListenerRefusesAndRetryingClientsGetIn) {
   ConnectionConfig patient = cm();
   patient.handshake_timeout = 5s;
   EXPECT_NO_THROW((void)Connection::connect(target(l), patient, buffer(4096)));
+}
+
+// A flood of clients that get through the CM and then say nothing, all from one address: the
+// per-peer handshake cap admits max_handshakes_per_peer of them (each holds a control QP until
+// its deadline: under rdma_cm the channel itself is a QP), refuses the rest at once, and a client
+// from elsewhere still gets in about as fast as unloaded.
+TEST(Cm, AFloodOfSilentClientsIsCapped) {
+  lab::ExtraAddress extra("198.18.0.201");
+  ASSERT_TRUE(extra.ok);
+  ListenerConfig lc = cm(key('f'));
+  lc.max_handshakes_per_peer = 8;
+  lc.connection.handshake_timeout = 5s;
+  Listener l(":0", lc, buffer(4096));
+  const auto t_unloaded = Clock::now();
+  (void)Connection::connect(target(l), cm(key('f')), buffer(4096));
+  const auto unloaded = Clock::now() - t_unloaded;
+  const auto before = lab::rdma_resources();
+  std::vector<std::unique_ptr<RawCmClient>> flood;
+  int established = 0, rejected = 0;
+  for (int i = 0; i < 40; ++i) {
+    auto& c = *flood.emplace_back(std::make_unique<RawCmClient>());
+    const auto e = c.connect(lab_ip(), l.port(), kRdmakitRequest, extra.address);
+    established += e == RDMA_CM_EVENT_ESTABLISHED ? 1 : 0;
+    if (e == RDMA_CM_EVENT_REJECTED) {
+      ++rejected;
+      EXPECT_NE(c.reason().find("busy: 8 handshakes in progress from 198.18.0.201"), std::string::npos) << c.reason();
+    }
+  }
+  EXPECT_EQ(established, 8);
+  EXPECT_EQ(rejected, 32);
+  const auto t0 = Clock::now();
+  EXPECT_NO_THROW((void)Connection::connect(target(l), cm(key('f')), buffer(4096)));
+  const auto loaded = Clock::now() - t0;
+  std::printf("rdma_cm connect: %.1f ms unloaded, %.1f ms with 40 silent clients\n",
+              std::chrono::duration<double, std::milli>(unloaded).count(),
+              std::chrono::duration<double, std::milli>(loaded).count());
+  EXPECT_LT(loaded, 2s);
+  // The flood's QPs: its own 40 and the listener's 8 control QPs; and the good client's
+  // server side, waiting for accept() (its control and data QP). Nothing more.
+  EXPECT_LE(lab::rdma_resources().at("qp"), before.at("qp") + 40 + 8 + 2);
 }
 
 // The peer process is killed: its kernel sends the CM's DREQ, so the loss is seen at once, long

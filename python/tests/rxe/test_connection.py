@@ -1,4 +1,5 @@
 """rdmakit.connect / Listener / Connection against rxe, both ends in one process."""
+import os
 import threading
 
 import numpy as np
@@ -56,3 +57,37 @@ def test_connecting_to_nobody_is_a_peer_lost_error():
     with pytest.raises(rdmakit.Error) as e:
         rdmakit.connect(f"127.0.0.1:{port}", handshake_timeout=1.0)
     assert e.value.verb and e.value.hint is not None
+
+
+def test_a_connection_and_an_engine_through_rdma_cm():
+    """method="rdma_cm": the CM resolves the VM's own address (not loopback: the CM needs an
+    address on an RDMA device's netdev)."""
+    ip = os.environ.get("RDMAKIT_LAB_IP", "127.0.0.1")
+    served = np.zeros(4096, dtype=np.uint8)
+    listener = rdmakit.Listener(f"{ip}:0", advertise=[(served, "rw")], method="rdma_cm")
+    accepted = {}
+    t = threading.Thread(target=lambda: accepted.setdefault("c", listener.accept(10.0)))
+    t.start()
+    mine = np.arange(4096, dtype=np.uint32).astype(np.uint8)
+    with rdmakit.connect(f"{ip}:{listener.port}", method="rdma_cm") as conn:
+        t.join()
+        (region,) = conn.remote_regions
+        conn.write(conn.register(mine), region, wr_id=1)
+        assert conn.wait(10.0)["ok"]
+        assert np.array_equal(served, mine)
+        accepted["c"].close()
+    listener.close()
+    with pytest.raises(rdmakit.Error, match="tcp or rdma_cm"):
+        rdmakit.connect(f"{ip}:1", method="carrier-pigeon")
+
+    target = rdmakit.Engine(name="t", listen=f"{ip}:0", method="rdma_cm")
+    pool = np.zeros(1 << 16, dtype=np.uint8)
+    target.expose("pool", target.register(pool), "rw")
+    init = rdmakit.Engine(name="i", listen="", method="rdma_cm")
+    init.add_peer("t", f"{ip}:{target.port}")
+    src = np.random.default_rng(9).integers(0, 256, 1 << 16, dtype=np.uint8)
+    batch = init.submit([rdmakit.write(init.register(src), init.segment("t", "pool"))])
+    batch.wait(10.0)
+    assert np.array_equal(pool, src)
+    init.close()
+    target.close()
