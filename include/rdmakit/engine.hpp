@@ -62,6 +62,7 @@ struct EngineConfig {
   /// Most QPs this engine holds at once (links it initiated and links peers opened to it). When
   /// a new link would pass it, the least recently used idle link is closed (an eviction, which
   /// its next transfer undoes by reconnecting); with no idle link to close, the connect waits.
+  /// A link holds one QP, and over rdma_cm (link.method) two: its control channel is a QP too.
   std::uint32_t max_qps = 1024;
   /// Where peers are found: "p2p" (the default; add_peer with host:port), or a Redis or etcd
   /// store in which the engine publishes itself (name, epoch, endpoints, rails, segments; never
@@ -182,7 +183,7 @@ struct SubmitOptions {
 
 /// Counters, readable at any time.
 struct EngineCounters {
-  std::uint64_t qps = 0;           ///< QPs now
+  std::uint64_t qps = 0;           ///< QPs now (over rdma_cm with each link's control QP)
   std::uint64_t peers = 0;         ///< peers added
   std::uint64_t links = 0;         ///< links up now (initiated and accepted)
   std::uint64_t connects = 0;      ///< links this engine initiated, in all

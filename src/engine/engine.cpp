@@ -183,7 +183,12 @@ Engine::Impl::Impl(EngineConfig c)
   name = cfg.name.empty() ? default_name() : cfg.name;
   detail::engine_wire::check_name(name, "engine name");
   detail::check_key(cfg.link.psk);
-  if (cfg.max_qps == 0) throw Error("engine config", EINVAL, "max_qps 0: at least 1");
+  if (cfg.max_qps < qps_per_link()) {
+    throw Error("engine config", EINVAL,
+                fmt::format("max_qps {}: a link holds {} QP(s){}", cfg.max_qps, qps_per_link(),
+                            qps_per_link() > 1 ? " (its data QP and, over rdma_cm, its control QP)" : ""),
+                fmt::format("at least {}", qps_per_link()));
+  }
   if (cfg.rails.slice_size < 4096 || cfg.rails.probe_first.count() <= 0 || cfg.rails.probe_max < cfg.rails.probe_first) {
     throw Error("engine config", EINVAL,
                 fmt::format("rails: slice_size {} (at least 4096), probe_first {} ms (above 0), probe_max {} ms "
@@ -319,10 +324,12 @@ detail::Attachment Engine::Impl::attach(const std::string& device, Worker* prefe
   const std::uint32_t d = device_index(device);
   // A QP of the budget: when there is none, idle links are evicted to make room.
   const auto deadline = detail::deadline_in(std::min(cfg.link.handshake_timeout, std::chrono::milliseconds{5000}));
+  // Over rdma_cm a link's control channel is a QP too: it counts against the budget.
+  const std::uint64_t per = qps_per_link();
   for (bool asked = false;;) {
     std::uint64_t have = count.qps.load();
-    if (have < cfg.max_qps && count.qps.compare_exchange_weak(have, have + 1)) break;
-    if (have < cfg.max_qps) continue;
+    if (have + per <= cfg.max_qps && count.qps.compare_exchange_weak(have, have + per)) break;
+    if (have + per <= cfg.max_qps) continue;
     if (!asked) {
       for (auto& w : workers) w->post(detail::Command(detail::Command::Kind::evict));
       asked = true;
@@ -336,13 +343,14 @@ detail::Attachment Engine::Impl::attach(const std::string& device, Worker* prefe
     std::this_thread::sleep_for(std::chrono::milliseconds{2});
   }
   struct QpTicket {
-    explicit QpTicket(std::atomic<std::uint64_t>* q) : qps(q) {}
+    QpTicket(std::atomic<std::uint64_t>* q, std::uint64_t n) : qps(q), count(n) {}
     QpTicket(const QpTicket&) = delete;
     QpTicket& operator=(const QpTicket&) = delete;
-    ~QpTicket() { qps->fetch_sub(1); }
+    ~QpTicket() { qps->fetch_sub(count); }
     std::atomic<std::uint64_t>* qps;
+    std::uint64_t count;
   };
-  auto ticket = std::make_shared<QpTicket>(&count.qps);
+  auto ticket = std::make_shared<QpTicket>(&count.qps, per);
   // A worker with room in its CQ there: the preferred one (a peer's own), else round robin.
   // A link this engine opens belongs to its peer's worker; one a peer opens, to any worker.
   const auto n = static_cast<std::uint32_t>(workers.size());

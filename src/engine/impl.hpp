@@ -492,6 +492,10 @@ struct Engine::Impl {
   detail::Worker* worker_for(const std::string& address, std::uint32_t id);
   /// The device index of `name` in the layer.
   [[nodiscard]] std::uint32_t device_index(const std::string& name) const;
+  /// QPs a link holds against max_qps: its data QP, and over rdma_cm its control channel's.
+  [[nodiscard]] std::uint64_t qps_per_link() const noexcept {
+    return cfg.link.method == ConnectMethod::rdma_cm ? 2 : 1;
+  }
   /// The attach hook of every link: a worker's CQ on that device with room, and a QP of the
   /// budget. Throws a "busy" Error when there is neither.
   detail::Attachment attach(const std::string& device, detail::Worker* preferred);

@@ -404,6 +404,38 @@ TEST(Cm, TheEngineLinksThroughTheCm) {
   EXPECT_EQ(std::memcmp(dst.addr, src.addr, src.length), 0);
   EXPECT_EQ(a.counters().connects, 1u);
   EXPECT_EQ(b.counters().accepts, 1u);
+  // A link through the CM holds two QPs of the budget: its data QP and its control QP.
+  EXPECT_EQ(a.counters().qps, 2u);
+}
+
+// The QP budget counts the control QPs: with room for one link (3 QPs), a second peer's link
+// evicts the first, idle one, and every transfer still succeeds.
+TEST(Cm, TheEnginesQpBudgetCountsTheControlQps) {
+  auto config = [](const std::string& name) {
+    rdmakit::EngineConfig c;
+    c.name = name;
+    c.listen = lab_ip() + ":0";
+    c.link = cm();
+    return c;
+  };
+  rdmakit::Engine b(config("b")), c(config("c"));
+  for (rdmakit::Engine* t : {&b, &c}) t->expose("kv", t->allocate_memory(4096), Access::remote_read | Access::remote_write);
+  rdmakit::EngineConfig ac = config("a");
+  ac.max_qps = 1;
+  EXPECT_THROW(rdmakit::Engine{ac}, rdmakit::Error) << "one QP cannot hold a link over rdma_cm";
+  ac.max_qps = 3;
+  rdmakit::Engine a(ac);
+  a.add_peer("b", lab_ip() + ":" + std::to_string(b.port()));
+  a.add_peer("c", lab_ip() + ":" + std::to_string(c.port()));
+  const rdmakit::Buffer buf = a.allocate_memory(4096);
+  for (const char* peer : {"b", "c", "b"}) {
+    const rdmakit::Transfer t = lab::xfer(rdmakit::TransferOp::write, buf, 0, 4096, a.segment(peer, "kv"), 0);
+    rdmakit::Batch x = a.submit({&t, 1});
+    ASSERT_TRUE(x.wait(10s)) << peer;
+    EXPECT_EQ(x.failed(), 0u) << x.describe_failures();
+    EXPECT_LE(a.counters().qps, 3u);
+  }
+  EXPECT_EQ(a.counters().evictions, 2u);
 }
 
 }  // namespace

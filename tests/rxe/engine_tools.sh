@@ -36,11 +36,14 @@ else
     || fail "write bench: $out"
   echo "$out"
   echo "$out" | grep -q "validated: every byte" || fail "write not validated"
+  # Through rdma_cm only the links differ: the rail limit, reads and a missing segment are the
+  # same code as over TCP, checked there.
   if [ "${RDMAKIT_LAB_NICS:-1}" -ge 2 ]; then
     for d in rxe0 rxe1; do
       echo "$out" | grep -q "rail $d port 1 (.*) -> $d port 1 (.*) of target: up, [1-9][0-9]* bytes" \
         || fail "the write did not report bytes on rail $d"
     done
+    [ "$method" = tcp ] || exit 0
     out=$("$R" engine-bench $cm --peer target=$1:7630 --op write --block-size 1M --batch-size 4 --duration 1 --rails 1 --validate) \
       || fail "write bench with --rails 1: $out"
     echo "$out"

@@ -154,6 +154,13 @@ inline rdmakit::ConnectMethod test_method() {
   return m != nullptr && *m != '\0' ? rdmakit::parse_connect_method(m) : rdmakit::ConnectMethod::tcp;
 }
 
+/// The address a test connects to in its own VM: loopback over TCP; over rdma_cm the VM's own
+/// address (the CM resolves addresses to RDMA devices, and no device has 127.0.0.1).
+inline std::string here() {
+  const char* ip = std::getenv("RDMAKIT_LAB_IP");
+  return test_method() == rdmakit::ConnectMethod::rdma_cm && ip != nullptr ? ip : "127.0.0.1";
+}
+
 /// A connection config that logs nothing and retries a refused connect until its deadline.
 inline rdmakit::ConnectionConfig quiet() {
   rdmakit::ConnectionConfig cfg;
