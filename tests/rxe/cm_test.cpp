@@ -348,7 +348,7 @@ TEST(Cm, ConnectCloseCyclesLeakNothing) {
   (void)l.accept(5s);
   const auto before = lab::rdma_resources();
   const int fds = lab::open_fds();
-  for (int i = 0; i < lab::soak(20, 200); ++i) {
+  for (int i = 0; i < lab::soak(8, 200); ++i) {
     Connection c = Connection::connect(target(l), cm(key('c')), buffer(4096));
     auto s = l.accept(5s);
     ASSERT_TRUE(s.has_value()) << i;
