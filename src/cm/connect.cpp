@@ -175,6 +175,8 @@ Error cm_event_error(const char* step, const CmEvent& e, const std::string& peer
 std::unique_ptr<Channel> cm_connect(const HostPort& to, const CmOptions& options, Deadline deadline,
                                     bool retry_refused) {
   const std::string peer = to.to_string();
+  // A retried refusal says more than the deadline cutting the last attempt short.
+  std::optional<Error> refusal;
   for (;;) {
     const auto addrs = lookup(to.host, to.port);
     std::optional<Error> last;
@@ -194,7 +196,9 @@ std::unique_ptr<Channel> cm_connect(const HostPort& to, const CmOptions& options
     // A listener that is not up yet answers "invalid service ID": retried when asked to.
     const bool refused = last && last->sys_errno() == ECONNREFUSED &&
                          std::string_view(last->what()).find("invalid service ID") != std::string_view::npos;
+    if (refused) refusal = last;
     if (!refused || !retry_refused || Clock::now() + std::chrono::milliseconds{100} >= deadline) {
+      if (last && last->sys_errno() == ETIMEDOUT && refusal) throw *refusal;
       if (last) throw *last;
       throw Error("rdma_cm connect", EHOSTUNREACH, fmt::format("{}: no address", peer));
     }

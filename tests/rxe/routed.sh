@@ -101,7 +101,7 @@ case $me in
   expect "$out/doctor" "[ok  ] tiny SEND"
   "$R" doctor --cm rdma_cm --peer "$a0:13119" > "$out/doctor-nobody" 2>&1 && fail "doctor passed with no peer"
   expect "$out/doctor-nobody" "fix: nothing listens on that rdma_cm port"
-  timeout 30 "$R" hello --cm rdma_cm --timeout 1500 --connect "$a0:13119" > "$out/hello-nobody" 2>&1 && fail "connected to nothing"
+  timeout 30 "$R" hello --cm rdma_cm --timeout 3000 --connect "$a0:13119" > "$out/hello-nobody" 2>&1 && fail "connected to nothing"
   expect "$out/hello-nobody" "nothing listens on that rdma_cm port"
   : > "$sync/b-doctor-done"
   # No route to A's subnet: refused at once, by name.
