@@ -38,14 +38,13 @@ void wait_for(int fd, short events, Deadline deadline, const char* what) {
   }
 }
 
-void set_nonblocking(int fd) {
-  const int flags = ::fcntl(fd, F_GETFL);
-  if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
-    throw Error("fcntl(O_NONBLOCK)", errno, "bootstrap socket");
-  }
-}
 
 }  // namespace
+
+void set_nonblocking(int fd, const char* what) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) throw Error("fcntl(O_NONBLOCK)", errno, what);
+}
 
 std::string sockaddr_text(const sockaddr* sa, bool with_port) {
   char host[INET6_ADDRSTRLEN] = {};
@@ -162,7 +161,7 @@ Fd connect_once(const HostPort& to, Deadline deadline, int& last_errno) {
       last_errno = errno;
       continue;
     }
-    set_nonblocking(fd.get());
+    set_nonblocking(fd.get(), "bootstrap socket");
     if (::connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
       if (errno != EINPROGRESS) {
         last_errno = errno;
@@ -223,7 +222,7 @@ Fd tcp_listen(const HostPort& at, int backlog) {
       last_errno = errno;
       continue;
     }
-    set_nonblocking(fd.get());
+    set_nonblocking(fd.get(), "bootstrap socket");
     return fd;
   }
   throw Error("listen", last_errno, fmt::format("on {}", at.to_string()),

@@ -55,6 +55,8 @@ std::uint16_t local_port(int fd);
 /// The socket's own IP address, without port ("10.0.0.1", "fe80::1"); empty if unknown.
 std::string local_address(int fd);
 std::string peer_address(int fd);
+/// Makes `fd` non-blocking; throws Error naming `what` when it cannot.
+void set_nonblocking(int fd, const char* what);
 /// "10.0.0.1:5", "[fe80::1]:5"; without the port when `with_port` is false ("10.0.0.1",
 /// "fe80::1"). An IPv4-mapped IPv6 address reads as IPv4.
 std::string sockaddr_text(const sockaddr* sa, bool with_port = true);

@@ -21,11 +21,6 @@ namespace {
 // (its BYE) can reach our CQ after its DREQ reached the CM.
 constexpr std::chrono::milliseconds kDisconnectGrace{50};
 
-void set_nonblocking(int fd, const char* what) {
-  const int flags = ::fcntl(fd, F_GETFL);
-  if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) throw Error("fcntl(O_NONBLOCK)", errno, what);
-}
-
 int errno_of(ibv_wc_status s) noexcept {
   switch (s) {
     case IBV_WC_RETRY_EXC_ERR: return ETIMEDOUT;  // the peer's NIC stopped acknowledging

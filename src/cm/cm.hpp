@@ -51,7 +51,6 @@ struct CmOptions {
 /// A CM event's name and what it means for a connection attempt, with the likely cause: each
 /// RDMA_CM_EVENT_* failure (ADDR_ERROR, ROUTE_ERROR, UNREACHABLE, REJECTED with its reason,
 /// CONNECT_ERROR, DISCONNECTED, DEVICE_REMOVAL) as an Error.
-[[nodiscard]] Error cm_event_error(const char* step, const rdma_cm_event& e, const std::string& peer);
 struct CmEvent;
 [[nodiscard]] Error cm_event_error(const char* step, const CmEvent& e, const std::string& peer);
 

@@ -108,17 +108,6 @@ void resolve(rdma_cm_id* id, rdma_event_channel* events, const sockaddr* to, con
 
 }  // namespace
 
-Error cm_event_error(const char* step, const rdma_cm_event& e, const std::string& peer) {
-  CmEvent c;
-  c.type = e.event;
-  c.status = e.status;
-  if (e.param.conn.private_data != nullptr) {
-    const auto* p = static_cast<const std::uint8_t*>(e.param.conn.private_data);
-    c.data.assign(p, p + e.param.conn.private_data_len);
-  }
-  return cm_event_error(step, c, peer);
-}
-
 Error cm_event_error(const char* step, const CmEvent& e, const std::string& peer) {
   const char* name = rdma_event_str(e.type);
   // Address, route and unreachable report a negative errno; a reject its reason code.
@@ -227,8 +216,7 @@ std::unique_ptr<Channel> CmRequest::accept(const CmOptions& options, Deadline de
 }
 
 CmListener::CmListener(const HostPort& at, int backlog) : events_(new_event_channel()), id_(new_id(events_.get())) {
-  const int flags = ::fcntl(events_->fd, F_GETFL);
-  if (flags < 0 || ::fcntl(events_->fd, F_SETFL, flags | O_NONBLOCK) < 0) throw Error("fcntl(O_NONBLOCK)", errno, "CM listener");
+  set_nonblocking(events_->fd, "the CM listener's event channel");
   sockaddr_storage ss{};
   if (at.host.empty()) {
     // Every address, IPv6 and IPv4 (the CM's default is not IPv6-only).

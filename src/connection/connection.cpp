@@ -66,10 +66,6 @@ TraceEvent transition_event(std::uint32_t qpn, const char* transition,
   return e;
 }
 
-void set_nonblocking(int fd, const char* what) {
-  const int flags = ::fcntl(fd, F_GETFL);
-  if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) throw Error("fcntl(O_NONBLOCK)", errno, what);
-}
 
 }  // namespace
 
@@ -185,7 +181,7 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
     channel.reset(ibv_create_comp_channel(dev->ctx()));
     if (!channel) throw Error("ibv_create_comp_channel", errno, d.name);
     // Non-blocking, so a spurious wakeup can never leave ibv_get_cq_event blocked past a deadline.
-    set_nonblocking(channel->fd, "completion channel");
+    detail::set_nonblocking(channel->fd, "completion channel");
   }
   ibv_cq* scq = attached.send_cq;
   ibv_cq* rcq = attached.recv_cq;
