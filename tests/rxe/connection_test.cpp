@@ -1,5 +1,7 @@
 // Runs inside one lab VM: connections between a Listener and clients in the same process, over
-// the VM's rxe device and loopback TCP.
+// the VM's rxe device and loopback TCP; with RDMAKIT_TEST_METHOD=rdma_cm through the CM to the
+// VM's own address (the cases about raw TCP bootstrap bytes are TCP's alone: cm_test sends the
+// CM listener its own bad input).
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <netinet/in.h>
@@ -41,7 +43,14 @@ using rdmakit::Listener;
 using lab::open_fds;
 using lab::rdma_resources;
 
-std::string target(const Listener& l) { return "127.0.0.1:" + std::to_string(l.port()); }
+std::string target(const Listener& l) { return lab::here() + ":" + std::to_string(l.port()); }
+// Where the listeners listen: loopback over TCP, the VM's address over rdma_cm.
+std::string any_port() { return lab::here() + ":0"; }
+
+// The cases that write raw bytes to the TCP bootstrap port (or use IPv6 loopback, which no RDMA
+// device has) run over TCP only.
+bool over_cm() { return lab::test_method() != rdmakit::ConnectMethod::tcp; }
+constexpr const char* kTcpOnly = "raw TCP bootstrap input: cm_test gives the CM listener its own bad input";
 
 // A server that advertises one writable buffer; a client that advertises one readable buffer.
 Connection::Setup server_setup() {
@@ -54,11 +63,12 @@ Connection::Setup client_setup() {
 ConnectionConfig quiet() {
   ConnectionConfig cfg;
   cfg.log = [](std::string_view) {};
+  cfg.method = lab::test_method();
   return cfg;
 }
 
 TEST(Connection, WriteReadAndPeerInfo) {
-  Listener listener("127.0.0.1:0", quiet(), server_setup());
+  Listener listener(any_port(), quiet(), server_setup());
   Connection client = Connection::connect(target(listener), quiet(), client_setup());
   auto server = listener.accept(5s);
   ASSERT_TRUE(server.has_value());
@@ -87,7 +97,7 @@ TEST(Connection, WriteReadAndPeerInfo) {
 }
 
 TEST(Connection, RefusesBadPostsLocally) {
-  Listener listener("127.0.0.1:0", quiet(), server_setup());
+  Listener listener(any_port(), quiet(), server_setup());
   rdmakit::PostResult during_setup;
   Connection client = Connection::connect(target(listener), quiet(), [&](Connection& c) {
     const auto& m = c.allocate_memory(64, Access::remote_read);
@@ -105,7 +115,7 @@ TEST(Connection, RefusesBadPostsLocally) {
 }
 
 TEST(Connection, PeerLossFailsWaitPromptly) {
-  Listener listener("127.0.0.1:0", quiet(), server_setup());
+  Listener listener(any_port(), quiet(), server_setup());
   Connection client = Connection::connect(target(listener), quiet(), client_setup());
   auto server = listener.accept(5s);
   ASSERT_TRUE(server.has_value());
@@ -123,7 +133,8 @@ TEST(Connection, PeerLossFailsWaitPromptly) {
 }
 
 TEST(Connection, WrongProtocolVersionRejectedWhileGoodClientSucceeds) {
-  Listener listener("127.0.0.1:0", quiet(), server_setup());
+  if (over_cm()) GTEST_SKIP() << kTcpOnly;
+  Listener listener(any_port(), quiet(), server_setup());
   // A peer speaking protocol version 1, and a slow-loris that connects and says nothing.
   auto raw_connect = [&] {
     const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -177,7 +188,7 @@ TEST(Connection, CorruptRemoteQpnFailsWithClearModifyQpErrorAndFreesEverything) 
       std::lock_guard lock(mu);
       server_log += m;
     };
-    Listener listener("127.0.0.1:0", scfg, server_setup());
+    Listener listener(any_port(), scfg, server_setup());
     ConnectionConfig cfg = quiet();
     try {
       // The seed article's bug: one byte off in the QPN.
@@ -207,7 +218,7 @@ TEST(Connection, CorruptRemoteQpnFailsWithClearModifyQpErrorAndFreesEverything) 
 TEST(Connection, CorruptQpnOfALaterQpFailsNamingThatPair) {
   const auto before = rdma_resources();
   {
-    Listener listener("127.0.0.1:0", quiet(), server_setup());
+    Listener listener(any_port(), quiet(), server_setup());
     ConnectionConfig cfg = quiet();
     cfg.qps = 3;
     std::uint32_t bad_qpn = 0;
@@ -229,6 +240,7 @@ TEST(Connection, CorruptQpnOfALaterQpFailsNamingThatPair) {
 }
 
 TEST(Connection, Ipv6Bootstrap) {
+  if (over_cm()) GTEST_SKIP() << kTcpOnly;
   Listener listener("[::1]:0", quiet(), server_setup());
   Connection client =
       Connection::connect("[::1]:" + std::to_string(listener.port()), quiet(), client_setup());
@@ -238,7 +250,7 @@ TEST(Connection, Ipv6Bootstrap) {
 }
 
 TEST(Connection, ErrorCompletionIsDataWithLikelyCause) {
-  Listener listener("127.0.0.1:0", quiet(), server_setup());  // posts no receive
+  Listener listener(any_port(), quiet(), server_setup());  // posts no receive
   Connection client = Connection::connect(target(listener), quiet(), client_setup());
   auto server = listener.accept(5s);
   ASSERT_TRUE(server.has_value());
@@ -266,7 +278,7 @@ TEST(Connection, TraceReportsHandshakeTransitionsErrorsAndClose) {
     std::lock_guard lock(mu);
     events.push_back(e);
   };
-  Listener listener("127.0.0.1:0", quiet(), server_setup());  // posts no receive: RNR below
+  Listener listener(any_port(), quiet(), server_setup());  // posts no receive: RNR below
   {
     Connection client = Connection::connect(target(listener), cfg, client_setup());
     auto server = listener.accept(5s);
@@ -319,6 +331,7 @@ TEST(Connection, TraceReportsHandshakeTransitionsErrorsAndClose) {
 // each bad one gets a REJECT that names what was wrong, within the handshake deadline, and a log
 // line; the good ones are served all the while.
 TEST(Connection, MalformedBootstrapInputIsRejectedClearlyWhileOthersAreServed) {
+  if (over_cm()) GTEST_SKIP() << kTcpOnly;
   using rdmakit::wire::encode_hello;
   std::mutex mu;
   std::vector<std::string> log;
@@ -328,7 +341,7 @@ TEST(Connection, MalformedBootstrapInputIsRejectedClearlyWhileOthersAreServed) {
     std::lock_guard lock(mu);
     log.emplace_back(m);
   };
-  Listener listener("127.0.0.1:0", cfg, server_setup());
+  Listener listener(any_port(), cfg, server_setup());
   rdmakit::wire::EndpointInfo fake;
   fake.qpn = 5;
   fake.mtu = 1024;
@@ -417,6 +430,7 @@ TEST(Connection, MalformedBootstrapInputIsRejectedClearlyWhileOthersAreServed) {
 // its unloaded value. (The good client comes from the VM's address, the stalled ones from
 // 127.0.0.1: from one address, 32 handshakes at a time are the most a listener allows.)
 TEST(Connection, FiftyStalledClientsDoNotSlowAGoodOne) {
+  if (over_cm()) GTEST_SKIP() << kTcpOnly;
   const char* ip = std::getenv("RDMAKIT_LAB_IP");
   ASSERT_NE(ip, nullptr);
   Listener listener(":0", quiet(), server_setup());
@@ -446,7 +460,7 @@ TEST(Connection, FiftyStalledClientsDoNotSlowAGoodOne) {
 }
 
 TEST(Connection, CloseFlushesOutstandingReceives) {
-  Listener listener("127.0.0.1:0", quiet(), server_setup());
+  Listener listener(any_port(), quiet(), server_setup());
   Connection client = Connection::connect(target(listener), quiet(), [](Connection& c) {
     const auto& m = c.allocate_memory(4096, Access::local_write);
     for (std::uint64_t i = 0; i < 8; ++i) ASSERT_TRUE(c.post_recv(m.local().subslice(i * 512, 512), i).ok());
@@ -465,7 +479,7 @@ TEST(Connection, CloseFlushesOutstandingReceives) {
 TEST(Connection, CompletionEventsSleepInsteadOfSpinning) {
   ConnectionConfig cfg = quiet();
   cfg.completion_events = true;
-  Listener listener("127.0.0.1:0", cfg, [](Connection& c) {
+  Listener listener(any_port(), cfg, [](Connection& c) {
     c.advertise(c.allocate_memory(4096, Access::remote_write));
     ASSERT_TRUE(c.post_recv(c.memory(0).local(), 5).ok());
   });
@@ -504,7 +518,7 @@ TEST(Connection, CyclesLeaveNothingBehind) {
   const int cycles = lab::soak(200, 1000);
   const auto t0 = std::chrono::steady_clock::now();
   {
-    Listener listener("127.0.0.1:0", quiet(), server_setup());
+    Listener listener(any_port(), quiet(), server_setup());
     for (int i = 0; i < cycles; ++i) {
       Connection client = Connection::connect(target(listener), quiet(), client_setup());
       auto server = listener.accept(5s);

@@ -19,6 +19,7 @@
 #include "rdmakit/connection.hpp"
 #include "rdmakit/engine.hpp"
 #include "rdmakit/error.hpp"
+#include "lab_helpers.hpp"
 
 using namespace std::chrono_literals;
 
@@ -41,6 +42,7 @@ int main(int argc, char** argv) {
       ec.listen_at_start = false;
       ec.max_qps = 8;  // a small CQ each: the host runs many of them
       ec.link.log = [](std::string_view) {};
+      ec.link.method = lab::test_method();
       auto& e = *engines.emplace_back(std::make_unique<rdmakit::Engine>(ec));
       e.expose("kv", e.allocate_memory(4096), rdmakit::Access::remote_read | rdmakit::Access::remote_write);
       e.start_listening();
@@ -54,6 +56,7 @@ int main(int argc, char** argv) {
     ec.name = argv[3];
     ec.listen = ":" + std::string(argv[2]);
     ec.link.log = [](std::string_view) {};
+    ec.link.method = lab::test_method();
     if (const char* uri = std::getenv("RDMAKIT_PEER_METADATA")) {
       ec.metadata.uri = uri;
       ec.metadata.cluster = "t";
@@ -73,10 +76,7 @@ int main(int argc, char** argv) {
   cfg.retry_refused = true;
   cfg.recv_depth = 128;
   if (argc == 4 && std::string(argv[3]) == "no-keepalive") cfg.keepalive_interval = cfg.keepalive_timeout = 0ms;
-  // RDMAKIT_TEST_METHOD=rdma_cm: connect and listen through the CM (ports are rdma_cm ports).
-  if (const char* m = std::getenv("RDMAKIT_TEST_METHOD"); m != nullptr && *m != '\0') {
-    cfg.method = rdmakit::parse_connect_method(m);
-  }
+  cfg.method = lab::test_method();
   auto setup = [](rdmakit::Connection& c) {
     const auto& m = c.allocate_memory(64 * 1024, rdmakit::Access::local_write | rdmakit::Access::remote_read |
                                                      rdmakit::Access::remote_write);

@@ -11,6 +11,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -21,6 +22,8 @@
 #include <vector>
 
 #include "rdmakit/connection.hpp"
+#include "rdmakit/device.hpp"
+#include "rdmakit/error.hpp"
 #include "rdmakit/wire.hpp"
 
 
@@ -81,8 +84,39 @@ inline int soak(int ci, int full) {
   return v != nullptr && v[0] == '1' ? full : ci;
 }
 
+/// The connection method a suite case asks for: RDMAKIT_TEST_METHOD=rdma_cm runs a case that
+/// uses quiet() (and the fault peer) through rdma_cm; the default is the TCP bootstrap.
+inline rdmakit::ConnectMethod test_method() {
+  const char* m = std::getenv("RDMAKIT_TEST_METHOD");
+  return m != nullptr && *m != '\0' ? rdmakit::parse_connect_method(m) : rdmakit::ConnectMethod::tcp;
+}
+
+/// The address a test connects to in its own VM: loopback over TCP; over rdma_cm the VM's own
+/// address (the CM resolves addresses to RDMA devices, and no device has 127.0.0.1).
+inline std::string here() {
+  const char* ip = std::getenv("RDMAKIT_LAB_IP");
+  return test_method() == rdmakit::ConnectMethod::rdma_cm && ip != nullptr ? ip : "127.0.0.1";
+}
+
+/// Over rdma_cm, librdmacm opens a context of each device the first time the process uses the
+/// CM and keeps it until the process exits. A resource or fd count taken before that would see it
+/// as a leak of whatever test came first, so each count first resolves a route once.
+inline void settle_cm() {
+  if (test_method() != rdmakit::ConnectMethod::rdma_cm) return;
+  static const bool settled = [] {
+    try {
+      (void)rdmakit::resolve_route(here(), std::chrono::seconds(5));
+    } catch (const rdmakit::Error&) {
+      // The test that needs the CM reports the failure with its own context.
+    }
+    return true;
+  }();
+  (void)settled;
+}
+
 // `rdma resource show` summary for the device: pd, cq, qp, mr, ... counts (all processes).
 inline std::map<std::string, long> rdma_resources() {
+  settle_cm();
   std::map<std::string, long> out;
   FILE* p = ::popen("rdma resource show 2>&1", "r");
   if (p == nullptr) return out;
@@ -102,6 +136,7 @@ inline std::map<std::string, long> rdma_resources() {
 }
 
 inline int open_fds() {
+  settle_cm();
   int n = 0;
   if (DIR* d = ::opendir("/proc/self/fd")) {
     while (::readdir(d) != nullptr) ++n;
@@ -145,20 +180,6 @@ inline std::vector<std::pair<rdmakit::wire::Header, std::vector<std::uint8_t>>> 
     at += rdmakit::wire::kHeaderSize + h.length;
   }
   return out;
-}
-
-/// The connection method a suite case asks for: RDMAKIT_TEST_METHOD=rdma_cm runs a case that
-/// uses quiet() (and the fault peer) through rdma_cm; the default is the TCP bootstrap.
-inline rdmakit::ConnectMethod test_method() {
-  const char* m = std::getenv("RDMAKIT_TEST_METHOD");
-  return m != nullptr && *m != '\0' ? rdmakit::parse_connect_method(m) : rdmakit::ConnectMethod::tcp;
-}
-
-/// The address a test connects to in its own VM: loopback over TCP; over rdma_cm the VM's own
-/// address (the CM resolves addresses to RDMA devices, and no device has 127.0.0.1).
-inline std::string here() {
-  const char* ip = std::getenv("RDMAKIT_LAB_IP");
-  return test_method() == rdmakit::ConnectMethod::rdma_cm && ip != nullptr ? ip : "127.0.0.1";
 }
 
 /// A connection config that logs nothing and retries a refused connect until its deadline.
