@@ -4,13 +4,17 @@
 # Python cases and unit.python run with this venv's interpreter, so they test what pip installed.
 # Then the CMake install of the same build (the component `python`, as `cmake --install` puts it
 # under a prefix) into SCRATCH, imported from there with the plain interpreter.
-# Usage: pip_install.sh PYTHON SOURCE_DIR VENV SCRATCH
+# Usage: pip_install.sh PYTHON SOURCE_DIR VENV SCRATCH [CMAKE_ARG...]
+# The CMake arguments go to the package's CMake build (setup.py's RDMAKIT_CMAKE_ARGS): the
+# enclosing build's compiler launcher and warning flags, so that with ccache the library's
+# objects come from that build's (scripts/test), and no link-time optimisation (its serial
+# link costs CI time and nothing here is timed).
 set -eu
 py=$1 src=$2 venv=$3 scratch=$4
+shift 4
 rm -rf "$venv" "$scratch"
 "$py" -m venv --system-site-packages "$venv"
-# -O1 instead of the package's -O2: a third less compile time in CI, where nothing is timed.
-RDMAKIT_CMAKE_ARGS="-DCMAKE_CXX_FLAGS_RELEASE=-O1" \
+RDMAKIT_CMAKE_ARGS="$*" \
   "$venv/bin/pip" install --no-build-isolation --no-index --quiet --disable-pip-version-check "$src"
 cd /
 "$venv/bin/python" - <<'PY'
