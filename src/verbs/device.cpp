@@ -363,15 +363,16 @@ GidChoice choose_gid(std::span<const GidEntry> table, const GidSelector& selecto
     }
     return {*best, fmt::format("address {} requested ({})", selector.address, to_string(best->type))};
   }
-  // The entry with the bootstrap connection's own address is on the interface and address the
-  // kernel's route picked for the peer (rdma_cm chooses the same way); RoCE v2 before v1.
+  // The entry with the route's local address (the bootstrap socket's own address, or the source
+  // address the CM resolved) is on the interface the kernel's route picked for the peer (rdma_cm
+  // chooses the same way); RoCE v2 before v1.
   if (const auto route = route_ip(route_address)) {
     const GidEntry* best = nullptr;
     for (const auto& e : table) {
       if (e.gid == *route && (best == nullptr || rank(e) < rank(*best))) best = &e;
     }
     if (best != nullptr) {
-      return {*best, fmt::format("the bootstrap connection's local address {} ({}), the route to the peer",
+      return {*best, fmt::format("the local address of the route to the peer, {} ({})",
                                  route_address, to_string(best->type))};
     }
   }
@@ -386,7 +387,7 @@ GidChoice choose_gid(std::span<const GidEntry> table, const GidSelector& selecto
                 "on RoCE, give the netdev an IP address (GIDs follow the netdev's addresses)");
   }
   if (!route_address.empty()) {
-    return {*best, fmt::format("{}; no GID has the bootstrap connection's local address {}",
+    return {*best, fmt::format("{}; no GID has the route's local address {}",
                                rank_reason(rank(*best)), route_address)};
   }
   return {*best, rank_reason(rank(*best))};

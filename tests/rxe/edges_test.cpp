@@ -522,7 +522,8 @@ TEST(Edges, TheGidFollowsTheBootstrapRoute) {
   ASSERT_TRUE(s.has_value());
   for (const Connection* x : {&c, &*s}) {
     EXPECT_EQ(x->info().local_gid.address(), "::ffff:" + addr);
-    EXPECT_NE(x->info().gid_reason.find("local address " + addr), std::string::npos) << x->info().gid_reason;
+    EXPECT_NE(x->info().gid_reason.find("the local address of the route to the peer, " + addr), std::string::npos)
+        << x->info().gid_reason;
   }
   // And the data flows over it.
   std::memcpy(c.memory(0).data(), "routed", 6);
@@ -532,7 +533,7 @@ TEST(Edges, TheGidFollowsTheBootstrapRoute) {
   // Through loopback no GID has the address: the priority order, and the reason says so.
   Listener lo("127.0.0.1:0", quiet(), buffer());
   Connection l = Connection::connect(target(lo), quiet(), buffer());
-  EXPECT_NE(l.info().gid_reason.find("no GID has the bootstrap connection's local address 127.0.0.1"),
+  EXPECT_NE(l.info().gid_reason.find("no GID has the route's local address 127.0.0.1"),
             std::string::npos)
       << l.info().gid_reason;
 }

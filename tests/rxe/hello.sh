@@ -20,9 +20,9 @@ check_negotiated() {  # the parameters both sides must print
   # Over loopback no GID has the socket's address: the priority order. Across VMs, the GID of the
   # bootstrap connection's own address (the route to the peer).
   if [ "$mode" = two_vms ]; then
-    expect "$1" "::ffff:$RDMAKIT_LAB_IP RoCE v2 (the bootstrap connection's local address $RDMAKIT_LAB_IP (RoCE v2), the route to the peer)"
+    expect "$1" "::ffff:$RDMAKIT_LAB_IP RoCE v2 (the local address of the route to the peer, $RDMAKIT_LAB_IP (RoCE v2))"
   else
-    expect "$1" "RoCE v2 (RoCE v2 with an IPv4 address (first priority); no GID has the bootstrap connection's local address 127.0.0.1)"
+    expect "$1" "RoCE v2 (RoCE v2 with an IPv4 address (first priority); no GID has the route's local address 127.0.0.1)"
   fi
   expect "$1" "path MTU    1024 (local active 1024, remote active 1024)"
   expect "$1" "remote QP   QPN 0x"

@@ -97,14 +97,14 @@ TEST(ChooseGid, FollowsTheBootstrapRoute) {
                                    entry(4, GidType::roce_v2, "2001:db8::5")};
   const auto c = rdmakit::choose_gid(t, {}, "10.0.0.5");
   EXPECT_EQ(c.entry.index, 3u);
-  EXPECT_EQ(c.reason, "the bootstrap connection's local address 10.0.0.5 (RoCE v2), the route to the peer");
+  EXPECT_EQ(c.reason, "the local address of the route to the peer, 10.0.0.5 (RoCE v2)");
   EXPECT_EQ(rdmakit::choose_gid(t, {}, "2001:db8::5").entry.index, 4u);
   // An IPv4 client of a dual-stack listener shows as ::ffff:a.b.c.d; that is the same GID.
   EXPECT_EQ(rdmakit::choose_gid(t, {}, "::ffff:10.0.0.5").entry.index, 3u);
   // No GID has the address (loopback): the priority order, and the reason says why.
   const auto lo = rdmakit::choose_gid(t, {}, "127.0.0.1");
   EXPECT_EQ(lo.entry.index, 1u);
-  EXPECT_NE(lo.reason.find("no GID has the bootstrap connection's local address 127.0.0.1"), std::string::npos)
+  EXPECT_NE(lo.reason.find("no GID has the route's local address 127.0.0.1"), std::string::npos)
       << lo.reason;
   // Configured beats routed.
   EXPECT_EQ(rdmakit::choose_gid(t, GidSelector::parse("1"), "10.0.0.5").entry.index, 1u);
