@@ -1,8 +1,17 @@
 #!/bin/sh
 # rdmakit bench inside one lab VM: every operation and mode with --validate, event mode, a size
-# sweep, and JSON output. Usage: bench.sh PATH_TO_RDMAKIT
+# sweep, and JSON output.
+# With rdma_cm, the runs whose outcome depends on how the connection was made go through the CM
+# (to the VM's own address): every operation and mode, events, several QPs (the server follows
+# the client's count), both directions, a size mismatch refused at the handshake. The rest
+# (memory providers, sweeps, --duration, JSON) is the same data path once connected, and runs
+# over TCP only.
+# Usage: bench.sh PATH_TO_RDMAKIT [tcp|rdma_cm]
 set -u
 R=$1
+method=${2:-tcp}
+host=127.0.0.1
+[ "$method" = rdma_cm ] && host=$RDMAKIT_LAB_IP
 out=/tmp/bench.$$
 mkdir -p "$out"
 fail() { echo "FAIL: $*"; for f in "$out"/*; do echo "--- $f"; cat "$f"; done; exit 1; }
@@ -10,10 +19,17 @@ fail() { echo "FAIL: $*"; for f in "$out"/*; do echo "--- $f"; cat "$f"; done; e
 run() {  # run NAME ARGS... : server and client with the same arguments, each with a deadline
   name=$1; shift
   echo "== $name: $*"
-  timeout 60 "$R" bench "$@" --listen 127.0.0.1:12026 > "$out/$name.server" 2>&1 &
+  timeout 60 "$R" bench "$@" --cm $method --listen $host:12026 > "$out/$name.server" 2>&1 &
   server=$!
-  timeout 60 "$R" bench "$@" --connect 127.0.0.1:12026 > "$out/$name.client" 2>&1 || fail "$name: client exited $?"
+  timeout 60 "$R" bench "$@" --cm $method --connect $host:12026 > "$out/$name.client" 2>&1 || fail "$name: client exited $?"
   wait $server || fail "$name: server exited $?"
+}
+mismatch() {  # a client asking for another size than the server's is told why
+  timeout 60 "$R" bench write bw -s 64 --cm $method --listen $host:12027 > "$out/mismatch.server" 2>&1 &
+  timeout 60 "$R" bench write bw -s 1048576 --cm $method --connect $host:12027 > "$out/mismatch.client" 2>&1 \
+    && fail "mismatch accepted"
+  wait
+  grep -q "give the server the same --size" "$out/mismatch.client" || fail "mismatch: no explanation"
 }
 
 for op in write read send atomic; do
@@ -36,6 +52,19 @@ grep -q "completions by events" "$out/events.client" || fail "events: not in eve
 grep -q " validated" "$out/events.client" || fail "events: not validated"
 run depth1 write bw -s 64 -n 200 -t 1 -l 1 --validate
 grep -q " validated" "$out/depth1.client" || fail "depth 1: not validated"
+
+if [ "$method" = rdma_cm ]; then
+  grep -q "connected over rdma_cm" "$out/write-bw.client" || fail "rdma_cm: the client does not say it went through the CM"
+  grep -q "connected over rdma_cm" "$out/write-bw.server" || fail "rdma_cm: the server does not say it went through the CM"
+  run qps-stripe write bw -s 1048576 -n 40 -q 4 --validate
+  grep -q "(+3 more QPs" "$out/qps-stripe.server" || fail "qps: the server did not follow the client's QP count"
+  grep -q " validated" "$out/qps-stripe.client" || fail "qps-stripe: not validated"
+  run bidir-send send bw -s 8192 -n 300 --bidir --validate
+  grep -q "done, validated" "$out/bidir-send.server" || fail "bidir send: the server's side not validated"
+  mismatch
+  echo "PASS: bench through rdma_cm"
+  exit 0
+fi
 
 # --duration: one second of writes, and of sends (the receiver learns the count at the end).
 for op in write send; do
@@ -102,8 +131,5 @@ assert 0 < r['t_min_us'] <= r['t_median_us'] <= r['t_p99_us'] <= r['t_max_us'], 
 " || fail "json output"
 
 # Mismatched sizes are refused with an explanation.
-timeout 60 "$R" bench write bw -s 64 --listen 127.0.0.1:12027 > "$out/mismatch.server" 2>&1 &
-timeout 60 "$R" bench write bw -s 1048576 --connect 127.0.0.1:12027 > "$out/mismatch.client" 2>&1 && fail "mismatch accepted"
-wait
-grep -q "give the server the same --size" "$out/mismatch.client" || fail "mismatch: no explanation"
+mismatch
 echo "PASS: bench"

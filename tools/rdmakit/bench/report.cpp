@@ -46,9 +46,9 @@ json result_json(const BenchOptions& o, const Result& r) {
 void print_header(const BenchOptions& o, const ConnectionInfo& info, std::uint32_t signal_every) {
   fmt::print("---------------------------------------------------------------------------------------\n");
   fmt::print("                    RDMA {} {} (rdmakit bench)\n", o.op, o.bw() ? "bandwidth" : "latency");
-  fmt::print(" device {} port {} ({}), GID [{}] {} {}, path MTU {}\n", info.device, info.port,
-             to_string(info.link_layer), info.local.gid_index, info.local_gid.address(),
-             to_string(info.local.gid_type), info.path_mtu);
+  fmt::print(" device {} port {} ({}), GID [{}] {} {}, path MTU {}, connected over {}\n", info.device,
+             info.port, to_string(info.link_layer), info.local.gid_index, info.local_gid.address(),
+             to_string(info.local.gid_type), info.path_mtu, to_string(info.method));
   fmt::print(" local QPN {:#08x} PSN {:#08x}, remote QPN {:#08x} PSN {:#08x}{}\n", info.local.qpn,
              info.local.psn, info.remote.qpn, info.remote.psn,
              info.qps > 1 ? fmt::format(" (+{} more QPs; >= {} B striped)", info.qps - 1,
