@@ -381,13 +381,10 @@ TEST(Fault, MemlockLimitIsExplainedAndNothingLeaks) {
 
 // Peers that connect and are killed: every time the survivor sees peer_lost, and at the end its
 // QP, MR, CQ and fd counts are back at the baseline. 100 cycles (1,000 with RDMAKIT_TEST_LONG=1),
-// or FAULT_CHURN (scripts/test runs 10 under ASan). Through rdma_cm 4 (100 with --long), or
-// FAULT_CHURN_CM: a cycle takes twice as long there, and cm_test cycles the CM's connect and
-// close in one process.
+// or FAULT_CHURN (scripts/test runs 10 under ASan), by either connection method.
 TEST(Fault, ChurnOfKilledPeersLeaksNothing) {
-  const bool cm = lab::test_method() == rdmakit::ConnectMethod::rdma_cm;
-  const char* count = std::getenv(cm ? "FAULT_CHURN_CM" : "FAULT_CHURN");
-  const int cycles = count != nullptr ? std::atoi(count) : cm ? lab::soak(4, 100) : lab::soak(100, 1000);
+  const char* count = std::getenv("FAULT_CHURN");
+  const int cycles = count != nullptr ? std::atoi(count) : lab::soak(100, 1000);
   Listener listener(":0", quiet(), buffer());
   const auto before = lab::rdma_resources();
   const int fds = lab::open_fds();
