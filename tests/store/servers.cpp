@@ -12,7 +12,12 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
+#include <fstream>
+#include <string>
+#include <tuple>
+#include <utility>
 #include <stdexcept>
 #include <vector>
 
@@ -25,18 +30,39 @@ extern char** environ;
 namespace rdmakit::test {
 namespace {
 
-std::uint16_t free_port() {
-  int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  if (::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    throw std::runtime_error("no free port");
+// Two distinct free ports: both sockets stay bound until both are known, so the kernel cannot
+// hand the first one out again as the second (etcd would then fail to bind its peer URL).
+std::pair<std::uint16_t, std::uint16_t> free_ports() {
+  int fds[2];
+  std::uint16_t ports[2];
+  for (int i = 0; i < 2; ++i) {
+    fds[i] = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    if (fds[i] < 0 || ::bind(fds[i], reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+        ::getsockname(fds[i], reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+      throw std::runtime_error("no free port");
+    }
+    ports[i] = ntohs(a.sin_port);
   }
-  ::close(s);
-  return ntohs(a.sin_port);
+  ::close(fds[0]);
+  ::close(fds[1]);
+  return {ports[0], ports[1]};
+}
+
+// The last lines of a server's log, for the error that says it did not come up.
+std::string log_tail(const std::string& path) {
+  std::ifstream in(path);
+  std::deque<std::string> lines;
+  for (std::string l; std::getline(in, l);) {
+    lines.push_back(std::move(l));
+    if (lines.size() > 8) lines.pop_front();
+  }
+  std::string out;
+  for (const auto& l : lines) out += "\n  " + l;
+  return out.empty() ? " (empty)" : out;
 }
 
 }  // namespace
@@ -45,8 +71,7 @@ StoreServer::StoreServer(Kind kind) : kind_(kind) {
   char tmpl[] = "/tmp/rdmakit-store-XXXXXX";
   if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error("mkdtemp");
   dir_ = tmpl;
-  port_ = free_port();
-  peer_port_ = free_port();
+  std::tie(port_, peer_port_) = free_ports();
   start();
 }
 
@@ -98,7 +123,8 @@ void StoreServer::start() {
   const int rc = posix_spawnp(&pid_, argv[0], &fa, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&fa);
   if (rc != 0) throw std::runtime_error(fmt::format("cannot start {}: errno {}", args[0], rc));
-  // Ready when a read answers (the store's own client, with a short deadline each try).
+  // Ready when a read answers (the store's own client, with a short deadline each try); a server
+  // that exited (a port taken meanwhile, a bad flag) is reported at once, with its log.
   auto store = detail::metadata::open_store(detail::metadata::parse_store_uri(uri()));
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds{30};
   while (true) {
@@ -106,8 +132,15 @@ void StoreServer::start() {
       (void)store->get("ready?", detail::deadline_in(std::chrono::milliseconds{500}));
       return;
     } catch (const Error&) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        throw std::runtime_error(fmt::format("{} exited (status {:#x}) before answering on port {}; its log:{}",
+                                             args[0], status, port_, log_tail(log)));
+      }
       if (std::chrono::steady_clock::now() > until) {
-        throw std::runtime_error(fmt::format("{} did not answer within 30 s (log: {})", args[0], log));
+        throw std::runtime_error(
+            fmt::format("{} did not answer on port {} within 30 s; its log:{}", args[0], port_, log_tail(log)));
       }
       ::usleep(50'000);
     }
