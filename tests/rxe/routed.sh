@@ -61,6 +61,7 @@ case $me in
   await b-doctor-done
   kill $doctor
   cat "$out/hello-rdma_cm"
+  : > "$sync/a-done"
   echo "PASS: routed (A)"
   ;;
 1)  # B connects to A's address on the other subnet.
@@ -121,8 +122,11 @@ case $me in
   : > "$sync/b-done"
   echo "PASS: routed (B)"
   ;;
-2)  # R forwards until B is done.
+2)  # R forwards until B is done, and removes the meeting files once A is done too (after a
+    # failure they stay, for the record).
   await b-done
+  await a-done
+  rm -rf "$sync"
   echo "PASS: routed (R)"
   ;;
 esac
