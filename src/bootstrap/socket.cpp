@@ -38,7 +38,6 @@ void wait_for(int fd, short events, Deadline deadline, const char* what) {
   }
 }
 
-
 }  // namespace
 
 void set_nonblocking(int fd, const char* what) {

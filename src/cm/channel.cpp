@@ -288,14 +288,14 @@ void CmChannel::send_all(std::span<const std::uint8_t> bytes, Deadline deadline)
   };
   // Every chunk is acknowledged by the peer's NIC before this returns: what was sent is there
   // even if this side closes right after (a BYE), as a TCP close would deliver it.
-  while (!bytes.empty() || !idle()) {
+  for (;;) {
     pump();
     // After the peer's DREQ nothing sent reaches a reader: fail now, not after the grace that
     // lets the peer's own last SENDs arrive (which is for receiving).
     if (gone_ || disconnected_at_ != Deadline{}) throw_gone("rdma_cm send");
-    // The pump may have reaped the last acknowledgement: done, without sleeping on a channel
-    // that has nothing more to say (a 50 ms wait per message otherwise).
-    if (bytes.empty() && idle()) break;
+    // Checked after the pump, which may have reaped the last acknowledgement: done, without
+    // sleeping on a channel that has nothing more to say.
+    if (bytes.empty() && idle()) return;
     const auto free = std::find(send_busy_.begin(), send_busy_.end(), false);
     if (bytes.empty() || free == send_busy_.end()) {
       if (!wait(deadline)) stalled(bytes.empty() ? "the last chunk was not acknowledged" : "no send slot came free");

@@ -66,7 +66,6 @@ TraceEvent transition_event(std::uint32_t qpn, const char* transition,
   return e;
 }
 
-
 }  // namespace
 
 void Connection::Impl::trace_failure(const std::string& step, const std::exception& e) noexcept {

@@ -43,9 +43,9 @@ using rdmakit::Listener;
 using lab::open_fds;
 using lab::rdma_resources;
 
-std::string target(const Listener& l) { return lab::here() + ":" + std::to_string(l.port()); }
+std::string target(const Listener& l) { return lab::here(l.port()); }
 // Where the listeners listen: loopback over TCP, the VM's address over rdma_cm.
-std::string any_port() { return lab::here() + ":0"; }
+std::string any_port() { return lab::here(0); }
 
 // The cases that write raw bytes to the TCP bootstrap port (or use IPv6 loopback, which no RDMA
 // device has) run over TCP only.
@@ -60,10 +60,10 @@ Connection::Setup client_setup() {
   return [](Connection& c) { c.advertise(c.allocate_memory(4096, Access::remote_read)); };
 }
 
+// lab::quiet(), without retrying a refused connect: every listener here is up before its client.
 ConnectionConfig quiet() {
-  ConnectionConfig cfg;
-  cfg.log = [](std::string_view) {};
-  cfg.method = lab::test_method();
+  ConnectionConfig cfg = lab::quiet();
+  cfg.retry_refused = false;
   return cfg;
 }
 

@@ -101,17 +101,17 @@ void survive_kill(Opcode op, bool survivor_serves) {
     std::optional<Victim> victim;
     if (survivor_serves) {
       listener.emplace(":0", quiet(), buffer());
-      victim.emplace("connect", lab::here() + ":" + std::to_string(listener->port()));
+      victim.emplace("connect", lab::here(listener->port()));
       conn = listener->accept(10s);
       ASSERT_TRUE(conn.has_value());
-      bystander.emplace(Connection::connect(lab::here() + ":" + std::to_string(listener->port()), quiet(), buffer()));
+      bystander.emplace(Connection::connect(lab::here(listener->port()), quiet(), buffer()));
       bystander_server = listener->accept(5s);
       ASSERT_TRUE(bystander_server.has_value());
     } else {
       const std::uint16_t port = static_cast<std::uint16_t>(15100 + static_cast<int>(op));
       victim.emplace("listen", std::to_string(port));
       ASSERT_TRUE(victim->await("listening"));
-      conn.emplace(Connection::connect(lab::here() + ":" + std::to_string(port), quiet(), buffer()));
+      conn.emplace(Connection::connect(lab::here(port), quiet(), buffer()));
     }
     ASSERT_TRUE(victim->await("ready"));
     Streamer s{*conn, op};
@@ -170,8 +170,8 @@ TEST(Fault, PeerKilledDuringReadStreamSurvivorConnects) { survive_kill(Opcode::r
 TEST(Fault, PeerKilledDuringSendStreamSurvivorConnects) { survive_kill(Opcode::send, false); }
 
 TEST(Fault, PortDownIsReportedFromTheAsyncEvent) {
-  Listener listener(lab::here() + ":0", quiet(), buffer());
-  Connection c = Connection::connect(lab::here() + ":" + std::to_string(listener.port()), quiet(), buffer());
+  Listener listener(lab::here(0), quiet(), buffer());
+  Connection c = Connection::connect(lab::here(listener.port()), quiet(), buffer());
   auto s = listener.accept(5s);
   ASSERT_TRUE(s.has_value());
   ASSERT_EQ(std::system("ip link set eth0 down"), 0);
@@ -193,9 +193,9 @@ TEST(Fault, PortDownIsReportedFromTheAsyncEvent) {
 TEST(Fault, UnknownDeviceListsTheAvailableOnes) {
   ConnectionConfig cfg = quiet();
   cfg.device = "mlx5_9";
-  Listener listener(lab::here() + ":0", quiet(), buffer());
+  Listener listener(lab::here(0), quiet(), buffer());
   try {
-    (void)Connection::connect(lab::here() + ":" + std::to_string(listener.port()), cfg, buffer());
+    (void)Connection::connect(lab::here(listener.port()), cfg, buffer());
     ADD_FAILURE() << "connected on a device that does not exist";
   } catch (const rdmakit::Error& e) {
     const std::string what = e.what();
@@ -205,8 +205,8 @@ TEST(Fault, UnknownDeviceListsTheAvailableOnes) {
 }
 
 TEST(Fault, RnrIsReportedWithinItsBound) {
-  Listener listener(lab::here() + ":0", quiet(), buffer());  // posts no receive
-  Connection c = Connection::connect(lab::here() + ":" + std::to_string(listener.port()), quiet(), buffer());
+  Listener listener(lab::here(0), quiet(), buffer());  // posts no receive
+  Connection c = Connection::connect(lab::here(listener.port()), quiet(), buffer());
   auto s = listener.accept(5s);
   const auto t0 = Clock::now();
   ASSERT_TRUE(c.post_send(c.memory(0).local().subslice(0, 8), 1).ok());
@@ -220,12 +220,12 @@ TEST(Fault, RnrIsReportedWithinItsBound) {
 }
 
 TEST(Fault, ForgedDescriptorGivesRemAccessErrAndFlushesTheRest) {
-  Listener listener(lab::here() + ":0", quiet(), [](Connection& c) {
+  Listener listener(lab::here(0), quiet(), [](Connection& c) {
     const auto& m = c.allocate_memory(64 * 1024, Access::local_write | Access::remote_write);
     std::memset(m.data(), 0x11, 64 * 1024);
     c.advertise(m);
   });
-  Connection c = lab::connect_altered(lab::here() + ":" + std::to_string(listener.port()), quiet(), buffer(),
+  Connection c = lab::connect_altered(lab::here(listener.port()), quiet(), buffer(),
                                       lab::forged_rkey());
   auto s = listener.accept(5s);
   ASSERT_TRUE(s.has_value());
@@ -251,9 +251,9 @@ TEST(Fault, ForgedDescriptorGivesRemAccessErrAndFlushesTheRest) {
 TEST(Fault, LocalMisuseIsRefusedSynchronously) {
   // An unregistered buffer cannot even be expressed: a LocalSlice only comes from a MemoryRegion.
   static_assert(!std::is_constructible_v<rdmakit::LocalSlice, void*, std::size_t, std::uint32_t, bool>);
-  Listener listener(lab::here() + ":0", quiet(), buffer());
+  Listener listener(lab::here(0), quiet(), buffer());
   rdmakit::PostResult before_rts;
-  Connection c = Connection::connect(lab::here() + ":" + std::to_string(listener.port()), quiet(), [&](Connection& x) {
+  Connection c = Connection::connect(lab::here(listener.port()), quiet(), [&](Connection& x) {
     buffer()(x);
     // Posting from Setup: the QP is not in RTS yet.
     before_rts = x.post_send(x.memory(0).local().subslice(0, 8), 1);
@@ -275,8 +275,8 @@ TEST(Fault, LocalMisuseIsRefusedSynchronously) {
 }
 
 TEST(Fault, RecoveryByReconnectingAfterAQpError) {
-  Listener listener(lab::here() + ":0", quiet(), buffer());
-  Connection c = lab::connect_altered(lab::here() + ":" + std::to_string(listener.port()), quiet(), buffer(),
+  Listener listener(lab::here(0), quiet(), buffer());
+  Connection c = lab::connect_altered(lab::here(listener.port()), quiet(), buffer(),
                                       lab::forged_rkey());
   auto s1 = listener.accept(5s);
   ASSERT_TRUE(c.post_write(c.memory(0).local().subslice(0, 64), c.remote_regions()[0], 0, 1).ok());
@@ -288,7 +288,7 @@ TEST(Fault, RecoveryByReconnectingAfterAQpError) {
   auto backoff = 50ms;
   for (int attempt = 0; attempt < 5 && !again; ++attempt) {
     try {
-      again.emplace(Connection::connect(lab::here() + ":" + std::to_string(listener.port()), quiet(), buffer()));
+      again.emplace(Connection::connect(lab::here(listener.port()), quiet(), buffer()));
     } catch (const rdmakit::Error&) {
       std::this_thread::sleep_for(backoff);
       backoff *= 2;
@@ -360,11 +360,11 @@ TEST(Fault, MemlockLimitIsExplainedAndNothingLeaks) {
   }
   // The listener holds the process's device layer (the device context and its descriptors),
   // which connections share: the baseline is taken with it open.
-  Listener listener(lab::here() + ":0", quiet(), [](Connection& c) { c.advertise(c.allocate_memory(4096, Access::remote_write)); });
+  Listener listener(lab::here(0), quiet(), [](Connection& c) { c.advertise(c.allocate_memory(4096, Access::remote_write)); });
   const auto before = lab::rdma_resources();
   const int fds = lab::open_fds();
   try {
-    (void)Connection::connect(lab::here() + ":" + std::to_string(listener.port()), quiet(),
+    (void)Connection::connect(lab::here(listener.port()), quiet(),
                               [](Connection& c) { (void)c.allocate_memory(1 << 20, Access::local_write); });
     ADD_FAILURE() << "registered 1 MiB under a 64 KiB limit";
   } catch (const rdmakit::Error& e) {
@@ -391,7 +391,7 @@ TEST(Fault, ChurnOfKilledPeersLeaksNothing) {
   const auto t0 = Clock::now();
   for (int i = 0; i < cycles; ++i) {
     const auto a = Clock::now();
-    Victim v("connect", lab::here() + ":" + std::to_string(listener.port()));
+    Victim v("connect", lab::here(listener.port()));
     auto c = listener.accept(10s);
     ASSERT_TRUE(c.has_value()) << "cycle " << i;
     const auto b = Clock::now();
@@ -425,7 +425,7 @@ TEST(Fault, AnEnginePeerKilledAndRestartedIsReconnected) {
   c.listen = "";
   c.link = quiet();
   rdmakit::Engine a(c);
-  a.add_peer("t", lab::here() + ":7611");
+  a.add_peer("t", lab::here(7611));
   const auto seg = a.segment("t", "kv");
   const rdmakit::Buffer src = a.allocate_memory(1 << 20);
   auto batch = [&](std::uint64_t block, int n) {

@@ -97,6 +97,8 @@ inline std::string here() {
   const char* ip = std::getenv("RDMAKIT_LAB_IP");
   return test_method() == rdmakit::ConnectMethod::rdma_cm && ip != nullptr ? ip : "127.0.0.1";
 }
+/// here() with a port: where a test in its own VM connects to a port.
+inline std::string here(std::uint16_t port) { return here() + ":" + std::to_string(port); }
 
 /// Over rdma_cm, librdmacm opens a context of each device the first time the process uses the
 /// CM and keeps it until the process exits. A resource or fd count taken before that would see it
