@@ -3,6 +3,8 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/timerfd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -55,8 +57,11 @@ bool next_event(rdma_event_channel* events, Deadline deadline, CmEvent& out) {
 
 CmChannel::CmChannel(EventChannelPtr events, CmIdPtr id, std::string peer, const CmOptions& options)
     : events_(std::move(events)), id_(std::move(id)), peer_(std::move(peer)), options_(options),
-      epoll_(::epoll_create1(EPOLL_CLOEXEC)) {
+      epoll_(::epoll_create1(EPOLL_CLOEXEC)), ready_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
+      grace_(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)) {
   if (!epoll_) throw Error("epoll_create1", errno, "the rdma_cm control channel");
+  if (!ready_) throw Error("eventfd", errno, "the rdma_cm control channel");
+  if (!grace_) throw Error("timerfd_create", errno, "the rdma_cm control channel");
   set_nonblocking(events_->fd, "the CM's event channel");
   if (id_->verbs == nullptr) throw Error("rdma_cm", ENODEV, fmt::format("{}: the CM resolved no device", peer_));
   // Our own context of the device the CM chose (the CM's context is librdmacm's), with a PD
@@ -83,7 +88,7 @@ CmChannel::CmChannel(EventChannelPtr events, CmIdPtr id, std::string peer, const
   qa.cap.max_recv_sge = 1;
   qp_.reset(ibv_create_qp(dev_->pd.get(), &qa));
   if (!qp_) throw Error("ibv_create_qp", errno, "the rdma_cm control channel's QP");
-  for (int fd : {comp_->fd, events_->fd}) {
+  for (int fd : {comp_->fd, events_->fd, ready_.get(), grace_.get()}) {
     epoll_event ev{};
     ev.events = EPOLLIN;
     if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) throw Error("epoll_ctl", errno, "control channel");
@@ -192,14 +197,29 @@ void CmChannel::fail(int err) noexcept {
   gone_errno_ = err;
 }
 
+void CmChannel::update_ready() noexcept {
+  const bool want = !rx_.empty() || gone_;
+  if (want == ready_set_) return;
+  std::uint64_t v = 1;
+  // Writing 1 sets the eventfd's count (never near its limit); reading takes it back to 0.
+  const ssize_t n = want ? ::write(ready_.get(), &v, sizeof v) : ::read(ready_.get(), &v, sizeof v);
+  if (n == static_cast<ssize_t>(sizeof v)) ready_set_ = want;
+}
+
 void CmChannel::pump() noexcept {
-  if (gone_ && rx_.empty()) return;
+  if (gone_ && rx_.empty()) return update_ready();
   try {
     CmEvent e;
     while (next_event(events_.get(), Clock::now(), e)) {
       switch (e.type) {
         case RDMA_CM_EVENT_DISCONNECTED:
-          if (disconnected_at_ == Deadline{}) disconnected_at_ = Clock::now();
+          if (disconnected_at_ == Deadline{}) {
+            disconnected_at_ = Clock::now();
+            // A reader that waits on fd() hears of the close when the grace is over.
+            itimerspec t{};
+            t.it_value.tv_nsec = std::chrono::nanoseconds(kDisconnectGrace).count() + 1'000'000;
+            (void)::timerfd_settime(grace_.get(), 0, &t, nullptr);
+          }
           break;
         case RDMA_CM_EVENT_DEVICE_REMOVAL: fail(ENODEV); break;
         case RDMA_CM_EVENT_ADDR_CHANGE: fail(ENETDOWN); break;
@@ -209,6 +229,8 @@ void CmChannel::pump() noexcept {
   } catch (const std::exception&) {
     fail(EIO);
   }
+  std::uint64_t expirations = 0;
+  (void)!::read(grace_.get(), &expirations, sizeof expirations);
   // Arm first, then poll: a completion that lands in between raises an event we read next time.
   ibv_cq* ev_cq = nullptr;
   void* ev_ctx = nullptr;
@@ -261,6 +283,7 @@ void CmChannel::pump() noexcept {
     ibv_send_wr* bad = nullptr;
     if (ibv_post_send(qp_.get(), &wr, &bad) == 0) probe_out_ = true;
   }
+  update_ready();
 }
 
 bool CmChannel::wait(Deadline deadline) noexcept {
@@ -290,12 +313,14 @@ void CmChannel::send_all(std::span<const std::uint8_t> bytes, Deadline deadline)
   // even if this side closes right after (a BYE), as a TCP close would deliver it.
   for (;;) {
     pump();
-    // After the peer's DREQ nothing sent reaches a reader: fail now, not after the grace that
-    // lets the peer's own last SENDs arrive (which is for receiving).
-    if (gone_ || disconnected_at_ != Deadline{}) throw_gone("rdma_cm send");
     // Checked after the pump, which may have reaped the last acknowledgement: done, without
-    // sleeping on a channel that has nothing more to say.
+    // sleeping on a channel that has nothing more to say. First: every chunk acknowledged is
+    // delivered even if the same pump saw the peer's DREQ (a server that read this message,
+    // answered with a REJECT and disconnected): the caller reads that answer next.
     if (bytes.empty() && idle()) return;
+    // After the peer's DREQ nothing more sent reaches a reader: fail now, not after the grace
+    // that lets the peer's own last SENDs arrive (which is for receiving).
+    if (gone_ || disconnected_at_ != Deadline{}) throw_gone("rdma_cm send");
     const auto free = std::find(send_busy_.begin(), send_busy_.end(), false);
     if (bytes.empty() || free == send_busy_.end()) {
       if (!wait(deadline)) stalled(bytes.empty() ? "the last chunk was not acknowledged" : "no send slot came free");
@@ -335,6 +360,7 @@ long CmChannel::recv_nonblocking(std::span<std::uint8_t> buf, int* error) noexce
       }
       parked_.pop_back();
     }
+    update_ready();
     return static_cast<long>(n);
   }
   if (!gone_) return kRecvWouldBlock;

@@ -65,6 +65,10 @@ class CmChannel final : public Channel {
   void post_recv(std::size_t slot);
   /// Reads the CM's events and the CQ without blocking; sends a keepalive probe when due.
   void pump() noexcept;
+  /// Keeps `fd()` readable while received bytes wait in rx_ or the channel is closed, as a
+  /// socket's is: a pump from send_all() takes completions (and their events) off the CQ, and
+  /// a reader that waits on `fd()` must still learn of what they brought.
+  void update_ready() noexcept;
   /// The channel is gone; `err` says why (0: the peer disconnected).
   void fail(int err) noexcept;
   /// Waits for `fd()` (at most 50 ms, so timed work in pump() runs) unless `deadline` passed.
@@ -80,6 +84,9 @@ class CmChannel final : public Channel {
   std::string peer_;
   CmOptions options_;
   Fd epoll_;
+  Fd ready_;  // an eventfd in epoll_, set while update_ready() says so
+  bool ready_set_ = false;
+  Fd grace_;  // a timerfd in epoll_: readable when the grace after a DISCONNECTED has passed
   std::shared_ptr<DeviceResources> dev_;
   std::vector<std::uint8_t> buffer_;
   MrPtr mr_;

@@ -17,6 +17,10 @@
 
 #include <gtest/gtest.h>
 
+#include "bootstrap/channel.hpp"
+#include "bootstrap/socket.hpp"
+#include "cm/cm.hpp"
+#include "common/clock.hpp"
 #include "engine_helpers.hpp"
 #include "lab_helpers.hpp"
 #include "rdmakit/connection.hpp"
@@ -338,6 +342,60 @@ TEST(Cm, AKilledPeerIsLostAtOnceThroughTheCm) {
   ASSERT_EQ(st, WaitStatus::peer_lost);
   EXPECT_LT(Clock::now() - t0, 2s) << "the CM's disconnect should be seen before the QP's retries end";
   EXPECT_NE(c.failure().find("the peer is gone"), std::string::npos) << c.failure();
+}
+
+// The control channel's descriptor behaves as a socket's: readable while received bytes wait to
+// be read, and once the peer has closed. A send's own progress takes the CQ's completions (and
+// their events) off the queue; a reader that waits on the descriptor (the engine's worker does)
+// must still learn of what they brought. (Missed, it left an engine's link waiting for a
+// message that had arrived.)
+TEST(Cm, TheChannelIsReadableWhileBytesWaitAndOnceClosed) {
+  using namespace rdmakit::detail;
+  CmListener listener(HostPort{lab_ip(), 0}, 4);
+  std::unique_ptr<Channel> server;
+  std::thread accepting([&] {
+    const Deadline until = deadline_in(10s);
+    while (!server && Clock::now() < until) {
+      pollfd p{listener.fd(), POLLIN, 0};
+      (void)::poll(&p, 1, 100);
+      if (auto r = listener.next()) server = r->accept(CmOptions{}, until);
+    }
+  });
+  std::unique_ptr<Channel> client = cm_connect(HostPort{lab_ip(), listener.port()}, CmOptions{}, deadline_in(10s), false);
+  accepting.join();
+  ASSERT_TRUE(server);
+  const std::vector<std::uint8_t> hello{1, 2, 3}, reply{4, 5};
+  server->send_all(hello, deadline_in(5s));  // acknowledged: in the client's receive queue
+  client->send_all(reply, deadline_in(5s));  // its progress reaps the server's bytes too
+  pollfd p{client->fd(), POLLIN, 0};
+  EXPECT_EQ(::poll(&p, 1, 0), 1) << "bytes wait, but the descriptor does not say so";
+  std::vector<std::uint8_t> got(hello.size());
+  client->recv_exact(got, deadline_in(1s));
+  EXPECT_EQ(got, hello);
+  EXPECT_EQ(::poll(&p, 1, 0), 0) << "nothing waits, yet the descriptor is readable (a reader would spin)";
+  got.resize(reply.size());
+  server->recv_exact(got, deadline_in(1s));
+  EXPECT_EQ(got, reply);
+
+  // The server goes (a DREQ): a reader that waits on the descriptor hears of it, without spinning.
+  server.reset();
+  const auto t0 = Clock::now();
+  int wakeups = 0;
+  long n = kRecvWouldBlock;
+  while (n != kRecvClosed && wakeups < 100) {
+    ASSERT_EQ(::poll(&p, 1, 2000), 1) << "the close never made the descriptor readable";
+    ++wakeups;
+    std::uint8_t b = 0;
+    int err = -1;
+    n = client->recv_nonblocking({&b, 1}, &err);
+    if (n == kRecvClosed) {
+      EXPECT_EQ(err, 0) << "an orderly close";
+    }
+  }
+  EXPECT_EQ(n, kRecvClosed);
+  EXPECT_LT(Clock::now() - t0, 1s);
+  EXPECT_LE(wakeups, 5) << "the descriptor stayed readable with nothing to read";
+  EXPECT_EQ(::poll(&p, 1, 0), 1) << "closed, as a socket at its end: readable";
 }
 
 TEST(Cm, ConnectCloseCyclesLeakNothing) {
