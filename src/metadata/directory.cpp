@@ -109,10 +109,13 @@ void Directory::saw(EngineRecord rec, std::vector<DirectoryChange>& changes) {
   }
 }
 
-// Engines missing for longer than a refresh interval and a poll are gone: a live one puts its
-// entry back within a refresh interval of losing it (a store restarted empty).
+// Engines missing for longer than a live one takes to put its entry back are gone. A live one
+// learns at its next refresh (within a third of the lease) that the store lost its lease (a store
+// restarted empty), then needs three calls: the keepalive that finds the lease gone, a grant and
+// the put, each within call_timeout; this side sees the put within a poll. (Without the calls'
+// time, a store answering slowly, as a just-restarted one does, dropped live peers.)
 void Directory::expire_missing(std::vector<DirectoryChange>& changes) {
-  const auto grace = config_.lease / 3 + config_.poll;
+  const auto grace = config_.lease / 3 + 3 * config_.call_timeout + config_.poll;
   for (auto it = missing_since_.begin(); it != missing_since_.end();) {
     const auto peer = peers_.find(it->first);
     if (peer == peers_.end()) {

@@ -8,8 +8,8 @@
 //
 // A store that is down changes nothing that is known: the cache keeps serving, and no engine is
 // declared gone for a failed listing. An engine whose entry is missing is gone only once it has
-// been missing longer than one refresh interval and one poll (a live engine puts its entry back
-// within one refresh interval of a store restart, so a restart does not drop anyone).
+// been missing longer than a live engine takes to put it back after a store restart: one refresh
+// interval, three calls and one poll (so a restart does not drop anyone).
 //
 // Threads: one owner thread calls everything (the engine's metadata thread).
 

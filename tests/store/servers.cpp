@@ -123,13 +123,17 @@ void StoreServer::start() {
   const int rc = posix_spawnp(&pid_, argv[0], &fa, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&fa);
   if (rc != 0) throw std::runtime_error(fmt::format("cannot start {}: errno {}", args[0], rc));
-  // Ready when a read answers (the store's own client, with a short deadline each try); a server
-  // that exited (a port taken meanwhile, a bad flag) is reported at once, with its log.
+  // Ready when a write and a read answer (the store's own client, with a short deadline each
+  // try): the tests publish at once, and a just-elected etcd can answer reads before its first
+  // writes are quick. A server that exited (a port taken meanwhile, a bad flag) is reported at
+  // once, with its log.
   auto store = detail::metadata::open_store(detail::metadata::parse_store_uri(uri()));
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds{30};
   while (true) {
     try {
-      (void)store->get("ready?", detail::deadline_in(std::chrono::milliseconds{500}));
+      const auto deadline = detail::deadline_in(std::chrono::milliseconds{500});
+      store->put("ready?", "yes", detail::metadata::no_lease, deadline);
+      store->remove("ready?", deadline);
       return;
     } catch (const Error&) {
       int status = 0;
