@@ -152,13 +152,15 @@ struct Listener::Impl {
   }
 };
 
+// The log line comes before the count, here and in serve(): whoever sees the count (rejected())
+// finds the reason in the log too.
 void Listener::Impl::refuse(Arrival& client, const std::string& why) noexcept {
   client.refuse(why);
-  rejected.fetch_add(1);
   try {
     log(fmt::format("refused connection from {}: {}", client.peer, why));
   } catch (...) {
   }
+  rejected.fetch_add(1);
 }
 
 // One accepted client: refused at a limit, else its handshake on a thread of its own. Throws
@@ -203,14 +205,14 @@ void Listener::Impl::serve(const std::shared_ptr<Arrival>& client, std::list<Han
           ready_cv.notify_one();
         }
       } catch (const std::exception& e) {
-        rejected.fetch_add(1);
         log(fmt::format("rejected connection from {}: {}", peer, e.what()));
         detail::emit(cfg.connection.trace, [&] {
           return TraceEvent{"handshake_rejected", {{"peer", peer}, {"error", e.what()}}};
         });
-      } catch (...) {
         rejected.fetch_add(1);
+      } catch (...) {
         log(fmt::format("rejected connection from {}: a non-standard exception", peer));
+        rejected.fetch_add(1);
       }
       done->store(true);
       poke();
