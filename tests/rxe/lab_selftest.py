@@ -147,6 +147,8 @@ def case_boot_timeout():
         fail(f"a guest that cannot boot in time gave status {rc}, expected 125")
     if "--boot-timeout" not in err:
         fail("the lab did not say the guest missed its boot deadline")
+    if "the boot's last step:" not in err:
+        fail("the lab did not say how far the guest's boot got")
     if dt > 15:
         fail(f"took {dt:.1f} s to give up on a 1 s boot deadline")
     expect_no_qemu_left(before)
