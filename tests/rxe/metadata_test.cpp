@@ -109,15 +109,34 @@ std::unique_ptr<lab::Child> target(const std::string& uri, const std::string& na
 
 class Metadata : public ::testing::TestWithParam<StoreServer::Kind> {
  protected:
+  Clock::time_point began = Clock::now();
   StoreServer server{GetParam()};
+  // Milliseconds since the case began (the store's start included), for the timeline printed.
+  long long ms() const {
+    return static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - began).count());
+  }
 };
 
 // Two engines find each other by name alone, move data both ways, and each sees the other's
 // published record: endpoint, rails with their subnet, segments. Nothing else is in it.
 TEST_P(Metadata, EnginesFindEachOtherByNameAndMoveValidatedData) {
+  std::printf("%lld ms: the store took a write\n", ms());
   Engine b(config("b", server.uri()));
   b.expose("kv", b.allocate_memory(1 << 20), Access::remote_read | Access::remote_write);
+  std::printf("%lld ms: b started: %s\n", ms(), b.info().metadata.c_str());
   Engine a(config("a", server.uri()));
+  std::printf("%lld ms: a started: %s\n", ms(), a.info().metadata.c_str());
+  // b is in the store now, or back within a refresh and its calls: its 2 s lease can run out
+  // while the lab's VM stalls (seen for tens of seconds under a loaded host), and b puts its
+  // entry back by itself. (A lookup in between fails: the store is the authority.)
+  const auto listed_b = until(kGrace + 2s, [&] {
+    try {
+      return lists(rdmakit::list_engines(metadata(server.uri())), "b");
+    } catch (const rdmakit::Error&) {
+      return false;  // a store slow to answer is asked again
+    }
+  });
+  ASSERT_LT(listed_b, kGrace + 2s) << b.info().metadata;
   EXPECT_NE(a.info().metadata.find("published as \"a\""), std::string::npos) << a.info().metadata;
   round_trip(a, a.segment("b", "kv"), 1 << 20, 3);
   const auto peers = a.peers();

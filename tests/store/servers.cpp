@@ -21,6 +21,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include <fmt/chrono.h>
 #include <fmt/format.h>
 
 #include "metadata/store.hpp"
@@ -58,7 +59,7 @@ std::string log_tail(const std::string& path) {
   std::deque<std::string> lines;
   for (std::string l; std::getline(in, l);) {
     lines.push_back(std::move(l));
-    if (lines.size() > 8) lines.pop_front();
+    if (lines.size() > 30) lines.pop_front();
   }
   std::string out;
   for (const auto& l : lines) out += "\n  " + l;
@@ -128,14 +129,17 @@ void StoreServer::start() {
   // writes are quick. A server that exited (a port taken meanwhile, a bad flag) is reported at
   // once, with its log.
   auto store = detail::metadata::open_store(detail::metadata::parse_store_uri(uri()));
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds{30};
+  const auto began = std::chrono::steady_clock::now();
+  const auto until = began + std::chrono::seconds{30};
+  std::string last_error;
   while (true) {
     try {
       const auto deadline = detail::deadline_in(std::chrono::milliseconds{500});
       store->put("ready?", "yes", detail::metadata::no_lease, deadline);
       store->remove("ready?", deadline);
       return;
-    } catch (const Error&) {
+    } catch (const Error& e) {
+      last_error = e.what();
       int status = 0;
       if (::waitpid(pid_, &status, WNOHANG) == pid_) {
         pid_ = -1;
@@ -144,7 +148,9 @@ void StoreServer::start() {
       }
       if (std::chrono::steady_clock::now() > until) {
         throw std::runtime_error(
-            fmt::format("{} did not answer on port {} within 30 s; its log:{}", args[0], port_, log_tail(log)));
+            fmt::format("{} did not answer on port {} within 30 s (started at {:%T}; the last try: {}); its log:{}",
+                        args[0], port_, std::chrono::system_clock::now() - (std::chrono::steady_clock::now() - began),
+                        last_error, log_tail(log)));
       }
       ::usleep(50'000);
     }
