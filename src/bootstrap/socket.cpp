@@ -294,8 +294,10 @@ void send_all(int fd, std::span<const std::uint8_t> bytes, Deadline deadline) {
     } else if (errno == EAGAIN || errno == EINTR) {
       wait_for(fd, POLLOUT, deadline, "bootstrap send");
     } else {
-      throw Error("bootstrap send", errno, peer_address(fd),
-                  errno == EPIPE || errno == ECONNRESET ? "the peer closed the connection" : "");
+      // errno first: peer_address() calls getpeername(), which fails (ENOTCONN) on a reset socket.
+      const int err = errno;
+      throw Error("bootstrap send", err, peer_address(fd),
+                  err == EPIPE || err == ECONNRESET ? "the peer closed the connection" : "");
     }
   }
 }
@@ -326,7 +328,9 @@ void recv_exact(int fd, std::span<std::uint8_t> bytes, Deadline deadline) {
         if (e.sys_errno() != ETIMEDOUT) throw;
       }
     } else {
-      throw Error("bootstrap receive", errno, peer_address(fd));
+      const int err = errno;  // before peer_address(), as in send_all()
+      throw Error("bootstrap receive", err, peer_address(fd),
+                  err == ECONNRESET ? "the peer reset the connection: it exited, or its listener refused this client" : "");
     }
   }
 }
