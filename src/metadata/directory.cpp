@@ -115,7 +115,7 @@ void Directory::saw(EngineRecord rec, std::vector<DirectoryChange>& changes) {
 // the put, each within call_timeout; this side sees the put within a poll. (Without the calls'
 // time, a store answering slowly, as a just-restarted one does, dropped live peers.)
 void Directory::expire_missing(std::vector<DirectoryChange>& changes) {
-  const auto grace = config_.lease / 3 + 3 * config_.call_timeout + config_.poll;
+  const auto grace = gone_after(config_.lease, config_.poll, config_.call_timeout);
   for (auto it = missing_since_.begin(); it != missing_since_.end();) {
     const auto peer = peers_.find(it->first);
     if (peer == peers_.end()) {

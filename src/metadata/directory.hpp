@@ -35,6 +35,13 @@ struct DirectoryConfig {
   std::chrono::milliseconds call_timeout{2'000};  ///< each call to the store
 };
 
+/// How long an engine's entry may be missing before the engine counts as gone: what a live one
+/// takes to put it back after a store restart (directory.cpp, expire_missing).
+constexpr std::chrono::milliseconds gone_after(std::chrono::milliseconds lease, std::chrono::milliseconds poll,
+                                               std::chrono::milliseconds call_timeout) {
+  return lease / 3 + 3 * call_timeout + poll;
+}
+
 struct DirectoryChange {
   enum class Kind : std::uint8_t { appeared, restarted, gone };
   Kind kind;

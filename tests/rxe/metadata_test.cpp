@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "lab_helpers.hpp"
+#include "metadata/directory.hpp"
 #include "rdmakit/engine.hpp"
 #include "rdmakit/error.hpp"
 #include "servers.hpp"
@@ -38,8 +39,8 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kLease = 2s;
 constexpr auto kPoll = 200ms;
 constexpr auto kCall = 1s;
-// How long an entry may be missing before its engine is gone (src/metadata/directory.cpp).
-constexpr auto kGrace = std::chrono::duration_cast<std::chrono::milliseconds>(kLease) / 3 + 3 * kCall + kPoll;
+// How long an entry may be missing before its engine is gone.
+constexpr auto kGrace = rdmakit::detail::metadata::gone_after(kLease, kPoll, kCall);
 
 rdmakit::MetadataConfig metadata(const std::string& uri) {
   rdmakit::MetadataConfig m;
