@@ -125,7 +125,7 @@ class DataPath {
   void set_remote(std::vector<RemoteRegion> regions, bool atomics);
   /// The QPs are in RTS: everything may be posted.
   void start() noexcept {
-    if (mode_ == Mode::idle) mode_ = Mode::ready;
+    if (mode_ == Mode::idle) set_mode(Mode::ready);
   }
 
   // --- posting (noexcept, no allocation) ----------------------------------------------------
@@ -167,8 +167,10 @@ class DataPath {
   // --- completions ------------------------------------------------------------------------------
   std::size_t poll(std::span<Completion> out) noexcept;
   /// poll() for one completion (what a latency loop asks for): the same bookkeeping, in a frame
-  /// of its own without the batch loop's array of work completions.
-  std::size_t poll_one(Completion& out) noexcept;
+  /// of its own without the batch loop's array of work completions, and out of line so that
+  /// the public poll() that calls it saves no registers.
+  [[gnu::noinline]] std::size_t poll_one(Completion& out) noexcept;
+  [[gnu::noinline]] std::size_t poll_one_recv(Completion& out) noexcept;
   /// Waits for the next completion (see Connection::wait), calling `hk.tick` about once a
   /// millisecond; a break is reported once, then `closed` once nothing is outstanding.
   WaitResult wait(std::chrono::milliseconds timeout, Housekeeping& hk) noexcept;
@@ -223,7 +225,19 @@ class DataPath {
                    std::uint64_t offset, std::uint64_t total) const noexcept;
   PostResult check(Opcode op, std::span<const LocalSlice> local, const RemoteRegion& remote,
                    std::uint64_t offset, std::uint64_t total) const noexcept;
-  Lane& pick_lane() noexcept;
+  [[gnu::noinline]] Lane& pick_lane() noexcept;
+  // Sets mode_ and the fast path's size gates (below) with it.
+  void set_mode(Mode mode) noexcept {
+    mode_ = mode;
+    gate_spread_ = mode == Mode::ready ? segment_min_spread_ : 0;
+    gate_ordered_ = mode == Mode::ready ? segment_min_ordered_ : 0;
+  }
+  // A request post_one's gate sent aside: not ready, or to be segmented, or too large.
+  [[gnu::noinline]] PostResult post_gated(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
+                                          std::uint64_t offset, std::uint32_t imm,
+                                          std::uint64_t wr_id) noexcept;
+  [[gnu::noinline]] const RemoteRegion* find_advertised(std::uint32_t rkey, std::uint64_t addr,
+                                                        std::uint64_t len) const noexcept;
   PostResult post_chain(Lane& lane, std::span<const WorkRequest> batch, bool parts,
                         std::uint64_t part_handle) noexcept;
   // Posts the first n entries of send_wrs_ (their ring slots staged) on `lane`; `run` is the
@@ -241,6 +255,12 @@ class DataPath {
   bool take_lane(Lane& lane, const ibv_wc& wc, Completion& c) noexcept;
   bool take_recv(const ibv_wc& wc, Completion& c) noexcept;
   bool finish_part(const WrRing::Slot& slot, const ibv_wc& wc, Completion& c) noexcept;
+  // take_lane's and take_recv's uncommon cases (out of line): a part, a forced completion or a
+  // marker, an error, a completion of nothing in flight (`slot` null: read as a marker).
+  [[gnu::noinline]] bool take_other(Lane& lane, const WrRing::Slot* slot, const ibv_wc& wc,
+                                    Completion& c) noexcept;
+  [[gnu::noinline]] bool take_recv_other(const WrRing::Slot* slot, const ibv_wc& wc,
+                                         Completion& c) noexcept;
   void on_error(const Completion& c, std::uint32_t qpn) noexcept;
   void release_segmented(std::uint32_t index) noexcept;
 
@@ -299,6 +319,14 @@ class DataPath {
   // last, which only one QP guarantees).
   std::uint64_t segment_min_spread_ = 0;
   std::uint64_t segment_min_ordered_ = 0;
+  // post_one's one gate: a request of at least this many bytes leaves the fast path (0 while
+  // not ready, so every request does: post_gated then says why). `spread`: WRITE and READ;
+  // `ordered`: everything else (segment_min_ordered_ is also max_msg_sz + 1).
+  std::uint64_t gate_spread_ = 0;
+  std::uint64_t gate_ordered_ = 0;
+  // The advertised region the last request fell in: tried first (requests tend to go to the
+  // same region), before the scan of remote_. Reset whenever remote_ changes.
+  mutable const RemoteRegion* last_advertised_ = nullptr;
 
   // Why it broke, and whether wait() has said so.
   std::string failure_;
@@ -392,10 +420,11 @@ inline void fill(Completion& c, std::uint64_t wr_id, Opcode op, const ibv_wc& wc
 inline const RemoteRegion* DataPath::advertised(const RemoteRegion& r, std::uint64_t offset,
                                                 std::uint64_t len) const noexcept {
   const std::uint64_t addr = r.addr + offset;
-  for (const RemoteRegion& a : remote_) {
-    if (a.rkey == r.rkey && addr >= a.addr && a.contains(addr - a.addr, len)) return &a;
+  const RemoteRegion* a = last_advertised_;
+  if (a != nullptr && a->rkey == r.rkey && addr >= a->addr && a->contains(addr - a->addr, len)) [[likely]] {
+    return a;
   }
-  return nullptr;
+  return find_advertised(r.rkey, addr, len);
 }
 
 // Everything a request must satisfy before it may be posted, apart from its size against
@@ -434,16 +463,6 @@ template <Opcode Op>
   }
 }
 
-// The next QP for a WRITE or READ: round robin, passing over QPs whose queue is full.
-inline Lane& DataPath::pick_lane() noexcept {
-  const std::uint32_t n = lane_count_;
-  for (std::uint32_t i = 0; i < n; ++i) {
-    if (++next_lane_ == n) next_lane_ = 0;
-    if (lanes_[next_lane_].sq.free() > 0) break;
-  }
-  return lanes_[next_lane_];
-}
-
 // One signaled request with one SGE: post_write, post_read, post_send, the atomics. The same
 // checks as a batch, without the batch machinery, and the opcode known at compile time (this is
 // the path latency-bound code takes).
@@ -451,14 +470,9 @@ template <Opcode Op>
 [[gnu::always_inline]] inline PostResult DataPath::post_one(
     const LocalSlice& local, const RemoteRegion& remote, std::uint64_t offset, std::uint32_t imm,
     std::uint64_t compare_add, std::uint64_t swap, std::uint64_t wr_id) noexcept {
-  if (mode_ != Mode::ready) [[unlikely]] return {PostStatus::not_ready, 0};
   const std::uint64_t total = local.length();
-  if constexpr (dp::spreads(Op) || Op == Opcode::write_with_imm) {
-    if (total >= (dp::spreads(Op) ? segment_min_spread_ : segment_min_ordered_)) [[unlikely]] {
-      return post_segmented(Op, local, remote, offset, imm, wr_id);
-    }
-  } else {
-    if (total > limits_.max_msg_size) [[unlikely]] return {PostStatus::too_large, 0};
+  if (total >= (dp::spreads(Op) ? gate_spread_ : gate_ordered_)) [[unlikely]] {
+    return post_gated(Op, local, remote, offset, imm, wr_id);
   }
   if (const PostResult r = check<Op>({&local, 1}, remote, offset, total); !r.ok()) [[unlikely]] {
     return r;
@@ -473,12 +487,15 @@ template <Opcode Op>
   v.num_sge = total == 0 ? 0 : 1;
   v.send_flags = IBV_SEND_SIGNALED | (dp::may_inline<Op>(total, limits_.max_inline) ? IBV_SEND_INLINE : 0);
   dp::fill_wr<Op>(v, remote, offset, imm, compare_add, swap);
+  // The ring entry goes in first and comes out again if the provider refuses: then only the
+  // lane is live across the provider's call (fewer registers saved on every post).
+  lane.sq.push({wr_id, Op, WrRing::user, false});
   ibv_send_wr* bad = nullptr;
   if (const int rc = ibv_post_send(lane.qp, &v, &bad); rc != 0) [[unlikely]] {
+    lane.sq.unpush();
     return {PostStatus::failed, rc, 0};
   }
   lane.unsignaled_run = 0;
-  lane.sq.push({wr_id, Op, WrRing::user, false});
   return {};
 }
 
@@ -569,24 +586,18 @@ template <typename Take>
 }
 
 [[gnu::always_inline]] inline bool DataPath::take_lane(Lane& lane, const ibv_wc& wc, Completion& c) noexcept {
-  const WrRing::Slot slot = lane.sq.retire(wc.wr_id);
-  if (slot.kind == WrRing::user && wc.status == IBV_WC_SUCCESS) [[likely]] {
-    dp::fill(c, slot.wr_id, slot.op, wc);
+  const WrRing::Slot* slot = lane.sq.retire(wc.wr_id);
+  if (slot != nullptr && slot->kind == WrRing::user && wc.status == IBV_WC_SUCCESS) [[likely]] {
+    dp::fill(c, slot->wr_id, slot->op, wc);
     return true;
   }
-  if (slot.kind == WrRing::part) return finish_part(slot, wc, c);
-  // A completion the library forced (selective signaling) or its own marker is bookkeeping; a
-  // failed request of the caller's is always news.
-  if (wc.status == IBV_WC_SUCCESS) return false;
-  dp::fill(c, slot.wr_id, slot.op, wc);
-  on_error(c, lane.qpn);
-  return slot.kind != WrRing::marker;
+  return take_other(lane, slot, wc, c);
 }
 
 [[gnu::always_inline]] inline bool DataPath::take_recv(const ibv_wc& wc, Completion& c) noexcept {
-  const WrRing::Slot slot = rq_.retire(wc.wr_id);  // the tag is above the bits it reads
-  dp::fill(c, slot.wr_id, slot.op, wc);
-  if (wc.status != IBV_WC_SUCCESS) [[unlikely]] on_error(c, lanes_[0].qpn);
+  const WrRing::Slot* slot = rq_.retire(wc.wr_id);  // the tag is above the bits it reads
+  if (slot == nullptr || wc.status != IBV_WC_SUCCESS) [[unlikely]] return take_recv_other(slot, wc, c);
+  dp::fill(c, slot->wr_id, slot->op, wc);
   return true;
 }
 
@@ -602,24 +613,6 @@ template <typename Take>
 
 [[gnu::always_inline]] inline std::size_t DataPath::poll(std::span<Completion> out) noexcept {
   return out.size() == 1 ? poll_one(out[0]) : poll_many(out);
-}
-
-[[gnu::always_inline]] inline std::size_t DataPath::poll_one(Completion& out) noexcept {
-  // A queue with nothing in flight has nothing to report: skip its provider call (it costs real
-  // time per spin in a latency loop).
-  // Not reap_send({&out, 1}): GCC keeps the batch branch's array and saved registers in this
-  // frame then (+6 instructions per poll, bench/callgrind-overhead).
-  std::size_t n = 0;
-  if (lane_count_ > 1 || lanes_[0].sq.count() != 0) {
-    ibv_wc wc;
-    n = ibv_poll_cq(send_cq_, 1, &wc) == 1 && take_send(wc, out) ? 1 : 0;
-  }
-  if (rq_.count() != 0 && n == 0) {
-    ibv_wc wc;
-    n = ibv_poll_cq(recv_cq_, 1, &wc) == 1 && take_recv(wc, out) ? 1 : 0;
-  }
-  if (markers_pending_) [[unlikely]] post_markers();
-  return n;
 }
 
 }  // namespace rdmakit::detail

@@ -20,7 +20,7 @@ void DataPath::break_connection(std::string why, BreakCause cause) noexcept {
   failure_ = std::move(why);
   if (failure_.empty()) failure_ = "the connection broke";
   cause_ = cause;
-  mode_ = Mode::broken;
+  set_mode(Mode::broken);
   flush_all();
 }
 
@@ -121,7 +121,7 @@ void DataPath::settle(Deadline deadline, Housekeeping& hk) noexcept {
 std::uint32_t DataPath::shut(Deadline deadline) noexcept {
   if (lanes_.empty()) return 0;
   if (mode_ != Mode::closed) {
-    mode_ = Mode::closed;
+    set_mode(Mode::closed);
     flush_all();
   }
   reap_until(deadline, true);
@@ -141,7 +141,7 @@ void DataPath::forget_qps() noexcept {
   }
   rq_.clear();
   markers_pending_ = false;
-  mode_ = Mode::closed;
+  set_mode(Mode::closed);
 }
 
 void DataPath::reap_until(Deadline deadline, bool receives) noexcept {

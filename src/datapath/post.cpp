@@ -35,6 +35,36 @@ constexpr std::uint64_t part_handle(std::uint32_t index, std::uint32_t generatio
 
 }  // namespace
 
+const RemoteRegion* DataPath::find_advertised(std::uint32_t rkey, std::uint64_t addr,
+                                               std::uint64_t len) const noexcept {
+  for (const RemoteRegion& a : remote_) {
+    if (a.rkey == rkey && addr >= a.addr && a.contains(addr - a.addr, len)) {
+      last_advertised_ = &a;
+      return &a;
+    }
+  }
+  return nullptr;
+}
+
+// The next QP for a WRITE or READ: round robin, passing over QPs whose queue is full.
+Lane& DataPath::pick_lane() noexcept {
+  const std::uint32_t n = lane_count_;
+  for (std::uint32_t i = 0; i < n; ++i) {
+    if (++next_lane_ == n) next_lane_ = 0;
+    if (lanes_[next_lane_].sq.free() > 0) break;
+  }
+  return lanes_[next_lane_];
+}
+
+PostResult DataPath::post_gated(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
+                                std::uint64_t offset, std::uint32_t imm, std::uint64_t wr_id) noexcept {
+  if (mode_ != Mode::ready) return {PostStatus::not_ready, 0};
+  if (dp::spreads(op) || op == Opcode::write_with_imm) {
+    return post_segmented(op, local, remote, offset, imm, wr_id);
+  }
+  return {PostStatus::too_large, 0};
+}
+
 PostResult DataPath::check(Opcode op, std::span<const LocalSlice> local, const RemoteRegion& remote,
                            std::uint64_t offset, std::uint64_t total) const noexcept {
   return with_opcode(op, [&](auto o) { return check<decltype(o)::value>(local, remote, offset, total); });

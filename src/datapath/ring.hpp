@@ -55,6 +55,8 @@ class WrRing {
   /// The newest request in flight (count() > 0).
   [[nodiscard]] const Slot& newest() const noexcept { return slots_[(tail_ - 1) & mask_]; }
   void push(const Slot& s) noexcept { slots_[tail_++ & mask_] = s; }
+  /// Takes back the newest push (its request was not posted after all).
+  void unpush() noexcept { --tail_; }
   /// Writes the slot of the request `i` places past the newest, not yet in flight (a chain
   /// being built); commit() puts the first `n` staged in flight.
   void stage(std::uint32_t i, const Slot& s) noexcept { slots_[(tail_ + i) & mask_] = s; }
@@ -68,14 +70,14 @@ class WrRing {
   /// Entries of storage (a power of two, at least capacity()).
   [[nodiscard]] std::uint64_t storage() const noexcept { return mask_ + 1; }
   /// Retires everything up to and including the request whose sequence number has these low
-  /// 48 bits (the rest of a wr_id is ignored); returns its slot. One that is not in flight (a
-  /// bug, or a stale completion of a queue that held the same tag before) retires nothing and
-  /// reads as a marker.
-  Slot retire(std::uint64_t low) noexcept {
+  /// 48 bits (the rest of a wr_id is ignored); returns its slot (valid until the next push).
+  /// One that is not in flight (a bug, or a stale completion of a queue that held the same tag
+  /// before) retires nothing: nullptr.
+  const Slot* retire(std::uint64_t low) noexcept {
     const std::uint64_t seq = head_ + ((low - head_) & kSeqMask);
-    if (seq >= tail_) [[unlikely]] return {seq, Opcode::send, marker, false};
+    if (seq >= tail_) [[unlikely]] return nullptr;
     head_ = seq + 1;
-    return slots_[seq & mask_];
+    return &slots_[seq & mask_];
   }
   /// Forgets everything in flight (the queue is gone).
   void clear() noexcept { head_ = tail_; }
