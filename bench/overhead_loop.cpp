@@ -5,9 +5,10 @@
 // loops sleep 200 us, so the count is of posting and completing, not of how often an empty CQ
 // was polled while the (emulated) NIC worked; the empty polls left are reported.
 //
-//   rdmakit_overhead_loop raw|rawsge|rawex|lib ITERATIONS     (inside the lab)
+//   rdmakit_overhead_loop raw|rawsge|rawex|lib|prep ITERATIONS     (inside the lab)
 // raw: the classic calls, 8 bytes inline as the library sends them; rawsge: the same by SGE;
-// rawex: the extended interfaces, by SGE (see below).
+// rawex: the extended interfaces, by SGE (see below); lib: post_write + poll; prep: the same
+// write prepared once (Connection::prepare), posted with post(prepared, wr_id) + poll.
 #include <infiniband/verbs.h>
 #include <time.h>
 
@@ -173,10 +174,23 @@ extern "C" __attribute__((noinline)) unsigned long rdmakit_overhead_lib_loop(
   return empty;
 }
 
+extern "C" __attribute__((noinline)) unsigned long rdmakit_overhead_prep_loop(
+    rdmakit::Connection* conn, rdmakit::PreparedRequest write, unsigned long iters) {
+  unsigned long empty = 0;
+  rdmakit::Completion c;
+  for (unsigned long i = 0; i < iters; ++i) {
+    if (!conn->post(write, i).ok()) std::abort();
+    pause_200us();
+    while (conn->poll({&c, 1}) == 0) ++empty;
+    if (!c.ok()) std::abort();
+  }
+  return empty;
+}
+
 int main(int argc, char** argv) {
   const std::string mode = argc == 3 ? argv[1] : "";
-  if (mode != "raw" && mode != "rawsge" && mode != "rawex" && mode != "lib") {
-    std::fprintf(stderr, "usage: %s raw|rawsge|rawex|lib ITERATIONS\n", argv[0]);
+  if (mode != "raw" && mode != "rawsge" && mode != "rawex" && mode != "lib" && mode != "prep") {
+    std::fprintf(stderr, "usage: %s raw|rawsge|rawex|lib|prep ITERATIONS\n", argv[0]);
     return 2;
   }
   const unsigned long iters = std::strtoul(argv[2], nullptr, 10);
@@ -186,7 +200,14 @@ int main(int argc, char** argv) {
   const rdmakit::LocalSlice src = conn.memory(0).local().subslice(0, 8);
   const rdmakit::RemoteRegion dst = conn.remote_regions().at(0);
   unsigned long empty;
-  if (mode != "lib") {
+  if (mode == "prep") {
+    rdmakit::WorkRequest w;
+    w.opcode = rdmakit::Opcode::write;
+    w.local = {&src, 1};
+    w.remote = dst;
+    const rdmakit::PreparedRequest write = conn.prepare(w);
+    empty = rdmakit_overhead_prep_loop(&conn, write, iters);
+  } else if (mode != "lib") {
     auto& m = rdmakit::Connection::Impl::of(conn);
     const ibv_sge sge{reinterpret_cast<std::uint64_t>(src.addr()), 8, src.lkey()};
     // The library sends 8 bytes inline (they fit in max_inline); so do the raw loops.

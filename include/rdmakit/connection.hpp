@@ -201,6 +201,8 @@ enum class PostStatus : std::uint8_t {
   /// the remote descriptor is not (inside) a region the peer advertised on this connection:
   /// a wrong rkey or address, or a descriptor from another connection
   not_advertised,
+  /// a prepared request that was released, or prepared before the peer's regions changed
+  stale,
 };
 struct PostResult {
   PostStatus status = PostStatus::ok;
@@ -228,6 +230,13 @@ struct WorkRequest {
   /// itself signals at least every send_depth / 2 requests, so the queue never fills with
   /// entries nothing could reclaim; poll() (or wait()) retires them.
   bool signaled = true;
+};
+
+/// A work request checked once and posted any number of times: see Connection::prepare. A
+/// handle (copyable); refused as PostStatus::stale once released.
+struct PreparedRequest {
+  std::uint32_t index = ~0u;
+  std::uint32_t generation = 0;
 };
 
 enum class WaitStatus : std::uint8_t {
@@ -347,6 +356,23 @@ class Connection {
   /// Posts the whole batch as one chained ibv_post_send, or nothing: every request is checked
   /// (state, bounds, access, SGE count, alignment, queue room) before anything is posted.
   PostResult post_batch(std::span<const WorkRequest> batch) noexcept;
+  /// Checks `request` once, as post_batch() checks a request (state, bounds, the advertised
+  /// region and its access, local write access, SGE count, size, alignment), and keeps its
+  /// work request built; post(prepared, wr_id) then posts it checking only what can change:
+  /// the connection's state and the queue's room. For a request posted again and again with
+  /// the same buffers (a message-rate loop, a ring of fixed slots), like MPI's persistent
+  /// requests or a benchmark's prebuilt work request. The local slices' data is read when each
+  /// post happens, not now. A WRITE or READ long enough to be segmented cannot be prepared
+  /// (post it with post_write/post_read). Throws Error (step "prepare") with the reason when
+  /// the request would be refused; the connection keeps the request until release() or its
+  /// end.
+  PreparedRequest prepare(const WorkRequest& request);
+  /// Posts a prepared request with `wr_id` (its completion carries it; `request.signaled` and
+  /// the opcode are the prepared ones; the prepared wr_id is not used).
+  PostResult post(PreparedRequest request, std::uint64_t wr_id) noexcept;
+  /// Forgets a prepared request: its handle, and every copy of it, is refused from now on.
+  /// Requests already posted with it complete as usual.
+  void release(PreparedRequest request) noexcept;
   /// Allowed from Setup too, so a receive is ready before the peer can send.
   PostResult post_recv(const LocalSlice& dst, std::uint64_t wr_id) noexcept;
   /// Posts one receive per slice, chained, with wr_ids first_wr_id, first_wr_id + 1, ...

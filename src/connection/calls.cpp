@@ -1,6 +1,7 @@
 // The public data-path calls: each forwards to the data path, whose hot path is inline, so a
 // post or poll is one function from the caller's call to the provider's.
 #include "connection/impl.hpp"
+#include "rdmakit/error.hpp"
 
 namespace rdmakit {
 
@@ -39,6 +40,25 @@ PostResult Connection::post_compare_swap(const LocalSlice& old_value, const Remo
 PostResult Connection::post_batch(std::span<const WorkRequest> batch) noexcept {
   return impl_->dp.post_batch(batch);
 }
+
+PreparedRequest Connection::prepare(const WorkRequest& request) {
+  PreparedRequest out;
+  if (const PostResult r = impl_->dp.prepare(request, out); !r.ok()) {
+    throw Error("prepare", 0, r.describe(),
+                r.status == PostStatus::too_large
+                    ? "a prepared request is one work request: at most the port's max message size, "
+                      "and a WRITE or READ below the striping threshold (post longer ones with "
+                      "post_write/post_read, which segment them)"
+                    : std::string{});
+  }
+  return out;
+}
+
+PostResult Connection::post(PreparedRequest request, std::uint64_t wr_id) noexcept {
+  return impl_->dp.post_prepared(request, wr_id);
+}
+
+void Connection::release(PreparedRequest request) noexcept { impl_->dp.release(request); }
 
 PostResult Connection::post_recv(const LocalSlice& dst, std::uint64_t wr_id) noexcept {
   return impl_->dp.post_recvs({&dst, 1}, wr_id);

@@ -88,6 +88,9 @@ std::string PostResult::describe() const {
     case PostStatus::not_advertised:
       return "refused: the remote descriptor is not inside a region the peer advertised on this "
              "connection (wrong rkey or address, or taken from another connection)" + where;
+    case PostStatus::stale:
+      return "refused: the prepared request was released, or prepared before the peer's regions "
+             "changed (prepare it again)";
     case PostStatus::failed:
       return fmt::format("ibv_post failed: {} ({}){}", errno_name(sys_errno),
                          std::system_category().message(sys_errno), where);

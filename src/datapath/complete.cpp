@@ -128,6 +128,10 @@ std::size_t DataPath::poll_many(std::span<Completion> out) noexcept {
 void DataPath::set_remote(std::vector<RemoteRegion> regions, bool atomics) {
   remote_ = std::move(regions);
   last_advertised_ = nullptr;
+  // Prepared requests were checked against the regions before: none survives a change.
+  for (std::size_t i = 0; i < prepared_.size(); ++i) {
+    if (prepared_[i].in_use) release({static_cast<std::uint32_t>(i), prepared_[i].generation});
+  }
   atomics_ = atomics;
   // What settle() aims its zero-length marker at: a writable region, else a readable one.
   settle_target_ = nullptr;

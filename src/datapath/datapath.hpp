@@ -48,6 +48,9 @@ struct Lane {
   ibv_qp* qp = nullptr;
   WrRing sq;
   std::uint32_t unsignaled_run = 0;  // WRs posted unsignaled since the last signaled one
+  // unsignaled_run after a post the provider refused: long enough that the next request is
+  // signaled, short enough not to overflow when counted on.
+  static constexpr std::uint32_t kRunUnknown = 1u << 30;
   // The tag in its wr_ids (ring.hpp): its index in the data path's lanes when the data path
   // owns its CQs; its route in a shared CQ's router when it does not.
   std::uint32_t id = 0;
@@ -69,6 +72,20 @@ struct Segmented {
   int status = 0;
   std::uint32_t vendor_err = 0;
   bool silent = false;  // only partly posted and already reported as a failed post
+};
+
+// A request checked once and posted many times (Connection::prepare): its work request is
+// built, and a post only sets the wr_id and whether it is signaled.
+struct Prepared {
+  ibv_send_wr wr{};
+  std::vector<ibv_sge> sges;   // wr.sg_list (its storage stays put when the table grows)
+  unsigned flags = 0;          // IBV_SEND_INLINE or 0; IBV_SEND_SIGNALED is decided per post
+  std::uint32_t generation = 0;  // a handle must match it; bumped on release
+  Opcode op = Opcode::write;
+  WrRing::Kind kind = WrRing::user;  // silent when unsignaled
+  bool signaled = true;
+  bool any_lane = false;       // a WRITE or READ with several QPs: any of them may take it
+  bool in_use = false;
 };
 
 /// Why the data path stopped accepting work.
@@ -135,6 +152,14 @@ class DataPath {
                       std::uint64_t wr_id) noexcept;
   PostResult post_batch(std::span<const WorkRequest> batch) noexcept;
   PostResult post_recvs(std::span<const LocalSlice> dsts, std::uint64_t first_wr_id) noexcept;
+
+  // Prepared requests (Connection::prepare). prepare() checks `w` as post_batch would, except
+  // that a request that would be segmented is too_large, and builds its work request; on a
+  // refusal nothing is kept. It allocates (setup). post_prepared() is the shortest post there
+  // is: a stale handle, the data path's mode and the queue's room are all it checks.
+  PostResult prepare(const WorkRequest& w, PreparedRequest& out);
+  PostResult post_prepared(PreparedRequest h, std::uint64_t wr_id) noexcept;
+  void release(PreparedRequest h) noexcept;
 
   // A chain built in place, for a caller that posts many one-range requests at a time and has
   // resolved each one's remote region already (the engine): chain_add() writes request after
@@ -226,6 +251,8 @@ class DataPath {
   PostResult check(Opcode op, std::span<const LocalSlice> local, const RemoteRegion& remote,
                    std::uint64_t offset, std::uint64_t total) const noexcept;
   [[gnu::noinline]] Lane& pick_lane() noexcept;
+  PostResult post_prepared_on(Lane& lane, Prepared& p, std::uint64_t wr_id) noexcept;
+  [[gnu::noinline]] PostResult post_prepared_any_lane(Prepared& p, std::uint64_t wr_id) noexcept;
   // Sets mode_ and the fast path's size gates (below) with it.
   void set_mode(Mode mode) noexcept {
     mode_ = mode;
@@ -293,6 +320,11 @@ class DataPath {
   std::vector<RemoteRegion> remote_;
   const RemoteRegion* settle_target_ = nullptr;  // in remote_; null when none can take a marker
   ibv_wr_opcode settle_opcode_ = IBV_WR_RDMA_WRITE;
+
+  // Prepared requests: the table, its free entries, and its size (kept apart: size() divides).
+  std::vector<Prepared> prepared_;
+  std::vector<std::uint32_t> free_prepared_;
+  std::uint32_t prepared_count_ = 0;
 
   // Preallocated so posting never allocates.
   std::vector<ibv_send_wr> send_wrs_;
@@ -496,6 +528,47 @@ template <Opcode Op>
     return {PostStatus::failed, rc, 0};
   }
   lane.unsignaled_run = 0;
+  return {};
+}
+
+inline PostResult DataPath::post_prepared(PreparedRequest h, std::uint64_t wr_id) noexcept {
+  if (h.index >= prepared_count_) [[unlikely]] return {PostStatus::stale, 0};
+  Prepared& p = prepared_[h.index];
+  if (p.generation != h.generation) [[unlikely]] return {PostStatus::stale, 0};
+  if (mode_ != Mode::ready) [[unlikely]] return {PostStatus::not_ready, 0};
+  // Choosing among several QPs calls out; kept off this path so nothing lives across a call
+  // but the provider's.
+  if (p.any_lane) return post_prepared_any_lane(p, wr_id);
+  return post_prepared_on(lanes_[0], p, wr_id);
+}
+
+[[gnu::always_inline]] inline PostResult DataPath::post_prepared_on(Lane& lane, Prepared& p,
+                                                                    std::uint64_t wr_id) noexcept {
+  if (lane.sq.free() == 0) [[unlikely]] return {PostStatus::queue_full, 0};
+  // An unsignaled request is signaled anyway once every forced_signal_interval_ (post_chain).
+  std::uint32_t run = 0;
+  unsigned signal = IBV_SEND_SIGNALED;
+  if (!p.signaled) {
+    run = lane.unsignaled_run + 1;
+    if (run < forced_signal_interval_) {
+      signal = 0;
+    } else {
+      run = 0;
+    }
+  }
+  p.wr.wr_id = dp::wr_id(lane.id, lane.sq.next_seq());
+  p.wr.send_flags = p.flags | signal;
+  lane.sq.push({wr_id, p.op, p.kind, false});
+  // Both before the provider's call, so only the lane lives across it (fewer registers saved).
+  lane.unsignaled_run = run;
+  ibv_send_wr* bad = nullptr;
+  if (const int rc = ibv_post_send(lane.qp, &p.wr, &bad); rc != 0) [[unlikely]] {
+    lane.sq.unpush();
+    // The run before is gone: count it as unknown, so the next request is signaled (and a
+    // drain treats the queue's newest request as unsignaled: one marker too many at worst).
+    lane.unsignaled_run = Lane::kRunUnknown;
+    return {PostStatus::failed, rc, 0};
+  }
   return {};
 }
 

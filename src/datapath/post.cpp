@@ -221,6 +221,60 @@ PostResult DataPath::post_staged(Lane& lane, std::uint32_t n, std::uint32_t run)
   return {PostStatus::failed, rc, posted};
 }
 
+PostResult DataPath::prepare(const WorkRequest& w, PreparedRequest& out) {
+  if (mode_ != Mode::ready) return {PostStatus::not_ready, 0};
+  if (w.opcode == Opcode::recv) return {PostStatus::unsupported, 0};
+  if (w.local.size() > limits_.max_sge) return {PostStatus::too_many_sges, 0};
+  std::uint64_t total = 0;
+  for (const LocalSlice& s : w.local) total += s.length();
+  // A request post_one would segment is several work requests: not one to prepare.
+  if (total >= (dp::spreads(w.opcode) ? segment_min_spread_ : segment_min_ordered_)) {
+    return {PostStatus::too_large, 0};
+  }
+  if (const PostResult r = check(w.opcode, w.local, w.remote, w.remote_offset, total); !r.ok()) return r;
+  std::uint32_t index = 0;
+  if (free_prepared_.empty()) {
+    index = static_cast<std::uint32_t>(prepared_.size());
+    prepared_.emplace_back();
+    free_prepared_.reserve(prepared_.size());  // release() must not allocate
+    prepared_count_ = index + 1;
+  } else {
+    index = free_prepared_.back();
+    free_prepared_.pop_back();
+  }
+  Prepared& p = prepared_[index];
+  p.sges.clear();
+  for (const LocalSlice& s : w.local) p.sges.push_back(dp::to_sge(s));
+  p.wr = ibv_send_wr{};
+  p.wr.sg_list = p.sges.data();
+  p.wr.num_sge = total == 0 ? 0 : static_cast<int>(p.sges.size());
+  with_opcode(w.opcode, [&](auto o) {
+    constexpr Opcode op = decltype(o)::value;
+    p.flags = dp::may_inline<op>(total, limits_.max_inline) ? unsigned{IBV_SEND_INLINE} : 0u;
+    dp::fill_wr<op>(p.wr, w.remote, w.remote_offset, w.imm, w.compare_add, w.swap);
+  });
+  p.op = w.opcode;
+  p.signaled = w.signaled;
+  p.kind = w.signaled ? WrRing::user : WrRing::silent;
+  p.any_lane = dp::spreads(w.opcode) && lane_count_ > 1;
+  p.in_use = true;
+  out = {index, p.generation};
+  return {};
+}
+
+PostResult DataPath::post_prepared_any_lane(Prepared& p, std::uint64_t wr_id) noexcept {
+  return post_prepared_on(pick_lane(), p, wr_id);
+}
+
+void DataPath::release(PreparedRequest h) noexcept {
+  if (h.index >= prepared_count_) return;
+  Prepared& p = prepared_[h.index];
+  if (!p.in_use || p.generation != h.generation) return;
+  p.in_use = false;
+  ++p.generation;
+  free_prepared_.push_back(h.index);  // reserved by prepare()
+}
+
 PostResult DataPath::post_recvs(std::span<const LocalSlice> dsts, std::uint64_t first_wr_id) noexcept {
   if (mode_ != Mode::idle && mode_ != Mode::ready) return {PostStatus::not_ready, 0};
   if (dsts.empty()) return {};

@@ -520,3 +520,93 @@ TEST(Datapath, ControlMessages) {
 }
 
 }  // namespace
+
+namespace {
+
+// Prepared requests on a real device: every operation, the local bytes read at each post (not
+// at prepare), unsignaled ones retired by a signaled one, refusals at prepare, stale handles.
+TEST(Datapath, PreparedRequestsMoveEveryOperationAndReadTheirBytesAtEachPost) {
+  Pair p;
+  const auto& mine = p.client.memory(0);
+  const auto& theirs_mem = p.server.memory(0);
+  const auto theirs = p.client.remote_regions()[0];
+  auto* local = static_cast<std::uint8_t*>(mine.data());
+  auto* remote = static_cast<std::uint8_t*>(theirs_mem.data());
+  auto req = [&](Opcode op, std::size_t local_off, std::size_t len, std::uint64_t remote_off) {
+    const rdmakit::LocalSlice slice = mine.local().subslice(local_off, len);
+    WorkRequest w;
+    w.opcode = op;
+    w.local = {&slice, 1};
+    w.remote = theirs;
+    w.remote_offset = remote_off;
+    return p.client.prepare(w);  // keeps what it needs: `slice` goes out of scope after
+  };
+  const auto write = req(Opcode::write, 0, 4096, 8192);
+  const auto read = req(Opcode::read, 32768, 1000, 16384);
+  const auto send = req(Opcode::send, 0, 100, 0);
+  const auto add = req(Opcode::fetch_add, 40000, 8, 40000);
+  std::uint64_t id = 1000;
+  for (std::uint8_t round = 1; round <= 3; ++round) {
+    SCOPED_TRACE(::testing::Message() << "round " << int{round});
+    fill(local, 4096, round);
+    ASSERT_TRUE(p.client.post(write, ++id).ok());
+    EXPECT_EQ(expect_done(p.client, id).opcode, Opcode::write);
+    EXPECT_EQ(std::memcmp(remote + 8192, local, 4096), 0);
+    fill(remote + 16384, 1000, static_cast<std::uint8_t>(round * 5));
+    ASSERT_TRUE(p.client.post(read, ++id).ok());
+    expect_done(p.client, id);
+    EXPECT_EQ(std::memcmp(local + 32768, remote + 16384, 1000), 0);
+    ASSERT_TRUE(p.server.post_recv(theirs_mem.local().subslice(50000, 100), ++id).ok());
+    const std::uint64_t recv_id = id;
+    ASSERT_TRUE(p.client.post(send, ++id).ok());
+    expect_done(p.client, id);
+    EXPECT_EQ(expect_done(p.server, recv_id).byte_len, 100u);
+    EXPECT_EQ(std::memcmp(remote + 50000, local, 100), 0);
+  }
+  // fetch_add: the prepared addend (0: WorkRequest's default) leaves the word as it is and
+  // returns it each time.
+  std::uint64_t word = 0x1234'5678'9abc'def0;
+  std::memcpy(remote + 40000, &word, 8);
+  ASSERT_TRUE(p.client.post(add, ++id).ok());
+  expect_done(p.client, id);
+  EXPECT_EQ(std::memcmp(local + 40000, &word, 8), 0);
+
+  // Unsignaled: 100 of them, retired by the signaled one after them.
+  rdmakit::LocalSlice one = mine.local().subslice(0, 8);
+  WorkRequest quiet_write;
+  quiet_write.local = {&one, 1};
+  quiet_write.remote = theirs;
+  quiet_write.signaled = false;
+  const auto quiet = p.client.prepare(quiet_write);
+  for (int i = 0; i < 100; ++i) {
+    const auto r = p.client.post(quiet, 1);
+    if (r.status == PostStatus::queue_full) {
+      Completion c[4];
+      EXPECT_EQ(p.client.poll(c), 0u);  // forced completions retire requests, but are no news
+      std::this_thread::sleep_for(1ms);
+      --i;
+      continue;
+    }
+    ASSERT_TRUE(r.ok()) << r.describe();
+  }
+  ASSERT_TRUE(p.client.post(write, ++id).ok());
+  expect_done(p.client, id);
+  EXPECT_EQ(p.client.outstanding(), 0u);
+
+  // Refused at prepare, with the reason; a released handle is refused at post.
+  WorkRequest outside = quiet_write;
+  outside.remote_offset = kBuf - 4;
+  try {
+    (void)p.client.prepare(outside);
+    ADD_FAILURE() << "prepare of an out-of-bounds write did not throw";
+  } catch (const rdmakit::Error& e) {
+    EXPECT_EQ(e.op(), "prepare");
+    EXPECT_NE(std::string(e.what()).find("outside the remote region"), std::string::npos) << e.what();
+  }
+  p.client.release(quiet);
+  EXPECT_EQ(p.client.post(quiet, 1).status, PostStatus::stale);
+  p.client.close();
+  EXPECT_EQ(p.client.post(write, 1).status, PostStatus::not_ready);
+}
+
+}  // namespace
