@@ -46,6 +46,9 @@ struct Peer;
 struct BufferRec;
 struct SliceGroup;
 
+// What a link's QP must allow for the windows bound on it: everything a segment may allow.
+inline constexpr Access kAllRemote = Access::remote_read | Access::remote_write | Access::remote_atomic;
+
 /// One transfer of a batch: the caller's description, and its result. A posted request's wr_id
 /// is its address (8-byte aligned: bit 0 marks a window bind instead).
 struct Xfer {

@@ -1,0 +1,327 @@
+#pragma once
+// The data path's hot path: posting one request, a prepared one or a chain, and taking
+// completions; inline, so a public post_* or poll is one function from the caller's call to the
+// provider's. Included by datapath.hpp (which declares everything here); not on its own.
+#include "datapath/datapath.hpp"
+
+namespace rdmakit::detail {
+
+// --- the hot path, inline so a public post_* or poll is one function ---------------------------
+
+namespace dp {
+
+constexpr bool is_atomic(Opcode op) { return op == Opcode::fetch_add || op == Opcode::compare_swap; }
+// WRITE and READ may go to any QP of the connection; everything else stays on the first.
+constexpr bool spreads(Opcode op) { return op == Opcode::write || op == Opcode::read; }
+
+constexpr Access remote_access_for(Opcode op) {
+  switch (op) {
+    case Opcode::read: return Access::remote_read;
+    case Opcode::write:
+    case Opcode::write_with_imm: return Access::remote_write;
+    case Opcode::fetch_add:
+    case Opcode::compare_swap: return Access::remote_atomic;
+    default: return Access::none;
+  }
+}
+
+constexpr ibv_wr_opcode verbs_opcode(Opcode op) {
+  switch (op) {
+    case Opcode::write: return IBV_WR_RDMA_WRITE;
+    case Opcode::write_with_imm: return IBV_WR_RDMA_WRITE_WITH_IMM;
+    case Opcode::read: return IBV_WR_RDMA_READ;
+    case Opcode::fetch_add: return IBV_WR_ATOMIC_FETCH_AND_ADD;
+    case Opcode::compare_swap: return IBV_WR_ATOMIC_CMP_AND_SWP;
+    default: return IBV_WR_SEND;
+  }
+}
+
+// An SGE's length is 32 bits. Every caller has refused longer slices before (a send-queue
+// request by its total against max_msg_sz, a receive explicitly), so nothing is cut here.
+inline ibv_sge to_sge(const LocalSlice& s) noexcept {
+  return {reinterpret_cast<std::uint64_t>(s.addr()), static_cast<std::uint32_t>(s.length()), s.lkey()};
+}
+
+template <Opcode Op>
+constexpr bool may_inline(std::uint64_t total, std::uint32_t max_inline) {
+  if constexpr (Op == Opcode::send || Op == Opcode::write || Op == Opcode::write_with_imm) {
+    return total - 1 < max_inline;  // and not 0 (which wraps)
+  } else {
+    return false;
+  }
+}
+
+// The fields every send WR gets, from one request (the SGEs are already in place).
+template <Opcode Op>
+[[gnu::always_inline]] inline void fill_wr(ibv_send_wr& v, const RemoteRegion& remote,
+                                           std::uint64_t offset, std::uint32_t imm,
+                                           std::uint64_t compare_add, std::uint64_t swap) {
+  v.opcode = verbs_opcode(Op);
+  v.imm_data = Op == Opcode::write_with_imm ? htobe32(imm) : 0;
+  if constexpr (is_atomic(Op)) {
+    v.wr.atomic.remote_addr = remote.addr + offset;
+    v.wr.atomic.rkey = remote.rkey;
+    v.wr.atomic.compare_add = compare_add;
+    v.wr.atomic.swap = swap;
+  } else if constexpr (Op != Opcode::send) {
+    v.wr.rdma.remote_addr = remote.addr + offset;
+    v.wr.rdma.rkey = remote.rkey;
+  }
+}
+
+constexpr std::uint64_t wr_id(std::uint32_t tag, std::uint64_t seq) {
+  return (std::uint64_t{tag} << kTagShift) | (seq & kSeqMask);
+}
+
+inline void fill(Completion& c, std::uint64_t wr_id, Opcode op, const ibv_wc& wc) noexcept {
+  c.wr_id = wr_id;
+  c.opcode = op;
+  c.status = wc.status;
+  c.vendor_err = wc.vendor_err;
+  c.byte_len = wc.byte_len;
+  c.has_imm = wc.status == IBV_WC_SUCCESS && (wc.wc_flags & IBV_WC_WITH_IMM) != 0;
+  c.imm = c.has_imm ? be32toh(wc.imm_data) : 0;
+}
+
+}  // namespace dp
+
+inline const RemoteRegion* DataPath::advertised(const RemoteRegion& r, std::uint64_t offset,
+                                                std::uint64_t len) const noexcept {
+  const std::uint64_t addr = r.addr + offset;
+  const RemoteRegion* a = last_advertised_;
+  if (a != nullptr && a->rkey == r.rkey && addr >= a->addr && a->contains(addr - a->addr, len)) [[likely]] {
+    return a;
+  }
+  return find_advertised(r.rkey, addr, len);
+}
+
+// Everything a request must satisfy before it may be posted, apart from its size against
+// max_msg_sz (which decides whether a WRITE or READ is split instead). Ordered so the common
+// case (a write, read or send within bounds) takes the fewest branches.
+template <Opcode Op>
+[[gnu::always_inline]] inline PostResult DataPath::check(std::span<const LocalSlice> local,
+                                                         const RemoteRegion& remote,
+                                                         std::uint64_t offset,
+                                                         std::uint64_t total) const noexcept {
+  if constexpr (Op == Opcode::send) {
+    return {};
+  } else if constexpr (Op == Opcode::recv) {
+    return {PostStatus::unsupported, 0};  // a receive is not a send-queue request
+  } else {
+    if constexpr (dp::is_atomic(Op)) {
+      if (!atomics_) return {PostStatus::unsupported, 0};
+      if (local.size() != 1 || total != 8) return {PostStatus::bad_length, 0};
+      if ((remote.addr + offset) % 8 != 0) return {PostStatus::misaligned, 0};
+    }
+    if (!remote.contains(offset, total)) [[unlikely]] return {PostStatus::out_of_bounds, 0};
+    // The descriptor must be one the peer advertised here (the access is the advertised one,
+    // not what the caller's copy claims): a wrong rkey is refused now, not as a REM_ACCESS_ERR
+    // that would also break the connection.
+    const RemoteRegion* adv = advertised(remote, offset, total);
+    if (adv == nullptr) [[unlikely]] return {PostStatus::not_advertised, 0};
+    if (!allows(adv->access, dp::remote_access_for(Op))) [[unlikely]] return {PostStatus::no_access, 0};
+    // READ and atomics write into local memory: the NIC needs local write access there, or the
+    // operation would fail later as a LOC_PROT_ERR completion.
+    if constexpr (Op != Opcode::write && Op != Opcode::write_with_imm) {
+      for (const LocalSlice& s : local) {
+        if (!s.writable()) return {PostStatus::no_access, 0};
+      }
+    }
+    return {};
+  }
+}
+
+// One signaled request with one SGE: post_write, post_read, post_send, the atomics. The same
+// checks as a batch, without the batch machinery, and the opcode known at compile time (this is
+// the path latency-bound code takes).
+template <Opcode Op>
+[[gnu::always_inline]] inline PostResult DataPath::post_one(
+    const LocalSlice& local, const RemoteRegion& remote, std::uint64_t offset, std::uint32_t imm,
+    std::uint64_t compare_add, std::uint64_t swap, std::uint64_t wr_id) noexcept {
+  const std::uint64_t total = local.length();
+  if (total >= (dp::spreads(Op) ? gate_spread_ : gate_ordered_)) [[unlikely]] {
+    return post_gated(Op, local, remote, offset, imm, wr_id);
+  }
+  if (const PostResult r = check<Op>({&local, 1}, remote, offset, total); !r.ok()) [[unlikely]] {
+    return r;
+  }
+  Lane& lane = dp::spreads(Op) && lane_count_ > 1 ? pick_lane() : lanes_[0];
+  if (lane.sq.free() == 0) [[unlikely]] return {PostStatus::queue_full, 0};
+  ibv_sge sge = dp::to_sge(local);
+  // Fields this path never sets stay zero from setup, so the WR is not cleared per call.
+  ibv_send_wr& v = single_wr_;
+  v.wr_id = dp::wr_id(lane.id, lane.sq.next_seq());
+  v.sg_list = &sge;
+  v.num_sge = total == 0 ? 0 : 1;
+  v.send_flags = IBV_SEND_SIGNALED | (dp::may_inline<Op>(total, limits_.max_inline) ? IBV_SEND_INLINE : 0);
+  dp::fill_wr<Op>(v, remote, offset, imm, compare_add, swap);
+  // The ring entry goes in first and comes out again if the provider refuses: then only the
+  // lane is live across the provider's call (fewer registers saved on every post).
+  lane.sq.push({wr_id, Op, WrRing::user, false});
+  ibv_send_wr* bad = nullptr;
+  if (const int rc = ibv_post_send(lane.qp, &v, &bad); rc != 0) [[unlikely]] {
+    lane.sq.unpush();
+    return {PostStatus::failed, rc, 0};
+  }
+  lane.unsignaled_run = 0;
+  return {};
+}
+
+inline PostResult DataPath::post_prepared(PreparedRequest h, std::uint64_t wr_id) noexcept {
+  if (h.index >= prepared_count_) [[unlikely]] return {PostStatus::stale, 0};
+  Prepared& p = prepared_[h.index];
+  if (p.generation != h.generation) [[unlikely]] return {PostStatus::stale, 0};
+  if (mode_ != Mode::ready) [[unlikely]] return {PostStatus::not_ready, 0};
+  // Choosing among several QPs calls out; kept off this path so nothing lives across a call
+  // but the provider's.
+  if (p.any_lane) return post_prepared_any_lane(p, wr_id);
+  return post_prepared_on(lanes_[0], p, wr_id);
+}
+
+[[gnu::always_inline]] inline PostResult DataPath::post_prepared_on(Lane& lane, Prepared& p,
+                                                                    std::uint64_t wr_id) noexcept {
+  if (lane.sq.free() == 0) [[unlikely]] return {PostStatus::queue_full, 0};
+  // An unsignaled request is signaled anyway once every forced_signal_interval_ (post_chain).
+  std::uint32_t run = 0;
+  unsigned signal = IBV_SEND_SIGNALED;
+  if (!p.signaled) {
+    run = lane.unsignaled_run + 1;
+    if (run < forced_signal_interval_) {
+      signal = 0;
+    } else {
+      run = 0;
+    }
+  }
+  p.wr.wr_id = dp::wr_id(lane.id, lane.sq.next_seq());
+  p.wr.send_flags = p.flags | signal;
+  lane.sq.push({wr_id, p.op, p.kind, false});
+  // Both before the provider's call, so only the lane lives across it (fewer registers saved).
+  lane.unsignaled_run = run;
+  ibv_send_wr* bad = nullptr;
+  if (const int rc = ibv_post_send(lane.qp, &p.wr, &bad); rc != 0) [[unlikely]] {
+    lane.sq.unpush();
+    // The run before is gone: count it as unknown, so the next request is signaled (and a
+    // drain treats the queue's newest request as unsignaled: one marker too many at worst).
+    lane.unsignaled_run = Lane::kRunUnknown;
+    return {PostStatus::failed, rc, 0};
+  }
+  return {};
+}
+
+inline std::uint32_t DataPath::begin_chain(Lane& lane, std::uint32_t signal_every) noexcept {
+  chain_lane_ = &lane;
+  chain_n_ = 0;
+  if (mode_ != Mode::ready) [[unlikely]] return 0;
+  // At least once every forced_signal_interval_ (see post_chain), counting the lane's
+  // unsignaled run before the chain.
+  std::uint32_t every = 1;
+  while (every * 2 <= std::min(signal_every, forced_signal_interval_)) every *= 2;
+  chain_mask_ = every - 1;
+  chain_phase_ = lane.unsignaled_run + 1;
+  if (lane.unsignaled_run + every > forced_signal_interval_) chain_mask_ = 0;  // every one: rare
+  const std::uint64_t seq0 = lane.sq.next_seq();
+  chain_wr_id_ = dp::wr_id(lane.id, seq0);
+  const std::uint64_t before_wrap = kSeqMask + 1 - (seq0 & kSeqMask);
+  return static_cast<std::uint32_t>(std::min<std::uint64_t>({lane.sq.free(), limits_.send_depth, before_wrap}));
+}
+
+template <Opcode Op>
+[[gnu::always_inline]] inline PostStatus DataPath::chain_add(
+    std::uint64_t laddr, std::uint32_t length, std::uint32_t lkey, bool writable, const RemoteRegion& remote,
+    std::uint64_t offset, std::uint64_t compare_add, std::uint64_t swap, std::uint64_t wr_id) noexcept {
+  static_assert(Op != Opcode::send && Op != Opcode::recv && Op != Opcode::write_with_imm);
+  if constexpr (dp::is_atomic(Op)) {
+    if (!atomics_) return PostStatus::unsupported;
+    if (length != 8) return PostStatus::bad_length;
+    if ((remote.addr + offset) % 8 != 0) return PostStatus::misaligned;
+  }
+  if (length > limits_.max_msg_size) [[unlikely]] return PostStatus::too_large;
+  if (!remote.contains(offset, length)) [[unlikely]] return PostStatus::out_of_bounds;
+  if (!allows(remote.access, dp::remote_access_for(Op))) [[unlikely]] return PostStatus::no_access;
+  if constexpr (Op != Opcode::write) {
+    if (!writable) [[unlikely]] return PostStatus::no_access;
+  }
+  const std::uint32_t i = chain_n_++;
+  ibv_sge& sge = send_sges_[i];
+  sge = {laddr, length, lkey};
+  const bool signal = ((i + chain_phase_) & chain_mask_) == 0;
+  ibv_send_wr& v = send_wrs_[i];
+  v.wr_id = chain_wr_id_ + i;
+  v.sg_list = &sge;
+  v.num_sge = length != 0 ? 1 : 0;
+  v.next = &v + 1;
+  v.send_flags = (signal ? IBV_SEND_SIGNALED : 0) | (dp::may_inline<Op>(length, limits_.max_inline) ? IBV_SEND_INLINE : 0);
+  dp::fill_wr<Op>(v, remote, offset, 0, compare_add, swap);
+  chain_lane_->sq.stage(i, {wr_id, Op, signal ? WrRing::user : WrRing::silent, false});
+  return PostStatus::ok;
+}
+
+inline PostResult DataPath::post_chain_built() noexcept {
+  const std::uint32_t n = chain_n_;
+  chain_n_ = 0;
+  if (n == 0) return {};
+  // The last request is signaled and its completion is news: it retires the whole chain.
+  send_wrs_[n - 1].send_flags |= IBV_SEND_SIGNALED;
+  chain_lane_->sq.staged(n - 1).kind = WrRing::user;
+  return post_staged(*chain_lane_, n, 0);
+}
+
+// Polls `cq` in batches until `out` is full or the CQ is empty; `take` turns each work
+// completion into news for the caller (returns true) or bookkeeping (false). A caller asking
+// for one completion (wait(), a latency loop) gets a single-entry poll without the batch loop.
+template <typename Take>
+[[gnu::always_inline]] inline std::size_t reap(ibv_cq* cq, std::span<Completion> out, Take take) noexcept {
+  if (out.size() == 1) {
+    ibv_wc wc;
+    return ibv_poll_cq(cq, 1, &wc) == 1 && take(wc, out[0]) ? 1 : 0;
+  }
+  std::size_t n = 0;
+  ibv_wc wc[kPollBatch];
+  while (n < out.size()) {
+    const int want = static_cast<int>(std::min<std::size_t>(kPollBatch, out.size() - n));
+    const int got = ibv_poll_cq(cq, want, wc);
+    for (int i = 0; i < got; ++i) {
+      if (take(wc[i], out[n])) ++n;
+    }
+    if (got < want) break;
+  }
+  return n;
+}
+
+[[gnu::always_inline]] inline bool DataPath::take_send(const ibv_wc& wc, Completion& c) noexcept {
+  const std::uint64_t lane = wc.wr_id >> kTagShift;
+  if (lane >= lane_count_) [[unlikely]] return false;  // not ours: nothing posts such an id
+  return take_lane(lanes_[lane], wc, c);
+}
+
+[[gnu::always_inline]] inline bool DataPath::take_lane(Lane& lane, const ibv_wc& wc, Completion& c) noexcept {
+  const WrRing::Slot* slot = lane.sq.retire(wc.wr_id);
+  if (slot != nullptr && slot->kind == WrRing::user && wc.status == IBV_WC_SUCCESS) [[likely]] {
+    dp::fill(c, slot->wr_id, slot->op, wc);
+    return true;
+  }
+  return take_other(lane, slot, wc, c);
+}
+
+[[gnu::always_inline]] inline bool DataPath::take_recv(const ibv_wc& wc, Completion& c) noexcept {
+  const WrRing::Slot* slot = rq_.retire(wc.wr_id);  // the tag is above the bits it reads
+  if (slot == nullptr || wc.status != IBV_WC_SUCCESS) [[unlikely]] return take_recv_other(slot, wc, c);
+  dp::fill(c, slot->wr_id, slot->op, wc);
+  return true;
+}
+
+[[gnu::always_inline]] inline std::size_t DataPath::reap_send(std::span<Completion> out) noexcept {
+  return reap(send_cq_, out, [this](const ibv_wc& wc, Completion& c)
+                                 __attribute__((always_inline)) { return take_send(wc, c); });
+}
+
+[[gnu::always_inline]] inline std::size_t DataPath::reap_recv(std::span<Completion> out) noexcept {
+  return reap(recv_cq_, out, [this](const ibv_wc& wc, Completion& c)
+                                 __attribute__((always_inline)) { return take_recv(wc, c); });
+}
+
+[[gnu::always_inline]] inline std::size_t DataPath::poll(std::span<Completion> out) noexcept {
+  return out.size() == 1 ? poll_one(out[0]) : poll_many(out);
+}
+
+}  // namespace rdmakit::detail

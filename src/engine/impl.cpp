@@ -1,0 +1,393 @@
+// The engine's internals: its registries of buffers and peers, its workers and devices, and the
+// threads that connect and accept links.
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include <fmt/format.h>
+
+#include "bootstrap/auth.hpp"
+#include "engine/impl.hpp"
+#include "engine/locality.hpp"
+#include "memory/cuda.hpp"
+#include "engine/metadata.hpp"
+#include "engine/protocol.hpp"
+#include "engine/rails.hpp"
+#include "rdmakit/error.hpp"
+#include "verbs/memory_impl.hpp"
+
+namespace rdmakit {
+
+using detail::BatchState;
+using detail::Peer;
+using detail::Worker;
+
+namespace {
+
+std::uint64_t fresh_epoch() {
+  std::uint64_t v = 0;
+  if (::getrandom(&v, sizeof v, 0) != sizeof v) throw Error("getrandom", errno, "choosing the engine's epoch");
+  return v | 1;  // never 0, which means "unknown"
+}
+
+std::string default_name() {
+  char host[256] = {};
+  (void)::gethostname(host, sizeof host - 1);
+  return fmt::format("{}:{}", host, ::getpid());
+}
+
+}  // namespace
+
+Engine::Impl::Impl(EngineConfig c)
+    : cfg(std::move(c)),
+      buffer_table(new std::atomic<detail::BufferRec*>[kMaxBuffers]),
+      peer_table(new std::atomic<detail::Peer*>[kMaxPeers]) {
+  for (std::uint32_t i = 0; i < kMaxBuffers; ++i) buffer_table[i].store(nullptr, std::memory_order_relaxed);
+  for (std::uint32_t i = 0; i < kMaxPeers; ++i) peer_table[i].store(nullptr, std::memory_order_relaxed);
+  name = cfg.name.empty() ? default_name() : cfg.name;
+  detail::engine_wire::check_name(name, "engine name");
+  detail::check_key(cfg.link.psk);
+  if (cfg.max_qps < qps_per_link()) {
+    throw Error("engine config", EINVAL,
+                fmt::format("max_qps {}: a link holds {} QP(s){}", cfg.max_qps, qps_per_link(),
+                            qps_per_link() > 1 ? " (its data QP and, over rdma_cm, its control QP)" : ""),
+                fmt::format("at least {}", qps_per_link()));
+  }
+  if (cfg.rails.slice_size < 4096 || cfg.rails.probe_first.count() <= 0 || cfg.rails.probe_max < cfg.rails.probe_first) {
+    throw Error("engine config", EINVAL,
+                fmt::format("rails: slice_size {} (at least 4096), probe_first {} ms (above 0), probe_max {} ms "
+                            "(at least probe_first)",
+                            cfg.rails.slice_size, cfg.rails.probe_first.count(), cfg.rails.probe_max.count()));
+  }
+  const bool store = detail::uses_store(cfg.metadata);
+  // One QP per link, no receives: the engine moves data by READ, WRITE and atomics, and its
+  // messages travel on the control channel.
+  cfg.link.qps = 1;
+  cfg.link.recv_depth = 1;
+  cfg.link.completion_events = false;
+  if (!cfg.link.log) cfg.link.log = detail::default_log;
+  epoch = fresh_epoch();
+  if (!cfg.link.psk.empty()) psk = std::make_shared<const detail::Secret>(cfg.link.psk);
+
+  layer = detail::DeviceLayer::acquire();
+  if (layer->devices().empty()) {
+    throw Error("engine", ENODEV, "no RDMA device on this host", "rdmakit doctor says why");
+  }
+  windows = true;
+  for (const auto& d : layer->devices()) {
+    pds.push_back(detail::open_pd(d));
+    if ((d->attr().device_cap_flags & IBV_DEVICE_MEM_WINDOW_TYPE_2B) == 0 &&
+        (d->attr().device_cap_flags & IBV_DEVICE_MEM_WINDOW_TYPE_2A) == 0) {
+      windows = false;
+    }
+  }
+  if (windows) {
+    access_model = "type-2 memory windows: each peer gets its own key per segment, bound on its link's "
+                   "QP (useless on any other QP) and revoked per peer";
+  } else if (psk) {
+    access_model = "region keys (a device has no type-2 memory windows): every authenticated peer gets "
+                   "the buffer's own key; revocation deregisters the buffer";
+  } else {
+    access_model = "none: a device has no type-2 memory windows and the engine has no key, so no segment "
+                   "is offered to peers (set EngineConfig::link.psk)";
+  }
+  event_fd = detail::Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!event_fd) throw Error("eventfd", errno, "the engine's descriptor");
+  threads = cfg.workers.value_or(static_cast<std::uint32_t>(layer->devices().size()));
+  if (threads > 64) throw Error("engine config", EINVAL, fmt::format("{} workers (at most 64)", threads));
+  const std::uint32_t n = std::max<std::uint32_t>(threads, 1);
+  for (std::uint32_t i = 0; i < n; ++i) workers.push_back(std::make_unique<Worker>(*this, i));
+  if (threads > 0) {
+    for (auto& w : workers) w->start();
+  }
+  try {
+    for (int i = 0; i < 4; ++i) connectors.emplace_back([this] { connect_loop(); });
+    if (!cfg.listen.empty() && cfg.listen_at_start) start_listening();
+    // Published once the listener's port is known (or later, by start_listening()).
+    if (store) meta = std::make_unique<detail::MetadataPlane>(*this);
+  } catch (...) {
+    shut_down();  // threads are running: a listen address in use must not end the process
+    throw;
+  }
+}
+
+detail::Worker* Engine::Impl::worker_for(const std::string& address, std::uint32_t id) {
+  const auto n = static_cast<std::uint32_t>(workers.size());
+  if (!cfg.workers.has_value() && n > 1) {
+    try {
+      const std::string src = detail::route_source(detail::parse_host_port(address, 0));
+      if (!src.empty()) return workers[device_index(pick_device(layer->catalog(), cfg.link.device, src).name) % n].get();
+    } catch (const std::exception&) {
+      // No device carries that route: the connect will say so; any worker will do.
+    }
+  }
+  return workers[(id - 1) % n].get();
+}
+
+void Engine::Impl::start_listening() {
+  std::lock_guard lock(listen_mu);
+  if (listener || cfg.listen.empty()) return;
+  ListenerConfig lc(cfg.link);
+  lc.max_pending = std::max<std::uint32_t>(lc.max_pending, 256);
+  listener = detail::listen_with_hooks(cfg.listen, std::move(lc), hooks(nullptr),
+                                      [this](Connection c) noexcept { adopt(std::move(c)); });
+  listening.store(listener.get(), std::memory_order_release);
+  if (meta) meta->changed(/*wait=*/true);  // its endpoints, now that there is a port
+}
+
+Engine::Impl::~Impl() {
+  shut_down();
+  detail::wipe(cfg.link.psk);
+}
+
+void Engine::Impl::shut_down() noexcept {
+  meta.reset();  // its entry goes first (a clean shutdown), and its thread stops posting
+  stopping.store(true);
+  connect_cv.notify_all();
+  {
+    std::lock_guard lock(listen_mu);
+    listening.store(nullptr);
+    listener.reset();  // its handshakes (which hand links to the workers) end first
+  }  // its handshakes end (each bounded by its deadline) before the workers go
+  for (auto& t : connectors) t.join();
+  connectors.clear();
+  for (auto& w : workers) w->stop();
+  workers.clear();
+}
+
+void Engine::Impl::signal() noexcept {
+  const std::uint64_t one = 1;
+  (void)!::write(event_fd.get(), &one, sizeof one);
+}
+
+detail::BufferRec* Engine::Impl::buffer(std::uint32_t id) const noexcept {
+  if (id == 0 || id > kMaxBuffers) return nullptr;
+  return buffer_table[id - 1].load(std::memory_order_acquire);
+}
+
+detail::Peer* Engine::Impl::peer(std::uint32_t id) const noexcept {
+  if (id == 0 || id > kMaxPeers) return nullptr;
+  return peer_table[id - 1].load(std::memory_order_acquire);
+}
+
+std::uint32_t Engine::Impl::device_index(const std::string& device) const {
+  const auto& ds = layer->devices();
+  for (std::uint32_t i = 0; i < ds.size(); ++i) {
+    if (ds[i]->name() == device) return i;
+  }
+  throw Error("engine", ENODEV, fmt::format("device {} is not in the device layer", device));
+}
+
+detail::HandshakeHooks Engine::Impl::hooks(Worker* preferred) {
+  detail::HandshakeHooks h;
+  h.attach = [this, preferred](const std::string& device) { return attach(device, preferred); };
+  return h;
+}
+
+detail::Attachment Engine::Impl::attach(const std::string& device, Worker* preferred) {
+  const std::uint32_t d = device_index(device);
+  // A QP of the budget: when there is none, idle links are evicted to make room.
+  const auto deadline = detail::deadline_in(std::min(cfg.link.handshake_timeout, std::chrono::milliseconds{5000}));
+  // Over rdma_cm a link's control channel is a QP too: it counts against the budget.
+  const std::uint64_t per = qps_per_link();
+  for (bool asked = false;;) {
+    std::uint64_t have = count.qps.load();
+    if (have + per <= cfg.max_qps && count.qps.compare_exchange_weak(have, have + per)) break;
+    if (have + per <= cfg.max_qps) continue;
+    if (!asked) {
+      for (auto& w : workers) w->post(detail::Command(detail::Command::Kind::evict));
+      asked = true;
+    }
+    if (stopping.load() || detail::Clock::now() >= deadline) {
+      throw Error("engine QP budget", EBUSY,
+                  fmt::format("{}all {} QPs of the budget are in use by links with work in flight",
+                              detail::kBusyReason, cfg.max_qps),
+                  "raise EngineConfig::max_qps, or the link waits for others to go idle");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds{2});
+  }
+  struct QpTicket {
+    QpTicket(std::atomic<std::uint64_t>* q, std::uint64_t n) : qps(q), count(n) {}
+    QpTicket(const QpTicket&) = delete;
+    QpTicket& operator=(const QpTicket&) = delete;
+    ~QpTicket() { qps->fetch_sub(count); }
+    std::atomic<std::uint64_t>* qps;
+    std::uint64_t count;
+  };
+  auto ticket = std::make_shared<QpTicket>(&count.qps, per);
+  // A worker with room in its CQ there: the preferred one (a peer's own), else round robin.
+  // A link this engine opens belongs to its peer's worker; one a peer opens, to any worker.
+  const auto n = static_cast<std::uint32_t>(workers.size());
+  // With one worker per device, a link a peer opens goes to its device's worker first.
+  const std::uint32_t first = preferred != nullptr          ? preferred->index()
+                              : !cfg.workers.has_value() ? d % n
+                                                          : next_worker.fetch_add(1) % n;
+  for (std::uint32_t k = 0; k < (preferred != nullptr ? 1u : n); ++k) {
+    if (auto a = workers[(first + k) % n]->attach(d)) {
+      a->qp_access = detail::kAllRemote;
+      // The link holds its room in the CQ and its QP of the budget, each given back when it goes.
+      a->keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<QpTicket>>>(a->keep, ticket);
+      return *a;
+    }
+  }
+  throw Error("engine", EBUSY,
+              fmt::format("{}every worker's CQ on {} is full of links", detail::kBusyReason, device),
+              "add workers, or lower EngineConfig::link.send_depth");
+}
+
+void Engine::Impl::request_connect(Peer* p, detail::RailState* rail) {
+  {
+    std::lock_guard lock(connect_mu);
+    to_connect.emplace_back(p, rail);
+  }
+  connect_cv.notify_one();
+}
+
+namespace {
+
+// A copy of a link's settings, for one connect that changes some of them; its copy of the key is
+// wiped when it goes.
+struct LinkConfigCopy {
+  explicit LinkConfigCopy(const ConnectionConfig& c) : cfg(c) {}
+  LinkConfigCopy(const LinkConfigCopy&) = delete;
+  LinkConfigCopy& operator=(const LinkConfigCopy&) = delete;
+  ~LinkConfigCopy() { detail::wipe(cfg.psk); }
+  ConnectionConfig cfg;
+};
+
+}  // namespace
+
+void Engine::Impl::connect_loop() noexcept {
+  for (;;) {
+    Peer* p = nullptr;
+    detail::RailState* rail = nullptr;
+    {
+      std::unique_lock lock(connect_mu);
+      connect_cv.wait(lock, [this] { return stopping.load() || !to_connect.empty(); });
+      if (stopping.load()) return;
+      std::tie(p, rail) = to_connect.front();
+      to_connect.pop_front();
+    }
+    detail::Command c(detail::Command::Kind::link_up);
+    c.peer = p;
+    if (rail != nullptr) {
+      connect_rail(*p, *rail, c);
+      p->worker->post(std::move(c));
+      continue;
+    }
+    for (std::string address;;) {
+      {
+        std::lock_guard lock(mu);
+        address = p->address;
+      }
+      try {
+        if (p->gone.load()) throw Error("connect", EHOSTUNREACH, gone_reason(*p));
+        if (p->from_store && cfg.link.retry_refused) {
+          // The store says the engine listens there: a refusal means its entry is stale (it
+          // died, or restarted elsewhere), which the next listing will tell; waiting out the
+          // handshake deadline would only hold the transfers for it.
+          LinkConfigCopy once(cfg.link);
+          once.cfg.retry_refused = false;
+          c.conn.emplace(Connection::Impl::connect(address, once.cfg, {}, hooks(p->worker)));
+        } else {
+          c.conn.emplace(Connection::Impl::connect(address, cfg.link, {}, hooks(p->worker)));
+        }
+        c.device = device_index(c.conn->info().device);
+        break;
+      } catch (const std::exception& e) {
+        c.kind = detail::Command::Kind::connect_failed;
+        c.conn.reset();
+        c.text = fmt::format("connecting to peer '{}' at {}: {}", p->name, address, e.what());
+      }
+      // The store moved the peer (it restarted elsewhere) while this attempt ran: the transfers
+      // waiting for it go to the new address rather than fail with the old one's error.
+      std::lock_guard lock(mu);
+      if (stopping.load() || p->gone.load() || p->address == address) break;
+      c.kind = detail::Command::Kind::link_up;
+    }
+    try {
+      p->worker->post(std::move(c));
+    } catch (...) {
+      // Out of memory queueing it: the peer's transfers wait for the next attempt.
+    }
+  }
+}
+
+std::vector<detail::RailPort> Engine::Impl::offered_rails() const {
+  const Listener* l = listening.load(std::memory_order_acquire);
+  const std::string host = cfg.listen.empty() ? std::string{} : detail::parse_host_port(cfg.listen, 0).host;
+  return detail::local_rails(layer->catalog(), cfg.link.gid, cfg.rails.devices, l != nullptr ? l->port() : 0, host);
+}
+
+void Engine::Impl::connect_rail(Peer& p, detail::RailState& rail, detail::Command& c) noexcept {
+  // A further rail: bootstrapped at the peer port's own address, from the local port's device.
+  // A probe of a failed rail should not hold a connector for a whole handshake deadline.
+  LinkConfigCopy copy(cfg.link);
+  ConnectionConfig& rc = copy.cfg;
+  rc.device = rail.local.device;
+  rc.port = rail.local.port;
+  rc.retry_refused = false;
+  rc.handshake_timeout = std::min(rc.handshake_timeout, std::chrono::milliseconds{3000});
+  c.rail = &rail;
+  try {
+    if (p.gone.load() || p.removed.load()) throw Error("connect", EHOSTUNREACH, "the peer is gone");
+    c.conn.emplace(Connection::Impl::connect(rail.peer.endpoint, rc, {}, hooks(p.worker)));
+    c.device = device_index(c.conn->info().device);
+  } catch (const std::exception& e) {
+    c.kind = detail::Command::Kind::connect_failed;
+    c.conn.reset();
+    c.text = fmt::format("rail {} to peer '{}' at {}: {}", rail.local.describe(), p.name, rail.peer.endpoint, e.what());
+  }
+}
+
+void Engine::Impl::adopt(Connection conn) noexcept {
+  try {
+    auto* w = static_cast<Worker*>(Connection::Impl::of(conn).attached.owner);
+    detail::Command c(detail::Command::Kind::link_up);
+    c.device = device_index(conn.info().device);
+    c.conn = std::move(conn);
+    w->post(std::move(c));
+  } catch (const std::exception& e) {
+    try {
+      cfg.link.log(fmt::format("engine {}: taking a link a peer opened: {}", name, e.what()));
+    } catch (...) {
+    }
+  }
+}
+
+std::uint32_t Engine::Impl::slot_of(Peer& p, const std::string& segment) {
+  std::lock_guard lock(mu);
+  auto [it, added] = p.slot_by_name.emplace(segment, static_cast<std::uint32_t>(p.slot_names.size()));
+  if (added) p.slot_names.push_back(segment);
+  return it->second;
+}
+
+Buffer Engine::Impl::publish(std::unique_ptr<detail::BufferRec> rec) {
+  for (const auto& r : rec->regions) rec->slices.push_back(r->local());
+  rec->numa_node = rec->gpu_pci.empty() ? detail::memory_numa_node(rec->handle.addr) : -1;
+  for (const DeviceRank& r : detail::rank_devices(layer->devices(), rec->numa_node, rec->gpu_pci)) {
+    rec->rank.push_back(static_cast<std::uint8_t>(r.rank));
+  }
+  std::lock_guard lock(mu);
+  if (buffers.size() >= kMaxBuffers) {
+    throw Error("register memory", ENOSPC, fmt::format("{} buffers already (the most an engine holds)", kMaxBuffers));
+  }
+  rec->handle.id = static_cast<std::uint32_t>(buffers.size() + 1);
+  buffers.push_back(std::move(rec));
+  buffer_table[buffers.size() - 1].store(buffers.back().get(), std::memory_order_release);
+  return buffers.back()->handle;
+}
+
+void Engine::Impl::deliver(Notification n) {
+  {
+    std::lock_guard lock(notes_mu);
+    notes.push_back(std::move(n));
+  }
+  count.notifications_received.fetch_add(1, std::memory_order_relaxed);
+  signal();
+}
+
+}  // namespace rdmakit

@@ -1,0 +1,416 @@
+// An engine worker's links: connecting and breaking them, their windows and the segments
+// announced on them, the control messages, eviction under the QP budget. Runs on the worker's
+// thread (or in progress()); the transfers on them are in worker_transfers.cpp.
+#include <sys/epoll.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include <fmt/format.h>
+
+#include "engine/impl.hpp"
+#include "engine/protocol.hpp"
+#include "rdmakit/error.hpp"
+#include "verbs/memory_impl.hpp"
+#include "verbs/qp.hpp"
+
+namespace rdmakit::detail {
+
+namespace ew = engine_wire;
+
+void Worker::link_up(Command& c) {
+  auto owned = std::make_unique<Link>(std::move(*c.conn));
+  Link& l = *owned;
+  l.device = c.device;
+  l.initiated = c.peer != nullptr;
+  l.peer = c.peer;
+  l.last_used = Clock::now();
+  l.impl.dp.route_through(cqs_[l.device]->router, cqs_[l.device]->router);
+  l.impl.dp.context = &l;
+  l.ended = l.impl.dp.lane(0).sq.next_seq();
+  links_.push_back(std::move(owned));
+  e_.count.links.fetch_add(1, std::memory_order_relaxed);
+  watch(l, true);
+  send(l, ew::encode(ew::ident(e_.name, e_.epoch)));
+  if (l.initiated && c.rail != nullptr) {  // a further rail of the peer's link
+    Peer& p = *l.peer;
+    l.rail = c.rail;
+    c.rail->link = &l;
+    c.rail->connecting = false;
+    e_.count.rail_links.fetch_add(1, std::memory_order_relaxed);
+    if (p.removed.load() || p.gone.load()) break_link(l, fmt::format("peer '{}' is gone", p.name));
+    return;
+  }
+  if (l.initiated) {
+    Peer& p = *l.peer;
+    p.link = &l;
+    l.rail = p.rails[0].get();
+    {
+      // The first rail is the port the connection chose for the peer's address.
+      RailPort first;
+      for (RailPort& r : local_rails(e_.layer->catalog(), e_.cfg.link.gid)) {
+        if (r.device == l.impl.info.device && r.port == l.impl.info.port) first = std::move(r);
+      }
+      first.device = l.impl.info.device;
+      first.port = l.impl.info.port;
+      first.link_layer = l.impl.info.link_layer;
+      first.gid = l.impl.info.local_gid.gid;
+      first.active = true;
+      std::lock_guard lock(p.m);
+      l.rail->local = std::move(first);
+      l.rail->state = "connecting";
+    }
+    p.connecting = false;
+    p.device.store(static_cast<int>(l.device), std::memory_order_relaxed);
+    e_.count.connects.fetch_add(1, std::memory_order_relaxed);
+    if (p.ever_connected) e_.count.reconnects.fetch_add(1, std::memory_order_relaxed);
+    p.ever_connected = true;
+    if (p.removed.load()) break_link(l, fmt::format("peer '{}' was removed", p.name));
+    return;
+  }
+  e_.count.accepts.fetch_add(1, std::memory_order_relaxed);
+  // Our ports, so that the peer opens its further rails (it uses them on the link it opened).
+  try {
+    send(l, rails_message(l));
+  } catch (const std::exception& ex) {
+    e_.cfg.link.log(fmt::format("engine {}: telling {} our rails: {}", e_.name, l.impl.info.peer_address, ex.what()));
+  }
+  std::vector<SegmentDef> defs;
+  {
+    std::lock_guard lock(e_.mu);
+    for (const auto& [n, d] : e_.segments) defs.push_back(d);
+  }
+  for (const SegmentDef& d : defs) bind_window(l, d);
+  if (l.binds_pending == 0 && !l.synced_sent) {
+    l.synced_sent = true;
+    send(l, ew::encode(ew::synced()));
+  }
+}
+
+void Worker::connect_failed(Peer& p, const std::string& why) {
+  p.connecting = false;
+  fail_waiting(p, TransferStatus::connect_failed, why);
+  std::lock_guard lock(p.m);
+  ++p.attempts;
+  p.up = false;
+  p.last_error = why;
+  p.cv.notify_all();
+}
+
+void Worker::bind_window(Link& l, const SegmentDef& def) {
+  const BufferRec* buf = e_.buffer(def.buffer);
+  if (buf == nullptr) return;
+  const MemoryRegion& mr = *buf->regions[l.device];
+  const auto addr = reinterpret_cast<std::uint64_t>(mr.local().addr()) + def.offset;
+  auto w = std::make_unique<Window>();
+  w->segment = def.name;
+  w->link = &l;
+  if (!e_.windows) {
+    if (!e_.psk) return;  // no key, no windows: nothing is offered (EngineInfo::access_model)
+    w->region = {addr, def.length, mr.remote().rkey, def.access};
+    w->bound = true;
+    announce(l, *w);
+    l.windows.push_back(std::move(w));
+    return;
+  }
+  w->mw.reset(ibv_alloc_mw(e_.pds[l.device]->pd.get(), IBV_MW_TYPE_2));
+  if (!w->mw) {
+    throw Error("ibv_alloc_mw", errno, fmt::format("a window on segment '{}' for {}", def.name, l.impl.info.peer_address));
+  }
+  w->rkey = ibv_inc_rkey(w->mw->rkey);
+  w->region = {addr, def.length, w->rkey, def.access};
+  w->posted = Clock::now();
+  const PostResult r = l.impl.dp.post_bind(w->mw.get(), w->rkey, MemoryRegion::Impl::raw(mr), addr, def.length,
+                                           qp_access_flags(def.access), reinterpret_cast<std::uint64_t>(w.get()) | 1);
+  if (!r.ok()) {
+    throw Error("bind memory window", r.sys_errno,
+                fmt::format("segment '{}' for {}: {}", def.name, l.impl.info.peer_address, r.describe()));
+  }
+  ++l.binds_pending;
+  l.windows.push_back(std::move(w));
+}
+
+void Worker::announce(Link& l, const Window& w) {
+  send(l, ew::encode(ew::segment(w.segment, w.region)));
+}
+
+void Worker::withdraw(const std::string& name) {
+  for (auto& l : links_) {
+    if (l->initiated) continue;
+    for (auto it = l->windows.begin(); it != l->windows.end();) {
+      Window& w = **it;
+      if (w.segment != name) {
+        ++it;
+        continue;
+      }
+      if (!w.bound && w.mw) {
+        w.segment.clear();  // its bind completes first; then it goes
+        ++it;
+        continue;
+      }
+      // Invalidated first (deallocating a window revokes its key), then the peer is told.
+      it = l->windows.erase(it);
+      if (l->state != Link::State::closing) send(*l, ew::encode(ew::withdraw(name)));
+    }
+  }
+}
+
+void Worker::send(Link& l, const std::vector<std::uint8_t>& msg) {
+  if (l.state == Link::State::closing) return;
+  try {
+    l.impl.send_control(wire::MessageType::user, msg, deadline_in(std::chrono::milliseconds{1000}));
+  } catch (const std::exception& e) {
+    break_link(l, fmt::format("its control channel failed: {}", e.what()));
+  }
+}
+
+void Worker::tick_link(Link& l, Deadline now) {
+  l.impl.tick(now);
+  while (!l.impl.messages.empty()) {
+    const std::vector<std::uint8_t> m = std::move(l.impl.messages.front());
+    l.impl.messages.pop_front();
+    on_message(l, m);
+  }
+  if (l.impl.control_gone && l.watched) watch(l, false);  // EOF stays readable: stop looking
+  if (l.state != Link::State::closing && (l.impl.dp.mode() == DataPath::Mode::broken || l.impl.dp.mode() == DataPath::Mode::closed)) {
+    break_link(l, l.impl.dp.failure());
+  }
+}
+
+void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
+  ew::Message m;
+  try {
+    m = ew::decode(bytes);
+  } catch (const std::exception& ex) {
+    return break_link(l, fmt::format("it sent a malformed engine message: {}", ex.what()));
+  }
+  switch (m.kind) {
+    case ew::Kind::ident: {
+      const bool restarted = l.initiated && l.peer->epoch != 0 && l.peer->epoch != m.epoch;
+      l.peer_name = m.name;
+      l.peer_epoch = m.epoch;
+      if (l.initiated) {
+        if (restarted) e_.count.restarts.fetch_add(1, std::memory_order_relaxed);
+        l.peer->epoch = m.epoch;
+      } else {
+        // The same engine opened a link with a new epoch: it restarted, and its links of the old
+        // one are stale here and on the other workers.
+        close_stale(m.name, m.epoch, &l);
+        for (auto& w : e_.workers) {
+          if (w.get() == this) continue;
+          Command c(Command::Kind::restarted, nullptr, m.name);
+          c.epoch = m.epoch;
+          w->post(std::move(c));
+        }
+      }
+      break;
+    }
+    case ew::Kind::segment:
+    case ew::Kind::withdraw: {
+      if (!l.initiated) return break_link(l, "it announced segments on a link it opened (only the accepting side does)");
+      if (m.kind == ew::Kind::segment) {
+        l.remote[m.name] = m.region;
+      } else {
+        l.remote.erase(m.name);
+      }
+      const std::uint32_t slot = e_.slot_of(*l.peer, m.name);
+      if (l.by_slot.size() <= slot) l.by_slot.resize(slot + 1);
+      l.by_slot[slot] = m.kind == ew::Kind::segment ? std::optional<RemoteRegion>(m.region) : std::nullopt;
+      std::vector<RemoteRegion> all;
+      for (const auto& [n, r] : l.remote) all.push_back(r);
+      l.impl.dp.set_remote(std::move(all), l.impl.info.atomics);
+      break;
+    }
+    case ew::Kind::synced:
+      if (l.initiated && l.state == Link::State::syncing) make_ready(l);
+      break;
+    case ew::Kind::notify:
+      e_.deliver({l.peer_name.empty() ? l.impl.info.peer_address : l.peer_name, std::move(m.bytes)});
+      break;
+    case ew::Kind::rails:
+      if (!l.initiated) return break_link(l, "it sent its rails on a link it opened (only the accepting side does)");
+      if (l.rail == l.peer->rails[0].get()) on_rails(l, m);  // a further rail's copy says nothing new
+      break;
+  }
+}
+
+void Worker::close_stale(const std::string& name, std::uint64_t epoch, const Link* except) {
+  for (auto& o : links_) {
+    if (o.get() == except || o->state == Link::State::closing || o->peer_epoch == 0 || o->peer_epoch == epoch) continue;
+    // Links it opened to us (its windows are revoked with them), and ours to its old process.
+    const bool same = o->initiated ? o->peer->name == name : o->peer_name == name;
+    if (!same) continue;
+    e_.count.restarts.fetch_add(1, std::memory_order_relaxed);
+    break_link(*o, fmt::format("peer '{}' restarted (epoch {:#x} -> {:#x})", name, o->peer_epoch, epoch));
+  }
+}
+
+void Worker::make_ready(Link& l) {
+  l.state = Link::State::ready;
+  Peer& p = *l.peer;
+  const bool first = l.rail == p.rails[0].get();
+  {
+    std::lock_guard lock(p.m);
+    l.rail->state = "up";
+    l.rail->reason.clear();
+  }
+  l.rail->backoff = std::chrono::milliseconds{0};
+  Fifo<Xfer*> waiting;
+  std::swap(waiting, p.waiting);
+  for (; !waiting.empty(); waiting.pop_front()) start_transfer(p, *waiting.front());
+  if (!first) {
+    std::lock_guard lock(p.m);
+    p.cv.notify_all();  // Engine::connect() waits for the rails too
+    return;
+  }
+  std::lock_guard lock(p.m);
+  p.up = true;
+  ++p.attempts;
+  p.cv.notify_all();
+}
+
+void Worker::break_link(Link& l, const std::string& why) {
+  if (l.state == Link::State::closing) return;
+  l.state = Link::State::closing;
+  l.broke_at = Clock::now();
+  abandon_chain(l, fmt::format("peer '{}': {}", l.initiated ? l.peer->name : l.peer_name, why));
+  l.impl.dp.break_connection(why, BreakCause::peer);
+  const std::string reason = fmt::format("peer '{}': {}", l.initiated ? l.peer->name : l.peer_name, why);
+  while (!l.backlog.empty()) {
+    Xfer* x = l.backlog.front();
+    l.backlog.pop_front();
+    lost(l, *x, TransferStatus::peer_lost, reason);
+  }
+  l.backlog_bytes = 0;
+  if (l.initiated && l.rail != nullptr && l.rail != l.peer->rails[0].get()) {
+    if (l.rail->link == &l) rail_down(*l.peer, *l.rail, why, /*went_down=*/true);
+  } else if (l.initiated && l.rail != nullptr) {
+    std::lock_guard lock(l.peer->m);
+    l.rail->state = "down";
+    l.rail->reason = why;
+  }
+  if (l.initiated && l.peer->link == &l) {
+    Peer& p = *l.peer;
+    p.link = nullptr;
+    // Transfers that waited for this link to be ready: another attempt, unless the peer is gone.
+    if (!p.waiting.empty() && !p.removed.load() && !p.gone.load() && !p.connecting) {
+      p.connecting = true;
+      e_.request_connect(&p);
+    }
+    std::lock_guard lock(p.m);
+    p.up = false;
+  }
+}
+
+void Worker::break_links(Peer& p, const std::string& why) {
+  if (p.link != nullptr) break_link(*p.link, why);
+  for (std::size_t k = 1; k < p.rails.size(); ++k) {
+    if (p.rails[k]->link != nullptr) break_link(*p.rails[k]->link, why);
+  }
+}
+
+void Worker::reap_links() {
+  for (auto it = links_.begin(); it != links_.end();) {
+    Link& l = **it;
+    if (l.state != Link::State::closing) {
+      ++it;
+      continue;
+    }
+    l.impl.dp.post_owed_markers();
+    const bool peer_gone = l.impl.control_gone || l.impl.bye_received;
+    if (l.impl.dp.outstanding() > 0 ||
+        (!l.deferred.empty() && !peer_gone && Clock::now() - l.broke_at < kPeerGoneGrace)) {
+      ++it;
+      continue;
+    }
+    for (Link::Deferred& d : l.deferred) {
+      if (peer_gone) {
+        // The peer closed this link (its process died, or only this rail failed on its side and
+        // its windows went with the link): another rail of a live peer does it.
+        lost(l, *d.x, TransferStatus::peer_lost,
+             fmt::format("{} (the peer's process went away: {})", d.reason, l.impl.control_gone_reason()));
+      } else if (d.transport) {
+        lost(l, *d.x, TransferStatus::failed, std::move(d.reason));
+      } else {
+        end(*d.x, TransferStatus::failed, std::move(d.reason));
+      }
+    }
+    l.deferred.clear();
+    // Nothing is outstanding: what was retired without news (behind a drain marker) completed;
+    // a split transfer whose parts never all came back did not.
+    walk(l, l.impl.dp.lane(0).sq.next_seq(), TransferStatus::ok, {});
+    for (Xfer* x : l.alone) lost(l, *x, TransferStatus::peer_lost, fmt::format("peer '{}': the link broke", l.initiated ? l.peer->name : l.peer_name));
+    l.alone.clear();
+    close_link(l);
+    it = links_.erase(it);
+  }
+}
+
+void Worker::close_link(Link& l) noexcept {
+  watch(l, false);
+  std::erase(to_flush_, &l);
+  l.windows.clear();  // revoked before the QP goes
+  l.impl.close(std::chrono::milliseconds{500});
+  if (l.initiated && l.peer->link == &l) l.peer->link = nullptr;
+  if (l.rail != nullptr && l.rail->link == &l) l.rail->link = nullptr;
+  e_.count.links.fetch_sub(1, std::memory_order_relaxed);
+}
+
+bool Worker::evict_one() {
+  Link* victim = nullptr;
+  for (auto& l : links_) {
+    const bool idle = l->state == Link::State::ready && l->in_flight == 0 && l->backlog.empty() &&
+                      l->binds_pending == 0 && (!l->initiated || l->peer->waiting.empty());
+    const bool accepted_idle = !l->initiated && l->state != Link::State::closing && l->in_flight == 0 && l->binds_pending == 0;
+    if ((idle || accepted_idle) && (victim == nullptr || l->last_used < victim->last_used)) victim = l.get();
+  }
+  if (victim == nullptr) return false;
+  e_.count.evictions.fetch_add(1, std::memory_order_relaxed);
+  // An evicted further rail is not probed: it opens again with the peer's next first link.
+  if (victim->rail != nullptr) victim->rail->wanted = false;
+  break_link(*victim, "evicted to stay within the engine's QP budget (idle)");
+  reap_links();
+  return true;
+}
+
+void Worker::watch(Link& l, bool on) {
+  if (l.watched == on || !l.impl.control) return;
+  if (on) {
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP;
+    ev.data.u64 = reinterpret_cast<std::uint64_t>(&l);
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, l.impl.control->fd(), &ev) == 0) l.watched = true;
+  } else {
+    (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, l.impl.control->fd(), nullptr);
+    l.watched = false;
+  }
+}
+
+void Worker::fail_waiting(Peer& p, TransferStatus s, const std::string& why) noexcept {
+  while (!p.waiting.empty()) {
+    Xfer* x = p.waiting.front();
+    p.waiting.pop_front();
+    end(*x, s, why);
+  }
+}
+
+void Worker::check_retiring() noexcept {
+  for (auto it = retiring_.begin(); it != retiring_.end();) {
+    const std::uint32_t id = (*it)->buffer;
+    bool used = false;
+    for (const auto& [b, live] : live_) {
+      for (std::uint32_t i = 0; i < b->size && !used; ++i) {
+        used = b->x[i].t.local.id == id && b->x[i].status.load(std::memory_order_relaxed) == TransferStatus::pending;
+      }
+      if (used) break;
+    }
+    if (used) {
+      ++it;
+    } else {
+      (*it)->worker_done();
+      it = retiring_.erase(it);
+    }
+  }
+}
+
+}  // namespace rdmakit::detail

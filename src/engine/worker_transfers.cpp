@@ -1,0 +1,503 @@
+// An engine worker's transfers: checking and routing submitted ones, chains on a link's data
+// path, the transfers a completion ends, batches and their notifications. Runs on the worker's
+// thread (or in progress()); the worker's loop and commands are in worker.cpp, its links in
+// worker_links.cpp.
+#include <algorithm>
+#include <cerrno>
+
+#include <fmt/format.h>
+
+#include "engine/impl.hpp"
+#include "engine/protocol.hpp"
+
+namespace rdmakit::detail {
+
+namespace ew = engine_wire;
+
+namespace {
+
+TransferStatus status_of(PostStatus s) {
+  switch (s) {
+    case PostStatus::out_of_bounds:
+    case PostStatus::not_advertised:
+    case PostStatus::no_access: return TransferStatus::no_segment;
+    case PostStatus::not_ready: return TransferStatus::peer_lost;
+    case PostStatus::misaligned:
+    case PostStatus::bad_length: return TransferStatus::invalid;
+    default: return TransferStatus::failed;
+  }
+}
+
+bool writes(TransferOp op) { return op != TransferOp::read; }
+
+// A chain signals every kSignalEvery-th request and its last, so the queue drains (and the
+// backlog refills it) while the rest of the chain is still on the wire.
+constexpr std::uint32_t kSignalEvery = 16;
+
+
+// Why transfer t cannot be posted at all (the common case, that it can, stays out of the loop).
+[[gnu::noinline, gnu::cold]] std::string invalid_reason(const Transfer& t, const BufferRec* b, const Peer* p) {
+  if (b == nullptr) return fmt::format("buffer {} is not this engine's", t.local.id);
+  if (b->retired.load()) return fmt::format("buffer {} was unregistered", t.local.id);
+  if (t.local_offset > b->handle.length || t.length > b->handle.length - t.local_offset) {
+    return fmt::format("[{}, +{}) is outside the local buffer of {} bytes", t.local_offset, t.length, b->handle.length);
+  }
+  if (p == nullptr) return fmt::format("peer {} is unknown (RemoteSegment from Engine::segment)", t.remote.peer);
+  if (p->removed.load()) return fmt::format("peer '{}' was removed", p->name);
+  if ((t.op == TransferOp::fetch_add || t.op == TransferOp::compare_swap) && t.length != 8) {
+    return fmt::format("an atomic moves 8 bytes, not {}", t.length);
+  }
+  return "a transfer of 0 bytes";
+}
+
+// Whether t's local range is outside a buffer of `len` bytes or empty, or t is an atomic of
+// other than 8 bytes: one branch for all of it (0 for `len` when there is no buffer).
+[[gnu::always_inline]] inline bool bad_range(const Transfer& t, std::uint64_t len) {
+  return (t.local_offset > len) | (t.length - 1 >= len - t.local_offset) |
+         ((t.op >= TransferOp::fetch_add) & (t.length != 8));
+}
+
+}  // namespace
+
+// Each transfer is checked, and goes straight into the chain open on its peer's link when that
+// link is ready with room and nothing queued before it; otherwise it queues (Link::backlog, or
+// Peer::waiting until a link is up). The chains are posted at the end, one doorbell each.
+void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std::uint32_t>& indexes) {
+  const bool all = indexes.empty();  // the whole batch is this worker's
+  const std::uint32_t n = all ? b->size : static_cast<std::uint32_t>(indexes.size());
+  Live& live = live_[b.get()];
+  live.batch = b;
+  live.left += n;
+  if (!b->notify.empty()) {
+    for (std::uint32_t k = 0; k < n; ++k) {
+      const Transfer& t = b->x[all ? k : indexes[k]].t;
+      if (writes(t.op)) {
+        if (Peer* p = e_.peer(t.remote.peer); p != nullptr) ++live.writes_left[p];
+      }
+    }
+  }
+  // `live` may go from here on: the last transfer to end erases it.
+  // A batch mostly moves between one buffer and one peer's segment: what a transfer needs (its
+  // link, the segment's window, the buffer's registration) is looked up when those change, or
+  // after anything that may have changed it (admit()); the rest take the short way.
+  Route r;
+  auto one = [&](Xfer& x) __attribute__((always_inline)) {
+    const Transfer& t = x.t;
+    const bool same = r.ok & (t.local.id == r.buf_id) & (t.remote.peer == r.peer_id) & (t.remote.slot == r.slot);
+    if (!same || r.link->chain_room == 0) [[unlikely]] return admit(x, r);
+    // A transfer too long for one request goes the long way too (it is posted alone).
+    if (bad_range(t, r.buf_len) | (t.length > r.max_msg)) [[unlikely]] return admit(x, r);
+    if (!chain(*r.link, x, r.laddr + t.local_offset, r.lkey, r.writable, *r.seg)) r.ok = false;
+  };
+  if (all) {
+    for (Xfer *x = b->x, *last = b->x + n; x != last; ++x) one(*x);
+  } else {
+    for (const std::uint32_t i : indexes) one(b->x[i]);
+  }
+  post_open_chains();
+}
+
+void Worker::admit(Xfer& x, Route& r) {
+  r.ok = false;  // whatever happens here may change the link
+  const Transfer& t = x.t;
+  const BufferRec* buf = e_.buffer(t.local.id);
+  Peer* peer = e_.peer(t.remote.peer);
+  const std::uint64_t buf_len = buf != nullptr ? buf->handle.length : 0;
+  if (peer == nullptr || peer->removed.load(std::memory_order_relaxed) || bad_range(t, buf_len) ||
+      (buf->retired_by.load(std::memory_order_relaxed) >> index_ & 1) != 0) {
+    return end(x, TransferStatus::invalid, invalid_reason(t, buf, peer));
+  }
+  x.buf = buf;
+  Link* l = pick(*peer, buf);
+  if (l == nullptr || !l->backlog.empty() || too_long(*l, t) || slices_for(*peer, x) || !room_on(*l)) {
+    return start_transfer(*peer, x);
+  }
+  const std::optional<RemoteRegion>* seg = t.remote.slot < l->by_slot.size() ? &l->by_slot[t.remote.slot] : nullptr;
+  if (seg == nullptr || !seg->has_value()) return refused(*l, x, PostStatus::not_advertised);
+  const LocalSlice& s = buf->slices[l->device];
+  if (!chain(*l, x, reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset, s.lkey(), s.writable(), **seg)) return;
+  // What the next transfers of the same buffer and segment reuse; valid while nothing but
+  // chain() runs (which keeps the link as it is, or says it did not).
+  // A transfer long enough to be sliced takes the long way too.
+  const std::uint64_t threshold = e_.cfg.rails.slice_threshold;
+  const std::uint64_t max_msg = threshold != 0 ? std::min<std::uint64_t>(l->impl.dp.limits().max_msg_size, threshold - 1)
+                                               : l->impl.dp.limits().max_msg_size;
+  r = {true, t.local.id, t.remote.peer, t.remote.slot, buf_len, max_msg, l, &**seg,
+       reinterpret_cast<std::uint64_t>(s.addr()), s.lkey(), s.writable()};
+}
+
+void Worker::start_transfer(Peer& p, Xfer& x) {
+  if (slices_for(p, x)) return slice(p, x);
+  if (Link* l = pick(p, x.buf)) return queue_on(*l, x);
+  Link* l = p.link;
+  if (p.removed.load(std::memory_order_relaxed)) {
+    return end(x, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
+  }
+  if (p.gone.load(std::memory_order_relaxed)) return end(x, TransferStatus::connect_failed, e_.gone_reason(p));
+  p.waiting.push_back(&x);
+  if (l == nullptr && !p.connecting) {
+    p.connecting = true;
+    e_.request_connect(&p);
+  }
+}
+
+void Worker::queue_flush(Link& l) {
+  if (l.flush_queued) return;
+  l.flush_queued = true;
+  to_flush_.push_back(&l);
+}
+
+void Worker::flush_queued_links() {
+  // flush() closes no link, but it may break one (a post refused, a data path found broken),
+  // and that link's transfers are re-posted on another rail (lost()), which joins this list while
+  // it runs: by index, to its end, so none is dropped with its flush_queued still set.
+  for (std::size_t i = 0; i < to_flush_.size(); ++i) {
+    Link* l = to_flush_[i];
+    l->flush_queued = false;
+    flush(*l);
+  }
+  to_flush_.clear();
+  post_open_chains();
+}
+
+[[gnu::always_inline]] inline bool Worker::room_on(Link& l) {
+  if (l.chain_room != 0) [[likely]] return true;
+  if (l.chain_open) post_chain(l);
+  return open_chain(l);
+}
+
+bool Worker::open_chain(Link& l) {
+  DataPath& dp = l.impl.dp;
+  Lane& lane = dp.lane(0);
+  std::uint64_t room = dp.begin_chain(lane, kSignalEvery);
+  if (dp.mode() != DataPath::Mode::ready) [[unlikely]] {
+    break_link(l, dp.failure());
+    return false;
+  }
+  // A slot not walked yet (Link::ended) is not overwritten.
+  room = std::min<std::uint64_t>(room, lane.sq.storage() - (lane.sq.next_seq() - l.ended));
+  if (room == 0) return false;  // a completion makes room, and flushes the backlog
+  l.chain_open = true;
+  l.chain_room = static_cast<std::uint32_t>(room);
+  open_chains_.push_back(&l);
+  return true;
+}
+
+void Worker::post_chain(Link& l) {
+  l.chain_open = false;
+  l.chain_room = 0;
+  DataPath& dp = l.impl.dp;
+  const std::uint32_t n = dp.chain_size();
+  if (n == 0) return;
+  const PostResult r = dp.post_chain_built();
+  const std::size_t went = r.ok() ? n : r.index;
+  l.in_flight += went;
+  in_flight_ += went;
+  if (r.ok()) [[likely]] return;
+  // The provider refused part way: what it took is in flight, the rest failed (their slots are
+  // still staged past the ring's newest), and the link breaks (what is in flight then
+  // completes flushed).
+  const std::string why = fmt::format("peer '{}': {}", l.peer->name, r.describe());
+  WrRing& ring = dp.lane(0).sq;
+  for (std::size_t k = 0; k < n - went; ++k) {
+    end(*reinterpret_cast<Xfer*>(ring.staged(static_cast<std::uint32_t>(k)).wr_id), TransferStatus::failed, why);
+  }
+  break_link(l, why);
+}
+
+void Worker::post_open_chains() {
+  // post_chain() may break a link, which neither closes it nor opens chains.
+  for (std::size_t i = 0; i < open_chains_.size(); ++i) {
+    if (open_chains_[i]->chain_open) post_chain(*open_chains_[i]);
+  }
+  open_chains_.clear();
+}
+
+void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
+  if (!l.chain_open) return;
+  l.chain_open = false;
+  l.chain_room = 0;
+  DataPath& dp = l.impl.dp;
+  const std::uint32_t n = dp.chain_size();
+  (void)dp.begin_chain(dp.lane(0), kSignalEvery);  // forgets it
+  WrRing& ring = dp.lane(0).sq;
+  for (std::uint32_t k = 0; k < n; ++k) {
+    lost(l, *reinterpret_cast<Xfer*>(ring.staged(k).wr_id), TransferStatus::peer_lost, why);
+  }
+}
+
+[[gnu::always_inline]] inline bool Worker::chain(Link& l, Xfer& x, std::uint64_t laddr, std::uint32_t lkey,
+                                                  bool writable, const RemoteRegion& seg) {
+  const Transfer& t = x.t;
+  DataPath& dp = l.impl.dp;
+  const auto len = static_cast<std::uint32_t>(t.length);  // at most max_msg_sz (too_long)
+  const auto id = reinterpret_cast<std::uint64_t>(&x);
+  PostStatus st;
+  switch (t.op) {
+    case TransferOp::write:
+      st = dp.chain_add<Opcode::write>(laddr, len, lkey, writable, seg, t.remote_offset, 0, 0, id);
+      break;
+    case TransferOp::read:
+      st = dp.chain_add<Opcode::read>(laddr, len, lkey, writable, seg, t.remote_offset, 0, 0, id);
+      break;
+    case TransferOp::fetch_add:
+      st = dp.chain_add<Opcode::fetch_add>(laddr, len, lkey, writable, seg, t.remote_offset, t.compare_add, 0, id);
+      break;
+    default:
+      st = dp.chain_add<Opcode::compare_swap>(laddr, len, lkey, writable, seg, t.remote_offset, t.compare_add, t.swap,
+                                              id);
+      break;
+  }
+  if (st != PostStatus::ok) [[unlikely]] {
+    refused(l, x, st);
+    return false;
+  }
+  --l.chain_room;
+  l.bytes_out += len;
+  return true;
+}
+
+bool Worker::chain(Link& l, Xfer& x) {
+  const Transfer& t = x.t;
+  const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
+  if (seg == nullptr || !seg->has_value()) [[unlikely]] {
+    refused(l, x, PostStatus::not_advertised);
+    return false;
+  }
+  const LocalSlice& s = x.buf->slices[l.device];
+  return chain(l, x, reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset, s.lkey(), s.writable(), **seg);
+}
+
+void Worker::refused(Link& l, Xfer& x, PostStatus st) {
+  if (st == PostStatus::not_advertised) {
+    std::string name;
+    {
+      std::lock_guard lock(e_.mu);
+      name = l.peer->slot_names.at(x.t.remote.slot);
+    }
+    std::string have;
+    for (const auto& [nm, r] : l.remote) have += (have.empty() ? "" : ", ") + nm;
+    return end(x, TransferStatus::no_segment,
+               fmt::format("peer '{}' has no segment '{}' (it has: {})", l.peer->name, name, have.empty() ? "none" : have));
+  }
+  std::string why = fmt::format("peer '{}': {}", l.peer->name, PostResult{st, 0, 0}.describe());
+  if (st == PostStatus::unsupported) why += " (the peer's device or this one has no atomics)";
+  end(x, status_of(st), std::move(why));
+}
+
+void Worker::post_alone(Link& l, Xfer& x) {
+  DataPath& dp = l.impl.dp;
+  const Transfer& t = x.t;
+  const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
+  if (seg == nullptr || !seg->has_value()) return refused(l, x, PostStatus::not_advertised);
+  const LocalSlice s = x.buf->slices[l.device].subslice(t.local_offset, t.length);
+  const auto id = reinterpret_cast<std::uint64_t>(&x);
+  PostResult r = t.op == TransferOp::read ? dp.post_one<Opcode::read>(s, **seg, t.remote_offset, 0, 0, 0, id)
+                 : t.op == TransferOp::write
+                     ? dp.post_one<Opcode::write>(s, **seg, t.remote_offset, 0, 0, 0, id)
+                     : PostResult{PostStatus::bad_length, 0, 0};
+  if (r.ok()) {
+    l.alone.push_back(&x);
+    ++l.in_flight;
+    ++in_flight_;
+    l.bytes_out += t.length;
+    return;
+  }
+  if (r.status == PostStatus::queue_full) {
+    l.backlog_bytes += t.length;
+    return l.backlog.push_front(&x);
+  }
+  std::string why = fmt::format("peer '{}': {}", l.peer->name, r.describe());
+  end(x, r.status == PostStatus::failed ? TransferStatus::failed : status_of(r.status), why);
+  if (r.status == PostStatus::failed) break_link(l, why);
+}
+
+// The link's backlog into chains, as far as its send queue has room.
+void Worker::flush(Link& l) {
+  while (!l.backlog.empty() && l.state == Link::State::ready) {
+    Xfer& x = *l.backlog.front();
+    if (too_long(l, x.t)) [[unlikely]] {  // split by the data path: posted alone
+      if (l.chain_open) post_chain(l);
+      if (l.state != Link::State::ready) return;
+      l.backlog.pop_front();
+      l.backlog_bytes -= x.t.length;
+      post_alone(l, x);
+      if (!l.backlog.empty() && l.backlog.front() == &x) return;  // no room: back in front
+      continue;
+    }
+    if (!room_on(l)) return;  // a completion makes room, and flushes again
+    l.backlog.pop_front();
+    l.backlog_bytes -= x.t.length;
+    (void)chain(l, x);
+  }
+}
+
+void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::string& why) noexcept {
+  const WrRing& ring = l.impl.dp.lane(0).sq;
+  // Runs of transfers of one batch that ended ok (a chain of one batch's transfers, the common
+  // case) are counted once; anything else ends one by one.
+  BatchState* run = nullptr;
+  bool plain = false;  // the run's transfers end by the count
+  std::uint32_t run_ok = 0, walked = 0, slices = 0;
+  std::uint64_t bytes = 0, out = 0, moved = 0;  // moved: read and written on this rail
+  auto settle = [&] {
+    // The bytes first: a waiter that sees its batch done reads counters that include it.
+    if (bytes != 0) e_.count.bytes.fetch_add(bytes, std::memory_order_relaxed);
+    moved += bytes;
+    bytes = 0;
+    if (run_ok == 0) return;
+    const auto it = live_.find(run);
+    if (it != live_.end()) {
+      ended_ += run_ok;
+      std::shared_ptr<BatchState> keep;  // the batch outlives finished_ok() below
+      if ((it->second.left -= run_ok) == 0) {
+        keep = std::move(it->second.batch);
+        live_.erase(it);
+      }
+      run->finished_ok(run_ok);
+    }
+    run_ok = 0;
+  };
+  for (std::uint64_t seq = l.ended; seq < upto; ++seq) {
+    const WrRing::Slot& slot = ring.at(seq);
+    // Not a transfer of a chain: a part of a split transfer (Link::alone), a drain marker, a
+    // window bind.
+    if (slot.kind >= WrRing::part || (slot.wr_id & 1) != 0) [[unlikely]] continue;
+    Xfer& x = *reinterpret_cast<Xfer*>(slot.wr_id);
+    ++walked;
+    out += x.t.length;
+    if (x.batch != run) [[unlikely]] {
+      settle();
+      run = x.batch;
+      // A batch with slices ends them one by one too: they end into their transfer's group.
+      plain = s == TransferStatus::ok && run->notify.empty() && !run->sliced.load(std::memory_order_relaxed);
+    }
+    if (!plain) [[unlikely]] {
+      if (s == TransferStatus::ok && x.t.op <= TransferOp::write) {
+        moved += x.t.length;
+        slices += x.group != nullptr;
+      }
+      end(x, s, why);
+      continue;
+    }
+    x.status.store(TransferStatus::ok, std::memory_order_relaxed);  // published by finished_ok
+    ++run_ok;
+    bytes += x.t.op <= TransferOp::write ? x.t.length : 0;
+  }
+  settle();
+  l.in_flight -= walked;
+  in_flight_ -= walked;
+  l.bytes_out -= std::min(l.bytes_out, out);
+  if (l.rail != nullptr && moved != 0) {
+    l.rail->bytes.fetch_add(moved, std::memory_order_relaxed);
+    if (slices != 0) l.rail->slices.fetch_add(slices, std::memory_order_relaxed);
+  }
+  l.ended = std::max(l.ended, upto);
+}
+
+void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
+  if (x.group != nullptr) [[unlikely]] return slice_ended(x, s, std::move(reason));
+  BatchState& b = *x.batch;
+  const auto it = live_.find(&b);
+  if (it == live_.end()) return;
+  Live& live = it->second;
+  const Transfer& t = x.t;
+  if (s == TransferStatus::ok && (t.op == TransferOp::read || t.op == TransferOp::write)) {
+    e_.count.bytes.fetch_add(t.length, std::memory_order_relaxed);
+  }
+  if (writes(t.op) && !b.notify.empty()) {
+    Peer* p = e_.peer(t.remote.peer);
+    auto w = live.writes_left.find(p);
+    if (w != live.writes_left.end()) {
+      if (s != TransferStatus::ok) {
+        live.writes_left.erase(w);  // a write failed: no notification for that peer
+      } else if (--w->second == 0) {
+        live.writes_left.erase(w);
+        // Every write of the batch to this peer has completed: the data is in its memory.
+        Link* to = ready(p->link) ? p->link : pick(*p, nullptr);
+        if (to != nullptr) {
+          try {
+            send(*to, ew::encode(ew::notify(b.notify)));
+            e_.count.notifications_sent.fetch_add(1, std::memory_order_relaxed);
+          } catch (...) {
+          }
+        }
+      }
+    }
+  }
+  ++ended_;
+  const bool last = --live.left == 0;
+  auto keep = last ? std::move(live.batch) : nullptr;  // the batch outlives finish() below
+  if (last) live_.erase(it);
+  b.finish(x, s, std::move(reason));
+}
+
+void Worker::on_completion(DataPath& dp, const Completion& c) {
+  Link& l = *static_cast<Link*>(dp.context);
+  const WrRing& ring = dp.lane(0).sq;
+  const std::uint64_t seq = ring.head() - 1;  // the request this completion retired
+  const bool part = ring.at(seq).kind == WrRing::part;
+  if (c.ok() && !part && (c.wr_id & 1) == 0) [[likely]] {
+    // It and every transfer posted before it on the link completed.
+    walk(l, seq + 1, TransferStatus::ok, {});
+    l.last_used = Clock::now();
+    if (!l.backlog.empty()) queue_flush(l);  // room in the queue: what waited for it goes next
+    return;
+  }
+  // Those before it completed; it is news of its own.
+  walk(l, seq, TransferStatus::ok, {});
+  l.ended = std::max(l.ended, seq + 1);
+  if ((c.wr_id & 1) != 0) return bound(l, *reinterpret_cast<Window*>(c.wr_id & ~std::uint64_t{1}), c);
+  auto* x = reinterpret_cast<Xfer*>(c.wr_id);
+  if (part) std::erase(l.alone, x);
+  --l.in_flight;
+  --in_flight_;
+  l.bytes_out -= std::min(l.bytes_out, x->t.length);
+  l.last_used = Clock::now();
+  if (c.ok()) {
+    if (l.rail != nullptr && x->t.op <= TransferOp::write) {
+      l.rail->bytes.fetch_add(x->t.length, std::memory_order_relaxed);
+      if (x->group != nullptr) l.rail->slices.fetch_add(1, std::memory_order_relaxed);
+    }
+    end(*x, TransferStatus::ok, {});
+  } else if (c.status == IBV_WC_WR_FLUSH_ERR) {
+    lost(l, *x, TransferStatus::peer_lost,
+         fmt::format("peer '{}': {}", l.peer->name, dp.failure().empty() ? "the link broke" : dp.failure()));
+  } else {
+    // The link breaks on it (the data path's one break routine); ended when the link is reaped.
+    // What the peer refused, or this side got wrong, would fail on any rail; the rest (retries
+    // exceeded, a QP or port that failed under it) is the rail's, and another may do it.
+    const bool rails_fault = c.status != IBV_WC_REM_ACCESS_ERR && c.status != IBV_WC_REM_INV_REQ_ERR &&
+                             c.status != IBV_WC_LOC_PROT_ERR && c.status != IBV_WC_LOC_LEN_ERR &&
+                             c.status != IBV_WC_LOC_ACCESS_ERR;
+    l.deferred.push_back({x, fmt::format("peer '{}': {}", l.peer->name, c.describe()), rails_fault});
+  }
+  if (!l.backlog.empty()) queue_flush(l);
+}
+
+void Worker::bound(Link& l, Window& w, const Completion& c) {
+  --l.binds_pending;
+  if (c.ok() && l.state != Link::State::closing) {
+    w.bound = true;
+    e_.count.windows_bound.fetch_add(1, std::memory_order_relaxed);
+    e_.count.window_bind_ns.fetch_add(
+        static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - w.posted).count()),
+        std::memory_order_relaxed);
+    announce(l, w);
+  } else if (!c.ok() && l.state != Link::State::closing) {
+    try {
+      e_.cfg.link.log(fmt::format("engine {}: binding the window of segment '{}' for {} failed: {}", e_.name,
+                                  w.segment, l.impl.info.peer_address, c.describe()));
+    } catch (...) {
+    }
+  }
+  if (w.segment.empty()) {  // withdrawn while its bind was in flight
+    std::erase_if(l.windows, [&w](const auto& o) { return o.get() == &w; });
+  }
+  if (l.binds_pending == 0 && !l.synced_sent && l.state != Link::State::closing) {
+    l.synced_sent = true;
+    send(l, ew::encode(ew::synced()));
+  }
+}
+
+}  // namespace rdmakit::detail
