@@ -1,6 +1,8 @@
 // rdmakit devices and rdmakit doctor: thin fronts over list_devices() and rdmakit::doctor.
 #include "devices.hpp"
 
+#include <CLI/CLI.hpp>
+
 #include <memory>
 #include <optional>
 #include <string>

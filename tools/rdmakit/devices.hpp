@@ -1,7 +1,7 @@
 #pragma once
 #include <functional>
 
-#include <CLI/CLI.hpp>
+#include "cli_fwd.hpp"
 
 namespace rdmakit::tools {
 /// `rdmakit devices`: every device, port, netdev and GID, and which GID rdmakit would use.

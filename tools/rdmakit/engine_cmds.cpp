@@ -4,6 +4,8 @@
 // latency percentiles and CPU use.
 #include "engine_cmds.hpp"
 
+#include <CLI/CLI.hpp>
+
 #include <poll.h>
 #include <signal.h>
 #include <sys/resource.h>

@@ -4,6 +4,8 @@
 // back, prints that, and SENDs it to the client, which checks it.
 #include "hello.hpp"
 
+#include <CLI/CLI.hpp>
+
 #include <atomic>
 #include <list>
 #include <memory>

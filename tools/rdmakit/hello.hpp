@@ -2,7 +2,7 @@
 
 #include <functional>
 
-#include <CLI/CLI.hpp>
+#include "cli_fwd.hpp"
 
 namespace rdmakit::tools {
 

@@ -2,6 +2,8 @@
 // reads) to a new file with mode 0600, for --psk-file on both hosts.
 #include "keygen.hpp"
 
+#include <CLI/CLI.hpp>
+
 #include <memory>
 #include <string>
 

@@ -1,5 +1,7 @@
 #include "memory_options.hpp"
 
+#include <CLI/CLI.hpp>
+
 #include <fcntl.h>
 #include <unistd.h>
 #include <xf86drm.h>

@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <string>
 
-#include <CLI/CLI.hpp>
+#include "cli_fwd.hpp"
 
 #include "rdmakit/connection.hpp"
 #include "rdmakit/memory.hpp"

@@ -1,6 +1,8 @@
 // --metadata and friends, and `rdmakit peers`: a thin front over rdmakit::list_engines.
 #include "metadata_options.hpp"
 
+#include <CLI/CLI.hpp>
+
 #include <chrono>
 #include <memory>
 

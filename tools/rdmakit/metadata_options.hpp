@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
+#include "cli_fwd.hpp"
 
 #include "rdmakit/metadata.hpp"
 

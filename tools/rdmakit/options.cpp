@@ -1,5 +1,7 @@
 #include "options.hpp"
 
+#include <CLI/CLI.hpp>
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -53,6 +55,8 @@ std::string with_default_port(const std::string& s) {
 }
 
 }  // namespace
+
+bool ConnectOptions::serving() const { return listen_opt != nullptr && listen_opt->count() > 0; }
 
 std::string ConnectOptions::connect_target() const { return with_default_port(connect); }
 

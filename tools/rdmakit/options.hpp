@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <string>
 
-#include <CLI/CLI.hpp>
+#include "cli_fwd.hpp"
 
 #include "rdmakit/connection.hpp"
 
@@ -33,7 +33,7 @@ struct ConnectOptions {
 
   void add_to(CLI::App& app);
   /// --listen given (with or without an address); otherwise --connect is required.
-  [[nodiscard]] bool serving() const { return listen_opt != nullptr && listen_opt->count() > 0; }
+  [[nodiscard]] bool serving() const;
   /// "HOST:PORT" with the default port filled in where none was given.
   [[nodiscard]] std::string connect_target() const;
   [[nodiscard]] std::string listen_address() const;

@@ -2,6 +2,8 @@
 // public library API only, so what it measures is what a user of the library gets. Its options.
 #include "bench.hpp"
 
+#include <CLI/CLI.hpp>
+
 #include "bench/bench.hpp"
 
 namespace rdmakit::tools {
