@@ -94,7 +94,7 @@ std::size_t DataPath::poll_one(Completion& out) noexcept {
   // time per spin in a latency loop).
   // Not reap_send({&out, 1}): GCC keeps the batch branch's array and saved registers in this
   // frame then (+6 instructions per poll, bench/callgrind-overhead).
-  if (lanes_[0].sq.count() != 0 || lane_count_ > 1) {  // in this order: fewer jumps when busy
+  if (sends_may_complete()) {
     ibv_wc wc;
     if (ibv_poll_cq(send_cq_, 1, &wc) == 1 && take_send(wc, out)) {
       if (markers_pending_) [[unlikely]] post_markers();
@@ -119,7 +119,7 @@ std::size_t DataPath::poll_one_recv(Completion& out) noexcept {
 // poll() of more than one completion: out of line, so the one-completion path keeps a small
 // frame (the batch's array of work completions lives here).
 std::size_t DataPath::poll_many(std::span<Completion> out) noexcept {
-  std::size_t n = lane_count_ > 1 || lanes_[0].sq.count() != 0 ? reap_send(out) : 0;
+  std::size_t n = sends_may_complete() ? reap_send(out) : 0;
   if (rq_.count() != 0 && n < out.size()) n += reap_recv(out.subspan(n));
   if (markers_pending_) [[unlikely]] post_markers();
   return n;
@@ -148,8 +148,6 @@ void DataPath::set_remote(std::vector<RemoteRegion> regions, bool atomics) {
   }
 }
 
-// A completion of one part of a segmented request: records the first error; true (and `c`
-// filled) when it was the last counted part. Off the hot path.
 // What a completion of nothing in flight reads as: the library's own marker (never news when
 // it succeeded), with the sequence bits of its wr_id.
 static WrRing::Slot stale_slot(const ibv_wc& wc) noexcept {
@@ -179,6 +177,8 @@ bool DataPath::take_recv_other(const WrRing::Slot* in_flight, const ibv_wc& wc, 
   return true;
 }
 
+// A completion of one part of a segmented request: records the first error; true (and `c`
+// filled) when it was the last counted part. Off the hot path.
 [[gnu::noinline]] bool DataPath::finish_part(const WrRing::Slot& slot, const ibv_wc& wc,
                                              Completion& c) noexcept {
   const auto index = static_cast<std::uint32_t>(slot.wr_id);

@@ -66,9 +66,8 @@ std::string log_tail(const std::string& path) {
   return out.empty() ? " (empty)" : out;
 }
 
-// How long a server may take to answer its first write. Not a claim about the store: a cold
-// etcd reads 21 MB of binary over the lab's 9p root, and a slow CI machine's disk (busy writing
-// a build back) once made that take over 30 s, with nothing in its log yet.
+// How long a server may take to answer its first write. Not a claim about the store: in a lab
+// VM short of memory a cold etcd (21 MB of binary, read over 9p) once wrote nothing for 30 s.
 constexpr std::chrono::seconds kReadyWithin{90};
 
 }  // namespace
