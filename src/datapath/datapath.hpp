@@ -18,6 +18,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <span>
 #include <string>
@@ -179,6 +180,24 @@ class DataPath {
                        const RemoteRegion& remote, std::uint64_t offset, std::uint64_t compare_add,
                        std::uint64_t swap, std::uint64_t wr_id) noexcept;
   [[nodiscard]] std::uint32_t chain_size() const noexcept { return chain_n_; }
+  /// chain_add()'s checks and request, built into `v` and `sge` (`v.sg_list` points at it):
+  /// everything but the wr_id, `next` and the signal flag. What a caller that posts the same
+  /// requests many times keeps (the engine's plans, post_prebuilt()).
+  template <Opcode Op>
+  PostStatus build_request(ibv_send_wr& v, ibv_sge& sge, std::uint64_t laddr, std::uint32_t length,
+                           std::uint32_t lkey, bool writable, const RemoteRegion& remote, std::uint64_t offset,
+                           std::uint64_t compare_add, std::uint64_t swap) const noexcept;
+  /// How many requests post_prebuilt() may post on `lane` now, for a chain signaled every
+  /// `signal_every` requests at most: 0 when the data path is not ready, or when the lane's
+  /// unsignaled run would make the first signal come later than the queue allows.
+  [[nodiscard]] std::uint32_t prebuilt_room(const Lane& lane, std::uint32_t signal_every) const noexcept;
+  /// Posts `n` requests (at most prebuilt_room()) the caller built with build_request() and
+  /// linked, the last with `next` null and signaled, signaled every `signal_every` at most; sets
+  /// their wr_ids and stages ring slots `slots_of[i]` with `id_base` added to each wr_id (a
+  /// slot's kind `user` where its request is signaled, else `silent`). A request keeps nothing
+  /// of the caller's arrays after the call: the same ones may be posted again at once.
+  PostResult post_prebuilt(Lane& lane, ibv_send_wr* wrs, std::uint32_t n, const WrRing::Slot* slots_of,
+                           std::uint64_t id_base) noexcept;
   /// Posts the chain (its last request signaled, so its completion retires all of it). On a
   /// provider failure the first `index` requests went.
   PostResult post_chain_built() noexcept;
@@ -231,6 +250,8 @@ class DataPath {
   void forget_qps() noexcept;
 
   [[nodiscard]] Mode mode() const noexcept { return mode_; }
+  /// The longest run of unsignaled requests the send queue allows (half its depth, at least 1).
+  [[nodiscard]] std::uint32_t signal_interval() const noexcept { return forced_signal_interval_; }
   [[nodiscard]] BreakCause cause() const noexcept { return cause_; }
   [[nodiscard]] const std::string& failure() const noexcept { return failure_; }
   [[nodiscard]] const std::vector<RemoteRegion>& remote() const noexcept { return remote_; }
@@ -274,6 +295,9 @@ class DataPath {
   // Posts the first n entries of send_wrs_ (their ring slots staged) on `lane`; `run` is the
   // lane's unsignaled run after the last of them.
   PostResult post_staged(Lane& lane, std::uint32_t n, std::uint32_t run) noexcept;
+  // Posts the linked requests `wrs` (their slots staged), committing what the provider took;
+  // `run`: the lane's unsignaled run after them.
+  PostResult post_linked(Lane& lane, ibv_send_wr* wrs, std::uint32_t n, std::uint32_t run) noexcept;
   PostResult post_segmented(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
                             std::uint64_t offset, std::uint32_t imm, std::uint64_t wr_id) noexcept;
   const RemoteRegion* advertised(const RemoteRegion& r, std::uint64_t offset,

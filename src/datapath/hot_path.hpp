@@ -226,9 +226,9 @@ inline std::uint32_t DataPath::begin_chain(Lane& lane, std::uint32_t signal_ever
 }
 
 template <Opcode Op>
-[[gnu::always_inline]] inline PostStatus DataPath::chain_add(
-    std::uint64_t laddr, std::uint32_t length, std::uint32_t lkey, bool writable, const RemoteRegion& remote,
-    std::uint64_t offset, std::uint64_t compare_add, std::uint64_t swap, std::uint64_t wr_id) noexcept {
+[[gnu::always_inline]] inline PostStatus DataPath::build_request(
+    ibv_send_wr& v, ibv_sge& sge, std::uint64_t laddr, std::uint32_t length, std::uint32_t lkey, bool writable,
+    const RemoteRegion& remote, std::uint64_t offset, std::uint64_t compare_add, std::uint64_t swap) const noexcept {
   static_assert(Op != Opcode::send && Op != Opcode::recv && Op != Opcode::write_with_imm);
   if constexpr (dp::is_atomic(Op)) {
     if (!atomics_) return PostStatus::unsupported;
@@ -241,19 +241,67 @@ template <Opcode Op>
   if constexpr (Op != Opcode::write) {
     if (!writable) [[unlikely]] return PostStatus::no_access;
   }
-  const std::uint32_t i = chain_n_++;
-  ibv_sge& sge = send_sges_[i];
   sge = {laddr, length, lkey};
-  const bool signal = ((i + chain_phase_) & chain_mask_) == 0;
-  ibv_send_wr& v = send_wrs_[i];
-  v.wr_id = chain_wr_id_ + i;
   v.sg_list = &sge;
   v.num_sge = length != 0 ? 1 : 0;
-  v.next = &v + 1;
-  v.send_flags = (signal ? IBV_SEND_SIGNALED : 0) | (dp::may_inline<Op>(length, limits_.max_inline) ? IBV_SEND_INLINE : 0);
+  v.send_flags = dp::may_inline<Op>(length, limits_.max_inline) ? IBV_SEND_INLINE : 0;
   dp::fill_wr<Op>(v, remote, offset, 0, compare_add, swap);
+  return PostStatus::ok;
+}
+
+template <Opcode Op>
+[[gnu::always_inline]] inline PostStatus DataPath::chain_add(
+    std::uint64_t laddr, std::uint32_t length, std::uint32_t lkey, bool writable, const RemoteRegion& remote,
+    std::uint64_t offset, std::uint64_t compare_add, std::uint64_t swap, std::uint64_t wr_id) noexcept {
+  const std::uint32_t i = chain_n_;
+  ibv_send_wr& v = send_wrs_[i];
+  const PostStatus st = build_request<Op>(v, send_sges_[i], laddr, length, lkey, writable, remote, offset, compare_add, swap);
+  if (st != PostStatus::ok) [[unlikely]] return st;
+  ++chain_n_;
+  const bool signal = ((i + chain_phase_) & chain_mask_) == 0;
+  v.wr_id = chain_wr_id_ + i;
+  v.next = &v + 1;
+  v.send_flags |= signal ? IBV_SEND_SIGNALED : 0;
   chain_lane_->sq.stage(i, {wr_id, Op, signal ? WrRing::user : WrRing::silent, false});
   return PostStatus::ok;
+}
+
+inline std::uint32_t DataPath::prebuilt_room(const Lane& lane, std::uint32_t signal_every) const noexcept {
+  if (mode_ != Mode::ready || lane.unsignaled_run + signal_every > forced_signal_interval_) [[unlikely]] return 0;
+  const std::uint64_t before_wrap = kSeqMask + 1 - (lane.sq.next_seq() & kSeqMask);
+  return static_cast<std::uint32_t>(std::min<std::uint64_t>({lane.sq.free(), limits_.send_depth, before_wrap}));
+}
+
+[[gnu::always_inline]] inline PostResult DataPath::post_prebuilt(Lane& lane, ibv_send_wr* wrs, std::uint32_t n,
+                                                                 const WrRing::Slot* slots_of,
+                                                                 std::uint64_t id_base) noexcept {
+  // A slot is two words; the first (the wr_id) gets id_base added: one vector add per slot.
+  using Words = std::uint64_t __attribute__((vector_size(16)));
+  static_assert(sizeof(Words) == sizeof(WrRing::Slot) && std::is_trivially_copyable_v<WrRing::Slot>);
+  const Words add = {id_base, 0};
+  auto put = [slots_of, add](WrRing::Slot& dst, std::uint32_t i) {
+    Words w;
+    std::memcpy(&w, static_cast<const void*>(slots_of + i), sizeof w);
+    w += add;
+    std::memcpy(static_cast<void*>(&dst), &w, sizeof w);
+  };
+  const std::uint64_t tail = lane.sq.next_seq();
+  const std::uint64_t base = dp::wr_id(lane.id, tail);
+  const auto slots = lane.sq.view();
+  const std::uint64_t at = tail & slots.mask;
+  if (at + n <= slots.mask + 1) [[likely]] {  // one stretch of the ring's storage
+    WrRing::Slot* const d = slots.slots + at;
+    for (std::uint32_t i = 0; i < n; ++i) {
+      wrs[i].wr_id = base + i;
+      put(d[i], i);
+    }
+  } else {
+    for (std::uint32_t i = 0; i < n; ++i) {
+      wrs[i].wr_id = base + i;
+      put(slots[tail + i], i);
+    }
+  }
+  return post_linked(lane, wrs, n, 0);
 }
 
 inline PostResult DataPath::post_chain_built() noexcept {

@@ -202,20 +202,21 @@ PostResult DataPath::post_chain(Lane& lane, std::span<const WorkRequest> batch, 
 // provider took.
 PostResult DataPath::post_staged(Lane& lane, std::uint32_t n, std::uint32_t run) noexcept {
   send_wrs_[n - 1].next = nullptr;
+  return post_linked(lane, send_wrs_.data(), n, run);
+}
+
+PostResult DataPath::post_linked(Lane& lane, ibv_send_wr* wrs, std::uint32_t n, std::uint32_t run) noexcept {
   ibv_send_wr* bad = nullptr;
-  const int rc = ibv_post_send(lane.qp, send_wrs_.data(), &bad);
+  const int rc = ibv_post_send(lane.qp, wrs, &bad);
   if (rc == 0) [[likely]] {
     lane.unsignaled_run = run;
     lane.sq.commit(n);
     return {};
   }
   // The provider may have posted the requests before `bad`: account for exactly those.
-  const std::size_t posted =
-      bad != nullptr && bad >= send_wrs_.data() && bad < send_wrs_.data() + n
-          ? static_cast<std::size_t>(bad - send_wrs_.data())
-          : 0;
+  const std::size_t posted = bad != nullptr && bad >= wrs && bad < wrs + n ? static_cast<std::size_t>(bad - wrs) : 0;
   for (std::size_t i = 0; i < posted; ++i) {
-    lane.unsignaled_run = (send_wrs_[i].send_flags & IBV_SEND_SIGNALED) != 0 ? 0 : lane.unsignaled_run + 1;
+    lane.unsignaled_run = (wrs[i].send_flags & IBV_SEND_SIGNALED) != 0 ? 0 : lane.unsignaled_run + 1;
   }
   lane.sq.commit(static_cast<std::uint32_t>(posted));
   return {PostStatus::failed, rc, posted};

@@ -33,7 +33,13 @@ class WrRing {
     Opcode op = Opcode::send;
     Kind kind = user;
     bool counted = false;  // for a part: the one its request's completion counts on
+    std::uint8_t spare = 0;  // no padding: a slot copies as two words
+    // For the caller: the engine marks the requests of a plan's chain with how many of the
+    // chain's requests, from this one on, belong to consecutive entries of one batch (its walk
+    // then ends them in one loop). 0: none said.
+    std::uint32_t run = 0;
   };
+  static_assert(sizeof(Slot) == 16);
 
   /// Room for `capacity` requests; the storage is rounded up to a power of two so a slot is a
   /// mask away from its sequence number (no division on the hot path).
@@ -67,6 +73,16 @@ class WrRing {
   /// The slot of sequence number `seq`: in flight, or retired while no more than the ring's
   /// storage has been pushed since (what a caller walking retired requests relies on).
   [[nodiscard]] const Slot& at(std::uint64_t seq) const noexcept { return slots_[seq & mask_]; }
+  /// The storage and its mask, for a loop over many slots that keeps both in registers (the
+  /// compiler reloads members after every store it cannot prove apart).
+  template <typename S>
+  struct View {
+    S* slots;
+    std::uint64_t mask;
+    S& operator[](std::uint64_t seq) const noexcept { return slots[seq & mask]; }
+  };
+  [[nodiscard]] View<Slot> view() noexcept { return {slots_.data(), mask_}; }
+  [[nodiscard]] View<const Slot> view() const noexcept { return {slots_.data(), mask_}; }
   /// Entries of storage (a power of two, at least capacity()).
   [[nodiscard]] std::uint64_t storage() const noexcept { return mask_ + 1; }
   /// Retires everything up to and including the request whose sequence number has these low
