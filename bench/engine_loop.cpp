@@ -1,5 +1,6 @@
 // The engine's cost per transfer, for callgrind: rounds of 8-byte RDMA WRITEs, once through raw
-// verbs (a chain of B requests in one ibv_post_send, signaled every 16th and last, polled until
+// verbs (a chain of B requests in one ibv_post_send, signaled as the engine signals its chains:
+// every kSignalEvery-th (64) and the last, polled until
 // all are back: the cheapest way verbs can do it) and once through Engine::submit with
 // progress() on the calling thread (workers = 0, so every instruction of the engine's path runs
 // inside the counted function). Each loop is an extern "C" function of its own
@@ -8,6 +9,7 @@
 //
 //   rdmakit_engine_loop raw ROUNDS BATCH                (a connection of its own, in-process)
 //   rdmakit_engine_loop engine ROUNDS BATCH HOST:PORT   (against `rdmakit serve --expose kv:1M`)
+//   rdmakit_engine_loop plan ROUNDS BATCH HOST:PORT     (the same transfers as a plan, Engine::prepare)
 #include <infiniband/verbs.h>
 #include <time.h>
 
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "connection/impl.hpp"
+#include "engine/batch.hpp"
 #include "loopback.hpp"
 #include "rdmakit/connection.hpp"
 #include "rdmakit/engine.hpp"
@@ -34,7 +37,7 @@ void pause_1ms() {
 extern "C" __attribute__((noinline)) unsigned long rdmakit_engine_raw_loop(ibv_qp* qp, ibv_cq* cq, ibv_send_wr* wrs,
                                                                            unsigned batch, unsigned long rounds) {
   unsigned long empty = 0;
-  const unsigned signaled = (batch + 15) / 16;
+  const unsigned signaled = (batch + rdmakit::detail::kSignalEvery - 1) / rdmakit::detail::kSignalEvery;
   for (unsigned long r = 0; r < rounds; ++r) {
     ibv_send_wr* bad = nullptr;
     if (ibv_post_send(qp, wrs, &bad) != 0) std::abort();
@@ -53,12 +56,14 @@ extern "C" __attribute__((noinline)) unsigned long rdmakit_engine_raw_loop(ibv_q
   return empty;
 }
 
-extern "C" __attribute__((noinline)) unsigned long rdmakit_engine_engine_loop(rdmakit::Engine* e,
-                                                                              const std::vector<rdmakit::Transfer>* t,
-                                                                              unsigned long rounds) {
+namespace {
+
+// Rounds of submit(what) + progress(): the transfers (a vector) or a plan.
+template <typename What>
+[[gnu::always_inline]] inline unsigned long engine_rounds(rdmakit::Engine* e, const What& what, unsigned long rounds) {
   unsigned long empty = 0;
   for (unsigned long r = 0; r < rounds; ++r) {
-    rdmakit::Batch b = e->submit(*t);
+    rdmakit::Batch b = e->submit(what);
     (void)e->progress();  // posts
     pause_1ms();
     while (!b.done()) {
@@ -69,11 +74,25 @@ extern "C" __attribute__((noinline)) unsigned long rdmakit_engine_engine_loop(rd
   return empty;
 }
 
+}  // namespace
+
+extern "C" __attribute__((noinline)) unsigned long rdmakit_engine_engine_loop(rdmakit::Engine* e,
+                                                                              const std::vector<rdmakit::Transfer>* t,
+                                                                              unsigned long rounds) {
+  return engine_rounds(e, *t, rounds);
+}
+
+extern "C" __attribute__((noinline)) unsigned long rdmakit_engine_plan_loop(rdmakit::Engine* e,
+                                                                            const rdmakit::TransferPlan* plan,
+                                                                            unsigned long rounds) {
+  return engine_rounds(e, *plan, rounds);
+}
+
 int main(int argc, char** argv) {
   using namespace std::chrono_literals;
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (argc < 4 || (mode != "raw" && mode != "engine") || (mode == "engine" && argc != 5)) {
-    std::fprintf(stderr, "usage: %s raw ROUNDS BATCH | engine ROUNDS BATCH HOST:PORT\n", argv[0]);
+  if (argc < 4 || (mode != "raw" && mode != "engine" && mode != "plan") || (mode != "raw" && argc != 5)) {
+    std::fprintf(stderr, "usage: %s raw ROUNDS BATCH | engine|plan ROUNDS BATCH HOST:PORT\n", argv[0]);
     return 2;
   }
   const unsigned long rounds = std::strtoul(argv[2], nullptr, 10);
@@ -96,7 +115,7 @@ int main(int argc, char** argv) {
       w.sg_list = &sges[k];
       w.num_sge = 1;
       w.opcode = IBV_WR_RDMA_WRITE;
-      w.send_flags = ((k + 1) % 16 == 0 || k + 1 == batch ? IBV_SEND_SIGNALED : 0) |
+      w.send_flags = ((k + 1) % rdmakit::detail::kSignalEvery == 0 || k + 1 == batch ? IBV_SEND_SIGNALED : 0) |
                      (m.info.max_inline >= 8 ? IBV_SEND_INLINE : 0);
       w.wr.rdma.remote_addr = dst.addr + 8 * (k % 512);
       w.wr.rdma.rkey = dst.rkey;
@@ -127,9 +146,10 @@ int main(int argc, char** argv) {
     }
     // One round outside the count (not through the counted function): the first one allocates
     // what later rounds reuse.
-    rdmakit::Batch warm = e.submit(t);
+    const rdmakit::TransferPlan plan = e.prepare(t);
+    rdmakit::Batch warm = mode == "plan" ? e.submit(plan) : e.submit(t);
     while (!warm.done()) (void)e.progress(std::chrono::milliseconds{1});
-    empty = rdmakit_engine_engine_loop(&e, &t, rounds);
+    empty = mode == "plan" ? rdmakit_engine_plan_loop(&e, &plan, rounds) : rdmakit_engine_engine_loop(&e, &t, rounds);
   }
   std::printf("%s: %lu rounds of %u, %lu empty polls\n", mode.c_str(), rounds, batch, empty);
   return 0;

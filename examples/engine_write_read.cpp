@@ -1,7 +1,7 @@
 // The engine in one program: `engine_write_read --serve PORT` exposes a segment "inbox";
 // `engine_write_read HOST:PORT` writes a greeting into it in one batch that carries a
-// notification, then reads it back. The server prints the greeting when the notification says
-// it is there.
+// notification, then reads it back (a prepared plan, submitted three times). The server prints
+// the greeting when the notification says it is there.
 #include <poll.h>
 #include <unistd.h>
 
@@ -58,12 +58,18 @@ int main(int argc, char** argv) try {
     std::fprintf(stderr, "write: %s", w.describe_failures().c_str());
     return 1;
   }
+  // Transfers made again and again are prepared once: the checks and the verbs requests are
+  // done then, and each submit of the plan posts them as they are (with the bytes of the moment).
   const rdmakit::Transfer read{.op = rdmakit::TransferOp::read, .local = mine, .local_offset = 2048,
                                .length = sizeof greeting, .remote = inbox};
-  rdmakit::Batch r = engine.submit({&read, 1});
-  if (!r.wait(30s) || r.failed() != 0) {
-    std::fprintf(stderr, "read: %s", r.describe_failures().c_str());
-    return 1;
+  const rdmakit::TransferPlan read_back = engine.prepare({&read, 1});
+  for (int i = 0; i < 3; ++i) {
+    std::memset(static_cast<char*>(mine.addr) + 2048, 0, sizeof greeting);
+    rdmakit::Batch r = engine.submit(read_back);
+    if (!r.wait(30s) || r.failed() != 0) {
+      std::fprintf(stderr, "read: %s", r.describe_failures().c_str());
+      return 1;
+    }
   }
   std::printf("read back: %s\n", static_cast<const char*>(mine.addr) + 2048);
   return 0;

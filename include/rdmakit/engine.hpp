@@ -136,6 +136,7 @@ struct Notification {
 
 namespace detail {
 struct BatchState;
+struct PlanState;
 }
 
 /// The transfers of one submit(), in flight or done. Move-only. Destroying it does not cancel
@@ -168,6 +169,27 @@ class Batch {
   friend struct detail::BatchState;
   explicit Batch(std::shared_ptr<detail::BatchState> state) noexcept;
   std::shared_ptr<detail::BatchState> state_;
+};
+
+/// Transfers checked and resolved once (Engine::prepare), to submit many times: the same ranges,
+/// the bytes in them as they are at each submit, as NIXL's prepared transfer requests or MPI's
+/// persistent requests. What each submit of a plan re-checks is what may have changed since:
+/// the buffer still registered, the peer still there, its segment as it is now (exposed again
+/// after a restart, withdrawn); a transfer that no longer fits ends in its batch as it would
+/// from submit(span). Copyable (a shared handle); empty when default-built.
+///
+/// Threads: a plan may be submitted from any number of threads at once, and again while batches
+/// of it are in flight.
+class TransferPlan {
+ public:
+  TransferPlan() = default;
+  [[nodiscard]] std::size_t size() const noexcept;
+  [[nodiscard]] bool empty() const noexcept { return size() == 0; }
+
+ private:
+  friend class Engine;
+  explicit TransferPlan(std::shared_ptr<detail::PlanState> state) noexcept;
+  std::shared_ptr<detail::PlanState> state_;
 };
 
 /// Options of one submit().
@@ -206,6 +228,12 @@ struct EngineCounters {
   std::uint64_t slices = 0;        ///< slices that sliced transfers were cut into
   /// Reads and writes (or their slices) re-posted on another rail after theirs failed.
   std::uint64_t reposted = 0;
+  /// Transfers of plans (submit(plan)) posted as their requests were built; the rest of a plan's
+  /// took the way of submit(span) (a full queue, a link or segment not there yet).
+  std::uint64_t plan_posted = 0;
+  /// Times a run of a plan had its requests built for a link: once per link, and again when the
+  /// peer's segment changed under it.
+  std::uint64_t plan_builds = 0;
 };
 
 /// What the engine is built on.
@@ -337,13 +365,25 @@ class Engine {
   /// Starts the transfers; never blocks on the network. Transfers that are invalid at once
   /// (unknown handles, ranges outside the local buffer) end as `invalid` in the returned batch.
   Batch submit(std::span<const Transfer> transfers, SubmitOptions options = {});
+  /// Checks `transfers` against this engine's buffers and peers and keeps them, resolved, for
+  /// submit(plan). Throws Error (EINVAL, naming the transfer and why) for a transfer that could
+  /// never move: an unknown or unregistered buffer, a range outside it, an unknown or removed
+  /// peer, an atomic of other than 8 bytes, 0 bytes. The peers' segments are checked when the
+  /// plan is first submitted to them (they may not be connected yet).
+  [[nodiscard]] TransferPlan prepare(std::span<const Transfer> transfers);
+  /// Starts the plan's transfers, as submit(span) would start the same transfers; with the
+  /// checks and the work requests already done, a transfer costs a fraction of what it does
+  /// there. A plan of another engine is an Error.
+  Batch submit(const TransferPlan& plan, SubmitOptions options = {});
   static constexpr std::size_t max_notification = 900;
 
   /// The next notification received, if any.
   std::optional<Notification> next_notification();
   /// A descriptor that becomes readable when a batch completes or a notification arrives (for
   /// epoll or an event loop). Reading it (8 bytes) re-arms it; check batches and notifications
-  /// after every wake-up.
+  /// after every wake-up. It is signalled from the first call of fd() on (an engine whose
+  /// descriptor nobody takes saves a system call per batch): take it, then check what it
+  /// announces, then wait on it.
   [[nodiscard]] int fd() const noexcept;
 
   /// workers == 0: does the work a worker would (post, poll, links' control channels) for up to

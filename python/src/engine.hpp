@@ -57,9 +57,10 @@ struct PyTransfer {
   std::uint64_t swap = 0;
 };
 
-/// rdmakit.TransferPlan: transfers resolved once, submitted as often as wanted.
+/// rdmakit.TransferPlan: transfers resolved once (their local memory here, then the engine's
+/// checks and work requests: Engine::prepare), submitted as often as wanted.
 struct PyPlan {
-  std::vector<Transfer> transfers;
+  TransferPlan plan;
 };
 
 class PyEngine;
@@ -112,10 +113,14 @@ class PyEngine : public std::enable_shared_from_this<PyEngine> {
   /// is in none, or it is read-only and the transfer would write it).
   Transfer resolve(const PyTransfer& t) const;
   PyBatch submit(std::span<const Transfer> transfers, const std::optional<py::bytes>& notify);
+  PyBatch submit(const TransferPlan& plan, const std::optional<py::bytes>& notify);
 
  private:
   Engine& checked();
   std::shared_mutex mu_;
+  /// A batch started by `start` (a submit of transfers or of a plan), with its asyncio token.
+  template <typename Start>
+  PyBatch submit_with(const std::optional<py::bytes>& notify, Start start);
   std::shared_ptr<DoneQueue> done_ = std::make_shared<DoneQueue>();
   std::atomic<std::uint64_t> next_token_{0};
   std::unique_ptr<Engine> engine_;

@@ -99,6 +99,8 @@ EngineCounters Engine::counters() const noexcept {
   o.slices = c.slices.load();
   o.reposted = c.reposted.load();
   o.window_bind_ns = c.window_bind_ns.load();
+  o.plan_posted = c.plan_posted.load();
+  o.plan_builds = c.plan_builds.load();
   return o;
 }
 
@@ -384,29 +386,9 @@ bool Engine::connect(const std::string& peer, std::chrono::milliseconds timeout,
 }
 
 Batch Engine::submit(std::span<const Transfer> transfers, SubmitOptions options) {
-  if (options.notify.size() > max_notification) {
-    throw Error("submit", EMSGSIZE, fmt::format("a notification of {} bytes; at most {}", options.notify.size(), max_notification));
-  }
   auto state = std::make_shared<BatchState>(impl_.get(), transfers);
-  state->notify = std::move(options.notify);
-  state->on_done = std::move(options.on_done);
-  impl_->count.batches.fetch_add(1, std::memory_order_relaxed);
-  impl_->count.transfers.fetch_add(transfers.size(), std::memory_order_relaxed);
   Batch batch(state);
-  if (transfers.empty()) {  // done at once, like any batch
-    if (state->on_done) {
-      try {
-        state->on_done(batch);
-      } catch (...) {
-      }
-    }
-    {
-      std::lock_guard lock(state->mu);
-      state->callback_ran = true;
-    }
-    impl_->signal();
-    return batch;
-  }
+  if (!impl_->start(*state, std::move(options))) return batch;
   // The workers check each transfer (and end a bad one at once); here they are only sent to
   // their peers' workers: with one worker, without looking at them.
   const std::size_t workers = impl_->workers.size();
@@ -440,7 +422,13 @@ std::optional<Notification> Engine::next_notification() {
   return n;
 }
 
-int Engine::fd() const noexcept { return impl_->event_fd.get(); }
+int Engine::fd() const noexcept {
+  // Signalled from now on (Impl::signal). Both sides read-modify-write the flag: a batch that
+  // ended before this call did so before signal()'s RMW, which this one then reads from (and so
+  // the caller's next check sees the batch done); one that ends after sees the flag and writes.
+  (void)impl_->fd_taken.exchange(1, std::memory_order_acq_rel);
+  return impl_->event_fd.get();
+}
 
 std::size_t Engine::progress(std::chrono::milliseconds budget) {
   if (impl_->threads != 0) {

@@ -159,8 +159,34 @@ void Engine::Impl::shut_down() noexcept {
 }
 
 void Engine::Impl::signal() noexcept {
+  if (fd_taken.fetch_add(0, std::memory_order_acq_rel) == 0) return;  // an RMW: see Engine::fd()
   const std::uint64_t one = 1;
   (void)!::write(event_fd.get(), &one, sizeof one);
+}
+
+bool Engine::Impl::start(BatchState& b, SubmitOptions&& options) {
+  if (options.notify.size() > Engine::max_notification) {
+    throw Error("submit", EMSGSIZE,
+                fmt::format("a notification of {} bytes; at most {}", options.notify.size(), Engine::max_notification));
+  }
+  b.notify = std::move(options.notify);
+  b.on_done = std::move(options.on_done);
+  count.batches.fetch_add(1, std::memory_order_relaxed);
+  count.transfers.fetch_add(b.size, std::memory_order_relaxed);
+  if (b.size != 0) return true;
+  // Done at once, like any batch.
+  if (b.on_done) {
+    try {
+      b.on_done(Batch(b.shared_from_this()));
+    } catch (...) {
+    }
+  }
+  {
+    std::lock_guard lock(b.mu);
+    b.callback_ran = true;
+  }
+  signal();
+  return false;
 }
 
 detail::BufferRec* Engine::Impl::buffer(std::uint32_t id) const noexcept {

@@ -30,6 +30,7 @@
 #include "common/fifo.hpp"
 #include "connection/impl.hpp"
 #include "datapath/router.hpp"
+#include "engine/batch.hpp"
 #include "engine/protocol.hpp"
 #include "engine/rails.hpp"
 #include "rdmakit/engine.hpp"
@@ -43,61 +44,9 @@ class MetadataPlane;
 struct Link;
 struct Peer;
 
-struct BufferRec;
-struct SliceGroup;
 
 // What a link's QP must allow for the windows bound on it: everything a segment may allow.
 inline constexpr Access kAllRemote = Access::remote_read | Access::remote_write | Access::remote_atomic;
-
-/// One transfer of a batch: the caller's description, and its result. A posted request's wr_id
-/// is its address (8-byte aligned: bit 0 marks a window bind instead).
-struct Xfer {
-  Xfer(const Transfer& tr, BatchState* b, std::uint32_t i) noexcept : t(tr), batch(b), index(i) {}
-  Transfer t;
-  const BufferRec* buf = nullptr;  // t.local's, once the worker has checked it
-  BatchState* batch = nullptr;
-  SliceGroup* group = nullptr;  // a slice: the sliced transfer's group (its end goes there)
-  std::uint32_t index = 0;
-  std::uint8_t tries = 0;  // re-posts on another rail after its rail failed
-  /// Stored once, when the transfer ends; a failure's reason is in BatchState::reasons first.
-  std::atomic<TransferStatus> status{TransferStatus::pending};
-};
-
-struct BatchState : std::enable_shared_from_this<BatchState> {
-  BatchState(Engine::Impl* e, std::span<const Transfer> t);
-  ~BatchState();
-  BatchState(const BatchState&) = delete;
-  BatchState& operator=(const BatchState&) = delete;
-  std::uint32_t size = 0;
-  Xfer* x = nullptr;  // size entries, one allocation
-  std::atomic<std::uint32_t> remaining{0};
-  std::atomic<std::uint32_t> failed{0};
-  std::atomic<bool> sliced{false};  // a transfer of it was cut into slices (Worker::slice)
-  mutable std::mutex mu;  // reasons, and wait()
-  mutable std::condition_variable cv;
-  bool callback_ran = false;  // under mu: the batch ended and its callback (if any) returned
-  std::map<std::uint32_t, std::string> reasons;  // under mu: why each failed transfer failed
-  std::vector<std::uint8_t> notify;
-  std::function<void(const Batch&)> on_done;
-  Engine::Impl* engine = nullptr;
-  /// Records a transfer's end with its reason (a failure, or any end when the batch notifies).
-  void finish(Xfer& t, TransferStatus s, std::string reason) noexcept;
-  /// `n` transfers ended ok (their status stored already): one count for all of them.
-  void finished_ok(std::uint32_t n) noexcept;
-
- private:
-  void last_ended() noexcept;
-};
-
-/// The slices of one sliced transfer (Worker::slice): they end into it, and the transfer ends
-/// when the last has, ok or with the first failure.
-struct SliceGroup {
-  Xfer* parent = nullptr;
-  std::deque<Xfer> slices;  // deque: an Xfer does not move
-  std::uint32_t left = 0;
-  TransferStatus status = TransferStatus::ok;
-  std::string reason;
-};
 
 /// One rail of a peer link: a local port, the peer's port it reaches, the link on it. rails[0]
 /// of a peer is its first (its address's, Peer::link); the others are opened once the first
@@ -207,6 +156,7 @@ struct Window {
 struct Link {
   Connection conn;
   Connection::Impl& impl;
+  std::uint64_t serial = 0;  // unique in its worker (a plan's requests built for it know it by it)
   std::uint32_t device = 0;
   bool initiated = false;
   Peer* peer = nullptr;  // initiated links
@@ -235,6 +185,7 @@ struct Link {
   // in post order. RC completes in order, so a completion also ends every transfer posted before
   // it (unsignaled, in chains): the ring's slots from `ended` up to the completion's are walked.
   std::uint64_t ended = 0;  // the first sequence number not walked yet
+  std::uint64_t walk_to = 0;  // completed up to here, to be walked after the poll (0: nothing)
   std::vector<Xfer*> alone;  // split transfers in flight (their ring slots are parts)
   Deadline last_used{};
   // Error completions, ended only once the link is reaped: a peer whose process died answers
@@ -301,6 +252,19 @@ class Worker {
  private:
   void handle(Command& c);
   void submit(const std::shared_ptr<BatchState>& b, const std::vector<std::uint32_t>& indexes);
+  /// A batch of a plan: each run posted from its requests built for the link (built at its
+  /// first post there), or the long way (route()) when anything they were built for changed.
+  void submit_plan(const std::shared_ptr<BatchState>& b);
+  /// Lists batch b as live on this worker (once) with `n` more of its transfers.
+  WorkerShare& list(const std::shared_ptr<BatchState>& b, std::uint32_t n);
+  /// Takes b off the list (its last transfer here ended); returns it, to outlive what follows.
+  std::shared_ptr<BatchState> unlist(BatchState& b) noexcept;
+  /// Posts what it can of `run` (its transfers in this batch from `x`) as built for the link
+  /// pick() gives; returns how many went (or failed): the rest take the long way.
+  std::uint32_t post_run(PlanState::Run& run, Xfer* x);
+  /// `run`'s requests as built for `l` (of peer `p`), built now if they were not or the peer's
+  /// segment changed; null when they cannot go as built (the long way then says why).
+  PlanState::Built* built_for(PlanState::Run& run, Link& l, const Peer& p, const Xfer* x);
   /// Queues transfer x for its peer's link (or the link to come).
   void start_transfer(Peer& p, Xfer& x);
   /// Whether the chain on `l` takes one more transfer now (opening one, or posting a full one
@@ -332,6 +296,11 @@ class Worker {
     std::uint32_t lkey = 0;
     bool writable = false;
   };
+  /// Transfer x into the chain of the route `r` holds when it is the same, else admit().
+  void route(Xfer& x, Route& r);
+  void route_all(Xfer* x, Xfer* last, Route& r);
+  /// The record of x's buffer (checked by admit() before anything uses it).
+  [[nodiscard]] const BufferRec& buffer_of(const Xfer& x) const noexcept;
   /// The long way for transfer x: checks it, chains it or queues it, and sets `r` for the next.
   [[gnu::noinline]] void admit(Xfer& x, Route& r);
   [[gnu::noinline]] void refused(Link& l, Xfer& x, PostStatus st);
@@ -346,6 +315,8 @@ class Worker {
   void fail_waiting(Peer& p, TransferStatus s, const std::string& why) noexcept;
   void bound(Link& l, Window& w, const Completion& c);
   void on_completion(DataPath& dp, const Completion& c);
+  /// Polls every CQ and walks the links whose transfers completed; returns the completions.
+  int poll_cqs() noexcept;
   void link_up(Command& c);
   void connect_failed(Peer& p, const std::string& why);
   // Rails.
@@ -401,21 +372,23 @@ class Worker {
   Fd epoll_;
   std::mutex mu_;
   std::vector<Command> inbox_;
+  std::vector<Command> mail_;  // the worker's: the inbox as taken, handled one by one
   std::atomic<bool> has_mail_{false};
   std::atomic<bool> stop_{false};
   bool threaded_ = false;  // set by start(), before any other thread can post
   std::thread thread_;
   // The worker thread's own:
   std::vector<std::unique_ptr<Link>> links_;
-  struct Live {
-    std::shared_ptr<BatchState> batch;
-    std::uint32_t left = 0;  // this worker's transfers of it that have not ended
-    std::map<Peer*, std::uint32_t> writes_left;  // for the notification
-  };
-  std::unordered_map<BatchState*, Live> live_;
+  std::uint64_t link_serial_ = 0;
+  // The time as of the loop's last turn (or wake-up): what a completion stamps on its link
+  // (Link::last_used, for eviction), without reading the clock for each.
+  Deadline now_ = Clock::now();
+  // The batches with transfers on this worker (each one's WorkerShare says where it is here).
+  std::vector<BatchState*> live_;
   std::uint64_t in_flight_ = 0;
   std::size_t ended_ = 0;
   std::vector<Link*> to_flush_;
+  std::vector<Link*> to_walk_;  // links with completions to walk (Link::walk_to)
   std::vector<Link*> open_chains_;  // links with a chain being built (empty between commands)
   Deadline next_tick_{};
   std::vector<std::shared_ptr<Retirement>> retiring_;  // waiting for transfers of their buffer
@@ -458,10 +431,11 @@ struct Engine::Impl {
     std::atomic<std::uint64_t> qps{0}, links{0}, connects{0}, reconnects{0}, accepts{0}, evictions{0},
         restarts{0}, batches{0}, transfers{0}, transfers_failed{0}, bytes{0}, notifications_sent{0},
         notifications_received{0}, windows_bound{0}, window_bind_ns{0}, rail_links{0}, rail_failures{0},
-        slices{0}, reposted{0};
+        slices{0}, reposted{0}, plan_posted{0}, plan_builds{0};
   } count;
 
   detail::Fd event_fd;  // readable when a batch ends or a notification arrives
+  std::atomic<int> fd_taken{0};  // Engine::fd() was called: signal() writes event_fd
   std::mutex notes_mu;
   std::deque<Notification> notes;
 
@@ -487,6 +461,9 @@ struct Engine::Impl {
   /// the destructor, and a constructor that fails once they run.
   void shut_down() noexcept;
   void signal() noexcept;
+  /// What every submit does before its transfers go to the workers: the options into `b`, the
+  /// counters; an empty batch ends here (false: nothing to send).
+  bool start(detail::BatchState& b, SubmitOptions&& options);
   /// A BufferRec or Peer by id (0 or unknown: null). Lock-free.
   [[nodiscard]] detail::BufferRec* buffer(std::uint32_t id) const noexcept;
   [[nodiscard]] detail::Peer* peer(std::uint32_t id) const noexcept;
@@ -524,5 +501,9 @@ struct Engine::Impl {
   /// Gives a registered buffer its id and publishes it to the workers.
   Buffer publish(std::unique_ptr<detail::BufferRec> rec);
 };
+
+inline const detail::BufferRec& detail::Worker::buffer_of(const Xfer& x) const noexcept {
+  return *e_.buffer(x.t->local.id);
+}
 
 }  // namespace rdmakit

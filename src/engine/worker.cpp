@@ -129,7 +129,7 @@ void Worker::stop() noexcept {
   const Deadline until = deadline_in(std::chrono::milliseconds{2000});
   while (Clock::now() < until &&
          std::any_of(links_.begin(), links_.end(), [](const auto& l) { return l->impl.dp.outstanding() > 0; })) {
-    for (auto& q : cqs_) (void)q->router.poll([this](DataPath& dp, const Completion& c) { on_completion(dp, c); });
+    (void)poll_cqs();
     for (auto& l : links_) l->impl.dp.post_owed_markers();
   }
   // What never completed ends now; only this worker's transfers (the others' workers end theirs,
@@ -165,13 +165,13 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
   for (;;) {
     if (stop_.load(std::memory_order_relaxed) && forever) break;
     if (has_mail_.load(std::memory_order_acquire)) {
-      std::vector<Command> mail;
       {
+        // Swapped, not moved: both vectors keep their storage, so a post allocates nothing.
         std::lock_guard lock(mu_);
-        mail.swap(inbox_);
+        mail_.swap(inbox_);
         has_mail_.store(false, std::memory_order_relaxed);
       }
-      for (Command& c : mail) {
+      for (Command& c : mail_) {
         try {
           handle(c);
         } catch (const std::exception& ex) {
@@ -181,14 +181,13 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
           }
         }
       }
+      mail_.clear();
     }
-    int got = 0;
-    for (auto& q : cqs_) {
-      got += q->router.poll([this](DataPath& dp, const Completion& c) { on_completion(dp, c); });
-    }
+    const int got = poll_cqs();
     flush_queued_links();
     if (!retiring_.empty() && got > 0) check_retiring();
     const Deadline now = Clock::now();
+    now_ = now;
     if (now >= next_tick_) {
       next_tick_ = now + std::chrono::milliseconds{1};
       sleep(now);  // a zero wait: the links' control channels, device events
@@ -212,6 +211,21 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
   return ended_;
 }
 
+int Worker::poll_cqs() noexcept {
+  int got = 0;
+  for (auto& q : cqs_) got += q->router.poll([this](DataPath& dp, const Completion& c) { on_completion(dp, c); });
+  // The links' transfers that completed, each link walked once for all of this poll's
+  // completions (on_completion).
+  for (Link* l : to_walk_) {
+    walk(*l, l->walk_to, TransferStatus::ok, {});
+    l->walk_to = 0;
+    l->last_used = now_;
+    if (!l->backlog.empty()) queue_flush(*l);  // room in the queue: what waited for it goes next
+  }
+  to_walk_.clear();
+  return got;
+}
+
 // Waits on the worker's descriptors until `until` (not at all when it has passed): CQ events
 // (armed first), the wake-up, links' control channels, device events.
 void Worker::sleep(Deadline until) noexcept {
@@ -220,8 +234,7 @@ void Worker::sleep(Deadline until) noexcept {
   if (until > now) {
     for (auto& q : cqs_) (void)ibv_req_notify_cq(q->cq.get(), 0);
     // A completion that arrived before arming raises no event: look once more.
-    int got = 0;
-    for (auto& q : cqs_) got += q->router.poll([this](DataPath& dp, const Completion& c) { on_completion(dp, c); });
+    const int got = poll_cqs();
     if (got > 0 || !to_flush_.empty() || has_mail_.load(std::memory_order_acquire)) return;
     ms = static_cast<int>(std::min<long long>(
         std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count() + 1, 1000));
@@ -229,6 +242,7 @@ void Worker::sleep(Deadline until) noexcept {
   epoll_event events[64];
   const int n = ::epoll_wait(epoll_.get(), events, 64, ms);
   const Deadline after = Clock::now();
+  now_ = after;
   for (int i = 0; i < n; ++i) {
     const std::uint64_t tag = events[i].data.u64;
     if (tag == kWake) {

@@ -28,6 +28,7 @@ void Worker::link_up(Command& c) {
   l.impl.dp.route_through(cqs_[l.device]->router, cqs_[l.device]->router);
   l.impl.dp.context = &l;
   l.ended = l.impl.dp.lane(0).sq.next_seq();
+  l.serial = ++link_serial_;
   links_.push_back(std::move(owned));
   e_.count.links.fetch_add(1, std::memory_order_relaxed);
   watch(l, true);
@@ -398,9 +399,9 @@ void Worker::check_retiring() noexcept {
   for (auto it = retiring_.begin(); it != retiring_.end();) {
     const std::uint32_t id = (*it)->buffer;
     bool used = false;
-    for (const auto& [b, live] : live_) {
+    for (const BatchState* b : live_) {
       for (std::uint32_t i = 0; i < b->size && !used; ++i) {
-        used = b->x[i].t.local.id == id && b->x[i].status.load(std::memory_order_relaxed) == TransferStatus::pending;
+        used = b->x[i].t->local.id == id && b->x[i].status(std::memory_order_relaxed) == TransferStatus::pending;
       }
       if (used) break;
     }

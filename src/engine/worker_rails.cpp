@@ -52,7 +52,7 @@ Link* Worker::pick(Peer& p, const BufferRec* buf, const Link* instead_of) noexce
 
 bool Worker::slices_for(const Peer& p, const Xfer& x) const noexcept {
   const std::uint64_t threshold = e_.cfg.rails.slice_threshold;
-  if (threshold == 0 || x.t.length < threshold || x.group != nullptr || x.t.op > TransferOp::write) return false;
+  if (threshold == 0 || x.t->length < threshold || x.group != nullptr || x.t->op > TransferOp::write) return false;
   int up = ready(p.link) ? 1 : 0;
   for (std::size_t k = 1; k < p.rails.size() && up < 2; ++k) up += ready(p.rails[k]->link) ? 1 : 0;
   return up >= 2;
@@ -60,7 +60,7 @@ bool Worker::slices_for(const Peer& p, const Xfer& x) const noexcept {
 
 void Worker::queue_on(Link& l, Xfer& x) {
   l.backlog.push_back(&x);
-  l.backlog_bytes += x.t.length;
+  l.backlog_bytes += x.t->length;
   queue_flush(l);
 }
 
@@ -69,13 +69,12 @@ void Worker::slice(Peer& p, Xfer& x) {
   g->parent = &x;
   x.batch->sliced.store(true, std::memory_order_relaxed);
   const std::uint64_t size = e_.cfg.rails.slice_size;
-  for (std::uint64_t off = 0; off < x.t.length; off += size) {
-    Transfer t = x.t;
+  for (std::uint64_t off = 0; off < x.t->length; off += size) {
+    Transfer t = *x.t;
     t.local_offset += off;
     t.remote_offset += off;
-    t.length = std::min(size, x.t.length - off);
-    Xfer& s = g->slices.emplace_back(t, x.batch, x.index);
-    s.buf = x.buf;
+    t.length = std::min(size, x.t->length - off);
+    Xfer& s = g->slices.emplace_back(g->transfers.emplace_back(t), x.batch, x.index);
     s.group = g.get();
   }
   g->left = static_cast<std::uint32_t>(g->slices.size());
@@ -84,7 +83,7 @@ void Worker::slice(Peer& p, Xfer& x) {
   groups_.emplace(&x, std::move(g));
   // Each to the rail with the fewest bytes outstanding (counting the slices queued so far).
   for (Xfer& s : group.slices) {
-    Link* l = pick(p, x.buf);
+    Link* l = pick(p, &buffer_of(x));
     if (l == nullptr) {  // cannot happen (slices_for saw two rails ready), but never lose one
       end(s, TransferStatus::peer_lost, fmt::format("peer '{}': no rail is up", p.name));
       continue;
@@ -110,11 +109,11 @@ void Worker::slice_ended(Xfer& s, TransferStatus st, std::string reason) noexcep
 void Worker::lost(Link& l, Xfer& x, TransferStatus s, std::string why) noexcept {
   // Reads and writes are idempotent: another rail does them again. An atomic never is: it may
   // have been applied before its rail failed.
-  if (!stop_.load(std::memory_order_relaxed) && l.initiated && x.t.op <= TransferOp::write && x.tries < kMaxTries &&
+  if (!stop_.load(std::memory_order_relaxed) && l.initiated && x.t->op <= TransferOp::write && x.tries < kMaxTries &&
       (s == TransferStatus::peer_lost || s == TransferStatus::failed)) {
     Peer& p = *l.peer;
     if (!p.removed.load(std::memory_order_relaxed) && !p.gone.load(std::memory_order_relaxed)) {
-      if (Link* to = pick(p, x.buf, &l)) {
+      if (Link* to = pick(p, &buffer_of(x), &l)) {
         ++x.tries;
         e_.count.reposted.fetch_add(1, std::memory_order_relaxed);
         if (l.rail != nullptr) l.rail->reposted.fetch_add(1, std::memory_order_relaxed);

@@ -28,15 +28,10 @@ TransferStatus status_of(PostStatus s) {
   }
 }
 
-bool writes(TransferOp op) { return op != TransferOp::read; }
+}  // namespace
 
-// A chain signals every kSignalEvery-th request and its last, so the queue drains (and the
-// backlog refills it) while the rest of the chain is still on the wire.
-constexpr std::uint32_t kSignalEvery = 16;
-
-
-// Why transfer t cannot be posted at all (the common case, that it can, stays out of the loop).
-[[gnu::noinline, gnu::cold]] std::string invalid_reason(const Transfer& t, const BufferRec* b, const Peer* p) {
+// Out of line and cold: the common case, that a transfer can move, stays out of the loops.
+std::string invalid_reason(const Transfer& t, const BufferRec* b, const Peer* p) {
   if (b == nullptr) return fmt::format("buffer {} is not this engine's", t.local.id);
   if (b->retired.load()) return fmt::format("buffer {} was unregistered", t.local.id);
   if (t.local_offset > b->handle.length || t.length > b->handle.length - t.local_offset) {
@@ -50,56 +45,71 @@ constexpr std::uint32_t kSignalEvery = 16;
   return "a transfer of 0 bytes";
 }
 
-// Whether t's local range is outside a buffer of `len` bytes or empty, or t is an atomic of
-// other than 8 bytes: one branch for all of it (0 for `len` when there is no buffer).
-[[gnu::always_inline]] inline bool bad_range(const Transfer& t, std::uint64_t len) {
-  return (t.local_offset > len) | (t.length - 1 >= len - t.local_offset) |
-         ((t.op >= TransferOp::fetch_add) & (t.length != 8));
-}
-
-}  // namespace
-
 // Each transfer is checked, and goes straight into the chain open on its peer's link when that
 // link is ready with room and nothing queued before it; otherwise it queues (Link::backlog, or
 // Peer::waiting until a link is up). The chains are posted at the end, one doorbell each.
 void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std::uint32_t>& indexes) {
+  if (b->plan != nullptr) return submit_plan(b);
   const bool all = indexes.empty();  // the whole batch is this worker's
   const std::uint32_t n = all ? b->size : static_cast<std::uint32_t>(indexes.size());
-  Live& live = live_[b.get()];
-  live.batch = b;
-  live.left += n;
+  WorkerShare& live = list(b, n);
   if (!b->notify.empty()) {
     for (std::uint32_t k = 0; k < n; ++k) {
-      const Transfer& t = b->x[all ? k : indexes[k]].t;
+      const Transfer& t = *b->x[all ? k : indexes[k]].t;
       if (writes(t.op)) {
         if (Peer* p = e_.peer(t.remote.peer); p != nullptr) ++live.writes_left[p];
       }
     }
   }
   // `live` may go from here on: the last transfer to end erases it.
-  // A batch mostly moves between one buffer and one peer's segment: what a transfer needs (its
-  // link, the segment's window, the buffer's registration) is looked up when those change, or
-  // after anything that may have changed it (admit()); the rest take the short way.
   Route r;
-  auto one = [&](Xfer& x) __attribute__((always_inline)) {
-    const Transfer& t = x.t;
-    const bool same = r.ok & (t.local.id == r.buf_id) & (t.remote.peer == r.peer_id) & (t.remote.slot == r.slot);
-    if (!same || r.link->chain_room == 0) [[unlikely]] return admit(x, r);
-    // A transfer too long for one request goes the long way too (it is posted alone).
-    if (bad_range(t, r.buf_len) | (t.length > r.max_msg)) [[unlikely]] return admit(x, r);
-    if (!chain(*r.link, x, r.laddr + t.local_offset, r.lkey, r.writable, *r.seg)) r.ok = false;
-  };
   if (all) {
-    for (Xfer *x = b->x, *last = b->x + n; x != last; ++x) one(*x);
+    route_all(b->x, b->x + n, r);
   } else {
-    for (const std::uint32_t i : indexes) one(b->x[i]);
+    for (const std::uint32_t i : indexes) route(b->x[i], r);
   }
   post_open_chains();
 }
 
+// A batch mostly moves between one buffer and one peer's segment: what a transfer needs (its
+// link, the segment's window, the buffer's registration) is looked up when those change, or
+// after anything that may have changed it (admit()); the rest take the short way.
+[[gnu::always_inline]] inline void Worker::route(Xfer& x, Route& r) {
+  const Transfer& t = *x.t;
+  const bool same = r.ok & (t.local.id == r.buf_id) & (t.remote.peer == r.peer_id) & (t.remote.slot == r.slot);
+  if (!same || r.link->chain_room == 0) [[unlikely]] return admit(x, r);
+  // A transfer too long for one request goes the long way too (it is posted alone).
+  if (bad_range(t, r.buf_len) | (t.length > r.max_msg)) [[unlikely]] return admit(x, r);
+  if (!chain(*r.link, x, r.laddr + t.local_offset, r.lkey, r.writable, *r.seg)) r.ok = false;
+}
+
+WorkerShare& Worker::list(const std::shared_ptr<BatchState>& b, std::uint32_t n) {
+  WorkerShare& s = b->share(index_);
+  if (!s.keep) {
+    s.keep = b;
+    s.pos = static_cast<std::uint32_t>(live_.size());
+    live_.push_back(b.get());
+  }
+  s.left += n;
+  return s;
+}
+
+std::shared_ptr<BatchState> Worker::unlist(BatchState& b) noexcept {
+  WorkerShare& s = b.share(index_);
+  BatchState* moved = live_.back();
+  live_[s.pos] = moved;
+  moved->share(index_).pos = s.pos;
+  live_.pop_back();
+  return std::move(s.keep);
+}
+
+void Worker::route_all(Xfer* x, Xfer* last, Route& r) {
+  for (; x != last; ++x) route(*x, r);
+}
+
 void Worker::admit(Xfer& x, Route& r) {
   r.ok = false;  // whatever happens here may change the link
-  const Transfer& t = x.t;
+  const Transfer& t = *x.t;
   const BufferRec* buf = e_.buffer(t.local.id);
   Peer* peer = e_.peer(t.remote.peer);
   const std::uint64_t buf_len = buf != nullptr ? buf->handle.length : 0;
@@ -107,7 +117,6 @@ void Worker::admit(Xfer& x, Route& r) {
       (buf->retired_by.load(std::memory_order_relaxed) >> index_ & 1) != 0) {
     return end(x, TransferStatus::invalid, invalid_reason(t, buf, peer));
   }
-  x.buf = buf;
   Link* l = pick(*peer, buf);
   if (l == nullptr || !l->backlog.empty() || too_long(*l, t) || slices_for(*peer, x) || !room_on(*l)) {
     return start_transfer(*peer, x);
@@ -128,7 +137,7 @@ void Worker::admit(Xfer& x, Route& r) {
 
 void Worker::start_transfer(Peer& p, Xfer& x) {
   if (slices_for(p, x)) return slice(p, x);
-  if (Link* l = pick(p, x.buf)) return queue_on(*l, x);
+  if (Link* l = pick(p, &buffer_of(x))) return queue_on(*l, x);
   Link* l = p.link;
   if (p.removed.load(std::memory_order_relaxed)) {
     return end(x, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
@@ -228,7 +237,7 @@ void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
 
 [[gnu::always_inline]] inline bool Worker::chain(Link& l, Xfer& x, std::uint64_t laddr, std::uint32_t lkey,
                                                   bool writable, const RemoteRegion& seg) {
-  const Transfer& t = x.t;
+  const Transfer& t = *x.t;
   DataPath& dp = l.impl.dp;
   const auto len = static_cast<std::uint32_t>(t.length);  // at most max_msg_sz (too_long)
   const auto id = reinterpret_cast<std::uint64_t>(&x);
@@ -258,13 +267,13 @@ void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
 }
 
 bool Worker::chain(Link& l, Xfer& x) {
-  const Transfer& t = x.t;
+  const Transfer& t = *x.t;
   const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
   if (seg == nullptr || !seg->has_value()) [[unlikely]] {
     refused(l, x, PostStatus::not_advertised);
     return false;
   }
-  const LocalSlice& s = x.buf->slices[l.device];
+  const LocalSlice& s = buffer_of(x).slices[l.device];
   return chain(l, x, reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset, s.lkey(), s.writable(), **seg);
 }
 
@@ -273,7 +282,7 @@ void Worker::refused(Link& l, Xfer& x, PostStatus st) {
     std::string name;
     {
       std::lock_guard lock(e_.mu);
-      name = l.peer->slot_names.at(x.t.remote.slot);
+      name = l.peer->slot_names.at(x.t->remote.slot);
     }
     std::string have;
     for (const auto& [nm, r] : l.remote) have += (have.empty() ? "" : ", ") + nm;
@@ -287,10 +296,10 @@ void Worker::refused(Link& l, Xfer& x, PostStatus st) {
 
 void Worker::post_alone(Link& l, Xfer& x) {
   DataPath& dp = l.impl.dp;
-  const Transfer& t = x.t;
+  const Transfer& t = *x.t;
   const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
   if (seg == nullptr || !seg->has_value()) return refused(l, x, PostStatus::not_advertised);
-  const LocalSlice s = x.buf->slices[l.device].subslice(t.local_offset, t.length);
+  const LocalSlice s = buffer_of(x).slices[l.device].subslice(t.local_offset, t.length);
   const auto id = reinterpret_cast<std::uint64_t>(&x);
   PostResult r = t.op == TransferOp::read ? dp.post_one<Opcode::read>(s, **seg, t.remote_offset, 0, 0, 0, id)
                  : t.op == TransferOp::write
@@ -316,75 +325,93 @@ void Worker::post_alone(Link& l, Xfer& x) {
 void Worker::flush(Link& l) {
   while (!l.backlog.empty() && l.state == Link::State::ready) {
     Xfer& x = *l.backlog.front();
-    if (too_long(l, x.t)) [[unlikely]] {  // split by the data path: posted alone
+    if (too_long(l, *x.t)) [[unlikely]] {  // split by the data path: posted alone
       if (l.chain_open) post_chain(l);
       if (l.state != Link::State::ready) return;
       l.backlog.pop_front();
-      l.backlog_bytes -= x.t.length;
+      l.backlog_bytes -= x.t->length;
       post_alone(l, x);
       if (!l.backlog.empty() && l.backlog.front() == &x) return;  // no room: back in front
       continue;
     }
     if (!room_on(l)) return;  // a completion makes room, and flushes again
     l.backlog.pop_front();
-    l.backlog_bytes -= x.t.length;
+    l.backlog_bytes -= x.t->length;
     (void)chain(l, x);
   }
 }
 
 void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::string& why) noexcept {
-  const WrRing& ring = l.impl.dp.lane(0).sq;
+  const auto slots = l.impl.dp.lane(0).sq.view();
   // Runs of transfers of one batch that ended ok (a chain of one batch's transfers, the common
   // case) are counted once; anything else ends one by one.
   BatchState* run = nullptr;
   bool plain = false;  // the run's transfers end by the count
-  std::uint32_t run_ok = 0, walked = 0, slices = 0;
-  std::uint64_t bytes = 0, out = 0, moved = 0;  // moved: read and written on this rail
+  std::uint32_t run_ok = 0, slices = 0;
+  std::uint64_t skipped = 0;  // slots that are not transfers
+  // bytes: of the plain run's transfers (reads and writes only: a plain run has no atomics);
+  // out: of every transfer walked; moved: read and written on this rail.
+  std::uint64_t bytes = 0, out = 0, moved = 0;
   auto settle = [&] {
     // The bytes first: a waiter that sees its batch done reads counters that include it.
     if (bytes != 0) e_.count.bytes.fetch_add(bytes, std::memory_order_relaxed);
     moved += bytes;
+    out += bytes;
     bytes = 0;
     if (run_ok == 0) return;
-    const auto it = live_.find(run);
-    if (it != live_.end()) {
+    WorkerShare& live = run->share(index_);
+    if (live.keep) {
       ended_ += run_ok;
       std::shared_ptr<BatchState> keep;  // the batch outlives finished_ok() below
-      if ((it->second.left -= run_ok) == 0) {
-        keep = std::move(it->second.batch);
-        live_.erase(it);
-      }
+      if ((live.left -= run_ok) == 0) keep = unlist(*run);
       run->finished_ok(run_ok);
     }
     run_ok = 0;
   };
   for (std::uint64_t seq = l.ended; seq < upto; ++seq) {
-    const WrRing::Slot& slot = ring.at(seq);
+    const WrRing::Slot& slot = slots[seq];
     // Not a transfer of a chain: a part of a split transfer (Link::alone), a drain marker, a
     // window bind.
-    if (slot.kind >= WrRing::part || (slot.wr_id & 1) != 0) [[unlikely]] continue;
+    if (slot.kind >= WrRing::part || (slot.wr_id & 1) != 0) [[unlikely]] {
+      ++skipped;
+      continue;
+    }
     Xfer& x = *reinterpret_cast<Xfer*>(slot.wr_id);
-    ++walked;
-    out += x.t.length;
     if (x.batch != run) [[unlikely]] {
       settle();
       run = x.batch;
       // A batch with slices ends them one by one too: they end into their transfer's group.
-      plain = s == TransferStatus::ok && run->notify.empty() && !run->sliced.load(std::memory_order_relaxed);
+      plain = s == TransferStatus::ok && run->notify.empty() && !run->atomics &&
+              !run->sliced.load(std::memory_order_relaxed);
     }
     if (!plain) [[unlikely]] {
-      if (s == TransferStatus::ok && x.t.op <= TransferOp::write) {
-        moved += x.t.length;
+      out += x.t->length;
+      if (s == TransferStatus::ok && x.t->op <= TransferOp::write) {
+        moved += x.t->length;
         slices += x.group != nullptr;
       }
       end(x, s, why);
       continue;
     }
-    x.status.store(TransferStatus::ok, std::memory_order_relaxed);  // published by finished_ok
+    if (slot.run > 1) {
+      // A plan's chain (Worker::post_run): its next `slot.run` slots are the batch's next entries.
+      const std::uint64_t m = std::min<std::uint64_t>(slot.run, upto - seq);
+      std::uint64_t sum = 0;
+      for (Xfer *e = &x, *end = &x + m; e != end; ++e) {
+        e->set_status(TransferStatus::ok, std::memory_order_relaxed);  // published by finished_ok
+        sum += e->t->length;
+      }
+      bytes += sum;
+      run_ok += static_cast<std::uint32_t>(m);
+      seq += m - 1;
+      continue;
+    }
+    x.set_status(TransferStatus::ok, std::memory_order_relaxed);  // published by finished_ok
     ++run_ok;
-    bytes += x.t.op <= TransferOp::write ? x.t.length : 0;
+    bytes += x.t->length;
   }
   settle();
+  const std::uint64_t walked = upto > l.ended ? upto - l.ended - skipped : 0;
   l.in_flight -= walked;
   in_flight_ -= walked;
   l.bytes_out -= std::min(l.bytes_out, out);
@@ -398,10 +425,9 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
 void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
   if (x.group != nullptr) [[unlikely]] return slice_ended(x, s, std::move(reason));
   BatchState& b = *x.batch;
-  const auto it = live_.find(&b);
-  if (it == live_.end()) return;
-  Live& live = it->second;
-  const Transfer& t = x.t;
+  WorkerShare& live = b.share(index_);
+  if (!live.keep) return;
+  const Transfer& t = *x.t;
   if (s == TransferStatus::ok && (t.op == TransferOp::read || t.op == TransferOp::write)) {
     e_.count.bytes.fetch_add(t.length, std::memory_order_relaxed);
   }
@@ -427,8 +453,7 @@ void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
   }
   ++ended_;
   const bool last = --live.left == 0;
-  auto keep = last ? std::move(live.batch) : nullptr;  // the batch outlives finish() below
-  if (last) live_.erase(it);
+  auto keep = last ? unlist(b) : nullptr;  // the batch outlives finish() below
   b.finish(x, s, std::move(reason));
 }
 
@@ -438,10 +463,10 @@ void Worker::on_completion(DataPath& dp, const Completion& c) {
   const std::uint64_t seq = ring.head() - 1;  // the request this completion retired
   const bool part = ring.at(seq).kind == WrRing::part;
   if (c.ok() && !part && (c.wr_id & 1) == 0) [[likely]] {
-    // It and every transfer posted before it on the link completed.
-    walk(l, seq + 1, TransferStatus::ok, {});
-    l.last_used = Clock::now();
-    if (!l.backlog.empty()) queue_flush(l);  // room in the queue: what waited for it goes next
+    // It and every transfer posted before it on the link completed: walked when the poll is
+    // done (poll_cqs), once for all the link's completions in it.
+    if (l.walk_to == 0) to_walk_.push_back(&l);
+    l.walk_to = seq + 1;
     return;
   }
   // Those before it completed; it is news of its own.
@@ -452,11 +477,11 @@ void Worker::on_completion(DataPath& dp, const Completion& c) {
   if (part) std::erase(l.alone, x);
   --l.in_flight;
   --in_flight_;
-  l.bytes_out -= std::min(l.bytes_out, x->t.length);
+  l.bytes_out -= std::min(l.bytes_out, x->t->length);
   l.last_used = Clock::now();
   if (c.ok()) {
-    if (l.rail != nullptr && x->t.op <= TransferOp::write) {
-      l.rail->bytes.fetch_add(x->t.length, std::memory_order_relaxed);
+    if (l.rail != nullptr && x->t->op <= TransferOp::write) {
+      l.rail->bytes.fetch_add(x->t->length, std::memory_order_relaxed);
       if (x->group != nullptr) l.rail->slices.fetch_add(1, std::memory_order_relaxed);
     }
     end(*x, TransferStatus::ok, {});

@@ -1,10 +1,45 @@
 #pragma once
 // What the engine's lab tests share.
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
 
+#include "lab_helpers.hpp"
 #include "rdmakit/engine.hpp"
 
 namespace lab {
+
+/// An engine `name` listening on loopback, quiet.
+inline rdmakit::EngineConfig config(const std::string& name) {
+  rdmakit::EngineConfig c;
+  c.name = name;
+  c.listen = "127.0.0.1:0";
+  c.link = quiet();
+  return c;
+}
+
+inline std::string at(const rdmakit::Engine& e) { return "127.0.0.1:" + std::to_string(e.port()); }
+
+/// Bytes that differ with the seed and the position.
+inline void fill(void* p, std::size_t n, std::uint8_t seed) {
+  auto* b = static_cast<std::uint8_t*>(p);
+  for (std::size_t i = 0; i < n; ++i) b[i] = static_cast<std::uint8_t>(seed + i * 7 + (i >> 9));
+}
+
+inline bool same(const void* a, const void* b, std::size_t n) { return std::memcmp(a, b, n) == 0; }
+
+/// A target engine with one segment "kv" of `bytes`, readable, writable and atomic.
+struct Target {
+  explicit Target(const std::string& name, std::size_t bytes = 1 << 20, rdmakit::EngineConfig c = {})
+      : engine(c.name.empty() ? config(name) : std::move(c)) {
+    buf = engine.allocate_memory(bytes);
+    engine.expose("kv", buf, rdmakit::Access::remote_read | rdmakit::Access::remote_write | rdmakit::Access::remote_atomic);
+  }
+  rdmakit::Engine engine;
+  rdmakit::Buffer buf;
+};
 
 /// A transfer of `len` bytes between [loff..) of `local` and [roff..) of `seg`.
 inline rdmakit::Transfer xfer(rdmakit::TransferOp op, rdmakit::Buffer local, std::uint64_t loff, std::uint64_t len,
@@ -17,6 +52,33 @@ inline rdmakit::Transfer xfer(rdmakit::TransferOp op, rdmakit::Buffer local, std
   t.remote = seg;
   t.remote_offset = roff;
   return t;
+}
+
+/// `n` fetch-adds of 1 on the segment's first word, their old values to [first * 8..) of `olds`.
+inline std::vector<rdmakit::Transfer> fetch_adds(rdmakit::Buffer olds, std::uint64_t first, std::uint64_t n,
+                                                 rdmakit::RemoteSegment seg) {
+  std::vector<rdmakit::Transfer> out;
+  for (std::uint64_t k = 0; k < n; ++k) {
+    rdmakit::Transfer x = xfer(rdmakit::TransferOp::fetch_add, olds, (first + k) * 8, 8, seg, 0);
+    x.compare_add = 1;
+    out.push_back(x);
+  }
+  return out;
+}
+
+/// Whether `n` fetch-adds of 1 on `word` (0 before) ended exact: the word is n, and the first `n`
+/// words of `olds` are 0..n-1, each once, in any order.
+inline bool fetch_adds_exact(const void* word, const rdmakit::Buffer& olds, std::uint64_t n) {
+  std::uint64_t v = 0;
+  std::memcpy(&v, word, 8);
+  if (v != n) return false;
+  std::vector<std::uint64_t> seen(n);
+  std::memcpy(seen.data(), olds.addr, n * 8);
+  std::sort(seen.begin(), seen.end());
+  for (std::uint64_t i = 0; i < n; ++i) {
+    if (seen[i] != i) return false;
+  }
+  return true;
 }
 
 }  // namespace lab

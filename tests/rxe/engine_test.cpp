@@ -35,35 +35,12 @@ using rdmakit::Transfer;
 using rdmakit::TransferOp;
 using rdmakit::TransferStatus;
 
-EngineConfig config(const std::string& name) {
-  EngineConfig c;
-  c.name = name;
-  c.listen = "127.0.0.1:0";
-  c.link = lab::quiet();
-  return c;
-}
-
-std::string at(const Engine& e) { return "127.0.0.1:" + std::to_string(e.port()); }
-
-void fill(void* p, std::size_t n, std::uint8_t seed) {
-  auto* b = static_cast<std::uint8_t*>(p);
-  for (std::size_t i = 0; i < n; ++i) b[i] = static_cast<std::uint8_t>(seed + i * 7 + (i >> 9));
-}
-
-bool same(const void* a, const void* b, std::size_t n) { return std::memcmp(a, b, n) == 0; }
-
+using lab::at;
+using lab::config;
+using lab::fill;
+using lab::same;
+using lab::Target;
 using lab::xfer;
-
-// A target engine with one segment "kv" of `bytes`, readable and writable.
-struct Target {
-  explicit Target(const std::string& name, std::size_t bytes = 1 << 20, EngineConfig c = {})
-      : engine(c.name.empty() ? config(name) : std::move(c)) {
-    buf = engine.allocate_memory(bytes);
-    engine.expose("kv", buf, Access::remote_read | Access::remote_write | Access::remote_atomic);
-  }
-  Engine engine;
-  Buffer buf;
-};
 
 }  // namespace
 
@@ -267,26 +244,13 @@ TEST(Engine, AtomicsFromManyThreadsEndExact) {
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
-      std::vector<Transfer> batch;
-      for (std::uint64_t k = 0; k < 64; ++k) {
-        Transfer x = xfer(TransferOp::fetch_add, olds, (static_cast<std::uint64_t>(t) * 64 + k) * 8, 8, seg, 0);
-        x.compare_add = 1;
-        batch.push_back(x);
-      }
-      Batch bt = a.submit(batch);
+      Batch bt = a.submit(lab::fetch_adds(olds, static_cast<std::uint64_t>(t) * 64, 64, seg));
       EXPECT_TRUE(bt.wait(10s));
       EXPECT_EQ(bt.failed(), 0u) << bt.describe_failures();
     });
   }
   for (auto& th : threads) th.join();
-  std::uint64_t v = 0;
-  std::memcpy(&v, b.buf.addr, 8);
-  EXPECT_EQ(v, 256u);
-  // Every old value 0..255 was seen exactly once.
-  std::vector<std::uint64_t> seen(256);
-  std::memcpy(seen.data(), olds.addr, 256 * 8);
-  std::sort(seen.begin(), seen.end());
-  for (std::uint64_t i = 0; i < 256; ++i) EXPECT_EQ(seen[i], i);
+  EXPECT_TRUE(lab::fetch_adds_exact(b.buf.addr, olds, 256));
 }
 
 TEST(Engine, FailuresSayWhy) {

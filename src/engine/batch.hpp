@@ -1,0 +1,164 @@
+#pragma once
+// A batch's state and its transfers' (BatchState, Xfer), a worker's share of it, a sliced
+// transfer's group, and a prepared plan (PlanState): what Engine::submit builds and the workers
+// end. BatchState is shared by the Batch handle and the workers; each transfer's result is
+// written once, by the worker that ran it, before `remaining` is decremented (release).
+#include <infiniband/verbs.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "datapath/ring.hpp"
+#include "rdmakit/connection.hpp"
+#include "rdmakit/engine.hpp"
+
+namespace rdmakit::detail {
+
+struct BatchState;
+struct BufferRec;
+struct Peer;
+struct SliceGroup;
+
+// A chain signals every kSignalEvery-th request (fewer where the queue is shallow: at least
+// every half queue) and its last, so the queue drains (and the backlog refills it) while the
+// rest of the chain is still on the wire. Each signal is a completion to write and to poll:
+// 64, as UCX's default send-completion moderation on RC (perftest's bandwidth tests: 100).
+inline constexpr std::uint32_t kSignalEvery = 64;
+
+inline bool writes(TransferOp op) { return op != TransferOp::read; }
+
+/// Whether t's local range is outside a buffer of `len` bytes or empty, or t is an atomic of
+/// other than 8 bytes: one branch for all of it (0 for `len` when there is no buffer).
+[[gnu::always_inline]] inline bool bad_range(const Transfer& t, std::uint64_t len) {
+  return (t.local_offset > len) | (t.length - 1 >= len - t.local_offset) |
+         ((t.op >= TransferOp::fetch_add) & (t.length != 8));
+}
+/// Why transfer t cannot move at all with buffer `b` and peer `p` (either may be null).
+[[gnu::cold]] std::string invalid_reason(const Transfer& t, const BufferRec* b, const Peer* p);
+
+/// One transfer of a batch: the caller's description, and its result. A posted request's wr_id
+/// is its address (8-byte aligned: bit 0 marks a window bind instead). Small and trivially
+/// copyable (its status is stored atomically through atomic_ref): a plan's entries are copied
+/// into each batch of it.
+struct Xfer {
+  Xfer(const Transfer& tr, BatchState* b, std::uint32_t i) noexcept : t(&tr), batch(b), index(i) {}
+  /// The transfer: the batch's copy (BatchState::owned), its plan's, or a slice's (SliceGroup).
+  const Transfer* t;
+  BatchState* batch = nullptr;
+  SliceGroup* group = nullptr;  // a slice: the sliced transfer's group (its end goes there)
+  std::uint32_t index = 0;
+  std::uint8_t tries = 0;  // re-posts on another rail after its rail failed
+  /// Stored once, when the transfer ends; a failure's reason is in BatchState::reasons first.
+  [[nodiscard]] TransferStatus status(std::memory_order o) const noexcept {
+    return std::atomic_ref<TransferStatus>(const_cast<TransferStatus&>(status_)).load(o);
+  }
+  void set_status(TransferStatus s, std::memory_order o) noexcept { std::atomic_ref<TransferStatus>(status_).store(s, o); }
+
+ private:
+  alignas(std::atomic_ref<TransferStatus>::required_alignment) TransferStatus status_ = TransferStatus::pending;
+};
+static_assert(std::is_trivially_copyable_v<Xfer> && sizeof(Xfer) == 32);
+
+/// A prepared plan (Engine::prepare): its transfers, checked, as the first state of a batch's
+/// (copied into each batch of it at submit), cut into runs of one operation between one buffer
+/// and one peer's segment.
+struct PlanState {
+  Engine::Impl* engine = nullptr;
+  std::uint64_t epoch = 0;  // the engine's (another engine at the same address is not it)
+  std::vector<Transfer> transfers;
+  std::vector<Xfer> x;  // of `transfers`; batch null
+  /// A run's requests as built for one link (by its serial): posted as they are while that
+  /// link is ready and the peer's segment is what they were built against.
+  struct Built {
+    std::uint64_t link = 0;  // Link::serial
+    RemoteRegion seg{};
+    bool fast = false;  // every request passed the data path's checks, and none is to be sliced
+    std::uint32_t every = kSignalEvery;  // signaled every `every` requests, and the last
+    std::uint64_t bytes = 0;  // of all of them
+    std::vector<ibv_send_wr> wrs;
+    std::vector<ibv_sge> sges;
+    // Their ring slots, but that a slot's wr_id is its entry's offset in the batch's run (the
+    // entry's address once added to the run's first).
+    std::vector<WrRing::Slot> slots;
+  };
+  struct Run {
+    std::uint32_t begin = 0, n = 0;
+    std::uint32_t peer = 0, slot = 0;
+    const BufferRec* buf = nullptr;
+    TransferOp op = TransferOp::write;
+    std::vector<Built> built;  // the peer's worker's: one per link (rail) it was posted on
+  };
+  std::vector<Run> runs;
+  bool atomics = false;  // some of its transfers are
+  std::vector<std::vector<std::uint32_t>> runs_of;  // by worker index: its runs
+  std::vector<std::uint32_t> transfers_of;         // by worker index: the transfers of its runs
+};
+
+/// What one worker keeps of a batch while transfers of it are on that worker (in its list of
+/// live batches): they are counted down as they end, and the last to end takes it off the list.
+struct WorkerShare {
+  std::shared_ptr<BatchState> keep;  // set while listed: the batch lives while its transfers run
+  std::uint32_t left = 0;            // the worker's transfers of it that have not ended
+  std::uint32_t pos = 0;             // its place in the worker's list
+  std::map<Peer*, std::uint32_t> writes_left;  // for the notification
+};
+
+struct BatchState : std::enable_shared_from_this<BatchState> {
+  BatchState(Engine::Impl* e, std::span<const Transfer> t);
+  /// A batch of `plan` (which it keeps), its entries in `*entries` (the batch's own allocation:
+  /// Engine::submit(plan)).
+  BatchState(Engine::Impl* e, std::shared_ptr<PlanState> plan, Xfer* const* entries);
+  ~BatchState();
+  BatchState(const BatchState&) = delete;
+  BatchState& operator=(const BatchState&) = delete;
+  std::uint32_t size = 0;
+  Xfer* x = nullptr;  // size entries
+  Transfer* owned = nullptr;  // submit(span): the batch's copy of its transfers (one allocation with x)
+  bool x_inline = false;  // x lies in the batch's own allocation (a plan's batch)
+  std::atomic<std::uint32_t> remaining{0};
+  std::atomic<std::uint32_t> failed{0};
+  std::atomic<bool> sliced{false};  // a transfer of it was cut into slices (Worker::slice)
+  bool atomics = false;  // it has atomic transfers (Worker::walk counts their bytes apart)
+  mutable std::mutex mu;  // reasons, and wait()
+  mutable std::condition_variable cv;
+  bool callback_ran = false;  // under mu: the batch ended and its callback (if any) returned
+  std::map<std::uint32_t, std::string> reasons;  // under mu: why each failed transfer failed
+  std::vector<std::uint8_t> notify;
+  std::function<void(const Batch&)> on_done;
+  Engine::Impl* engine = nullptr;
+  std::shared_ptr<PlanState> plan;  // a batch of a plan: posted from its requests
+  /// Worker `w`'s share (the worker's alone): no lookup, and no allocation with one worker.
+  WorkerShare& share(std::uint32_t w) noexcept { return w == 0 ? share0 : more[w - 1]; }
+  WorkerShare share0;
+  std::unique_ptr<WorkerShare[]> more;  // workers 1.. of an engine with several
+  /// Records a transfer's end with its reason (a failure, or any end when the batch notifies).
+  void finish(Xfer& t, TransferStatus s, std::string reason) noexcept;
+  /// `n` transfers ended ok (their status stored already): one count for all of them.
+  void finished_ok(std::uint32_t n) noexcept;
+
+ private:
+  void last_ended() noexcept;
+};
+
+/// The slices of one sliced transfer (Worker::slice): they end into it, and the transfer ends
+/// when the last has, ok or with the first failure.
+struct SliceGroup {
+  Xfer* parent = nullptr;
+  std::deque<Transfer> transfers;  // each slice's (deque: neither moves)
+  std::deque<Xfer> slices;
+  std::uint32_t left = 0;
+  TransferStatus status = TransferStatus::ok;
+  std::string reason;
+};
+
+}  // namespace rdmakit::detail
