@@ -270,7 +270,9 @@ TEST(EnginePlan, FollowsTheSegmentAndTheBuffer) {
 // gone fails with a reason, and once the new one listens the plan's writes reach it (its
 // requests are built again for the new link).
 TEST(EnginePlan, ReachesThePeersNextProcess) {
-  Writes w(32, 2048, 1);
+  EngineConfig ca = config("a");
+  ca.link.retry_refused = false;  // the gone peer's port refuses at once
+  Writes w(32, 2048, 1, ca);
   auto& b = w.b;
   const std::uint16_t port = b->engine.port();
   Engine& a = w.a;
@@ -284,10 +286,17 @@ TEST(EnginePlan, ReachesThePeersNextProcess) {
   EXPECT_EQ(builds, 1u);
 
   b.reset();
+  // Once a has seen the link go (its control channel closed), what the plan submits fails at
+  // the refused connect, at once.
+  const auto gone_by = std::chrono::steady_clock::now() + 15s;
+  while (a.counters().links != 0 && std::chrono::steady_clock::now() < gone_by) std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(a.counters().links, 0u);
+  const auto t0 = std::chrono::steady_clock::now();
   Batch lost = a.submit(plan);
   ASSERT_TRUE(lost.wait(30s));
-  EXPECT_GT(lost.failed(), 0u);
-  EXPECT_FALSE(lost.result(31).reason.empty());
+  EXPECT_EQ(lost.failed(), t.size());
+  EXPECT_EQ(lost.result(31).status, TransferStatus::connect_failed) << lost.result(31).reason;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
 
   EngineConfig c = config("b");
   c.listen = "127.0.0.1:" + std::to_string(port);
