@@ -37,6 +37,29 @@ inline constexpr std::uint32_t kSignalEvery = 64;
 
 inline bool writes(TransferOp op) { return op != TransferOp::read; }
 
+/// Calls `f` with the data path's opcode for `op`, as a constant
+/// (std::integral_constant<Opcode, ...>): the one place a transfer's operation becomes the data
+/// path's, for its templates.
+template <typename F>
+[[gnu::always_inline]] inline decltype(auto) with_opcode(TransferOp op, F&& f) {
+  switch (op) {
+    case TransferOp::read: return f(std::integral_constant<Opcode, Opcode::read>{});
+    case TransferOp::write: return f(std::integral_constant<Opcode, Opcode::write>{});
+    case TransferOp::fetch_add: return f(std::integral_constant<Opcode, Opcode::fetch_add>{});
+    default: return f(std::integral_constant<Opcode, Opcode::compare_swap>{});
+  }
+}
+
+/// What a request of opcode Op takes of t's atomic operands (0 where it takes none).
+template <Opcode Op>
+constexpr std::uint64_t compare_add_of(const Transfer& t) {
+  return Op == Opcode::fetch_add || Op == Opcode::compare_swap ? t.compare_add : 0;
+}
+template <Opcode Op>
+constexpr std::uint64_t swap_of(const Transfer& t) {
+  return Op == Opcode::compare_swap ? t.swap : 0;
+}
+
 /// Whether t's local range is outside a buffer of `len` bytes or empty, or t is an atomic of
 /// other than 8 bytes: one branch for all of it (0 for `len` when there is no buffer).
 [[gnu::always_inline]] inline bool bad_range(const Transfer& t, std::uint64_t len) {

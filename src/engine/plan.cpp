@@ -130,15 +130,6 @@ namespace detail {
 
 namespace {
 
-Opcode opcode_of(TransferOp op) {
-  switch (op) {
-    case TransferOp::read: return Opcode::read;
-    case TransferOp::write: return Opcode::write;
-    case TransferOp::fetch_add: return Opcode::fetch_add;
-    default: return Opcode::compare_swap;
-  }
-}
-
 bool same_region(const RemoteRegion& a, const RemoteRegion& b) {
   return a.addr == b.addr && a.length == b.length && a.rkey == b.rkey && a.access == b.access;
 }
@@ -261,28 +252,16 @@ PlanState::Built* Worker::built_for(PlanState::Run& run, Link& l, const Peer& p,
     const auto len = static_cast<std::uint32_t>(t.length);
     const std::uint64_t laddr = base + t.local_offset;
     ibv_send_wr& v = bt.wrs[i];
-    PostStatus st;
-    switch (run.op) {
-      case TransferOp::write:
-        st = dp.build_request<Opcode::write>(v, bt.sges[i], laddr, len, s.lkey(), s.writable(), now, t.remote_offset, 0, 0);
-        break;
-      case TransferOp::read:
-        st = dp.build_request<Opcode::read>(v, bt.sges[i], laddr, len, s.lkey(), s.writable(), now, t.remote_offset, 0, 0);
-        break;
-      case TransferOp::fetch_add:
-        st = dp.build_request<Opcode::fetch_add>(v, bt.sges[i], laddr, len, s.lkey(), s.writable(), now,
-                                                 t.remote_offset, t.compare_add, 0);
-        break;
-      default:
-        st = dp.build_request<Opcode::compare_swap>(v, bt.sges[i], laddr, len, s.lkey(), s.writable(), now,
-                                                    t.remote_offset, t.compare_add, t.swap);
-        break;
-    }
+    const PostStatus st = with_opcode(run.op, [&](auto op) {
+      constexpr Opcode Op = decltype(op)::value;
+      return dp.build_request<Op>(v, bt.sges[i], laddr, len, s.lkey(), s.writable(), now, t.remote_offset,
+                                  compare_add_of<Op>(t), swap_of<Op>(t));
+    });
     if (st != PostStatus::ok) return nullptr;
     v.next = i + 1 < run.n ? &v + 1 : nullptr;
     const bool signaled = (i + 1) % bt.every == 0 || i + 1 == run.n;
     if (signaled) v.send_flags |= IBV_SEND_SIGNALED;
-    bt.slots[i] = {i * sizeof(Xfer), opcode_of(run.op), signaled ? WrRing::user : WrRing::silent, false, 0, run.n - i};
+    bt.slots[i] = {i * sizeof(Xfer), with_opcode(run.op, [](auto op) { return decltype(op)::value; }), signaled ? WrRing::user : WrRing::silent, false, 0, run.n - i};
     bt.bytes += t.length;
   }
   bt.fast = true;

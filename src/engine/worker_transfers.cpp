@@ -241,22 +241,10 @@ void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
   DataPath& dp = l.impl.dp;
   const auto len = static_cast<std::uint32_t>(t.length);  // at most max_msg_sz (too_long)
   const auto id = reinterpret_cast<std::uint64_t>(&x);
-  PostStatus st;
-  switch (t.op) {
-    case TransferOp::write:
-      st = dp.chain_add<Opcode::write>(laddr, len, lkey, writable, seg, t.remote_offset, 0, 0, id);
-      break;
-    case TransferOp::read:
-      st = dp.chain_add<Opcode::read>(laddr, len, lkey, writable, seg, t.remote_offset, 0, 0, id);
-      break;
-    case TransferOp::fetch_add:
-      st = dp.chain_add<Opcode::fetch_add>(laddr, len, lkey, writable, seg, t.remote_offset, t.compare_add, 0, id);
-      break;
-    default:
-      st = dp.chain_add<Opcode::compare_swap>(laddr, len, lkey, writable, seg, t.remote_offset, t.compare_add, t.swap,
-                                              id);
-      break;
-  }
+  const PostStatus st = with_opcode(t.op, [&](auto op) __attribute__((always_inline)) {
+    constexpr Opcode Op = decltype(op)::value;
+    return dp.chain_add<Op>(laddr, len, lkey, writable, seg, t.remote_offset, compare_add_of<Op>(t), swap_of<Op>(t), id);
+  });
   if (st != PostStatus::ok) [[unlikely]] {
     refused(l, x, st);
     return false;
