@@ -97,6 +97,7 @@ Connection::Impl::Impl(ConnectionConfig c, std::shared_ptr<const detail::Secret>
   timeouts = {cfg.ack_timeout, cfg.retry_count, cfg.rnr_timer, cfg.rnr_retry};
   detail::check_retries(timeouts);
   if (cfg.max_sge == 0) throw Error("connection config", EINVAL, "max_sge 0: at least 1 is needed");
+  static_assert(wire::kMaxQps <= detail::kMaxLanes, "a data path holds every QP of a connection");
   if (cfg.qps == 0 || cfg.qps > wire::kMaxQps) {
     throw Error("connection config", EINVAL,
                 fmt::format("qps {}: 1..{} QPs per connection", cfg.qps, wire::kMaxQps));

@@ -16,7 +16,9 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -40,12 +42,36 @@ struct VerbsOps {
 const VerbsOps& real_verbs() noexcept;
 
 inline constexpr int kPollBatch = 16;
+// QPs per data path at most (a connection's, wire::kMaxQps).
+inline constexpr std::size_t kMaxLanes = 16;
+
+// A one-request post's outcome in one register: PostResult's first word (the status in the low
+// byte, the errno in the upper half; a single request's index is 0). The one-request paths
+// return this and the public call turns it into a PostResult: GCC merges a 16-byte PostResult
+// that several paths build field by field (~10 instructions on every return), a word with none.
+enum class PostCode : std::uint64_t { ok = 0 };
+constexpr PostCode post_code(PostStatus status, int err = 0) noexcept {
+  return PostCode{static_cast<std::uint64_t>(status) | std::uint64_t{static_cast<std::uint32_t>(err)} << 32};
+}
+constexpr PostCode post_code(const PostResult& r) noexcept { return post_code(r.status, r.sys_errno); }
+inline PostResult to_result(PostCode c) noexcept {
+  static_assert(std::endian::native == std::endian::little && offsetof(PostResult, status) == 0 &&
+                offsetof(PostResult, sys_errno) == 4 && offsetof(PostResult, index) == 8 &&
+                sizeof(PostResult) == 16 && sizeof(PostStatus) == 1);
+  // Through a union: a bit_cast is assembled field by field (a mask on every return).
+  union Words {
+    std::uint64_t w[2];
+    PostResult r;
+  } u{{static_cast<std::uint64_t>(c), 0}};
+  return u.r;
+}
 
 class DataPath;
 class CqRouter;
 
-// One QP and the bookkeeping of its send queue.
-struct Lane {
+// One QP and the bookkeeping of its send queue. A cache line's multiple in size: a completion
+// finds its lane by index with a shift.
+struct alignas(64) Lane {
   ibv_qp* qp = nullptr;
   WrRing sq;
   std::uint32_t unsignaled_run = 0;  // WRs posted unsignaled since the last signaled one
@@ -55,10 +81,18 @@ struct Lane {
   // The tag in its wr_ids (ring.hpp): its index in the data path's lanes when the data path
   // owns its CQs; its route in a shared CQ's router when it does not.
   std::uint32_t id = 0;
+  std::uint64_t tag = 0;  // id << kTagShift, set with it (set_id)
   DataPath* owner = nullptr;
   std::uint32_t qpn = 0;             // kept for messages after the QP is gone
   bool in_error = false;             // moved to ERR by the drain routine
   bool needs_marker = false;         // a drain marker is owed (posted once there is room)
+
+  void set_id(std::uint32_t i) noexcept {
+    id = i;
+    tag = std::uint64_t{i} << kTagShift;
+  }
+  // The verbs wr_id of the request with sequence number `seq` (ring.hpp).
+  [[nodiscard]] std::uint64_t wr_id(std::uint64_t seq) const noexcept { return tag | (seq & kSeqMask); }
 };
 
 // A WRITE or READ posted as several parts (striped across QPs, or split at max_msg_sz): the
@@ -77,13 +111,17 @@ struct Segmented {
 
 // A request checked once and posted many times (Connection::prepare): its work request is
 // built, and a post only sets the wr_id and whether it is signaled.
-struct Prepared {
-  ibv_send_wr wr{};
+struct alignas(256) Prepared {  // a power of two in size: found by index with a shift
+  ibv_send_wr wr{};            // a signaled one's send_flags are final; an unsignaled one's are set per post
   std::vector<ibv_sge> sges;   // wr.sg_list (its storage stays put when the table grows)
-  unsigned flags = 0;          // IBV_SEND_INLINE or 0; IBV_SEND_SIGNALED is decided per post
-  std::uint32_t generation = 0;  // a handle must match it; bumped on release
-  Opcode op = Opcode::write;
-  WrRing::Kind kind = WrRing::user;  // silent when unsignaled
+  unsigned flags = 0;          // IBV_SEND_INLINE or 0
+  std::uint32_t generation = 0;  // a handle must match it; even, bumped by 2 on release
+  // The handle (as one word) that takes post_prepared's inline path: this entry's while the
+  // request is in use and goes to the first QP; kNoFast (generation 1, odd: no handle carries
+  // it) otherwise.
+  static constexpr std::uint64_t kNoFast = std::uint64_t{1} << 32;
+  std::uint64_t fast_handle = kNoFast;
+  WrRing::Slot slot;           // its ring entry but the wr_id: the opcode, user or silent (unsignaled)
   bool signaled = true;
   bool any_lane = false;       // a WRITE or READ with several QPs: any of them may take it
   bool in_use = false;
@@ -121,6 +159,10 @@ class Housekeeping {
 
 class DataPath {
  public:
+  DataPath() = default;
+  // It points into itself (single_wrs_, the chain's lane, the advertised region used last).
+  DataPath(const DataPath&) = delete;
+  DataPath& operator=(const DataPath&) = delete;
   enum class Mode : std::uint8_t {
     idle,    ///< built: receives may be posted, nothing else (the QPs are not in RTS)
     ready,   ///< connected: everything may be posted
@@ -148,9 +190,15 @@ class DataPath {
 
   // --- posting (noexcept, no allocation) ----------------------------------------------------
   template <Opcode Op>
-  PostResult post_one(const LocalSlice& local, const RemoteRegion& remote, std::uint64_t offset,
-                      std::uint32_t imm, std::uint64_t compare_add, std::uint64_t swap,
-                      std::uint64_t wr_id) noexcept;
+  [[gnu::always_inline]] PostResult post_one(const LocalSlice& local, const RemoteRegion& remote,
+                                             std::uint64_t offset, std::uint32_t imm, std::uint64_t compare_add,
+                                             std::uint64_t swap, std::uint64_t wr_id) noexcept {
+    return to_result(post_one_code<Op>(local, remote, offset, imm, compare_add, swap, wr_id));
+  }
+  template <Opcode Op>
+  PostCode post_one_code(const LocalSlice& local, const RemoteRegion& remote, std::uint64_t offset,
+                         std::uint32_t imm, std::uint64_t compare_add, std::uint64_t swap,
+                         std::uint64_t wr_id) noexcept;
   PostResult post_batch(std::span<const WorkRequest> batch) noexcept;
   PostResult post_recvs(std::span<const LocalSlice> dsts, std::uint64_t first_wr_id) noexcept;
 
@@ -159,7 +207,10 @@ class DataPath {
   // refusal nothing is kept. It allocates (setup). post_prepared() is the shortest post there
   // is: a stale handle, the data path's mode and the queue's room are all it checks.
   PostResult prepare(const WorkRequest& w, PreparedRequest& out);
-  PostResult post_prepared(PreparedRequest h, std::uint64_t wr_id) noexcept;
+  [[gnu::always_inline]] PostResult post_prepared(PreparedRequest h, std::uint64_t wr_id) noexcept {
+    return to_result(post_prepared_code(h, wr_id));
+  }
+  PostCode post_prepared_code(PreparedRequest h, std::uint64_t wr_id) noexcept;
   void release(PreparedRequest h) noexcept;
 
   // A chain built in place, for a caller that posts many one-range requests at a time and has
@@ -215,6 +266,10 @@ class DataPath {
   /// the public poll() that calls it saves no registers.
   [[gnu::noinline]] std::size_t poll_one(Completion& out) noexcept;
   [[gnu::noinline]] std::size_t poll_one_recv(Completion& out) noexcept;
+  // poll_one's completion off its inline path (not the caller's news, an error, a part, owed
+  // markers, nothing in flight: `slot` null); the completion is in wc_, the caller's entry at
+  // poll_out_.
+  [[gnu::noinline]] std::size_t poll_one_other(const WrRing::Slot* slot) noexcept;
   // Whether the send CQ may hold a completion for this data path: with one QP, only while its
   // queue has something in flight (a latency loop then skips the provider's call). The first
   // queue is read before the QP count: fewer jumps when busy.
@@ -225,7 +280,7 @@ class DataPath {
   [[nodiscard]] std::uint32_t outstanding() const noexcept { return sends_in_flight() + rq_.count(); }
   [[nodiscard]] std::uint32_t sends_in_flight() const noexcept {
     std::uint32_t n = 0;
-    for (const Lane& l : lanes_) n += l.sq.count();
+    for (const Lane& l : lanes()) n += l.sq.count();
     return n;
   }
 
@@ -260,7 +315,8 @@ class DataPath {
   /// QPs whose newest request was unsignaled with no advertised region to aim a marker at when
   /// the last settle() ran: their requests were flushed rather than waited for.
   [[nodiscard]] std::uint32_t unobservable() const noexcept { return unobservable_; }
-  [[nodiscard]] const std::vector<Lane>& lanes() const noexcept { return lanes_; }
+  [[nodiscard]] std::span<Lane> lanes() noexcept { return {lanes_.data(), lane_count_}; }
+  [[nodiscard]] std::span<const Lane> lanes() const noexcept { return {lanes_.data(), lane_count_}; }
   [[nodiscard]] Lane& lane(std::size_t i) noexcept { return lanes_[i]; }
   [[nodiscard]] const Lane& lane(std::size_t i) const noexcept { return lanes_[i]; }
 
@@ -273,18 +329,39 @@ class DataPath {
   template <Opcode Op>
   PostResult check(std::span<const LocalSlice> local, const RemoteRegion& remote,
                    std::uint64_t offset, std::uint64_t total) const noexcept;
+  template <Opcode Op>
+  bool check_fast(const LocalSlice& local, const RemoteRegion& remote, std::uint64_t offset,
+                  std::uint64_t total) const noexcept;
+  // post_one's parts: the case it does not take inline (the full checks, the scan of the
+  // advertised list, the choice among QPs), and the post itself on a chosen lane.
+  template <Opcode Op>
+  [[gnu::noinline]] PostCode post_one_slow(const LocalSlice& local, const RemoteRegion& remote,
+                                           std::uint64_t offset, std::uint32_t imm, std::uint64_t compare_add,
+                                           std::uint64_t swap, std::uint64_t wr_id) noexcept;
+  template <Opcode Op>
+  PostCode post_one_on(Lane& lane, const LocalSlice& local, const RemoteRegion& remote, std::uint64_t offset,
+                       std::uint32_t imm, std::uint64_t compare_add, std::uint64_t swap,
+                       std::uint64_t wr_id) noexcept;
+  // The provider refused the request just pushed on `lane`: takes its ring entry back and
+  // counts the lane's unsignaled run as unknown, so the next request is signaled (a drain then
+  // treats the newest request as unsignaled: one marker too many at worst).
+  [[gnu::noinline, gnu::cold]] static PostCode refused(Lane& lane, int rc) noexcept;
   PostResult check(Opcode op, std::span<const LocalSlice> local, const RemoteRegion& remote,
                    std::uint64_t offset, std::uint64_t total) const noexcept;
   [[gnu::noinline]] Lane& pick_lane() noexcept;
-  PostResult post_prepared_on(Lane& lane, Prepared& p, std::uint64_t wr_id) noexcept;
-  [[gnu::noinline]] PostResult post_prepared_any_lane(Prepared& p, std::uint64_t wr_id) noexcept;
+  PostCode post_prepared_on(Lane& lane, Prepared& p, std::uint64_t wr_id) noexcept;
+  // post_prepared's case off the inline path: a refusal (stale, not ready), or a request any
+  // QP may take. (The handle as one word: passed as a struct, GCC spills it to the stack on the
+  // inline path.)
+  [[gnu::noinline]] PostCode post_prepared_slow(std::uint64_t handle, std::uint64_t wr_id) noexcept;
   // Sets mode_ and the fast path's size gates (below) with it.
   void set_mode(Mode mode) noexcept {
     mode_ = mode;
-    gate_spread_ = mode == Mode::ready ? segment_min_spread_ : 0;
-    gate_ordered_ = mode == Mode::ready ? segment_min_ordered_ : 0;
+    prepared_gate_ = mode == Mode::ready ? prepared_count_ : 0;
+    gate_spread_ = mode == Mode::ready && lane_count_ == 1 ? segment_min_spread_ - 1 : 0;
+    gate_ordered_ = mode == Mode::ready ? segment_min_ordered_ - 1 : 0;
   }
-  // A request post_one's gate sent aside: not ready, or to be segmented, or too large.
+  // A request post_one sent aside because it is not ready, or to be segmented, or too large.
   [[gnu::noinline]] PostResult post_gated(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
                                           std::uint64_t offset, std::uint32_t imm,
                                           std::uint64_t wr_id) noexcept;
@@ -302,6 +379,14 @@ class DataPath {
                             std::uint64_t offset, std::uint32_t imm, std::uint64_t wr_id) noexcept;
   const RemoteRegion* advertised(const RemoteRegion& r, std::uint64_t offset,
                                  std::uint64_t len) const noexcept;
+  // A region of the caller's post_one found wholly inside one the peer advertised, with that
+  // one's access (check_fast()). Reset whenever remote_ changes.
+  struct CheckedRegion {
+    std::uint64_t addr = 0;
+    std::uint64_t length = 0;
+    std::uint32_t rkey = 0;
+    Access access = Access::none;
+  };
 
   std::size_t reap_send(std::span<Completion> out) noexcept;
   [[gnu::noinline]] std::size_t poll_many(std::span<Completion> out) noexcept;
@@ -331,10 +416,11 @@ class DataPath {
 
   DataPathLimits limits_;
   const VerbsOps* ops_ = nullptr;
-  // The QPs. lanes_[0] carries SEND/RECV, WRITE_WITH_IMM and atomics, so those stay in order;
-  // WRITEs and READs go to any lane. Never resized after init(), so references stay valid.
-  std::vector<Lane> lanes_;
-  std::uint32_t lane_count_ = 0;  // lanes_.size(), kept apart: size() divides, and this is hot
+  // The QPs: the first lane_count_ (init()). lanes_[0] carries SEND/RECV, WRITE_WITH_IMM and
+  // atomics, so those stay in order; WRITEs and READs go to any lane. In the data path itself,
+  // not behind a pointer: a post or poll finds its lane at a fixed offset.
+  std::array<Lane, kMaxLanes> lanes_{};
+  std::uint32_t lane_count_ = 0;
   ibv_cq* send_cq_ = nullptr;
   ibv_cq* recv_cq_ = nullptr;
   ibv_comp_channel* channel_ = nullptr;
@@ -353,10 +439,19 @@ class DataPath {
   std::vector<Prepared> prepared_;
   std::vector<std::uint32_t> free_prepared_;
   std::uint32_t prepared_count_ = 0;
+  // post_prepared's one gate: prepared_count_ while ready, else 0 (every handle goes aside,
+  // where the refusal is named).
+  std::uint32_t prepared_gate_ = 0;
 
   // Preallocated so posting never allocates.
   std::vector<ibv_send_wr> send_wrs_;
-  ibv_send_wr single_wr_{};  // post_one's WR: next and the unused unions stay zero
+  ibv_wc wc_{};  // poll_one's work completion
+  Completion* poll_out_ = nullptr;  // poll_one's `out` during its provider call
+  ibv_send_wr* bad_wr_ = nullptr;  // the provider's answer to a post (read by nobody: a refusal posts nothing)
+  // post_one's WRs, one per opcode (its opcode set once): next and the unused fields stay zero.
+  std::array<ibv_send_wr, static_cast<std::size_t>(Opcode::compare_swap) + 1> single_wrs_{};
+  ibv_sge single_sge_{};     // their one SGE (sg_list from init() on)
+  CheckedRegion checked_;    // post_one's caller's region checked last
   std::vector<WorkRequest> part_reqs_;  // one lane's parts of a segmented request (send_depth)
   std::vector<LocalSlice> part_slices_;
   std::vector<Segmented> segmented_;         // qps * send_depth entries
@@ -379,9 +474,10 @@ class DataPath {
   // last, which only one QP guarantees).
   std::uint64_t segment_min_spread_ = 0;
   std::uint64_t segment_min_ordered_ = 0;
-  // post_one's one gate: a request of at least this many bytes leaves the fast path (0 while
-  // not ready, so every request does: post_gated then says why). `spread`: WRITE and READ;
-  // `ordered`: everything else (segment_min_ordered_ is also max_msg_sz + 1).
+  // post_one's one gate: a request whose size less one is at least this leaves the inline path
+  // (to be segmented or too large; 0 bytes wrap). 0 while not ready, so every request does (and
+  // post_gated says why). `spread`: WRITE and READ (also 0 with several QPs: the choice among
+  // them is out of line); `ordered`: everything else (segment_min_ordered_ - 1 is max_msg_sz).
   std::uint64_t gate_spread_ = 0;
   std::uint64_t gate_ordered_ = 0;
   // The advertised region the last request fell in: tried first (requests tend to go to the

@@ -16,7 +16,7 @@
 namespace rdmakit::detail {
 
 void DataPath::break_connection(std::string why, BreakCause cause) noexcept {
-  if (cause_ != BreakCause::none || mode_ == Mode::closed || lanes_.empty()) return;
+  if (cause_ != BreakCause::none || mode_ == Mode::closed || lane_count_ == 0) return;
   failure_ = std::move(why);
   if (failure_.empty()) failure_ = "the connection broke";
   cause_ = cause;
@@ -30,7 +30,7 @@ void DataPath::break_connection(std::string why, BreakCause cause) noexcept {
 // kernel's ib_drain_sq does the same). Markers are posted by the next poll (post_markers), after
 // whatever completions are being taken: that also makes room in a full queue.
 void DataPath::flush_all() noexcept {
-  for (Lane& l : lanes_) {
+  for (Lane& l : lanes()) {
     if (l.qp == nullptr || l.in_error) continue;
     if (ops_->to_error(l.qp) != 0) continue;  // never post a marker to a QP that is not in ERR
     l.in_error = true;
@@ -43,7 +43,7 @@ void DataPath::flush_all() noexcept {
 
 void DataPath::post_markers() noexcept {
   markers_pending_ = false;
-  for (Lane& l : lanes_) {
+  for (Lane& l : lanes()) {
     if (!l.needs_marker) continue;
     // Entries retired since the break may have taken every unsignaled one with them.
     if (l.sq.count() == 0 || l.unsignaled_run == 0) {
@@ -67,7 +67,7 @@ void DataPath::post_markers() noexcept {
 // zero-length WRITE or READ into a region the peer advertised touches no memory).
 bool DataPath::post_marker(Lane& lane, ibv_wr_opcode opcode, const RemoteRegion* target) noexcept {
   ibv_send_wr v{};
-  v.wr_id = dp::wr_id(lane.id, lane.sq.next_seq());
+  v.wr_id = lane.wr_id(lane.sq.next_seq());
   v.opcode = opcode;
   v.send_flags = IBV_SEND_SIGNALED;
   if (target != nullptr) {
@@ -91,7 +91,7 @@ void DataPath::settle(Deadline deadline, Housekeeping& hk) noexcept {
   while (mode_ == Mode::ready && sends_in_flight() > 0) {
     bool observable = false;  // some QP has a signaled request left whose completion will show
     std::uint32_t blind = 0;
-    for (Lane& l : lanes_) {
+    for (Lane& l : lanes()) {
       if (l.sq.count() == 0) continue;
       if (l.unsignaled_run > 0 &&
           !(settle_target_ != nullptr && l.sq.free() > 0 && post_marker(l, settle_opcode_, settle_target_))) {
@@ -119,7 +119,7 @@ void DataPath::settle(Deadline deadline, Housekeeping& hk) noexcept {
 }
 
 std::uint32_t DataPath::shut(Deadline deadline) noexcept {
-  if (lanes_.empty()) return 0;
+  if (lane_count_ == 0) return 0;
   if (mode_ != Mode::closed) {
     set_mode(Mode::closed);
     flush_all();
@@ -130,11 +130,11 @@ std::uint32_t DataPath::shut(Deadline deadline) noexcept {
 
 void DataPath::forget_qps() noexcept {
   if (routed()) {
-    for (const Lane& l : lanes_) send_router_->detach(l.id);
+    for (const Lane& l : lanes()) send_router_->detach(l.id);
     recv_router_->detach(rq_tag_);
     send_router_ = recv_router_ = nullptr;
   }
-  for (Lane& l : lanes_) {
+  for (Lane& l : lanes()) {
     l.qp = nullptr;
     l.sq.clear();
     l.needs_marker = false;

@@ -51,13 +51,13 @@ constexpr bool may_inline(std::uint64_t total, std::uint32_t max_inline) {
   }
 }
 
-// The fields every send WR gets, from one request (the SGEs are already in place).
+// The fields of a send WR that depend on the request, not on its opcode: the immediate, the
+// target (the SGEs are already in place).
 template <Opcode Op>
-[[gnu::always_inline]] inline void fill_wr(ibv_send_wr& v, const RemoteRegion& remote,
-                                           std::uint64_t offset, std::uint32_t imm,
-                                           std::uint64_t compare_add, std::uint64_t swap) {
-  v.opcode = verbs_opcode(Op);
-  v.imm_data = Op == Opcode::write_with_imm ? htobe32(imm) : 0;
+[[gnu::always_inline]] inline void fill_target(ibv_send_wr& v, const RemoteRegion& remote,
+                                               std::uint64_t offset, std::uint32_t imm,
+                                               std::uint64_t compare_add, std::uint64_t swap) {
+  if constexpr (Op == Opcode::write_with_imm) v.imm_data = htobe32(imm);
   if constexpr (is_atomic(Op)) {
     v.wr.atomic.remote_addr = remote.addr + offset;
     v.wr.atomic.rkey = remote.rkey;
@@ -69,16 +69,34 @@ template <Opcode Op>
   }
 }
 
+// The fields every send WR gets, from one request (the SGEs are already in place).
+template <Opcode Op>
+[[gnu::always_inline]] inline void fill_wr(ibv_send_wr& v, const RemoteRegion& remote,
+                                           std::uint64_t offset, std::uint32_t imm,
+                                           std::uint64_t compare_add, std::uint64_t swap) {
+  v.opcode = verbs_opcode(Op);
+  v.imm_data = 0;
+  fill_target<Op>(v, remote, offset, imm, compare_add, swap);
+}
+
 constexpr std::uint64_t wr_id(std::uint32_t tag, std::uint64_t seq) {
   return (std::uint64_t{tag} << kTagShift) | (seq & kSeqMask);
 }
 
-inline void fill(Completion& c, std::uint64_t wr_id, Opcode op, const ibv_wc& wc) noexcept {
+// A send queue's completion: never one with an immediate (only a receive's has one).
+inline void fill_send(Completion& c, std::uint64_t wr_id, Opcode op, const ibv_wc& wc) noexcept {
   c.wr_id = wr_id;
   c.opcode = op;
   c.status = wc.status;
   c.vendor_err = wc.vendor_err;
   c.byte_len = wc.byte_len;
+  c.has_imm = false;
+  c.imm = 0;
+}
+
+// Any completion (a receive's may carry an immediate).
+inline void fill(Completion& c, std::uint64_t wr_id, Opcode op, const ibv_wc& wc) noexcept {
+  fill_send(c, wr_id, op, wc);
   c.has_imm = wc.status == IBV_WC_SUCCESS && (wc.wc_flags & IBV_WC_WITH_IMM) != 0;
   c.imm = c.has_imm ? be32toh(wc.imm_data) : 0;
 }
@@ -131,81 +149,130 @@ template <Opcode Op>
   }
 }
 
+// check()'s verdict for a request to the caller's region post_one checked last (checked_): the
+// same caller's region (address, length, key), wholly inside a region the peer advertised with
+// this access, so its bounds are all that is left to test. False is no verdict: check() decides.
+template <Opcode Op>
+[[gnu::always_inline]] inline bool DataPath::check_fast(const LocalSlice& local, const RemoteRegion& remote,
+                                                        std::uint64_t offset, std::uint64_t total) const noexcept {
+  if constexpr (Op == Opcode::send) {
+    return true;
+  } else if constexpr (Op == Opcode::recv) {
+    return false;
+  } else {
+    if constexpr (dp::is_atomic(Op)) {
+      if (!atomics_ || total != 8 || (remote.addr + offset) % 8 != 0) return false;
+    }
+    const CheckedRegion& k = checked_;
+    if (remote.addr != k.addr || remote.length != k.length || remote.rkey != k.rkey ||
+        !allows(k.access, dp::remote_access_for(Op)) || !remote.contains(offset, total)) {
+      return false;
+    }
+    if constexpr (Op != Opcode::write && Op != Opcode::write_with_imm) {
+      if (!local.writable()) return false;
+    }
+    return true;
+  }
+}
+
 // One signaled request with one SGE: post_write, post_read, post_send, the atomics. The same
 // checks as a batch, without the batch machinery, and the opcode known at compile time (this is
-// the path latency-bound code takes).
+// the path latency-bound code takes). Inline, it is the fast case only: ready, one QP, not
+// empty, below segmentation, to the caller's region checked last. Everything else leaves by one
+// call (segmentation, another region, several QPs, a refusal), so nothing but the lane lives
+// across the provider's call and the frame stays small.
 template <Opcode Op>
-[[gnu::always_inline]] inline PostResult DataPath::post_one(
+[[gnu::always_inline]] inline PostCode DataPath::post_one_code(
     const LocalSlice& local, const RemoteRegion& remote, std::uint64_t offset, std::uint32_t imm,
     std::uint64_t compare_add, std::uint64_t swap, std::uint64_t wr_id) noexcept {
   const std::uint64_t total = local.length();
-  if (total >= (dp::spreads(Op) ? gate_spread_ : gate_ordered_)) [[unlikely]] {
-    return post_gated(Op, local, remote, offset, imm, wr_id);
+  if (total - 1 >= (dp::spreads(Op) ? gate_spread_ : gate_ordered_) || !check_fast<Op>(local, remote, offset, total))
+      [[unlikely]] {
+    return post_one_slow<Op>(local, remote, offset, imm, compare_add, swap, wr_id);
   }
-  if (const PostResult r = check<Op>({&local, 1}, remote, offset, total); !r.ok()) [[unlikely]] {
-    return r;
-  }
-  Lane& lane = dp::spreads(Op) && lane_count_ > 1 ? pick_lane() : lanes_[0];
-  if (lane.sq.free() == 0) [[unlikely]] return {PostStatus::queue_full, 0};
-  ibv_sge sge = dp::to_sge(local);
-  // Fields this path never sets stay zero from setup, so the WR is not cleared per call.
-  ibv_send_wr& v = single_wr_;
-  v.wr_id = dp::wr_id(lane.id, lane.sq.next_seq());
-  v.sg_list = &sge;
-  v.num_sge = total == 0 ? 0 : 1;
-  v.send_flags = IBV_SEND_SIGNALED | (dp::may_inline<Op>(total, limits_.max_inline) ? IBV_SEND_INLINE : 0);
-  dp::fill_wr<Op>(v, remote, offset, imm, compare_add, swap);
-  // The ring entry goes in first and comes out again if the provider refuses: then only the
-  // lane is live across the provider's call (fewer registers saved on every post).
-  lane.sq.push({wr_id, Op, WrRing::user, false});
-  ibv_send_wr* bad = nullptr;
-  if (const int rc = ibv_post_send(lane.qp, &v, &bad); rc != 0) [[unlikely]] {
-    lane.sq.unpush();
-    return {PostStatus::failed, rc, 0};
-  }
-  lane.unsignaled_run = 0;
-  return {};
+  return post_one_on<Op>(lanes_[0], local, remote, offset, imm, compare_add, swap, wr_id);
 }
 
-inline PostResult DataPath::post_prepared(PreparedRequest h, std::uint64_t wr_id) noexcept {
-  if (h.index >= prepared_count_) [[unlikely]] return {PostStatus::stale, 0};
-  Prepared& p = prepared_[h.index];
-  if (p.generation != h.generation) [[unlikely]] return {PostStatus::stale, 0};
-  if (mode_ != Mode::ready) [[unlikely]] return {PostStatus::not_ready, 0};
-  // Choosing among several QPs calls out; kept off this path so nothing lives across a call
-  // but the provider's.
-  if (p.any_lane) return post_prepared_any_lane(p, wr_id);
-  return post_prepared_on(lanes_[0], p, wr_id);
-}
-
-[[gnu::always_inline]] inline PostResult DataPath::post_prepared_on(Lane& lane, Prepared& p,
-                                                                    std::uint64_t wr_id) noexcept {
-  if (lane.sq.free() == 0) [[unlikely]] return {PostStatus::queue_full, 0};
-  // An unsignaled request is signaled anyway once every forced_signal_interval_ (post_chain).
-  std::uint32_t run = 0;
-  unsigned signal = IBV_SEND_SIGNALED;
-  if (!p.signaled) {
-    run = lane.unsignaled_run + 1;
-    if (run < forced_signal_interval_) {
-      signal = 0;
-    } else {
-      run = 0;
+template <Opcode Op>
+PostCode DataPath::post_one_slow(const LocalSlice& local, const RemoteRegion& remote, std::uint64_t offset,
+                                 std::uint32_t imm, std::uint64_t compare_add, std::uint64_t swap,
+                                 std::uint64_t wr_id) noexcept {
+  const std::uint64_t total = local.length();
+  if (total >= (dp::spreads(Op) ? segment_min_spread_ : segment_min_ordered_) || mode_ != Mode::ready) {
+    return post_code(post_gated(Op, local, remote, offset, imm, wr_id));
+  }
+  if (const PostResult r = check<Op>({&local, 1}, remote, offset, total); !r.ok()) return post_code(r);
+  if constexpr (Op != Opcode::send && Op != Opcode::recv) {
+    // The next request to the same region of the caller's takes the inline path, if the whole
+    // region lies in one the peer advertised.
+    if (const RemoteRegion* a = advertised(remote, 0, remote.length)) {
+      checked_ = {remote.addr, remote.length, remote.rkey, a->access};
     }
   }
-  p.wr.wr_id = dp::wr_id(lane.id, lane.sq.next_seq());
-  p.wr.send_flags = p.flags | signal;
-  lane.sq.push({wr_id, p.op, p.kind, false});
+  Lane& lane = dp::spreads(Op) && lane_count_ > 1 ? pick_lane() : lanes_[0];
+  const PostCode c = post_one_on<Op>(lane, local, remote, offset, imm, compare_add, swap, wr_id);
+  // A request of 0 bytes has no SGE; the inline path's request always has one.
+  single_wrs_[static_cast<std::size_t>(Op)].num_sge = 1;
+  return c;
+}
+
+template <Opcode Op>
+[[gnu::always_inline]] inline PostCode DataPath::post_one_on(
+    Lane& lane, const LocalSlice& local, const RemoteRegion& remote, std::uint64_t offset, std::uint32_t imm,
+    std::uint64_t compare_add, std::uint64_t swap, std::uint64_t wr_id) noexcept {
+  if (lane.sq.free() == 0) [[unlikely]] return post_code(PostStatus::queue_full);
+  const std::uint64_t total = local.length();
+  // The opcode's own WR: its opcode, its SGE (single_sge_) and one SGE are set once (init());
+  // fields this path never sets stay zero, so the WR is not cleared per call.
+  single_sge_ = dp::to_sge(local);
+  ibv_send_wr& v = single_wrs_[static_cast<std::size_t>(Op)];
+  v.wr_id = lane.wr_id(lane.sq.next_seq());
+  if (total == 0) [[unlikely]] v.num_sge = 0;  // (post_one_slow puts the 1 back)
+  v.send_flags = IBV_SEND_SIGNALED | (dp::may_inline<Op>(total, limits_.max_inline) ? IBV_SEND_INLINE : 0);
+  dp::fill_target<Op>(v, remote, offset, imm, compare_add, swap);
+  // The ring entry and the run go in first and are mended if the provider refuses: then only
+  // the lane is live across the provider's call (fewer registers saved on every post).
+  lane.sq.push({wr_id, Op, WrRing::user, false});
+  lane.unsignaled_run = 0;
+  if (const int rc = ibv_post_send(lane.qp, &v, &bad_wr_); rc != 0) [[unlikely]] return refused(lane, rc);
+  return PostCode::ok;
+}
+
+[[gnu::always_inline]] inline PostCode DataPath::post_prepared_code(PreparedRequest h, std::uint64_t wr_id) noexcept {
+  // Two tests: the gate (0 unless ready) and the entry's fast handle (none unless in use and
+  // bound for the first QP). Everything else, refusals included, is decided out of line, so nothing
+  // lives across a call but the provider's.
+  const auto handle = std::bit_cast<std::uint64_t>(h);
+  const auto index = static_cast<std::uint32_t>(handle);
+  if (index >= prepared_gate_ || prepared_[index].fast_handle != handle) [[unlikely]] {
+    return post_prepared_slow(handle, wr_id);
+  }
+  return post_prepared_on(lanes_[0], prepared_[index], wr_id);
+}
+
+[[gnu::always_inline]] inline PostCode DataPath::post_prepared_on(Lane& lane, Prepared& p,
+                                                                  std::uint64_t wr_id) noexcept {
+  if (lane.sq.free() == 0) [[unlikely]] return post_code(PostStatus::queue_full);
+  // A signaled request's flags were set at prepare(). An unsignaled one is signaled anyway once
+  // every forced_signal_interval_ (post_chain).
+  std::uint32_t run = 0;
+  WrRing::Slot slot = p.slot;
+  if (!p.signaled) {
+    run = lane.unsignaled_run + 1;
+    unsigned signal = 0;
+    if (run >= forced_signal_interval_) {
+      run = 0;
+      signal = IBV_SEND_SIGNALED;  // its kind stays silent: a forced completion is not news
+    }
+    p.wr.send_flags = p.flags | signal;
+  }
+  slot.wr_id = wr_id;
+  p.wr.wr_id = lane.wr_id(lane.sq.next_seq());
+  lane.sq.push(slot);
   // Both before the provider's call, so only the lane lives across it (fewer registers saved).
   lane.unsignaled_run = run;
-  ibv_send_wr* bad = nullptr;
-  if (const int rc = ibv_post_send(lane.qp, &p.wr, &bad); rc != 0) [[unlikely]] {
-    lane.sq.unpush();
-    // The run before is gone: count it as unknown, so the next request is signaled (and a
-    // drain treats the queue's newest request as unsignaled: one marker too many at worst).
-    lane.unsignaled_run = Lane::kRunUnknown;
-    return {PostStatus::failed, rc, 0};
-  }
-  return {};
+  if (const int rc = ibv_post_send(lane.qp, &p.wr, &bad_wr_); rc != 0) [[unlikely]] return refused(lane, rc);
+  return PostCode::ok;
 }
 
 inline std::uint32_t DataPath::begin_chain(Lane& lane, std::uint32_t signal_every) noexcept {
@@ -220,7 +287,7 @@ inline std::uint32_t DataPath::begin_chain(Lane& lane, std::uint32_t signal_ever
   chain_phase_ = lane.unsignaled_run + 1;
   if (lane.unsignaled_run + every > forced_signal_interval_) chain_mask_ = 0;  // every one: rare
   const std::uint64_t seq0 = lane.sq.next_seq();
-  chain_wr_id_ = dp::wr_id(lane.id, seq0);
+  chain_wr_id_ = lane.wr_id(seq0);
   const std::uint64_t before_wrap = kSeqMask + 1 - (seq0 & kSeqMask);
   return static_cast<std::uint32_t>(std::min<std::uint64_t>({lane.sq.free(), limits_.send_depth, before_wrap}));
 }
@@ -286,7 +353,7 @@ inline std::uint32_t DataPath::prebuilt_room(const Lane& lane, std::uint32_t sig
     std::memcpy(static_cast<void*>(&dst), &w, sizeof w);
   };
   const std::uint64_t tail = lane.sq.next_seq();
-  const std::uint64_t base = dp::wr_id(lane.id, tail);
+  const std::uint64_t base = lane.wr_id(tail);
   const auto slots = lane.sq.view();
   const std::uint64_t at = tail & slots.mask;
   if (at + n <= slots.mask + 1) [[likely]] {  // one stretch of the ring's storage
@@ -345,7 +412,7 @@ template <typename Take>
 [[gnu::always_inline]] inline bool DataPath::take_lane(Lane& lane, const ibv_wc& wc, Completion& c) noexcept {
   const WrRing::Slot* slot = lane.sq.retire(wc.wr_id);
   if (slot != nullptr && slot->kind == WrRing::user && wc.status == IBV_WC_SUCCESS) [[likely]] {
-    dp::fill(c, slot->wr_id, slot->op, wc);
+    dp::fill_send(c, slot->wr_id, slot->op, wc);
     return true;
   }
   return take_other(lane, slot, wc, c);

@@ -1,6 +1,7 @@
 // Posting beyond the single-request fast path: batches, segmented (split or striped) requests
 // and receives. Nothing here allocates, throws or logs: a refused post is a PostResult.
 #include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <limits>
 #include <type_traits>
@@ -54,6 +55,12 @@ Lane& DataPath::pick_lane() noexcept {
     if (lanes_[next_lane_].sq.free() > 0) break;
   }
   return lanes_[next_lane_];
+}
+
+PostCode DataPath::refused(Lane& lane, int rc) noexcept {
+  lane.sq.unpush();
+  lane.unsignaled_run = Lane::kRunUnknown;
+  return post_code(PostStatus::failed, rc);
 }
 
 PostResult DataPath::post_gated(Opcode op, const LocalSlice& local, const RemoteRegion& remote,
@@ -174,7 +181,7 @@ PostResult DataPath::post_chain(Lane& lane, std::span<const WorkRequest> batch, 
     // all: the forced completion then arrives while the other half can still be posted.
     const bool signal = w.signaled || run + 1 >= forced_signal_interval_;
     run = signal ? 0 : run + 1;
-    v.wr_id = dp::wr_id(lane.id, seq0 + i);
+    v.wr_id = lane.wr_id(seq0 + i);
     v.next = send_wrs_.data() + i + 1;
     // Zero-length SGEs are dropped: a 0-byte operation carries no SGE at all.
     v.num_sge = total == 0 ? 0 : static_cast<int>(w.local.size());
@@ -239,6 +246,7 @@ PostResult DataPath::prepare(const WorkRequest& w, PreparedRequest& out) {
     prepared_.emplace_back();
     free_prepared_.reserve(prepared_.size());  // release() must not allocate
     prepared_count_ = index + 1;
+    prepared_gate_ = prepared_count_;  // ready: prepare() refuses otherwise
   } else {
     index = free_prepared_.back();
     free_prepared_.pop_back();
@@ -254,17 +262,23 @@ PostResult DataPath::prepare(const WorkRequest& w, PreparedRequest& out) {
     p.flags = dp::may_inline<op>(total, limits_.max_inline) ? unsigned{IBV_SEND_INLINE} : 0u;
     dp::fill_wr<op>(p.wr, w.remote, w.remote_offset, w.imm, w.compare_add, w.swap);
   });
-  p.op = w.opcode;
   p.signaled = w.signaled;
-  p.kind = w.signaled ? WrRing::user : WrRing::silent;
+  p.slot = {0, w.opcode, w.signaled ? WrRing::user : WrRing::silent, false};
+  p.wr.send_flags = p.flags | (w.signaled ? unsigned{IBV_SEND_SIGNALED} : 0u);
   p.any_lane = dp::spreads(w.opcode) && lane_count_ > 1;
   p.in_use = true;
+  p.fast_handle = p.any_lane ? Prepared::kNoFast : std::bit_cast<std::uint64_t>(PreparedRequest{index, p.generation});
   out = {index, p.generation};
   return {};
 }
 
-PostResult DataPath::post_prepared_any_lane(Prepared& p, std::uint64_t wr_id) noexcept {
-  return post_prepared_on(pick_lane(), p, wr_id);
+PostCode DataPath::post_prepared_slow(std::uint64_t handle, std::uint64_t wr_id) noexcept {
+  const auto h = std::bit_cast<PreparedRequest>(handle);
+  if (h.index >= prepared_count_) return post_code(PostStatus::stale);
+  Prepared& p = prepared_[h.index];
+  if (!p.in_use || p.generation != h.generation) return post_code(PostStatus::stale);
+  if (mode_ != Mode::ready) return post_code(PostStatus::not_ready);
+  return post_prepared_on(p.any_lane ? pick_lane() : lanes_[0], p, wr_id);
 }
 
 void DataPath::release(PreparedRequest h) noexcept {
@@ -272,7 +286,8 @@ void DataPath::release(PreparedRequest h) noexcept {
   Prepared& p = prepared_[h.index];
   if (!p.in_use || p.generation != h.generation) return;
   p.in_use = false;
-  ++p.generation;
+  p.generation += 2;
+  p.fast_handle = Prepared::kNoFast;
   free_prepared_.push_back(h.index);  // reserved by prepare()
 }
 
@@ -314,7 +329,7 @@ PostResult DataPath::post_bind(ibv_mw* mw, std::uint32_t rkey, ibv_mr* mr, std::
   Lane& lane = lanes_[0];
   if (lane.sq.free() == 0) return {PostStatus::queue_full, 0};
   ibv_send_wr v{};
-  v.wr_id = dp::wr_id(lane.id, lane.sq.next_seq());
+  v.wr_id = lane.wr_id(lane.sq.next_seq());
   v.opcode = IBV_WR_BIND_MW;
   v.send_flags = IBV_SEND_SIGNALED;
   v.bind_mw.mw = mw;

@@ -90,11 +90,15 @@ class WrRing {
   /// One that is not in flight (a bug, or a stale completion of a queue that held the same tag
   /// before) retires nothing: nullptr.
   const Slot* retire(std::uint64_t low) noexcept {
-    const std::uint64_t seq = head_ + ((low - head_) & kSeqMask);
+    const std::uint64_t seq = seq_of(low);
     if (seq >= tail_) [[unlikely]] return nullptr;
-    head_ = seq + 1;
+    retire_through(seq);
     return &slots_[seq & mask_];
   }
+  /// retire()'s parts, for a caller that tests the answer itself: the sequence number these low
+  /// 48 bits name (in flight when below next_seq()), and retiring up to and including it.
+  [[nodiscard]] std::uint64_t seq_of(std::uint64_t low) const noexcept { return head_ + ((low - head_) & kSeqMask); }
+  void retire_through(std::uint64_t seq) noexcept { head_ = seq + 1; }
   /// Forgets everything in flight (the queue is gone).
   void clear() noexcept { head_ = tail_; }
 

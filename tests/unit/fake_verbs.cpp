@@ -142,8 +142,10 @@ int Verbs::post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
       *bad = w;
       return EINVAL;
     }
+    const bool atomic = w->opcode == IBV_WR_ATOMIC_FETCH_AND_ADD || w->opcode == IBV_WR_ATOMIC_CMP_AND_SWP;
     Wr taken{w->wr_id, w->opcode, w->send_flags, w->num_sge, {w->sg_list, w->sg_list + w->num_sge},
-             w->wr.rdma.remote_addr, w->wr.rdma.rkey};
+             atomic ? w->wr.atomic.remote_addr : w->wr.rdma.remote_addr, atomic ? w->wr.atomic.rkey : w->wr.rdma.rkey,
+             w->imm_data, atomic ? w->wr.atomic.compare_add : 0, atomic ? w->wr.atomic.swap : 0};
     q.history.push_back(taken);
     if (q.error) {
       // A QP in ERR completes every new request at once, flushed.

@@ -29,6 +29,9 @@ struct Wr {
   std::vector<ibv_sge> sges;
   std::uint64_t remote_addr = 0;
   std::uint32_t rkey = 0;
+  std::uint32_t imm_data = 0;  // as posted (network byte order)
+  std::uint64_t compare_add = 0;  // atomics
+  std::uint64_t swap = 0;
   [[nodiscard]] bool signaled() const { return (flags & IBV_SEND_SIGNALED) != 0; }
   [[nodiscard]] std::uint64_t bytes() const {
     std::uint64_t n = 0;
