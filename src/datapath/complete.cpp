@@ -127,15 +127,7 @@ std::size_t DataPath::poll_one_other(const WrRing::Slot* slot) noexcept {
   Completion& out = *poll_out_;
   const std::uint64_t tag = wc_.wr_id >> kTagShift;
   if (tag >= lane_count_) return poll_one_recv(out);  // not ours: nothing posts such an id
-  Lane& lane = lanes_[tag];
-  bool news = false;
-  if (slot != nullptr && slot->kind == WrRing::user && wc_.status == IBV_WC_SUCCESS) {
-    dp::fill_send(out, slot->wr_id, slot->op, wc_);
-    news = true;
-  } else {
-    news = take_other(lane, slot, wc_, out);
-  }
-  if (!news) return poll_one_recv(out);
+  if (!take_retired(lanes_[tag], slot, wc_, out)) return poll_one_recv(out);
   if (markers_pending_) post_markers();
   return 1;
 }

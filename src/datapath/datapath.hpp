@@ -122,7 +122,6 @@ struct alignas(256) Prepared {  // a power of two in size: found by index with a
   static constexpr std::uint64_t kNoFast = std::uint64_t{1} << 32;
   std::uint64_t fast_handle = kNoFast;
   WrRing::Slot slot;           // its ring entry but the wr_id: the opcode, user or silent (unsignaled)
-  bool signaled = true;
   bool any_lane = false;       // a WRITE or READ with several QPs: any of them may take it
   bool in_use = false;
 };
@@ -393,6 +392,9 @@ class DataPath {
   std::size_t reap_recv(std::span<Completion> out) noexcept;
   bool take_send(const ibv_wc& wc, Completion& c) noexcept;
   bool take_lane(Lane& lane, const ibv_wc& wc, Completion& c) noexcept;
+  // take_lane() once the ring has retired the completion's request (`slot`; null: it was not in
+  // flight): the caller's news, or the uncommon cases (take_other).
+  bool take_retired(Lane& lane, const WrRing::Slot* slot, const ibv_wc& wc, Completion& c) noexcept;
   bool take_recv(const ibv_wc& wc, Completion& c) noexcept;
   bool finish_part(const WrRing::Slot& slot, const ibv_wc& wc, Completion& c) noexcept;
   // take_lane's and take_recv's uncommon cases (out of line): a part, a forced completion or a

@@ -257,7 +257,7 @@ template <Opcode Op>
   // every forced_signal_interval_ (post_chain).
   std::uint32_t run = 0;
   WrRing::Slot slot = p.slot;
-  if (!p.signaled) {
+  if (p.slot.kind != WrRing::user) {  // unsignaled: silent
     run = lane.unsignaled_run + 1;
     unsigned signal = 0;
     if (run >= forced_signal_interval_) {
@@ -410,7 +410,11 @@ template <typename Take>
 }
 
 [[gnu::always_inline]] inline bool DataPath::take_lane(Lane& lane, const ibv_wc& wc, Completion& c) noexcept {
-  const WrRing::Slot* slot = lane.sq.retire(wc.wr_id);
+  return take_retired(lane, lane.sq.retire(wc.wr_id), wc, c);
+}
+
+[[gnu::always_inline]] inline bool DataPath::take_retired(Lane& lane, const WrRing::Slot* slot, const ibv_wc& wc,
+                                                          Completion& c) noexcept {
   if (slot != nullptr && slot->kind == WrRing::user && wc.status == IBV_WC_SUCCESS) [[likely]] {
     dp::fill_send(c, slot->wr_id, slot->op, wc);
     return true;

@@ -262,7 +262,6 @@ PostResult DataPath::prepare(const WorkRequest& w, PreparedRequest& out) {
     p.flags = dp::may_inline<op>(total, limits_.max_inline) ? unsigned{IBV_SEND_INLINE} : 0u;
     dp::fill_wr<op>(p.wr, w.remote, w.remote_offset, w.imm, w.compare_add, w.swap);
   });
-  p.signaled = w.signaled;
   p.slot = {0, w.opcode, w.signaled ? WrRing::user : WrRing::silent, false};
   p.wr.send_flags = p.flags | (w.signaled ? unsigned{IBV_SEND_SIGNALED} : 0u);
   p.any_lane = dp::spreads(w.opcode) && lane_count_ > 1;
