@@ -203,6 +203,8 @@ md::EngineRecord MetadataPlane::self_record() const {
   }
   std::lock_guard lock(e_.mu);
   for (const auto& [name, s] : e_.segments) {
+    // More than a record holds: the rest are served over the links all the same, not listed.
+    if (r.segments.size() == md::max_segments) break;
     const BufferRec* b = e_.buffer(s.buffer);
     r.segments.push_back({name, s.length, b != nullptr ? to_string(b->regions[0]->kind()) : "host"});
   }

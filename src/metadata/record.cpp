@@ -15,7 +15,9 @@ namespace {
 using json = nlohmann::json;
 
 // Bounds on what a record may hold, so a corrupt or hostile entry cannot make a reader allocate
-// without limit.
+// without limit. Segments are many (a serving engine exposes one per layer for K and V, per
+// model): up to 16,384, each a compact [name, length, memory] triple (10,000 segments with
+// 20-byte names are about 450 KB, within etcd's default 1.5 MiB request).
 constexpr std::size_t max_list = 1024;
 constexpr std::size_t max_text = 256;
 
@@ -40,10 +42,10 @@ std::uint64_t number(const json& j, const char* field, const std::string& where)
   return it->get<std::uint64_t>();
 }
 
-const json& list(const json& j, const char* field, const std::string& where) {
+const json& list(const json& j, const char* field, const std::string& where, std::size_t max = max_list) {
   auto it = j.find(field);
   if (it == j.end() || !it->is_array()) bad(where, fmt::format("\"{}\" is missing or not a list", field));
-  if (it->size() > max_list) bad(where, fmt::format("\"{}\" has more than {} entries", field, max_list));
+  if (it->size() > max) bad(where, fmt::format("\"{}\" has more than {} entries", field, max));
   return *it;
 }
 
@@ -75,10 +77,11 @@ std::string encode(const EngineRecord& r) {
     j["rails"].push_back({{"device", x.device}, {"port", x.port}, {"link_layer", x.link_layer},
                           {"gid", x.gid}, {"subnet", x.subnet}});
   }
-  j["segments"] = json::array();
-  for (const SegmentRecord& s : r.segments) {
-    j["segments"].push_back({{"name", s.name}, {"length", s.length}, {"memory", s.memory}});
+  if (r.segments.size() > max_segments) {
+    throw Error("metadata record", EMSGSIZE, fmt::format("{} segments; a record holds at most {}", r.segments.size(), max_segments));
   }
+  j["segments"] = json::array();
+  for (const SegmentRecord& s : r.segments) j["segments"].push_back(json::array({s.name, s.length, s.memory}));
   return j.dump();
 }
 
@@ -107,9 +110,13 @@ EngineRecord decode(std::string_view input, const std::string& where,
     r.rails.push_back({text(x, "device", where), static_cast<std::uint32_t>(port),
                        text(x, "link_layer", where), text(x, "gid", where), text(x, "subnet", where)});
   }
-  for (const json& s : list(j, "segments", where)) {
-    if (!s.is_object()) bad(where, "a segment is not an object");
-    r.segments.push_back({text(s, "name", where), number(s, "length", where), text(s, "memory", where)});
+  r.segments.reserve(list(j, "segments", where, max_segments).size());
+  for (const json& s : j["segments"]) {
+    if (!s.is_array() || s.size() != 3 || !s[0].is_string() || !s[1].is_number_unsigned() || !s[2].is_string() ||
+        s[0].get_ref<const std::string&>().size() > max_text || s[2].get_ref<const std::string&>().size() > max_text) {
+      bad(where, "a segment is not [name, length, memory]");
+    }
+    r.segments.push_back({s[0].get<std::string>(), s[1].get<std::uint64_t>(), s[2].get<std::string>()});
   }
   return r;
 }

@@ -16,8 +16,11 @@ using RailRecord = PublishedRail;
 using SegmentRecord = PublishedSegment;
 using EngineRecord = PublishedEngine;
 
-/// The record's format version, written as "v"; a reader refuses others.
-inline constexpr int record_version = 1;
+/// The record's format version, written as "v"; a reader refuses others. 2: segments as
+/// [name, length, memory] triples, up to 16,384 of them.
+inline constexpr int record_version = 2;
+/// The most segments a record lists (an engine with more lists the first ones).
+inline constexpr std::size_t max_segments = 16384;
 
 [[nodiscard]] std::string encode(const EngineRecord& r);
 /// Throws Error (EPROTO) naming `where` (the store and key) for anything that is not a record

@@ -37,19 +37,20 @@ TEST(EngineRecord, BadInputIsRefusedWithTheReason) {
     const char* why;
   };
   std::string other_version = good;
-  other_version.replace(other_version.find("\"v\":1"), 5, "\"v\":2");
+  other_version.replace(other_version.find("\"v\":2"), 5, "\"v\":3");
   const Case cases[] = {
       {"", "not a JSON object"},
       {"[1,2]", "not a JSON object"},
       {"{\"v\":1", "not a JSON object"},
-      {other_version, "format version 2"},
-      {R"({"v":1,"name":"kv-server","epoch":-1,"endpoints":[],"rails":[],"segments":[]})", "\"epoch\""},
-      {R"({"v":1,"name":"other","epoch":1,"endpoints":[],"rails":[],"segments":[]})", "names engine \"other\""},
-      {R"({"v":1,"name":"kv-server","epoch":1,"endpoints":[3],"rails":[],"segments":[]})", "endpoint"},
-      {R"({"v":1,"name":"kv-server","epoch":1,"endpoints":[],"rails":[{"device":"d"}],"segments":[]})", "\"port\""},
-      {R"({"v":1,"name":"kv-server","epoch":1,"endpoints":[],"rails":[],"segments":{}})", "\"segments\""},
-      {R"({"v":1,"name":"kv-server","epoch":1,"endpoints":[],"rails":[],"segments":[{"name":"s","length":1}]})", "\"memory\""},
-      {R"({"v":1,"name":")" + std::string(300, 'x') + R"(","epoch":1})", "longer than"},
+      {other_version, "format version 3"},
+      {R"({"v":2,"name":"kv-server","epoch":-1,"endpoints":[],"rails":[],"segments":[]})", "\"epoch\""},
+      {R"({"v":2,"name":"other","epoch":1,"endpoints":[],"rails":[],"segments":[]})", "names engine \"other\""},
+      {R"({"v":2,"name":"kv-server","epoch":1,"endpoints":[3],"rails":[],"segments":[]})", "endpoint"},
+      {R"({"v":2,"name":"kv-server","epoch":1,"endpoints":[],"rails":[{"device":"d"}],"segments":[]})", "\"port\""},
+      {R"({"v":2,"name":"kv-server","epoch":1,"endpoints":[],"rails":[],"segments":{}})", "\"segments\""},
+      {R"({"v":2,"name":"kv-server","epoch":1,"endpoints":[],"rails":[],"segments":[["s",1]]})", "[name, length, memory]"},
+      {R"({"v":2,"name":"kv-server","epoch":1,"endpoints":[],"rails":[],"segments":[{"name":"s","length":1,"memory":"host"}]})", "[name, length, memory]"},
+      {R"({"v":2,"name":")" + std::string(300, 'x') + R"(","epoch":1})", "longer than"},
   };
   for (const Case& c : cases) {
     try {
@@ -59,6 +60,30 @@ TEST(EngineRecord, BadInputIsRefusedWithTheReason) {
       EXPECT_NE(std::string(e.what()).find(c.why), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("redis://h:1 key k"), std::string::npos) << e.what();
     }
+  }
+}
+
+// A serving engine's segments (one per layer for K and V, per model): 10,000 of them round-trip
+// in a record that fits etcd's default request size, and more than a record holds is refused
+// when written, never published unreadable.
+TEST(EngineRecord, TenThousandSegmentsFitAndMoreAreRefusedWhenWritten) {
+  EngineRecord r = sample();
+  r.segments.clear();
+  for (int i = 0; i < 10000; ++i) r.segments.push_back({"model-a/layer-" + std::to_string(i), 1u << 20, "cuda"});
+  const std::string text = encode(r);
+  EXPECT_LT(text.size(), 1'500'000u);
+  EXPECT_EQ(decode(text, "test", "kv-server"), r);
+  r.segments.resize(16385, r.segments.front());
+  EXPECT_THROW((void)encode(r), Error);
+  std::string more;
+  for (int i = 0; i < 6400; ++i) more += R"(,["x",1,"host"])";
+  std::string big = text;
+  big.insert(big.rfind(']'), more);  // the segments list closes last (the keys are sorted)
+  try {
+    (void)decode(big, "etcd key k", "kv-server");
+    ADD_FAILURE() << "a record of more than 16384 segments was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("more than 16384"), std::string::npos) << e.what();
   }
 }
 
