@@ -64,6 +64,11 @@ struct EngineConfig {
   /// its next transfer undoes by reconnecting); with no idle link to close, the connect waits.
   /// A link holds one QP, and over rdma_cm (link.method) two: its control channel is a QP too.
   std::uint32_t max_qps = 1024;
+  /// Notifications each peer link may have waiting in this engine for next_notification() at
+  /// once (1..65536). The sender knows how many it may send (credits, returned as they are
+  /// taken): one more is not sent, and its batch says so (Batch::notifications_failed), rather
+  /// than queued without bound or dropped in silence.
+  std::uint32_t notification_queue = 1024;
   /// Where peers are found: "p2p" (the default; add_peer with host:port), or a Redis or etcd
   /// store in which the engine publishes itself (name, epoch, endpoints, rails, segments; never
   /// keys or addresses) under a lease, finds peers by name, and learns of their restarts and
@@ -72,19 +77,25 @@ struct EngineConfig {
 };
 
 /// A buffer registered with the engine: once per device, whatever the number of peers.
-/// A handle; the engine owns the registration. Valid until the engine is destroyed.
+/// A handle; the engine owns the registration. Valid until unregister_memory(); after it, the
+/// handle is refused (`invalid`) even once its id is given to another buffer.
 struct Buffer {
   std::uint32_t id = 0;  ///< 0: none
   void* addr = nullptr;
   std::size_t length = 0;
+  /// Tells this registration from another that reuses its id, and from another engine's
+  /// handles (random per engine): a handle whose generation does not match is `invalid`.
+  std::uint32_t generation = 0;
 };
 
 /// A peer's named segment, as this engine refers to it in transfers. Made by
 /// Engine::segment(), without waiting for anything: the peer is connected (and the name
-/// checked) when the first transfer needs it.
+/// checked) when the first transfer needs it. Refused (`invalid`) once the peer is removed,
+/// and in any other engine.
 struct RemoteSegment {
   std::uint32_t peer = 0;  ///< 0: none
   std::uint32_t slot = 0;
+  std::uint32_t generation = 0;  ///< the peer's, as Buffer::generation
 };
 
 enum class TransferOp : std::uint8_t {
@@ -159,9 +170,15 @@ class Batch {
   [[nodiscard]] std::size_t size() const noexcept;
   /// Transfers that ended in a status other than ok (when done()).
   [[nodiscard]] std::size_t failed() const noexcept;
+  /// Peers whose notification (SubmitOptions::notify) was not sent although their writes
+  /// completed (when done()): the peer's queue of notifications from this engine was full (it
+  /// has not taken them: EngineConfig::notification_queue), or no link to it was up.
+  /// describe_failures() says which and why.
+  [[nodiscard]] std::size_t notifications_failed() const noexcept;
   /// The result of transfer `i` (pending until it ends).
   [[nodiscard]] TransferResult result(std::size_t i) const;
-  /// Every failed transfer's index, status and reason, one line each; empty when all succeeded.
+  /// Every failed transfer's index, status and reason, one line each, and every notification
+  /// not sent; empty when all succeeded.
   [[nodiscard]] std::string describe_failures() const;
 
  private:
@@ -219,6 +236,12 @@ struct EngineCounters {
   std::uint64_t bytes = 0;         ///< moved by successful reads and writes
   std::uint64_t notifications_sent = 0;
   std::uint64_t notifications_received = 0;
+  /// Notifications not sent: the peer's queue was full, or no link to it was up (each batch's
+  /// notifications_failed() says which).
+  std::uint64_t notifications_refused = 0;
+  /// Notifications a peer sent beyond the credits this engine gave it (a peer that does not
+  /// keep the protocol): not queued.
+  std::uint64_t notifications_dropped = 0;
   std::uint64_t windows_bound = 0; ///< memory windows bound (one per peer link per segment)
   /// Time the binds of windows_bound took, from posting to completion, in nanoseconds, summed:
   /// what giving one more peer access to a segment costs (it does not grow with the peers).
@@ -323,7 +346,9 @@ class Engine {
   /// it from now on end as `invalid`; this waits until those already in flight have ended (each
   /// ends within its link's failure bounds) and throws Error (ETIMEDOUT) if they have not within
   /// `timeout` (the buffer then stays registered and refuses new transfers: call again). Throws
-  /// Error (EBUSY) while a segment exposes it (withdraw it first). The handle's id is not reused.
+  /// Error (EBUSY) while a segment exposes it (withdraw it first). Its id is reused by a later
+  /// registration, never this handle (Buffer::generation): memory stays flat however many
+  /// buffers come and go.
   void unregister_memory(const Buffer& buffer, std::chrono::milliseconds timeout = std::chrono::seconds{30});
   /// How `buffer`'s transfers rank the devices: by the NUMA node of its pages against each
   /// NIC's. Throws Error for an unknown buffer.

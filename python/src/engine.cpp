@@ -266,6 +266,8 @@ py::dict to_dict(const EngineCounters& c) {
   d["bytes"] = c.bytes;
   d["notifications_sent"] = c.notifications_sent;
   d["notifications_received"] = c.notifications_received;
+  d["notifications_refused"] = c.notifications_refused;
+  d["notifications_dropped"] = c.notifications_dropped;
   d["windows_bound"] = c.windows_bound;
   d["window_bind_ns"] = c.window_bind_ns;
   d["rail_links"] = c.rail_links;
@@ -414,6 +416,9 @@ void bind_engine(py::module_& m) {
            "Raises TransferError or PeerLostError if a transfer failed (when done).")
       .def("__len__", [](const PyBatch& b) { return b.batch.size(); })
       .def_property_readonly("failed", [](const PyBatch& b) { return b.batch.failed(); })
+      .def_property_readonly("notifications_failed", [](const PyBatch& b) { return b.batch.notifications_failed(); },
+                             "Peers whose notification was not sent (their queue was full, or no link was "
+                             "up): describe_failures() says which.")
       .def(
           "result",
           [](const PyBatch& b, std::size_t i) {
@@ -457,7 +462,7 @@ void bind_engine(py::module_& m) {
                        std::string device, double handshake_timeout, std::uint32_t send_depth,
                        std::string metadata, std::string cluster, double lease, std::uint32_t rails,
                        std::vector<std::string> rail_devices, std::uint64_t slice_size,
-                       std::uint64_t slice_threshold, const std::string& method) {
+                       std::uint64_t slice_threshold, const std::string& method, std::uint32_t notification_queue) {
              EngineConfig c;
              c.link.method = parse_connect_method(method);
              c.rails.max = rails;
@@ -471,6 +476,7 @@ void bind_engine(py::module_& m) {
              c.listen = std::move(listen);
              c.workers = workers;
              c.max_qps = max_qps;
+             c.notification_queue = notification_queue;
              c.listen_at_start = listen_at_start;
              c.link.psk = key_from(psk);
              c.link.device = std::move(device);
@@ -485,7 +491,7 @@ void bind_engine(py::module_& m) {
            py::arg("send_depth") = 64, py::arg("metadata") = "p2p", py::arg("cluster") = "default",
            py::arg("lease") = 10.0, py::arg("rails") = 0, py::arg("rail_devices") = std::vector<std::string>{},
            py::arg("slice_size") = RailConfig{}.slice_size, py::arg("slice_threshold") = RailConfig{}.slice_threshold,
-           py::arg("method") = "tcp",
+           py::arg("method") = "tcp", py::arg("notification_queue") = EngineConfig{}.notification_queue,
            "name: as peers know it (default host:pid). listen: \"[host]:port\" (port 0: any; "
            "empty: no listener). workers: progress threads (default one per device). psk: the "
            "pre-shared key, bytes or a key file's path (both ends of a link hold the same). "
@@ -494,7 +500,9 @@ void bind_engine(py::module_& m) {
            "and finds peers by name. rails: most NIC ports a peer link uses (0: every port that "
            "reaches the peer); rail_devices: the devices rails may use (default all); reads and writes "
            "of at least slice_threshold bytes are cut into slices of slice_size over the rails. method: "
-           "how links connect, \"tcp\" or \"rdma_cm\" (every engine the same).")
+           "how links connect, \"tcp\" or \"rdma_cm\" (every engine the same). notification_queue: the "
+           "notifications each peer link may have waiting here at once (a sender is told, per batch, of "
+           "one more).")
       .def("close", &close_engine,
            "Closes every link (what is in flight ends) and releases the registered objects.")
       .def("__enter__", [](py::object self) { return self; })

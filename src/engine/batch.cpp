@@ -62,6 +62,16 @@ void detail::BatchState::finish(Xfer& t, TransferStatus s, std::string reason) n
   if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) last_ended();
 }
 
+void detail::BatchState::notification_failed(std::string why) noexcept {
+  try {
+    std::lock_guard lock(mu);
+    notify_failures.push_back(std::move(why));
+  } catch (...) {
+  }
+  notify_failed.fetch_add(1, std::memory_order_relaxed);
+  engine->count.notifications_refused.fetch_add(1, std::memory_order_relaxed);
+}
+
 void detail::BatchState::finished_ok(std::uint32_t n) noexcept {
   if (remaining.fetch_sub(n, std::memory_order_acq_rel) == n) last_ended();
 }
@@ -104,6 +114,10 @@ std::size_t Batch::failed() const noexcept {
   return state_ ? state_->failed.load(std::memory_order_acquire) : 0;
 }
 
+std::size_t Batch::notifications_failed() const noexcept {
+  return state_ ? state_->notify_failed.load(std::memory_order_acquire) : 0;
+}
+
 TransferResult Batch::result(std::size_t i) const {
   if (i >= size()) throw Error("batch result", EINVAL, fmt::format("transfer {} of a batch of {}", i, size()));
   const TransferStatus st = state_->x[i].status(std::memory_order_acquire);
@@ -134,6 +148,9 @@ std::string Batch::describe_failures() const {
     if (i == 0 || first == i) run = std::move(r);
   }
   if (size() > 0) flush(size() - 1);
+  if (!state_) return out;
+  std::lock_guard lock(state_->mu);
+  for (const std::string& n : state_->notify_failures) out += fmt::format("notification: {}\n", n);
   return out;
 }
 

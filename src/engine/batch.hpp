@@ -117,7 +117,9 @@ struct PlanState {
   struct Run {
     std::uint32_t begin = 0, n = 0;
     std::uint32_t peer = 0, slot = 0;
-    const BufferRec* buf = nullptr;
+    // The buffer, as its handle (looked up at each submit: it may have been unregistered, its id
+    // given to another), and the generations the plan's transfers carry.
+    std::uint32_t buf = 0, buf_gen = 0, peer_gen = 0;
     TransferOp op = TransferOp::write;
     std::vector<Built> built;  // the peer's worker's: one per link (rail) it was posted on
   };
@@ -156,6 +158,10 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   mutable std::condition_variable cv;
   bool callback_ran = false;  // under mu: the batch ended and its callback (if any) returned
   std::map<std::uint32_t, std::string> reasons;  // under mu: why each failed transfer failed
+  std::vector<std::string> notify_failures;      // under mu: each notification not sent, why
+  std::atomic<std::uint32_t> notify_failed{0};
+  /// A notification to a peer was not sent (before the transfer whose end decided it ends).
+  void notification_failed(std::string why) noexcept;
   std::vector<std::uint8_t> notify;
   std::function<void(const Batch&)> on_done;
   Engine::Impl* engine = nullptr;

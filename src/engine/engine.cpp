@@ -78,8 +78,7 @@ EngineCounters Engine::counters() const noexcept {
   o.qps = c.qps.load();
   {
     std::lock_guard lock(impl_->mu);
-    o.peers = static_cast<std::uint64_t>(std::count_if(impl_->peers.begin(), impl_->peers.end(),
-                                                       [](const auto& p) { return !p->removed.load(); }));
+    o.peers = impl_->peer_ids.size();
   }
   o.links = c.links.load();
   o.connects = c.connects.load();
@@ -93,6 +92,8 @@ EngineCounters Engine::counters() const noexcept {
   o.bytes = c.bytes.load();
   o.notifications_sent = c.notifications_sent.load();
   o.notifications_received = c.notifications_received.load();
+  o.notifications_refused = c.notifications_refused.load();
+  o.notifications_dropped = c.notifications_dropped.load();
   o.windows_bound = c.windows_bound.load();
   o.rail_links = c.rail_links.load();
   o.rail_failures = c.rail_failures.load();
@@ -159,15 +160,14 @@ Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
 }
 
 std::vector<DeviceRank> Engine::locality(const Buffer& buffer) const {
-  const detail::BufferRec* b = impl_->buffer(buffer.id);
-  if (b == nullptr || b->retired.load()) throw Error("locality", EINVAL, fmt::format("buffer {} is not this engine's", buffer.id));
+  const auto b = impl_->buffer_for(buffer, "locality");
+  if (b->retired.load()) throw Error("locality", EINVAL, fmt::format("buffer {} was unregistered", buffer.id));
   return detail::rank_devices(impl_->layer->devices(), b->numa_node, b->gpu_pci);
 }
 
 void Engine::expose(std::string name, const Buffer& buffer, Access access, std::uint64_t offset, std::uint64_t length) {
   detail::engine_wire::check_name(name, "segment name");
-  const detail::BufferRec* b = impl_->buffer(buffer.id);
-  if (b == nullptr) throw Error("expose", EINVAL, fmt::format("segment '{}': buffer {} is not this engine's", name, buffer.id));
+  const auto b = impl_->buffer_for(buffer, "expose");
   if (length == 0) length = b->handle.length - std::min<std::uint64_t>(offset, b->handle.length);
   if (offset > b->handle.length || length > b->handle.length - offset || length == 0) {
     throw Error("expose", EINVAL, fmt::format("segment '{}': [{}, +{}) is not inside the buffer of {} bytes", name, offset, length, b->handle.length));
@@ -180,15 +180,14 @@ void Engine::expose(std::string name, const Buffer& buffer, Access access, std::
     std::lock_guard lock(impl_->mu);  // unregister_memory() retires a buffer under it
     if (b->retired.load()) throw Error("expose", EINVAL, fmt::format("segment '{}': buffer {} was unregistered", name, buffer.id));
     if (impl_->segments.count(name) != 0) throw Error("expose", EEXIST, fmt::format("a segment '{}' exists", name));
-    impl_->segments[name] = {name, buffer.id, offset, length, access};
+    impl_->segments[name] = {name, buffer.id, buffer.generation, offset, length, access};
   }
   for (auto& w : impl_->workers) w->post(detail::Command(detail::Command::Kind::expose, nullptr, name));
   if (impl_->meta) impl_->meta->changed(/*wait=*/false);
 }
 
 void Engine::unregister_memory(const Buffer& buffer, std::chrono::milliseconds timeout) {
-  detail::BufferRec* b = impl_->buffer(buffer.id);
-  if (b == nullptr) throw Error("unregister_memory", EINVAL, fmt::format("buffer {} is not this engine's", buffer.id));
+  const auto b = impl_->buffer_for(buffer, "unregister_memory");
   if (b->released.load()) throw Error("unregister_memory", EINVAL, fmt::format("buffer {} was unregistered already", buffer.id));
   {
     std::lock_guard lock(impl_->mu);
@@ -229,10 +228,13 @@ void Engine::unregister_memory(const Buffer& buffer, std::chrono::milliseconds t
                 "it stays registered (and refuses new transfers): call again once they have ended");
   }
   lock.unlock();
-  std::lock_guard reg(impl_->mu);
-  if (b->released.exchange(true)) return;  // another call released it meanwhile
-  b->slices.clear();
-  b->regions.clear();  // deregistered on every device
+  {
+    std::lock_guard reg(impl_->mu);
+    if (b->released.exchange(true)) return;  // another call released it meanwhile
+    b->slices.clear();
+    b->regions.clear();  // deregistered on every device
+  }
+  impl_->reclaim_buffer(buffer.id);
 }
 
 void Engine::withdraw(const std::string& name) {
@@ -244,29 +246,44 @@ void Engine::withdraw(const std::string& name) {
   if (impl_->meta) impl_->meta->changed(/*wait=*/false);
 }
 
-detail::Peer* Engine::Impl::add_peer(std::string peer_name, std::string address, bool from_store) {
+std::shared_ptr<Peer> Engine::Impl::add_peer(std::string peer_name, std::string address, bool from_store) {
   detail::engine_wire::check_name(peer_name, "peer name");
   (void)detail::parse_host_port(address, 0);
-  std::lock_guard lock(mu);
-  if (peer_ids.count(peer_name) != 0) throw Error("add_peer", EEXIST, fmt::format("a peer '{}' exists", peer_name));
-  if (peers.size() >= kMaxPeers) throw Error("add_peer", ENOSPC, fmt::format("{} peers already", kMaxPeers));
-  auto p = std::make_unique<Peer>();
-  p->id = static_cast<std::uint32_t>(peers.size() + 1);
+  auto p = std::make_shared<Peer>();
   p->name = std::move(peer_name);
   p->address = std::move(address);
   p->from_store = from_store;
-  p->worker = worker_for(p->address, p->id);
   p->rails.push_back(std::make_unique<detail::RailState>());
-  peer_ids[p->name] = p->id;
-  peers.push_back(std::move(p));
-  peer_table[peers.size() - 1].store(peers.back().get(), std::memory_order_release);
-  return peers.back().get();
+  std::lock_guard lock(mu);
+  if (peer_ids.count(p->name) != 0) throw Error("add_peer", EEXIST, fmt::format("a peer '{}' exists", p->name));
+  if (!free_peer_ids.empty()) {
+    p->id = free_peer_ids.back();
+  } else if (peers.size() < kMaxPeers) {
+    p->id = static_cast<std::uint32_t>(peers.size() + 1);
+  } else {
+    throw Error("add_peer", ENOSPC, fmt::format("{} peers at once (the most an engine holds)", kMaxPeers),
+                "remove_peer() the ones no longer used: their ids are reused");
+  }
+  p->worker = worker_for(p->address, p->id);
+  p->generation = next_generation();
+  p->order = ++peers_added;
+  peer_ids[p->name] = p->id;  // the last step that may throw: nothing below does
+  if (!free_peer_ids.empty() && free_peer_ids.back() == p->id) {
+    free_peer_ids.pop_back();
+  } else {
+    peers.emplace_back();
+  }
+  peers[p->id - 1] = p;
+  peer_worker[p->id - 1].store(p->worker->index(), std::memory_order_relaxed);
+  if (p->id > peer_ids_used.load(std::memory_order_relaxed)) peer_ids_used.store(p->id, std::memory_order_release);
+  peer_table[p->id - 1].store(p.get(), std::memory_order_release);
+  return p;
 }
 
-detail::Peer* Engine::Impl::named(const std::string& peer_name, const char* verb) {
+std::shared_ptr<Peer> Engine::Impl::named(const std::string& peer_name, const char* verb) {
   {
     std::lock_guard lock(mu);
-    if (const auto it = peer_ids.find(peer_name); it != peer_ids.end()) return peer(it->second);
+    if (const auto it = peer_ids.find(peer_name); it != peer_ids.end()) return peers[it->second - 1];
   }
   if (!meta) {
     throw Error(verb, ENOENT, fmt::format("no peer '{}' (add_peer first: the engine has no metadata store)", peer_name));
@@ -281,7 +298,7 @@ detail::Peer* Engine::Impl::named(const std::string& peer_name, const char* verb
   } catch (const Error& e) {
     if (e.sys_errno() != EEXIST) throw;
     std::lock_guard lock(mu);  // another thread added it meanwhile
-    return peer(peer_ids.at(peer_name));
+    return peers[peer_ids.at(peer_name) - 1];
   }
 }
 
@@ -312,25 +329,35 @@ std::vector<PublishedEngine> Engine::directory() const {
 }
 
 void Engine::remove_peer(const std::string& name) {
-  Peer* p = nullptr;
+  std::shared_ptr<Peer> p;
   {
     std::lock_guard lock(impl_->mu);
     const auto it = impl_->peer_ids.find(name);
     if (it == impl_->peer_ids.end()) throw Error("remove_peer", ENOENT, fmt::format("no peer '{}'", name));
-    p = impl_->peer(it->second);
+    p = impl_->peers[it->second - 1];
     impl_->peer_ids.erase(it);  // the name may be added again, as a new peer
+    // Its handles find nothing from here on; the id is reused once its worker let go of it.
+    impl_->peer_table[p->id - 1].store(nullptr, std::memory_order_release);
+    p->removed.store(true);
   }
-  p->removed.store(true);
   // Its accepted links (found by the name in their IDENT) are on any worker.
-  for (auto& w : impl_->workers) w->post(detail::Command(detail::Command::Kind::remove_peer, p, name));
+  for (auto& w : impl_->workers) {
+    detail::Command c(detail::Command::Kind::remove_peer, p.get(), name);
+    c.keep = p;
+    w->post(std::move(c));
+  }
 }
 
 std::vector<PeerInfo> Engine::peers() const {
   std::vector<PeerInfo> out;
   std::lock_guard lock(impl_->mu);
   const auto& devices = impl_->layer->devices();
+  std::vector<Peer*> added;
   for (const auto& p : impl_->peers) {
-    if (impl_->peer_ids.count(p->name) == 0 || impl_->peer_ids.at(p->name) != p->id) continue;  // removed
+    if (p && !p->removed.load()) added.push_back(p.get());
+  }
+  std::sort(added.begin(), added.end(), [](const Peer* a, const Peer* b) { return a->order < b->order; });
+  for (Peer* p : added) {
     PeerInfo i{p->name, p->address, p->worker->index(), {}, false};
     const int d = p->device.load(std::memory_order_relaxed);
     if (d >= 0 && static_cast<std::size_t>(d) < devices.size()) i.device = devices[static_cast<std::size_t>(d)]->name();
@@ -351,16 +378,20 @@ std::vector<PeerInfo> Engine::peers() const {
 
 RemoteSegment Engine::segment(const std::string& peer, const std::string& segment) {
   detail::engine_wire::check_name(segment, "segment name");
-  Peer* p = impl_->named(peer, "segment");
-  return {p->id, impl_->slot_of(*p, segment)};
+  const auto p = impl_->named(peer, "segment");
+  return {p->id, impl_->slot_of(*p, segment), p->generation};
 }
 
 bool Engine::connect(const std::string& peer, std::chrono::milliseconds timeout, std::string* why) {
-  Peer* p = impl_->named(peer, "connect");
+  const auto p = impl_->named(peer, "connect");
   std::unique_lock lock(p->m);
   const std::uint64_t before = p->attempts;
   lock.unlock();
-  p->worker->post(detail::Command(detail::Command::Kind::kick, p));
+  {
+    detail::Command c(detail::Command::Kind::kick, p.get());
+    c.keep = p;
+    p->worker->post(std::move(c));
+  }
   // Up, and its further rails tried (each up or down: a rail that fails does not fail this).
   const auto rails_tried = [&] {
     return std::none_of(p->rails.begin() + 1, p->rails.end(), [](const auto& r) { return r->state == "connecting"; });
@@ -400,9 +431,11 @@ Batch Engine::submit(std::span<const Transfer> transfers, SubmitOptions options)
   }
   std::vector<std::vector<std::uint32_t>> per_worker(workers);
   for (std::uint32_t i = 0; i < transfers.size(); ++i) {
-    // An unknown peer goes to worker 0, which says so.
-    const Peer* p = impl_->peer(transfers[i].remote.peer);
-    per_worker[p != nullptr ? p->worker->index() : 0].push_back(i);
+    // An unknown peer goes to worker 0, which says so; the worker checks the handle (this is
+    // only where to send it, read without touching a peer record that may be going).
+    const std::uint32_t id = transfers[i].remote.peer;
+    const std::uint32_t w = id != 0 && id <= Impl::kMaxPeers ? impl_->peer_worker[id - 1].load(std::memory_order_relaxed) : 0;
+    per_worker[w < workers ? w : 0].push_back(i);
   }
   for (std::size_t w = 0; w < workers; ++w) {
     if (per_worker[w].empty()) continue;
@@ -415,10 +448,27 @@ Batch Engine::submit(std::span<const Transfer> transfers, SubmitOptions options)
 }
 
 std::optional<Notification> Engine::next_notification() {
-  std::lock_guard lock(impl_->notes_mu);
-  if (impl_->notes.empty()) return std::nullopt;
-  Notification n = std::move(impl_->notes.front());
-  impl_->notes.pop_front();
+  std::shared_ptr<detail::NoteCredits> from;
+  std::optional<Notification> n;
+  bool tell = false;
+  {
+    std::lock_guard lock(impl_->notes_mu);
+    if (impl_->notes.empty()) return std::nullopt;
+    n = std::move(impl_->notes.front().n);
+    from = std::move(impl_->notes.front().credits);
+    impl_->notes.pop_front();
+    const std::uint32_t left = from->queued.fetch_sub(1, std::memory_order_relaxed) - 1;
+    const std::uint64_t taken = from->taken.fetch_add(1, std::memory_order_relaxed) + 1;
+    // Its worker returns the credits: when the link's queue here is empty (its sender may be
+    // waiting for them), and every quarter of the queue taken meanwhile.
+    tell = left == 0 || taken % std::max<std::uint32_t>(1, impl_->cfg.notification_queue / 4) == 0;
+  }
+  if (tell) {
+    detail::Command c(detail::Command::Kind::credit);
+    c.notes = std::move(from);
+    Worker* w = c.notes->worker;
+    w->post(std::move(c));
+  }
   return n;
 }
 

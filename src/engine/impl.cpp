@@ -44,12 +44,18 @@ std::string default_name() {
 Engine::Impl::Impl(EngineConfig c)
     : cfg(std::move(c)),
       buffer_table(new std::atomic<detail::BufferRec*>[kMaxBuffers]),
-      peer_table(new std::atomic<detail::Peer*>[kMaxPeers]) {
+      peer_table(new std::atomic<detail::Peer*>[kMaxPeers]),
+      peer_worker(new std::atomic<std::uint32_t>[kMaxPeers]) {
   for (std::uint32_t i = 0; i < kMaxBuffers; ++i) buffer_table[i].store(nullptr, std::memory_order_relaxed);
   for (std::uint32_t i = 0; i < kMaxPeers; ++i) peer_table[i].store(nullptr, std::memory_order_relaxed);
+  for (std::uint32_t i = 0; i < kMaxPeers; ++i) peer_worker[i].store(0, std::memory_order_relaxed);
+  salt = fresh_epoch();
   name = cfg.name.empty() ? default_name() : cfg.name;
   detail::engine_wire::check_name(name, "engine name");
   detail::check_key(cfg.link.psk);
+  if (cfg.notification_queue == 0 || cfg.notification_queue > 65536) {
+    throw Error("engine config", EINVAL, fmt::format("notification_queue {} (1..65536)", cfg.notification_queue));
+  }
   if (cfg.max_qps < qps_per_link()) {
     throw Error("engine config", EINVAL,
                 fmt::format("max_qps {}: a link holds {} QP(s){}", cfg.max_qps, qps_per_link(),
@@ -387,8 +393,21 @@ void Engine::Impl::adopt(Connection conn) noexcept {
 std::uint32_t Engine::Impl::slot_of(Peer& p, const std::string& segment) {
   std::lock_guard lock(mu);
   auto [it, added] = p.slot_by_name.emplace(segment, static_cast<std::uint32_t>(p.slot_names.size()));
-  if (added) p.slot_names.push_back(segment);
+  if (added) {
+    p.slot_names.push_back(segment);
+    p.slots.store(static_cast<std::uint32_t>(p.slot_names.size()), std::memory_order_release);
+  }
   return it->second;
+}
+
+std::uint32_t Engine::Impl::next_generation() {
+  // splitmix64 of the engine's salt and a count: distinct for every handle this engine makes,
+  // unpredictable to another engine.
+  std::uint64_t z = salt + ++handles_made * 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<std::uint32_t>(z) | 1;  // never 0: a default-built handle matches nothing
 }
 
 Buffer Engine::Impl::publish(std::unique_ptr<detail::BufferRec> rec) {
@@ -398,19 +417,78 @@ Buffer Engine::Impl::publish(std::unique_ptr<detail::BufferRec> rec) {
     rec->rank.push_back(static_cast<std::uint8_t>(r.rank));
   }
   std::lock_guard lock(mu);
-  if (buffers.size() >= kMaxBuffers) {
-    throw Error("register memory", ENOSPC, fmt::format("{} buffers already (the most an engine holds)", kMaxBuffers));
+  std::uint32_t id = 0;
+  if (!free_buffer_ids.empty()) {
+    id = free_buffer_ids.back();
+    free_buffer_ids.pop_back();
+  } else if (buffers.size() < kMaxBuffers) {
+    buffers.emplace_back();
+    id = static_cast<std::uint32_t>(buffers.size());
+  } else {
+    throw Error("register memory", ENOSPC,
+                fmt::format("{} buffers registered (the most an engine holds at once)", kMaxBuffers),
+                "unregister_memory() the ones no longer used: their ids are reused");
   }
-  rec->handle.id = static_cast<std::uint32_t>(buffers.size() + 1);
-  buffers.push_back(std::move(rec));
-  buffer_table[buffers.size() - 1].store(buffers.back().get(), std::memory_order_release);
-  return buffers.back()->handle;
+  rec->handle.id = id;
+  rec->handle.generation = next_generation();
+  buffers[id - 1] = std::move(rec);
+  buffer_table[id - 1].store(buffers[id - 1].get(), std::memory_order_release);
+  return buffers[id - 1]->handle;
 }
 
-void Engine::Impl::deliver(Notification n) {
+std::shared_ptr<detail::BufferRec> Engine::Impl::buffer_for(const Buffer& h, const char* verb) const {
+  std::lock_guard lock(mu);
+  if (h.id == 0 || h.id > buffers.size() || !buffers[h.id - 1] || buffers[h.id - 1]->handle.generation != h.generation) {
+    throw Error(verb, EINVAL,
+                fmt::format("buffer {} (generation {:#x}) is not a registered buffer of this engine", h.id, h.generation),
+                "a handle of another engine, or of a buffer unregistered");
+  }
+  return buffers[h.id - 1];
+}
+
+void Engine::Impl::reclaim_buffer(std::uint32_t id) {
+  std::shared_ptr<detail::BufferRec> rec;
+  {
+    std::lock_guard lock(mu);
+    rec = std::move(buffers[id - 1]);
+    buffer_table[id - 1].store(nullptr, std::memory_order_release);
+  }
+  // A worker may have looked the record up before it left the table: the id is reused (and the
+  // record freed) once every worker has handled a command posted after that.
+  auto token = std::shared_ptr<void>(nullptr, [this, id, rec = std::move(rec)](void*) mutable {
+    std::lock_guard lock(mu);
+    free_buffer_ids.push_back(id);
+    rec.reset();
+  });
+  for (auto& w : workers) {
+    detail::Command c(detail::Command::Kind::reclaim);
+    c.token = token;
+    w->post(std::move(c));
+  }
+}
+
+void Engine::Impl::release_peer(detail::Peer& p) noexcept {
+  std::shared_ptr<detail::Peer> last;  // freed outside the lock, unless a command still holds it
+  try {
+    std::lock_guard lock(mu);
+    if (p.id == 0 || p.id > peers.size() || peers[p.id - 1].get() != &p) return;
+    last = std::move(peers[p.id - 1]);
+    free_peer_ids.push_back(p.id);
+  } catch (...) {
+    // Out of memory growing the free list: the id stays unused.
+  }
+}
+
+void Engine::Impl::deliver(const std::shared_ptr<detail::NoteCredits>& from, Notification n) {
   {
     std::lock_guard lock(notes_mu);
-    notes.push_back(std::move(n));
+    if (from->queued.load(std::memory_order_relaxed) >= cfg.notification_queue) {
+      // Beyond the credits it was given: a peer that does not keep the protocol.
+      count.notifications_dropped.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    from->queued.fetch_add(1, std::memory_order_relaxed);
+    notes.push_back({std::move(n), from});
   }
   count.notifications_received.fetch_add(1, std::memory_order_relaxed);
   signal();

@@ -104,14 +104,20 @@ struct Retirement {
 struct SegmentDef {
   std::string name;
   std::uint32_t buffer = 0;
+  std::uint32_t generation = 0;  // the buffer's (its id may be another buffer's later)
   std::uint64_t offset = 0, length = 0;
   Access access = Access::none;
 };
 
 /// A peer added by name. `name`, `worker`, `from_store` are fixed at add_peer; `address`, the
 /// slot table and `gone_reason` are under Engine::Impl::mu; the rest belongs to the peer's worker.
+/// Owned by the registry (Engine::Impl::peers) and by whoever outside its worker holds it for a
+/// while (API calls, commands to the workers): removed, it lives until its worker has let go of
+/// it (Worker::release_if_quiet) and the last of those drops it; then its id is reused.
 struct Peer {
   std::uint32_t id = 0;
+  std::uint32_t generation = 0;  // RemoteSegment::generation
+  std::uint64_t order = 0;       // peers() lists in the order added
   std::string name, address;
   Worker* worker = nullptr;
   bool from_store = false;  // its address came from the metadata store (and follows its entry)
@@ -121,6 +127,7 @@ struct Peer {
   std::string gone_reason;
   std::map<std::string, std::uint32_t> slot_by_name;  // Engine::Impl::mu
   std::vector<std::string> slot_names;                // Engine::Impl::mu
+  std::atomic<std::uint32_t> slots{0};                // slot_names.size(), for the workers
   std::atomic<bool> removed{false};
   std::atomic<int> device{-1};  // its last link's device index (for peers())
   // Its rails (RailState): [0] from add_peer on; grown by its worker under `m`.
@@ -131,6 +138,7 @@ struct Peer {
   bool connecting = false;
   std::uint64_t epoch = 0;  // of the last link's IDENT
   bool ever_connected = false;
+  bool released = false;  // removed, and its worker let go of it (its id is free)
   Fifo<Xfer*> waiting;  // transfers waiting for the link to be ready
   std::size_t next_rail = 0;  // where Worker::pick starts (ties go round)
   // For Engine::connect(): the link's state, under `m`.
@@ -141,9 +149,18 @@ struct Peer {
   std::uint64_t attempts = 0;
 };
 
+/// An accepted link's notifications, as the application takes them (Engine::next_notification,
+/// any thread) and its worker returns their credits to the sender.
+struct NoteCredits {
+  Worker* worker = nullptr;
+  std::atomic<std::uint32_t> queued{0};  // waiting in Engine::Impl::notes
+  std::atomic<std::uint64_t> taken{0};   // taken by the application, in all
+};
+
 /// A memory window bound for one peer on one link's QP.
 struct Window {
-  std::string segment;
+  std::string segment;  // empty once withdrawn while its bind was in flight (it goes when that ends)
+  std::uint32_t buffer = 0;  // the buffer it is bound to (unregister_memory waits for its bind)
   Link* link = nullptr;
   MwPtr mw;
   std::uint32_t rkey = 0;
@@ -170,7 +187,16 @@ struct Link {
   std::map<std::string, RemoteRegion> remote;
   // Accepted: our windows for the peer.
   std::vector<std::unique_ptr<Window>> windows;
-  std::uint32_t binds_pending = 0;
+  std::uint32_t binds_pending = 0;  // posted, not completed
+  // Accepted: its notifications queued here; the credits returned to the sender so far.
+  std::shared_ptr<NoteCredits> notes;
+  std::uint64_t credits_returned = 0;
+  // Initiated: how many more notifications the peer takes now (SYNCED, then CREDIT).
+  std::uint32_t notify_credits = 0;
+  std::uint32_t notify_queue = 0;  // the peer's bound, as its SYNCED gave it
+  // Segments to bind once the send queue has room (a bind completion frees it): any number of
+  // segments, whatever the queue's depth. SYNCED goes once this is empty and nothing is pending.
+  std::deque<SegmentDef> binds_waiting;
   bool synced_sent = false;
   std::uint64_t in_flight = 0;  // transfers posted and not ended
   Fifo<Xfer*> backlog;          // to be posted (in chains, as the send queue has room)
@@ -216,7 +242,7 @@ struct DeviceCqs {
 
 /// What other threads ask a worker to do.
 struct Command {
-  enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick, restarted, gone, retire };
+  enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick, restarted, gone, retire, reclaim, credit };
   explicit Command(Kind k, Peer* p = nullptr, std::string t = {}) : kind(k), peer(p), text(std::move(t)) {}
   Kind kind;
   std::shared_ptr<BatchState> batch;
@@ -228,6 +254,12 @@ struct Command {
   std::uint64_t epoch = 0;  // restarted: the peer's new epoch
   RailState* rail = nullptr;  // link_up, connect_failed: of a further rail (null: the first)
   std::shared_ptr<Retirement> retirement;  // retire
+  // The peer, for commands from threads that are not its worker's: alive until handled.
+  std::shared_ptr<Peer> keep;
+  // reclaim: a buffer's id, free once every worker has handled its copy (no worker can still
+  // hold the record it looked up before the id went).
+  std::shared_ptr<void> token;
+  std::shared_ptr<NoteCredits> notes;  // credit: the link whose notifications were taken
 };
 
 class Worker {
@@ -264,7 +296,7 @@ class Worker {
   std::uint32_t post_run(PlanState::Run& run, Xfer* x);
   /// `run`'s requests as built for `l` (of peer `p`), built now if they were not or the peer's
   /// segment changed; null when they cannot go as built (the long way then says why).
-  PlanState::Built* built_for(PlanState::Run& run, Link& l, const Peer& p, const Xfer* x);
+  PlanState::Built* built_for(PlanState::Run& run, const BufferRec& buf, Link& l, const Peer& p, const Xfer* x);
   /// Queues transfer x for its peer's link (or the link to come).
   void start_transfer(Peer& p, Xfer& x);
   /// Whether the chain on `l` takes one more transfer now (opening one, or posting a full one
@@ -288,6 +320,7 @@ class Worker {
   struct Route {
     bool ok = false;
     std::uint32_t buf_id = 0, peer_id = 0, slot = 0;
+    std::uint32_t buf_gen = 0, peer_gen = 0;
     std::uint64_t buf_len = 0;
     std::uint64_t max_msg = 0;  // the link's max_msg_sz (too_long)
     Link* link = nullptr;
@@ -313,8 +346,10 @@ class Worker {
   void end(Xfer& x, TransferStatus s, std::string reason) noexcept;
   /// Ends every transfer waiting for `p`'s link with `s` and `why`.
   void fail_waiting(Peer& p, TransferStatus s, const std::string& why) noexcept;
-  void bound(Link& l, Window& w, const Completion& c);
-  void on_completion(DataPath& dp, const Completion& c);
+  void bound(Link& l, Window& w, const Completion& c) noexcept;
+  void on_completion(DataPath& dp, const Completion& c) noexcept;
+  /// A completion that is news of its own (a failure, a part, a bind): out of the common path.
+  [[gnu::noinline]] void on_news(Link& l, const Completion& c, std::uint64_t seq, bool part) noexcept;
   /// Polls every CQ and walks the links whose transfers completed; returns the completions.
   int poll_cqs() noexcept;
   void link_up(Command& c);
@@ -343,14 +378,26 @@ class Worker {
   void probe_rails(Deadline now);
   /// What the accepting side tells a link about its ports.
   std::vector<std::uint8_t> rails_message(const Link& l) const;
-  void tick_link(Link& l, Deadline now);
+  void tick_link(Link& l, Deadline now) noexcept;
   void on_message(Link& l, std::span<const std::uint8_t> bytes);
   void make_ready(Link& l);
   /// Engine `name` now runs with `epoch`: its links of another epoch (on this worker) go.
   void close_stale(const std::string& name, std::uint64_t epoch, const Link* except);
+  /// Gives the peer of accepted link `l` a window on segment `s`: bound now when the send queue
+  /// has room (and nothing waits before it), else queued for bind_waiting().
   void bind_window(Link& l, const SegmentDef& s);
-  void announce(Link& l, const Window& w);
-  void send(Link& l, const std::vector<std::uint8_t>& msg);
+  /// Posts the bind of `s` on `l`; false when the send queue is full. Throws Error on a failure.
+  bool post_bind(Link& l, const SegmentDef& s);
+  /// Posts the queued binds of `l` as far as its send queue has room; then SYNCED when all ended.
+  void bind_waiting(Link& l) noexcept;
+  /// SYNCED on `l` once every bind queued or posted at link-up (and since) has ended.
+  void synced_if_done(Link& l) noexcept;
+  void announce(Link& l, const Window& w) noexcept;
+  /// Sends a control message on `l`; a failure to encode or send breaks the link (never throws).
+  void send(Link& l, const engine_wire::Message& m) noexcept;
+  void send(Link& l, const std::vector<std::uint8_t>& msg) noexcept;
+  /// Logs through the link config's logger; never throws.
+  void log(const std::string& what) const noexcept;
   void withdraw(const std::string& name);
   void break_link(Link& l, const std::string& why);
   /// Breaks every link this engine opened to `p` (its first and its further rails).
@@ -361,8 +408,14 @@ class Worker {
   void watch(Link& l, bool on);
   void sleep(Deadline until) noexcept;
   void notify_peers(BatchState& b);
+  /// The link a notification to `p` goes on: a ready one with credits left, else a ready one
+  /// without (null: none is ready).
+  Link* notify_link(Peer& p) noexcept;
   /// Tells each retirement whose buffer none of this worker's transfers in flight uses.
   void check_retiring() noexcept;
+  /// A removed peer of this worker's with no link, connect, probe or transfer left: its id goes
+  /// back to the engine (Engine::Impl::release_peer).
+  void release_if_quiet(Peer& p) noexcept;
 
   Engine::Impl& e_;
   std::uint32_t index_;
@@ -415,29 +468,46 @@ struct Engine::Impl {
   std::string access_model;
   std::shared_ptr<const detail::Secret> psk;
 
-  // Registries, under mu; buffers and peers also in lock-free tables for the workers.
+  // Registries, under mu; buffers and peers also in lock-free tables for the workers. Both are
+  // indexed by id - 1; an id freed (an unregistered buffer, a removed peer) is reused, under a
+  // new generation, once no worker can hold what had it before.
   mutable std::mutex mu;
-  std::vector<std::unique_ptr<detail::BufferRec>> buffers;
+  std::vector<std::shared_ptr<detail::BufferRec>> buffers;  // null: a free id
+  std::vector<std::uint32_t> free_buffer_ids;
   std::map<std::string, detail::SegmentDef> segments;
-  std::vector<std::unique_ptr<detail::Peer>> peers;
+  std::vector<std::shared_ptr<detail::Peer>> peers;  // null: a free id
+  std::vector<std::uint32_t> free_peer_ids;
+  std::uint64_t peers_added = 0;
   std::map<std::string, std::uint32_t> peer_ids;
+  // Generations: random per engine (another engine's handles do not match), then a mix of a
+  // count, so a reused id never repeats one.
+  std::uint64_t salt = 0;
+  std::uint64_t handles_made = 0;  // under mu
+  std::uint32_t next_generation();  // under mu
   static constexpr std::uint32_t kMaxBuffers = 1u << 14;
   static constexpr std::uint32_t kMaxPeers = 1u << 16;
   std::unique_ptr<std::atomic<detail::BufferRec*>[]> buffer_table;
   std::unique_ptr<std::atomic<detail::Peer*>[]> peer_table;
+  // A peer's worker by id, for submit() to route without touching a record that may be going.
+  std::unique_ptr<std::atomic<std::uint32_t>[]> peer_worker;
+  std::atomic<std::uint32_t> peer_ids_used{0};  // the highest id ever given
 
   // Counters.
   struct {
     std::atomic<std::uint64_t> qps{0}, links{0}, connects{0}, reconnects{0}, accepts{0}, evictions{0},
         restarts{0}, batches{0}, transfers{0}, transfers_failed{0}, bytes{0}, notifications_sent{0},
-        notifications_received{0}, windows_bound{0}, window_bind_ns{0}, rail_links{0}, rail_failures{0},
+        notifications_received{0}, notifications_refused{0}, notifications_dropped{0}, windows_bound{0}, window_bind_ns{0}, rail_links{0}, rail_failures{0},
         slices{0}, reposted{0}, plan_posted{0}, plan_builds{0};
   } count;
 
   detail::Fd event_fd;  // readable when a batch ends or a notification arrives
   std::atomic<int> fd_taken{0};  // Engine::fd() was called: signal() writes event_fd
   std::mutex notes_mu;
-  std::deque<Notification> notes;
+  struct Note {
+    Notification n;
+    std::shared_ptr<detail::NoteCredits> credits;  // of the link it came on
+  };
+  std::deque<Note> notes;
 
   std::vector<std::unique_ptr<detail::Worker>> workers;
   std::atomic<std::uint32_t> next_worker{0};
@@ -467,6 +537,23 @@ struct Engine::Impl {
   /// A BufferRec or Peer by id (0 or unknown: null). Lock-free.
   [[nodiscard]] detail::BufferRec* buffer(std::uint32_t id) const noexcept;
   [[nodiscard]] detail::Peer* peer(std::uint32_t id) const noexcept;
+  /// The same, for a handle: null unless its generation is the record's (a handle of a buffer
+  /// unregistered, of a peer removed, or of another engine).
+  [[nodiscard]] detail::BufferRec* buffer(const Buffer& h) const noexcept {
+    detail::BufferRec* b = buffer(h.id);
+    return b != nullptr && b->handle.generation == h.generation ? b : nullptr;
+  }
+  [[nodiscard]] detail::Peer* peer(const RemoteSegment& s) const noexcept {
+    detail::Peer* p = peer(s.peer);
+    return p != nullptr && p->generation == s.generation ? p : nullptr;
+  }
+  /// The record of `h` for an API call, held while the caller uses it. Throws Error (EINVAL, for
+  /// `verb`) for a handle that is not a registered buffer of this engine.
+  [[nodiscard]] std::shared_ptr<detail::BufferRec> buffer_for(const Buffer& h, const char* verb) const;
+  /// A released buffer's id goes: out of the table now, reusable once every worker has seen it go.
+  void reclaim_buffer(std::uint32_t id);
+  /// A removed peer's worker let go of it: its id is free (its record goes with its last holder).
+  void release_peer(detail::Peer& p) noexcept;
   /// The worker for a new peer at `address`: with one worker per device, the one of the device
   /// the kernel routes the address through; else (or for a name, or no route) round robin.
   detail::Worker* worker_for(const std::string& address, std::uint32_t id);
@@ -490,20 +577,22 @@ struct Engine::Impl {
   void request_connect(detail::Peer* p, detail::RailState* rail = nullptr);
   std::uint32_t slot_of(detail::Peer& p, const std::string& segment);
   /// Adds a peer (Engine::add_peer); throws Error for a name in use.
-  detail::Peer* add_peer(std::string name, std::string address, bool from_store);
+  std::shared_ptr<detail::Peer> add_peer(std::string name, std::string address, bool from_store);
   /// The peer called `name`; with a metadata store, one not added yet is added from its entry.
   /// Throws Error (for `verb`) naming why there is none.
-  detail::Peer* named(const std::string& name, const char* verb);
+  std::shared_ptr<detail::Peer> named(const std::string& name, const char* verb);
   /// Why transfers to a peer the store says is gone fail.
   std::string gone_reason(const detail::Peer& p) const;
   [[nodiscard]] detail::HandshakeHooks hooks(detail::Worker* preferred);
-  void deliver(Notification n);
+  /// Queues a notification that came on accepted link `from` (within its credits; beyond them
+  /// it is dropped and counted).
+  void deliver(const std::shared_ptr<detail::NoteCredits>& from, Notification n);
   /// Gives a registered buffer its id and publishes it to the workers.
   Buffer publish(std::unique_ptr<detail::BufferRec> rec);
 };
 
 inline const detail::BufferRec& detail::Worker::buffer_of(const Xfer& x) const noexcept {
-  return *e_.buffer(x.t->local.id);
+  return *e_.buffer(x.t->local.id);  // admitted: its generation was checked
 }
 
 }  // namespace rdmakit

@@ -213,13 +213,13 @@ md::EngineRecord MetadataPlane::self_record() const {
 
 void MetadataPlane::apply(const md::DirectoryChange& c) {
   using Kind = md::DirectoryChange::Kind;
-  Peer* p = nullptr;
+  std::shared_ptr<Peer> p;
   std::string reason;
   {
     std::lock_guard lock(e_.mu);
     const auto it = e_.peer_ids.find(c.record.name);
     if (it == e_.peer_ids.end()) return;  // not one of this engine's peers: known, nothing to do
-    p = e_.peer(it->second);
+    p = e_.peers[it->second - 1];
     if (c.kind == Kind::gone) {
       reason = fmt::format("peer '{}' is gone from {}: its entry (epoch {:#x}) expired or was removed",
                            c.record.name, shown_, c.record.epoch);
@@ -232,7 +232,9 @@ void MetadataPlane::apply(const md::DirectoryChange& c) {
     }
   }
   if (c.kind == Kind::gone) {
-    p->worker->post(Command(Command::Kind::gone, p, reason));
+    Command cmd(Command::Kind::gone, p.get(), reason);
+    cmd.keep = p;
+    p->worker->post(std::move(cmd));
   } else if (c.kind == Kind::restarted) {
     // Its links to the old process (ours, and those it opened to us) go before they fail.
     for (auto& w : e_.workers) {

@@ -85,20 +85,24 @@ TransferPlan Engine::prepare(std::span<const Transfer> transfers) {
   plan->transfers_of.resize(workers);
   for (std::uint32_t i = 0; i < transfers.size(); ++i) {
     const Transfer& t = plan->transfers[i];
-    const detail::BufferRec* b = impl_->buffer(t.local.id);
-    const detail::Peer* p = impl_->peer(t.remote.peer);
+    // Under the registry's lock: neither record can go while it is looked at.
+    std::lock_guard lock(impl_->mu);
+    const detail::BufferRec* b = impl_->buffer(t.local);
+    const detail::Peer* p = impl_->peer(t.remote);
     if (b == nullptr || b->retired.load(std::memory_order_relaxed) || p == nullptr ||
-        p->removed.load(std::memory_order_relaxed) || detail::bad_range(t, b->handle.length)) {
+        p->removed.load(std::memory_order_relaxed) || detail::bad_range(t, b->handle.length) ||
+        t.remote.slot >= p->slots.load(std::memory_order_relaxed)) {
       throw Error("prepare", EINVAL, fmt::format("transfer {} ({} of {} bytes): {}", i, to_string(t.op), t.length,
                                                  detail::invalid_reason(t, b, p)));
     }
     plan->x.emplace_back(t, nullptr, i);
     // A run: consecutive transfers of one operation between one buffer and one peer's segment.
     if (plan->runs.empty() || plan->runs.back().peer != t.remote.peer || plan->runs.back().slot != t.remote.slot ||
-        plan->runs.back().buf != b || plan->runs.back().op != t.op) {
+        plan->runs.back().buf != t.local.id || plan->runs.back().buf_gen != t.local.generation ||
+        plan->runs.back().peer_gen != t.remote.generation || plan->runs.back().op != t.op) {
       const std::uint32_t w = p->worker->index();
       plan->runs_of[w].push_back(static_cast<std::uint32_t>(plan->runs.size()));
-      plan->runs.push_back({i, 0, t.remote.peer, t.remote.slot, b, t.op, {}});
+      plan->runs.push_back({i, 0, t.remote.peer, t.remote.slot, t.local.id, t.local.generation, t.remote.generation, t.op, {}});
     }
     plan->atomics |= t.op >= TransferOp::fetch_add;
     ++plan->runs.back().n;
@@ -144,7 +148,7 @@ void Worker::submit_plan(const std::shared_ptr<BatchState>& b) {
     for (const std::uint32_t k : mine) {
       const PlanState::Run& run = plan.runs[k];
       if (!writes(run.op)) continue;
-      if (Peer* p = e_.peer(run.peer); p != nullptr) live.writes_left[p] += run.n;
+      if (Peer* p = e_.peer(run.peer); p != nullptr && p->generation == run.peer_gen) live.writes_left[p] += run.n;
     }
   }
   // `live` may go from here on: the last transfer to end erases it.
@@ -159,18 +163,22 @@ void Worker::submit_plan(const std::shared_ptr<BatchState>& b) {
 }
 
 std::uint32_t Worker::post_run(PlanState::Run& run, Xfer* x) {
+  // Anything gone since prepare() (the buffer, the peer; their ids maybe reused): the long way
+  // ends each transfer with why.
   Peer* p = e_.peer(run.peer);
-  if (p == nullptr || p->removed.load(std::memory_order_relaxed) ||
-      (run.buf->retired_by.load(std::memory_order_relaxed) >> index_ & 1) != 0) [[unlikely]] {
+  const BufferRec* buf = e_.buffer(run.buf);
+  if (p == nullptr || p->generation != run.peer_gen || p->removed.load(std::memory_order_relaxed) || buf == nullptr ||
+      buf->handle.generation != run.buf_gen || (buf->retired_by.load(std::memory_order_relaxed) >> index_ & 1) != 0)
+      [[unlikely]] {
     return 0;
   }
-  Link* l = pick(*p, run.buf);
+  Link* l = pick(*p, buf);
   if (l == nullptr || !l->backlog.empty()) return 0;
   if (l->chain_open) {  // transfers before the run, chained the long way: they go first
     post_chain(*l);
     if (!ready(l)) return 0;
   }
-  PlanState::Built* bt = built_for(run, *l, *p, x);
+  PlanState::Built* bt = built_for(run, *buf, *l, *p, x);
   if (bt == nullptr) return 0;
   DataPath& dp = l->impl.dp;
   Lane& lane = dp.lane(0);
@@ -217,7 +225,7 @@ std::uint32_t Worker::post_run(PlanState::Run& run, Xfer* x) {
   return k;
 }
 
-PlanState::Built* Worker::built_for(PlanState::Run& run, Link& l, const Peer& p, const Xfer* x) {
+PlanState::Built* Worker::built_for(PlanState::Run& run, const BufferRec& buf, Link& l, const Peer& p, const Xfer* x) {
   const std::optional<RemoteRegion>* seg = run.slot < l.by_slot.size() ? &l.by_slot[run.slot] : nullptr;
   if (seg == nullptr || !seg->has_value()) return nullptr;  // the long way says why
   const RemoteRegion& now = **seg;
@@ -241,7 +249,7 @@ PlanState::Built* Worker::built_for(PlanState::Run& run, Link& l, const Peer& p,
   DataPath& dp = l.impl.dp;
   bt.every = kSignalEvery;
   while (bt.every > dp.signal_interval()) bt.every /= 2;
-  const LocalSlice& s = run.buf->slices[l.device];
+  const LocalSlice& s = buf.slices[l.device];
   const auto base = reinterpret_cast<std::uint64_t>(s.addr());
   const std::uint64_t threshold = e_.cfg.rails.slice_threshold;
   for (std::uint32_t i = 0; i < run.n; ++i) {

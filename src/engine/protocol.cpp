@@ -74,7 +74,8 @@ std::vector<std::uint8_t> encode(const Message& m) {
       put(out, static_cast<std::uint32_t>(m.region.access), 4);
       break;
     case Kind::withdraw: put_name(out, m.name); break;
-    case Kind::synced: break;
+    case Kind::synced:
+    case Kind::credit: put(out, m.credits, 4); break;
     case Kind::notify:
       if (m.bytes.size() > kMaxNotify) {
         throw Error("engine notification", EMSGSIZE, fmt::format("{} bytes; at most {}", m.bytes.size(), kMaxNotify));
@@ -137,7 +138,11 @@ Message decode(std::span<const std::uint8_t> bytes) {
       m.kind = Kind::withdraw;
       m.name = r.name();
       break;
-    case 4: m.kind = Kind::synced; break;
+    case 4:
+    case 7:
+      m.kind = kind == 4 ? Kind::synced : Kind::credit;
+      m.credits = static_cast<std::uint32_t>(r.get(4, "credits"));
+      break;
     case 5: {
       m.kind = Kind::notify;
       const auto n = static_cast<std::size_t>(r.get(2, "notification length"));

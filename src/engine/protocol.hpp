@@ -1,5 +1,5 @@
 #pragma once
-// The engine's messages between two linked engines, version 2. They travel as application
+// The engine's messages between two linked engines, version 3. They travel as application
 // messages on the link's control channel (sealed there when the link has a key), each at most
 // Connection::max_message_size bytes, with fixed-width big-endian fields, every one checked:
 //
@@ -7,8 +7,10 @@
 //   IDENT:    epoch u64 | name length u8 (1..64) | name
 //   SEGMENT:  name length u8 (1..64) | name | addr u64 | length u64 | rkey u32 | access u32
 //   WITHDRAW: name length u8 | name
-//   SYNCED:   (empty) every segment exposed when the link came up has been announced
-//   NOTIFY:   length u16 (0..900) | bytes
+//   SYNCED:   credits u32: every segment exposed when the link came up has been announced, and
+//             the notifications the sender may have queued at the receiver at once
+//   NOTIFY:   length u16 (0..900) | bytes (one credit)
+//   CREDIT:   count u32: that many more notifications were taken by the application
 //   RAILS:    listen port u16 | this link's rail u8 (0xff: none listed) | count u8 (0..16) |
 //             count x { device length u8 (1..64) | device | port u8 | link layer u8 (1 IB, 2 Eth) |
 //                       gid 16 bytes | prefix u8 | has endpoint u8 (0/1) }
@@ -29,12 +31,12 @@
 namespace rdmakit::detail::engine_wire {
 
 inline constexpr std::uint8_t kMagic = 0xE7;
-inline constexpr std::uint8_t kVersion = 2;  // 2: RAILS
+inline constexpr std::uint8_t kVersion = 3;  // 2: RAILS; 3: notification credits
 inline constexpr std::size_t kMaxName = 64;
 inline constexpr std::size_t kMaxNotify = 900;
 inline constexpr std::size_t kMaxRails = 16;
 
-enum class Kind : std::uint8_t { ident = 1, segment = 2, withdraw = 3, synced = 4, notify = 5, rails = 6 };
+enum class Kind : std::uint8_t { ident = 1, segment = 2, withdraw = 3, synced = 4, notify = 5, rails = 6, credit = 7 };
 
 struct Message {
   Kind kind = Kind::ident;
@@ -42,6 +44,7 @@ struct Message {
   std::uint64_t epoch = 0;     // ident
   RemoteRegion region;         // segment
   std::vector<std::uint8_t> bytes;  // notify
+  std::uint32_t credits = 0;        // synced, credit
   std::uint16_t listen_port = 0;    // rails
   std::uint8_t this_rail = 0xff;    // rails
   std::vector<RailPort> rails;      // rails (endpoint: the address and listen_port, or empty)
@@ -67,9 +70,16 @@ inline Message withdraw(std::string name) {
   m.name = std::move(name);
   return m;
 }
-inline Message synced() {
+inline Message synced(std::uint32_t credits) {
   Message m;
   m.kind = Kind::synced;
+  m.credits = credits;
+  return m;
+}
+inline Message credit(std::uint32_t count) {
+  Message m;
+  m.kind = Kind::credit;
+  m.credits = count;
   return m;
 }
 inline Message notify(std::vector<std::uint8_t> bytes) {

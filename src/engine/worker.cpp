@@ -146,8 +146,10 @@ void Worker::stop() noexcept {
     close_link(*l);
   }
   links_.clear();
-  for (std::uint32_t id = 1; Peer* p = e_.peer(id); ++id) {
-    if (p->worker != this) continue;
+  const std::uint32_t ids = e_.peer_ids_used.load(std::memory_order_acquire);
+  for (std::uint32_t id = 1; id <= ids; ++id) {
+    Peer* p = e_.peer(id);
+    if (p == nullptr || p->worker != this) continue;
     while (!p->waiting.empty()) {
       Xfer* x = p->waiting.front();
       p->waiting.pop_front();
@@ -279,6 +281,7 @@ void Worker::handle(Command& c) {
       } else {
         connect_failed(*c.peer, c.text);
       }
+      release_if_quiet(*c.peer);
       break;
     case Command::Kind::expose: {
       SegmentDef def;
@@ -299,6 +302,7 @@ void Worker::handle(Command& c) {
       if (p.worker == this) {
         break_links(p, fmt::format("peer '{}' was removed", p.name));
         fail_waiting(p, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
+        release_if_quiet(p);
       }
       // Its access to our segments goes with the links it opened to us.
       for (auto& l : links_) {
@@ -307,6 +311,19 @@ void Worker::handle(Command& c) {
       break;
     }
     case Command::Kind::evict: (void)evict_one(); break;
+    case Command::Kind::reclaim: break;  // handled: its token goes with the command
+    case Command::Kind::credit:
+      for (auto& l : links_) {
+        if (l->notes == c.notes) {
+          const std::uint64_t taken = l->notes->taken.load(std::memory_order_relaxed);
+          if (taken > l->credits_returned && l->state != Link::State::closing) {
+            send(*l, ew::credit(static_cast<std::uint32_t>(std::min<std::uint64_t>(taken - l->credits_returned, UINT32_MAX))));
+            l->credits_returned = taken;
+          }
+          break;
+        }
+      }
+      break;
     case Command::Kind::restarted: close_stale(c.text, c.epoch, nullptr); break;
     case Command::Kind::retire:
       // Transfers of it submitted before this command were admitted already: those after are not.
@@ -324,7 +341,12 @@ void Worker::handle(Command& c) {
     }
     case Command::Kind::kick: {
       Peer& p = *c.peer;
-      if (ready(p.link)) {
+      if (p.removed.load()) {
+        std::lock_guard lock(p.m);
+        p.last_error = fmt::format("peer '{}' was removed", p.name);
+        ++p.attempts;
+        p.cv.notify_all();
+      } else if (ready(p.link)) {
         std::lock_guard lock(p.m);
         p.up = true;
         p.cv.notify_all();

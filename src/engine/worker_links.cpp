@@ -32,7 +32,7 @@ void Worker::link_up(Command& c) {
   links_.push_back(std::move(owned));
   e_.count.links.fetch_add(1, std::memory_order_relaxed);
   watch(l, true);
-  send(l, ew::encode(ew::ident(e_.name, e_.epoch)));
+  send(l, ew::ident(e_.name, e_.epoch));
   if (l.initiated && c.rail != nullptr) {  // a further rail of the peer's link
     Peer& p = *l.peer;
     l.rail = c.rail;
@@ -82,10 +82,7 @@ void Worker::link_up(Command& c) {
     for (const auto& [n, d] : e_.segments) defs.push_back(d);
   }
   for (const SegmentDef& d : defs) bind_window(l, d);
-  if (l.binds_pending == 0 && !l.synced_sent) {
-    l.synced_sent = true;
-    send(l, ew::encode(ew::synced()));
-  }
+  synced_if_done(l);
 }
 
 void Worker::connect_failed(Peer& p, const std::string& why) {
@@ -99,45 +96,94 @@ void Worker::connect_failed(Peer& p, const std::string& why) {
 }
 
 void Worker::bind_window(Link& l, const SegmentDef& def) {
-  const BufferRec* buf = e_.buffer(def.buffer);
-  if (buf == nullptr) return;
-  const MemoryRegion& mr = *buf->regions[l.device];
-  const auto addr = reinterpret_cast<std::uint64_t>(mr.local().addr()) + def.offset;
-  auto w = std::make_unique<Window>();
-  w->segment = def.name;
-  w->link = &l;
   if (!e_.windows) {
-    if (!e_.psk) return;  // no key, no windows: nothing is offered (EngineInfo::access_model)
-    w->region = {addr, def.length, mr.remote().rkey, def.access};
+    const BufferRec* buf = e_.buffer(def.buffer);
+    if (buf == nullptr || !e_.psk) return;  // no key, no windows: nothing is offered (EngineInfo::access_model)
+    const MemoryRegion& mr = *buf->regions[l.device];
+    auto w = std::make_unique<Window>();
+    w->segment = def.name;
+    w->buffer = def.buffer;
+    w->link = &l;
+    w->region = {reinterpret_cast<std::uint64_t>(mr.local().addr()) + def.offset, def.length, mr.remote().rkey, def.access};
     w->bound = true;
     announce(l, *w);
     l.windows.push_back(std::move(w));
     return;
   }
+  // In order: a segment queued before waits for room, so this one does too.
+  if (!l.binds_waiting.empty()) return l.binds_waiting.push_back(def);
+  try {
+    if (!post_bind(l, def)) l.binds_waiting.push_back(def);
+  } catch (const std::exception& ex) {
+    // This peer will not have this segment (its transfers to it end no_segment); the rest go on.
+    log(fmt::format("engine {}: segment '{}' for {}: {}", e_.name, def.name, l.impl.info.peer_address, ex.what()));
+  }
+}
+
+bool Worker::post_bind(Link& l, const SegmentDef& def) {
+  const BufferRec* buf = e_.buffer(def.buffer);
+  if (buf == nullptr || buf->retired.load()) return true;  // unregistered since: nothing to bind
+  if (l.impl.dp.mode() == DataPath::Mode::ready && l.impl.dp.lane(0).sq.free() == 0) return false;
+  const MemoryRegion& mr = *buf->regions[l.device];
+  const auto addr = reinterpret_cast<std::uint64_t>(mr.local().addr()) + def.offset;
+  auto w = std::make_unique<Window>();
+  w->segment = def.name;
+  w->buffer = def.buffer;
+  w->link = &l;
   w->mw.reset(ibv_alloc_mw(e_.pds[l.device]->pd.get(), IBV_MW_TYPE_2));
   if (!w->mw) {
-    throw Error("ibv_alloc_mw", errno, fmt::format("a window on segment '{}' for {}", def.name, l.impl.info.peer_address));
+    throw Error("ibv_alloc_mw", errno, fmt::format("a window on segment '{}' for {}", def.name, l.impl.info.peer_address),
+                "the device's memory windows (max_mw) are used up: fewer segments or peers");
   }
   w->rkey = ibv_inc_rkey(w->mw->rkey);
   w->region = {addr, def.length, w->rkey, def.access};
   w->posted = Clock::now();
   const PostResult r = l.impl.dp.post_bind(w->mw.get(), w->rkey, MemoryRegion::Impl::raw(mr), addr, def.length,
                                            qp_access_flags(def.access), reinterpret_cast<std::uint64_t>(w.get()) | 1);
+  if (r.status == PostStatus::queue_full) return false;
   if (!r.ok()) {
     throw Error("bind memory window", r.sys_errno,
                 fmt::format("segment '{}' for {}: {}", def.name, l.impl.info.peer_address, r.describe()));
   }
   ++l.binds_pending;
   l.windows.push_back(std::move(w));
+  return true;
 }
 
-void Worker::announce(Link& l, const Window& w) {
-  send(l, ew::encode(ew::segment(w.segment, w.region)));
+void Worker::bind_waiting(Link& l) noexcept {
+  while (!l.binds_waiting.empty() && l.state != Link::State::closing) {
+    try {
+      if (!post_bind(l, l.binds_waiting.front())) return;  // no room: the next bind's completion makes some
+    } catch (const std::exception& ex) {
+      // The peer will not have this segment (its transfers to it end no_segment); the others go on.
+      log(fmt::format("engine {}: segment '{}' for {}: {}", e_.name, l.binds_waiting.front().name,
+                      l.impl.info.peer_address, ex.what()));
+    }
+    l.binds_waiting.pop_front();
+  }
+  synced_if_done(l);
+}
+
+void Worker::synced_if_done(Link& l) noexcept {
+  if (l.binds_pending == 0 && l.binds_waiting.empty() && !l.synced_sent && l.state != Link::State::closing) {
+    l.synced_sent = true;
+    send(l, ew::synced(e_.cfg.notification_queue));
+  }
+}
+
+void Worker::announce(Link& l, const Window& w) noexcept { send(l, ew::segment(w.segment, w.region)); }
+
+void Worker::log(const std::string& what) const noexcept {
+  try {
+    e_.cfg.link.log(what);
+  } catch (...) {
+  }
 }
 
 void Worker::withdraw(const std::string& name) {
   for (auto& l : links_) {
     if (l->initiated) continue;
+    std::erase_if(l->binds_waiting, [&](const SegmentDef& d) { return d.name == name; });
     for (auto it = l->windows.begin(); it != l->windows.end();) {
       Window& w = **it;
       if (w.segment != name) {
@@ -151,26 +197,52 @@ void Worker::withdraw(const std::string& name) {
       }
       // Invalidated first (deallocating a window revokes its key), then the peer is told.
       it = l->windows.erase(it);
-      if (l->state != Link::State::closing) send(*l, ew::encode(ew::withdraw(name)));
+      if (l->state != Link::State::closing) send(*l, ew::withdraw(name));
     }
+    synced_if_done(*l);  // what it waited for may have been only that segment's bind
   }
 }
 
-void Worker::send(Link& l, const std::vector<std::uint8_t>& msg) {
+void Worker::send(Link& l, const ew::Message& m) noexcept {
+  if (l.state == Link::State::closing) return;
+  std::vector<std::uint8_t> bytes;
+  try {
+    bytes = ew::encode(m);
+  } catch (const std::exception& e) {
+    // A message this engine cannot encode is its own bug, not the peer's: said, and not sent.
+    return log(fmt::format("engine {}: a message to {} could not be encoded: {}", e_.name, l.impl.info.peer_address, e.what()));
+  }
+  send(l, bytes);
+}
+
+void Worker::send(Link& l, const std::vector<std::uint8_t>& msg) noexcept {
   if (l.state == Link::State::closing) return;
   try {
     l.impl.send_control(wire::MessageType::user, msg, deadline_in(std::chrono::milliseconds{1000}));
   } catch (const std::exception& e) {
-    break_link(l, fmt::format("its control channel failed: {}", e.what()));
+    try {
+      break_link(l, fmt::format("its control channel failed: {}", e.what()));
+    } catch (...) {
+      l.state = Link::State::closing;  // out of memory saying why: it goes all the same
+    }
   }
 }
 
-void Worker::tick_link(Link& l, Deadline now) {
-  l.impl.tick(now);
-  while (!l.impl.messages.empty()) {
-    const std::vector<std::uint8_t> m = std::move(l.impl.messages.front());
-    l.impl.messages.pop_front();
-    on_message(l, m);
+void Worker::tick_link(Link& l, Deadline now) noexcept {
+  try {
+    l.impl.tick(now);
+    while (!l.impl.messages.empty()) {
+      const std::vector<std::uint8_t> m = std::move(l.impl.messages.front());
+      l.impl.messages.pop_front();
+      on_message(l, m);
+    }
+  } catch (const std::exception& ex) {
+    // What a peer sends never ends the process: the link goes, with why.
+    try {
+      break_link(l, fmt::format("handling its control message: {}", ex.what()));
+    } catch (...) {
+      l.state = Link::State::closing;
+    }
   }
   if (l.impl.control_gone && l.watched) watch(l, false);  // EOF stays readable: stop looking
   if (l.state != Link::State::closing && (l.impl.dp.mode() == DataPath::Mode::broken || l.impl.dp.mode() == DataPath::Mode::closed)) {
@@ -223,10 +295,21 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
       break;
     }
     case ew::Kind::synced:
-      if (l.initiated && l.state == Link::State::syncing) make_ready(l);
+      if (!l.initiated) return break_link(l, "it sent SYNCED on a link it opened (only the accepting side does)");
+      l.notify_credits = l.notify_queue = m.credits;
+      if (l.state == Link::State::syncing) make_ready(l);
+      break;
+    case ew::Kind::credit:
+      if (!l.initiated) return break_link(l, "it returned notification credits on a link it opened");
+      l.notify_credits = static_cast<std::uint32_t>(std::min<std::uint64_t>(std::uint64_t{l.notify_credits} + m.credits, UINT32_MAX));
       break;
     case ew::Kind::notify:
-      e_.deliver({l.peer_name.empty() ? l.impl.info.peer_address : l.peer_name, std::move(m.bytes)});
+      if (l.initiated) return break_link(l, "it sent a notification on a link this engine opened");
+      if (!l.notes) {
+        l.notes = std::make_shared<NoteCredits>();
+        l.notes->worker = this;
+      }
+      e_.deliver(l.notes, {l.peer_name.empty() ? l.impl.info.peer_address : l.peer_name, std::move(m.bytes)});
       break;
     case ew::Kind::rails:
       if (!l.initiated) return break_link(l, "it sent its rails on a link it opened (only the accepting side does)");
@@ -343,8 +426,23 @@ void Worker::reap_links() {
     for (Xfer* x : l.alone) lost(l, *x, TransferStatus::peer_lost, fmt::format("peer '{}': the link broke", l.initiated ? l.peer->name : l.peer_name));
     l.alone.clear();
     close_link(l);
+    Peer* p = l.initiated ? l.peer : nullptr;
     it = links_.erase(it);
+    if (p != nullptr && p->removed.load()) release_if_quiet(*p);
   }
+}
+
+void Worker::release_if_quiet(Peer& p) noexcept {
+  if (!p.removed.load() || p.released || p.connecting || !p.waiting.empty()) return;
+  for (const auto& r : p.rails) {
+    if (r->link != nullptr || r->connecting) return;
+  }
+  for (const auto& l : links_) {
+    if (l->initiated && l->peer == &p) return;  // closing, not reaped yet
+  }
+  std::erase_if(probes_, [&p](const auto& pr) { return pr.first == &p; });
+  p.released = true;
+  e_.release_peer(p);  // may free it: the last use of `p` here
 }
 
 void Worker::close_link(Link& l) noexcept {
@@ -404,6 +502,11 @@ void Worker::check_retiring() noexcept {
         used = b->x[i].t->local.id == id && b->x[i].status(std::memory_order_relaxed) == TransferStatus::pending;
       }
       if (used) break;
+    }
+    // A window on it (withdrawn with its bind still in flight) holds it too: deregistering under
+    // a bound window fails, and the pages would stay pinned.
+    for (auto l = links_.begin(); l != links_.end() && !used; ++l) {
+      used = std::any_of((*l)->windows.begin(), (*l)->windows.end(), [id](const auto& w) { return w->buffer == id; });
     }
     if (used) {
       ++it;

@@ -32,13 +32,23 @@ TransferStatus status_of(PostStatus s) {
 
 // Out of line and cold: the common case, that a transfer can move, stays out of the loops.
 std::string invalid_reason(const Transfer& t, const BufferRec* b, const Peer* p) {
-  if (b == nullptr) return fmt::format("buffer {} is not this engine's", t.local.id);
+  if (b == nullptr) {
+    return fmt::format("buffer {} (generation {:#x}) is not this engine's: another engine's handle, or one unregistered",
+                       t.local.id, t.local.generation);
+  }
   if (b->retired.load()) return fmt::format("buffer {} was unregistered", t.local.id);
   if (t.local_offset > b->handle.length || t.length > b->handle.length - t.local_offset) {
     return fmt::format("[{}, +{}) is outside the local buffer of {} bytes", t.local_offset, t.length, b->handle.length);
   }
-  if (p == nullptr) return fmt::format("peer {} is unknown (RemoteSegment from Engine::segment)", t.remote.peer);
+  if (p == nullptr) {
+    return fmt::format("peer {} (generation {:#x}) is unknown: a RemoteSegment of another engine, or of a peer "
+                       "removed (use Engine::segment of this engine)", t.remote.peer, t.remote.generation);
+  }
   if (p->removed.load()) return fmt::format("peer '{}' was removed", p->name);
+  if (t.remote.slot >= p->slots.load()) {
+    return fmt::format("segment slot {} of peer '{}' was never made by Engine::segment (a forged RemoteSegment)",
+                       t.remote.slot, p->name);
+  }
   if ((t.op == TransferOp::fetch_add || t.op == TransferOp::compare_swap) && t.length != 8) {
     return fmt::format("an atomic moves 8 bytes, not {}", t.length);
   }
@@ -57,7 +67,7 @@ void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std:
     for (std::uint32_t k = 0; k < n; ++k) {
       const Transfer& t = *b->x[all ? k : indexes[k]].t;
       if (writes(t.op)) {
-        if (Peer* p = e_.peer(t.remote.peer); p != nullptr) ++live.writes_left[p];
+        if (Peer* p = e_.peer(t.remote); p != nullptr) ++live.writes_left[p];
       }
     }
   }
@@ -76,7 +86,8 @@ void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std:
 // after anything that may have changed it (admit()); the rest take the short way.
 [[gnu::always_inline]] inline void Worker::route(Xfer& x, Route& r) {
   const Transfer& t = *x.t;
-  const bool same = r.ok & (t.local.id == r.buf_id) & (t.remote.peer == r.peer_id) & (t.remote.slot == r.slot);
+  const bool same = r.ok & (t.local.id == r.buf_id) & (t.remote.peer == r.peer_id) & (t.remote.slot == r.slot) &
+                    (t.local.generation == r.buf_gen) & (t.remote.generation == r.peer_gen);
   if (!same || r.link->chain_room == 0) [[unlikely]] return admit(x, r);
   // A transfer too long for one request goes the long way too (it is posted alone).
   if (bad_range(t, r.buf_len) | (t.length > r.max_msg)) [[unlikely]] return admit(x, r);
@@ -110,11 +121,14 @@ void Worker::route_all(Xfer* x, Xfer* last, Route& r) {
 void Worker::admit(Xfer& x, Route& r) {
   r.ok = false;  // whatever happens here may change the link
   const Transfer& t = *x.t;
-  const BufferRec* buf = e_.buffer(t.local.id);
-  Peer* peer = e_.peer(t.remote.peer);
+  // A handle of another engine, or of a buffer or peer that went (its id reused or not), or a
+  // slot no Engine::segment() made, finds nothing here: `invalid`, with why.
+  const BufferRec* buf = e_.buffer(t.local);
+  Peer* peer = e_.peer(t.remote);
   const std::uint64_t buf_len = buf != nullptr ? buf->handle.length : 0;
   if (peer == nullptr || peer->removed.load(std::memory_order_relaxed) || bad_range(t, buf_len) ||
-      (buf->retired_by.load(std::memory_order_relaxed) >> index_ & 1) != 0) {
+      (buf->retired_by.load(std::memory_order_relaxed) >> index_ & 1) != 0 ||
+      t.remote.slot >= peer->slots.load(std::memory_order_acquire)) [[unlikely]] {
     return end(x, TransferStatus::invalid, invalid_reason(t, buf, peer));
   }
   Link* l = pick(*peer, buf);
@@ -131,7 +145,7 @@ void Worker::admit(Xfer& x, Route& r) {
   const std::uint64_t threshold = e_.cfg.rails.slice_threshold;
   const std::uint64_t max_msg = threshold != 0 ? std::min<std::uint64_t>(l->impl.dp.limits().max_msg_size, threshold - 1)
                                                : l->impl.dp.limits().max_msg_size;
-  r = {true, t.local.id, t.remote.peer, t.remote.slot, buf_len, max_msg, l, &**seg,
+  r = {true, t.local.id, t.remote.peer, t.remote.slot, t.local.generation, t.remote.generation, buf_len, max_msg, l, &**seg,
        reinterpret_cast<std::uint64_t>(s.addr()), s.lkey(), s.writable()};
 }
 
@@ -270,7 +284,8 @@ void Worker::refused(Link& l, Xfer& x, PostStatus st) {
     std::string name;
     {
       std::lock_guard lock(e_.mu);
-      name = l.peer->slot_names.at(x.t->remote.slot);
+      const auto& names = l.peer->slot_names;
+      name = x.t->remote.slot < names.size() ? names[x.t->remote.slot] : fmt::format("slot {}", x.t->remote.slot);
     }
     std::string have;
     for (const auto& [nm, r] : l.remote) have += (have.empty() ? "" : ", ") + nm;
@@ -410,6 +425,14 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
   l.ended = std::max(l.ended, upto);
 }
 
+Link* Worker::notify_link(Peer& p) noexcept {
+  if (ready(p.link) && p.link->notify_credits > 0) return p.link;
+  for (const auto& r : p.rails) {
+    if (ready(r->link) && r->link->notify_credits > 0) return r->link;
+  }
+  return ready(p.link) ? p.link : pick(p, nullptr);  // one without credits: the batch says so
+}
+
 void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
   if (x.group != nullptr) [[unlikely]] return slice_ended(x, s, std::move(reason));
   BatchState& b = *x.batch;
@@ -420,20 +443,29 @@ void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
     e_.count.bytes.fetch_add(t.length, std::memory_order_relaxed);
   }
   if (writes(t.op) && !b.notify.empty()) {
-    Peer* p = e_.peer(t.remote.peer);
+    Peer* p = e_.peer(t.remote);
     auto w = live.writes_left.find(p);
     if (w != live.writes_left.end()) {
       if (s != TransferStatus::ok) {
         live.writes_left.erase(w);  // a write failed: no notification for that peer
       } else if (--w->second == 0) {
         live.writes_left.erase(w);
-        // Every write of the batch to this peer has completed: the data is in its memory.
-        Link* to = ready(p->link) ? p->link : pick(*p, nullptr);
-        if (to != nullptr) {
-          try {
-            send(*to, ew::encode(ew::notify(b.notify)));
+        // Every write of the batch to this peer has completed: the data is in its memory. Sent
+        // within the credits the peer gave the link; otherwise the batch says why, before it ends.
+        Link* to = notify_link(*p);
+        if (to == nullptr) {
+          b.notification_failed(fmt::format("peer '{}': no link to it was up to carry it", p->name));
+        } else if (to->notify_credits == 0) {
+          b.notification_failed(fmt::format("peer '{}': not sent: its queue of {} notifications from this engine "
+                                            "is full (it has not taken them with next_notification())",
+                                            p->name, to->notify_queue));
+        } else {
+          --to->notify_credits;
+          send(*to, ew::notify(b.notify));
+          if (to->state == Link::State::closing) {
+            b.notification_failed(fmt::format("peer '{}': its link broke sending it", p->name));
+          } else {
             e_.count.notifications_sent.fetch_add(1, std::memory_order_relaxed);
-          } catch (...) {
           }
         }
       }
@@ -445,7 +477,7 @@ void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
   b.finish(x, s, std::move(reason));
 }
 
-void Worker::on_completion(DataPath& dp, const Completion& c) {
+void Worker::on_completion(DataPath& dp, const Completion& c) noexcept {
   Link& l = *static_cast<Link*>(dp.context);
   const WrRing& ring = dp.lane(0).sq;
   const std::uint64_t seq = ring.head() - 1;  // the request this completion retired
@@ -457,6 +489,13 @@ void Worker::on_completion(DataPath& dp, const Completion& c) {
     l.walk_to = seq + 1;
     return;
   }
+  on_news(l, c, seq, part);
+}
+
+// Nothing may leave a completion handler (it runs inside the CQ poll): what throws here (out of
+// memory formatting a reason) is logged, and the link breaks so its transfers still end.
+void Worker::on_news(Link& l, const Completion& c, std::uint64_t seq, bool part) noexcept {
+  DataPath& dp = l.impl.dp;
   // Those before it completed; it is news of its own.
   walk(l, seq, TransferStatus::ok, {});
   l.ended = std::max(l.ended, seq + 1);
@@ -467,30 +506,38 @@ void Worker::on_completion(DataPath& dp, const Completion& c) {
   --in_flight_;
   l.bytes_out -= std::min(l.bytes_out, x->t->length);
   l.last_used = Clock::now();
-  if (c.ok()) {
-    if (l.rail != nullptr && x->t->op <= TransferOp::write) {
-      l.rail->bytes.fetch_add(x->t->length, std::memory_order_relaxed);
-      if (x->group != nullptr) l.rail->slices.fetch_add(1, std::memory_order_relaxed);
+  bool ended = false;
+  try {
+    if (c.ok()) {
+      if (l.rail != nullptr && x->t->op <= TransferOp::write) {
+        l.rail->bytes.fetch_add(x->t->length, std::memory_order_relaxed);
+        if (x->group != nullptr) l.rail->slices.fetch_add(1, std::memory_order_relaxed);
+      }
+      end(*x, TransferStatus::ok, {});
+    } else if (c.status == IBV_WC_WR_FLUSH_ERR) {
+      lost(l, *x, TransferStatus::peer_lost,
+           fmt::format("peer '{}': {}", l.peer->name, dp.failure().empty() ? "the link broke" : dp.failure()));
+    } else {
+      // The link breaks on it (the data path's one break routine); ended when the link is reaped.
+      // What the peer refused, or this side got wrong, would fail on any rail; the rest (retries
+      // exceeded, a QP or port that failed under it) is the rail's, and another may do it.
+      const bool rails_fault = c.status != IBV_WC_REM_ACCESS_ERR && c.status != IBV_WC_REM_INV_REQ_ERR &&
+                               c.status != IBV_WC_LOC_PROT_ERR && c.status != IBV_WC_LOC_LEN_ERR &&
+                               c.status != IBV_WC_LOC_ACCESS_ERR;
+      l.deferred.push_back({x, fmt::format("peer '{}': {}", l.peer->name, c.describe()), rails_fault});
     }
-    end(*x, TransferStatus::ok, {});
-  } else if (c.status == IBV_WC_WR_FLUSH_ERR) {
-    lost(l, *x, TransferStatus::peer_lost,
-         fmt::format("peer '{}': {}", l.peer->name, dp.failure().empty() ? "the link broke" : dp.failure()));
-  } else {
-    // The link breaks on it (the data path's one break routine); ended when the link is reaped.
-    // What the peer refused, or this side got wrong, would fail on any rail; the rest (retries
-    // exceeded, a QP or port that failed under it) is the rail's, and another may do it.
-    const bool rails_fault = c.status != IBV_WC_REM_ACCESS_ERR && c.status != IBV_WC_REM_INV_REQ_ERR &&
-                             c.status != IBV_WC_LOC_PROT_ERR && c.status != IBV_WC_LOC_LEN_ERR &&
-                             c.status != IBV_WC_LOC_ACCESS_ERR;
-    l.deferred.push_back({x, fmt::format("peer '{}': {}", l.peer->name, c.describe()), rails_fault});
+    ended = true;
+    if (!l.backlog.empty()) queue_flush(l);
+  } catch (const std::exception& ex) {
+    log(fmt::format("engine {}: handling a completion from {}: {}", e_.name, l.impl.info.peer_address, ex.what()));
+    if (!ended) end(*x, TransferStatus::failed, ex.what());
   }
-  if (!l.backlog.empty()) queue_flush(l);
 }
 
-void Worker::bound(Link& l, Window& w, const Completion& c) {
+void Worker::bound(Link& l, Window& w, const Completion& c) noexcept {
   --l.binds_pending;
-  if (c.ok() && l.state != Link::State::closing) {
+  const bool withdrawn = w.segment.empty();  // while its bind was in flight: it goes, unannounced
+  if (c.ok() && l.state != Link::State::closing && !withdrawn) {
     w.bound = true;
     e_.count.windows_bound.fetch_add(1, std::memory_order_relaxed);
     e_.count.window_bind_ns.fetch_add(
@@ -499,18 +546,13 @@ void Worker::bound(Link& l, Window& w, const Completion& c) {
     announce(l, w);
   } else if (!c.ok() && l.state != Link::State::closing) {
     try {
-      e_.cfg.link.log(fmt::format("engine {}: binding the window of segment '{}' for {} failed: {}", e_.name,
-                                  w.segment, l.impl.info.peer_address, c.describe()));
+      log(fmt::format("engine {}: binding the window of segment '{}' for {} failed: {}", e_.name,
+                      withdrawn ? "(withdrawn)" : w.segment, l.impl.info.peer_address, c.describe()));
     } catch (...) {
     }
   }
-  if (w.segment.empty()) {  // withdrawn while its bind was in flight
-    std::erase_if(l.windows, [&w](const auto& o) { return o.get() == &w; });
-  }
-  if (l.binds_pending == 0 && !l.synced_sent && l.state != Link::State::closing) {
-    l.synced_sent = true;
-    send(l, ew::encode(ew::synced()));
-  }
+  if (withdrawn || !c.ok()) std::erase_if(l.windows, [&w](const auto& o) { return o.get() == &w; });
+  bind_waiting(l);  // its completion made room for the next
 }
 
 }  // namespace rdmakit::detail

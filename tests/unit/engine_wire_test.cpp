@@ -36,7 +36,12 @@ TEST(EngineWire, EveryKindRoundTrips) {
   EXPECT_EQ(seg.name, "kv");
   EXPECT_EQ(seg.region, r);
   EXPECT_EQ(ew::decode(ew::encode(ew::withdraw("kv"))).name, "kv");
-  EXPECT_EQ(ew::decode(ew::encode(ew::synced())).kind, ew::Kind::synced);
+  const ew::Message sy = ew::decode(ew::encode(ew::synced(256)));
+  EXPECT_EQ(sy.kind, ew::Kind::synced);
+  EXPECT_EQ(sy.credits, 256u);
+  const ew::Message cr = ew::decode(ew::encode(ew::credit(7)));
+  EXPECT_EQ(cr.kind, ew::Kind::credit);
+  EXPECT_EQ(cr.credits, 7u);
   const std::vector<std::uint8_t> note(900, 0x5a);
   EXPECT_EQ(ew::decode(ew::encode(ew::notify(note))).bytes, note);
   EXPECT_TRUE(ew::decode(ew::encode(ew::notify({}))).bytes.empty());
@@ -44,7 +49,7 @@ TEST(EngineWire, EveryKindRoundTrips) {
 
 TEST(EngineWire, FieldsAreBigEndianAtFixedOffsets) {
   const auto b = ew::encode(ew::segment("s", {0x1122334455667788, 0x10, 0xaabbccdd, Access::remote_write}));
-  const std::vector<std::uint8_t> want = {0xE7, 2, 2, 1, 's', 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88,
+  const std::vector<std::uint8_t> want = {0xE7, 3, 2, 1, 's', 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88,
                                           0, 0, 0, 0, 0, 0, 0, 0x10, 0xaa, 0xbb, 0xcc, 0xdd, 0, 0, 0, 4};
   EXPECT_EQ(b, want);
 }
@@ -55,8 +60,8 @@ TEST(EngineWire, MalformedMessagesAreRefusedWithAReason) {
   bad[0] = 0;
   EXPECT_NE(refusal(bad).find("bad magic"), std::string::npos);
   bad = good;
-  bad[1] = 1;  // before RAILS
-  EXPECT_NE(refusal(bad).find("version 1; this engine speaks 2"), std::string::npos);
+  bad[1] = 2;  // before notification credits
+  EXPECT_NE(refusal(bad).find("version 2; this engine speaks 3"), std::string::npos);
   bad = good;
   bad[2] = 9;
   EXPECT_NE(refusal(bad).find("unknown kind 9"), std::string::npos);
@@ -81,6 +86,9 @@ TEST(EngineWire, MalformedMessagesAreRefusedWithAReason) {
   auto note = ew::encode(ew::notify({1, 2, 3}));
   note[4] = 4;  // claims one byte more than there is
   EXPECT_NE(refusal(note).find("notification of 4 bytes"), std::string::npos);
+  auto credit = ew::encode(ew::credit(1));
+  credit.pop_back();
+  EXPECT_NE(refusal(credit).find("credits"), std::string::npos);
 }
 
 namespace {

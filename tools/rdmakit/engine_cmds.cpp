@@ -108,6 +108,8 @@ nlohmann::json counters_json(const EngineCounters& c) {
           {"bytes", c.bytes},
           {"notifications_sent", c.notifications_sent},
           {"notifications_received", c.notifications_received},
+          {"notifications_refused", c.notifications_refused},
+          {"notifications_dropped", c.notifications_dropped},
           {"windows_bound", c.windows_bound},
           {"window_bind_ns", c.window_bind_ns},
           {"rail_links", c.rail_links},
