@@ -1,3 +1,6 @@
+// rdmakit.Engine: the engine's own calls (registration, resolving transfers, submitting) and
+// its binding. Buffers, segments, transfers and plans are bound in transfers.cpp, batches and
+// notifications in batch.cpp.
 #include "engine.hpp"
 
 #include <pybind11/stl.h>
@@ -70,11 +73,16 @@ PyBuffer PyEngine::register_object(py::handle obj) {
   // registering the same memory meanwhile sees the overlap.
   reg->buffer.addr = m.addr;
   reg->buffer.length = m.nbytes;
-  auto claimed = regs_.emplace(start, reg).first;
+  regs_.emplace(start, reg);
+  // The claim goes again on failure, found anew: close() may have cleared the registrations while
+  // the GIL was let go (an iterator kept across it would dangle).
+  const auto unclaim = [&] {
+    if (auto it = regs_.find(start); it != regs_.end() && it->second == reg) regs_.erase(it);
+  };
   try {
     reg->buffer = call([&](Engine& e) { return e.register_memory(m.addr, m.nbytes); });
   } catch (const Error& e) {
-    regs_.erase(claimed);
+    unclaim();
     if (m.place != MemoryPlace::cuda) throw;
     // A GPU tensor is registered by its device pointer, which the NIC reaches only through
     // nvidia-peermem: say so rather than "not mapped memory of this process".
@@ -84,7 +92,7 @@ PyBuffer PyEngine::register_object(py::handle obj) {
                 "registering a GPU tensor by its address needs the nvidia-peermem module "
                 "(modprobe nvidia-peermem; rdmakit doctor checks it)");
   } catch (...) {
-    regs_.erase(claimed);
+    unclaim();
     throw;
   }
   return PyBuffer{reg};
@@ -177,7 +185,7 @@ PyBatch PyEngine::submit_with(const std::optional<py::bytes>& notify, Start star
     await->queue->tokens.push_back(await->token);
   };
   Batch b = call([&](Engine& e) { return start(e, std::move(opts)); });
-  return PyBatch{std::move(b), shared_from_this(), std::move(await)};
+  return PyBatch{std::move(b), shared_from_this(), std::move(await), py::object{}};
 }
 
 PyBatch PyEngine::submit(std::span<const Transfer> transfers, const std::optional<py::bytes>& notify) {
@@ -195,11 +203,9 @@ std::vector<std::uint64_t> PyEngine::take_done() {
   return out;
 }
 
-namespace {
-
-// A function of rdmakit._aio, looked up once (every `await batch` calls one). Leaked on purpose:
-// the interpreter may be finalised before static destructors run.
 const py::object& aio(const char* name) {
+  // Looked up once (every `await batch` calls one). Leaked on purpose: the interpreter may be
+  // finalised before static destructors run.
   static auto* cache = new std::map<std::string, py::object>();
   auto it = cache->find(name);
   if (it == cache->end()) {
@@ -208,46 +214,13 @@ const py::object& aio(const char* name) {
   return it->second;
 }
 
-std::vector<Failure> failures_of(const Batch& b) {
-  std::vector<Failure> out;
-  for (std::size_t i = 0; i < b.size(); ++i) {
-    TransferResult r = b.result(i);
-    if (r.status != TransferStatus::ok && r.status != TransferStatus::pending) {
-      out.push_back({i, to_string(r.status), r.reason});
-    }
-  }
-  return out;
-}
-
-// Raises TransferError (PeerLostError when every failure is a lost or unreachable peer).
-void check_batch(const Batch& b) {
-  if (!b.done() || b.failed() == 0) return;
-  std::vector<Failure> f = failures_of(b);
-  bool lost = true;
-  for (const Failure& x : f) {
-    lost &= x.status == to_string(TransferStatus::peer_lost) ||
-            x.status == to_string(TransferStatus::connect_failed);
-  }
-  std::string first = f.empty() ? "" : fmt::format("; first: #{} {}: {}", f[0].index, f[0].status,
-                                                   f[0].reason);
-  throw KindedError(lost ? ErrorKind::peer_lost : ErrorKind::transfer, "batch", 0,
-                    fmt::format("{} of {} transfers failed{}", b.failed(), b.size(), first), {},
-                    std::move(f));
-}
+namespace {
 
 std::vector<Transfer> resolve_all(const PyEngine& e, const py::iterable& transfers) {
   std::vector<Transfer> out;
   if (py::hasattr(transfers, "__len__")) out.reserve(py::len(transfers));
   for (py::handle h : transfers) out.push_back(e.resolve(h.cast<const PyTransfer&>()));
   return out;
-}
-
-PyTransfer make(TransferOp op, py::object local, const PySegment& remote,
-                std::optional<std::uint64_t> length, std::uint64_t local_offset,
-                std::uint64_t remote_offset, std::uint64_t compare_add = 0,
-                std::uint64_t swap = 0) {
-  return PyTransfer{op, std::move(local), local_offset, length, remote, remote_offset,
-                    compare_add, swap};
 }
 
 py::dict to_dict(const EngineCounters& c) {
@@ -286,172 +259,8 @@ void close_engine(const py::object& self) {
 }  // namespace
 
 void bind_engine(py::module_& m) {
-  py::enum_<TransferOp>(m, "TransferOp")
-      .value("read", TransferOp::read)
-      .value("write", TransferOp::write)
-      .value("fetch_add", TransferOp::fetch_add)
-      .value("compare_swap", TransferOp::compare_swap);
-
-  py::class_<PyBuffer>(m, "Buffer",
-                       "Memory registered with an engine (once per device). Holds the Python "
-                       "object it came from until the engine is closed.")
-      .def_property_readonly("address", [](const PyBuffer& b) {
-        return reinterpret_cast<std::uintptr_t>(b.reg->buffer.addr);
-      })
-      .def_property_readonly("nbytes", [](const PyBuffer& b) { return b.reg->buffer.length; })
-      .def("__len__", [](const PyBuffer& b) { return b.reg->buffer.length; })
-      .def_property_readonly("readonly", [](const PyBuffer& b) { return b.reg->readonly; })
-      .def_property_readonly("memory", [](const PyBuffer& b) { return to_string(b.reg->place); },
-                             "Where the memory is: \"host\", \"cuda\" or \"cuda-host\".")
-      .def_property_readonly(
-          "obj", [](const PyBuffer& b) { return b.reg->held->object(); },
-          "The object whose memory this is.")
-      .def("__repr__", [](const PyBuffer& b) {
-        return fmt::format("<rdmakit.Buffer {} bytes of {} memory at {:#x}{}>",
-                           b.reg->buffer.length, to_string(b.reg->place),
-                           reinterpret_cast<std::uintptr_t>(b.reg->buffer.addr),
-                           b.reg->readonly ? ", read-only" : "");
-      });
-
-  py::class_<PySegment>(m, "RemoteSegment", "A peer's named segment (Engine.segment).")
-      .def_readonly("peer", &PySegment::peer)
-      .def_readonly("name", &PySegment::name)
-      .def("__repr__", [](const PySegment& s) {
-        return fmt::format("<rdmakit.RemoteSegment {}/{}>", s.peer, s.name);
-      });
-
-  py::class_<PyTransfer>(m, "Transfer",
-                         "One transfer; made by rdmakit.write, read, fetch_add, compare_swap.")
-      .def_readonly("op", &PyTransfer::op)
-      .def_readonly("local", &PyTransfer::local)
-      .def_readonly("local_offset", &PyTransfer::local_offset)
-      .def_readonly("length", &PyTransfer::length)
-      .def_readonly("remote", &PyTransfer::remote)
-      .def_readonly("remote_offset", &PyTransfer::remote_offset)
-      .def("__repr__", [](const PyTransfer& t) {
-        return fmt::format("<rdmakit.Transfer {} {}/{}+{}>", to_string(t.op), t.remote.peer,
-                           t.remote.name, t.remote_offset);
-      });
-
-  const char* range_doc =
-      "local: an rdmakit.Buffer, or an object (array, tensor, memoryview, slice) whose memory "
-      "lies in one registered with the engine. length: bytes (default: the rest of local from "
-      "local_offset).";
-  for (auto [name, op, what] : {std::tuple{"write", TransferOp::write,
-                                          "An RDMA WRITE of local memory into a peer's segment. "},
-                                 std::tuple{"read", TransferOp::read,
-                                          "An RDMA READ of a peer's segment into local memory. "}}) {
-    m.def(
-        name,
-        [op = op](py::object local, const PySegment& remote, std::optional<std::uint64_t> length,
-                  std::uint64_t local_offset, std::uint64_t remote_offset) {
-          return make(op, std::move(local), remote, length, local_offset, remote_offset);
-        },
-        py::arg("local"), py::arg("remote"), py::kw_only(), py::arg("length") = py::none(),
-        py::arg("local_offset") = 0, py::arg("remote_offset") = 0,
-        (std::string(what) + range_doc).c_str());
-  }
-  m.def(
-      "fetch_add",
-      [](py::object local, const PySegment& remote, std::uint64_t add, std::uint64_t local_offset,
-         std::uint64_t remote_offset) {
-        return make(TransferOp::fetch_add, std::move(local), remote, 8, local_offset,
-                    remote_offset, add);
-      },
-      py::arg("local"), py::arg("remote"), py::arg("add"), py::kw_only(),
-      py::arg("local_offset") = 0, py::arg("remote_offset") = 0,
-      "Adds `add` to the 8-byte aligned remote word; its old value goes to local (8 bytes).");
-  m.def(
-      "compare_swap",
-      [](py::object local, const PySegment& remote, std::uint64_t expected, std::uint64_t desired,
-         std::uint64_t local_offset, std::uint64_t remote_offset) {
-        return make(TransferOp::compare_swap, std::move(local), remote, 8, local_offset,
-                    remote_offset, expected, desired);
-      },
-      py::arg("local"), py::arg("remote"), py::arg("expected"), py::arg("desired"),
-      py::kw_only(), py::arg("local_offset") = 0, py::arg("remote_offset") = 0,
-      "Stores `desired` in the remote word if it equals `expected`; its old value goes to local.");
-
-  py::class_<PyPlan>(m, "TransferPlan",
-                     "Transfers resolved once (Engine.prepare), to submit many times cheaply.")
-      .def("__len__", [](const PyPlan& p) { return p.plan.size(); });
-
-  py::class_<Notification>(m, "Notification", "A message that came with a peer's batch.")
-      .def_readonly("peer", &Notification::peer)
-      .def_property_readonly("message",
-                             [](const Notification& n) {
-                               return py::bytes(reinterpret_cast<const char*>(n.message.data()),
-                                                n.message.size());
-                             })
-      .def("__repr__", [](const Notification& n) {
-        return fmt::format("<rdmakit.Notification from {}, {} bytes>", n.peer, n.message.size());
-      });
-
-  py::class_<PyBatch>(m, "Batch",
-                      "The transfers of one submit, in flight or done. `await batch` waits "
-                      "in an asyncio loop; wait() blocks (without the GIL).")
-      .def("done", [](const PyBatch& b) { return b.batch.done(); },
-           "Every transfer has ended.")
-      .def(
-          "wait",
-          [](const PyBatch& b, double timeout, bool check) {
-            bool ended;
-            {
-              py::gil_scoped_release nogil;
-              ended = b.batch.wait(to_ms(timeout, "wait"));
-            }
-            if (!ended) {
-              throw KindedError(ErrorKind::timeout, "Batch.wait", ETIMEDOUT,
-                                fmt::format("the batch of {} transfers was not done within {} s",
-                                            b.batch.size(), timeout),
-                                "a transfer to an unreachable peer ends within the link's "
-                                "handshake and retry deadlines; give it longer");
-            }
-            if (check) check_batch(b.batch);
-          },
-          py::arg("timeout") = 30.0, py::arg("check") = true,
-          "Waits until every transfer has ended (TimeoutError after `timeout` seconds); with "
-          "check, raises TransferError (PeerLostError when the peer is gone) if any failed.")
-      .def("check", [](const PyBatch& b) { check_batch(b.batch); },
-           "Raises TransferError or PeerLostError if a transfer failed (when done).")
-      .def("__len__", [](const PyBatch& b) { return b.batch.size(); })
-      .def_property_readonly("failed", [](const PyBatch& b) { return b.batch.failed(); })
-      .def_property_readonly("notifications_failed", [](const PyBatch& b) { return b.batch.notifications_failed(); },
-                             "Peers whose notification was not sent (their queue was full, or no link was "
-                             "up): describe_failures() says which.")
-      .def(
-          "result",
-          [](const PyBatch& b, std::size_t i) {
-            if (i >= b.batch.size()) throw py::index_error("no such transfer in the batch");
-            TransferResult r = b.batch.result(i);
-            return py::make_tuple(to_string(r.status), r.reason);
-          },
-          "Transfer i's (status, reason); status is \"pending\", \"ok\", \"invalid\", "
-          "\"no_segment\", \"connect_failed\", \"peer_lost\" or \"failed\".")
-      .def("results",
-           [](const PyBatch& b) {
-             py::list out;
-             for (std::size_t i = 0; i < b.batch.size(); ++i) {
-               TransferResult r = b.batch.result(i);
-               out.append(py::make_tuple(to_string(r.status), r.reason));
-             }
-             return out;
-           })
-      .def("describe_failures", [](const PyBatch& b) { return b.batch.describe_failures(); })
-      .def_property_readonly("_engine", [](const PyBatch& b) { return b.engine; })
-      .def(
-          "_watch",
-          [](const PyBatch& b) {
-            b.await->watched.store(true, std::memory_order_relaxed);
-            std::atomic_thread_fence(std::memory_order_seq_cst);
-            return py::make_tuple(b.await->token, b.batch.done());
-          },
-          "For the asyncio reader: marks the batch awaited; (token, done).")
-      .def("__await__", [](py::object self) { return aio("batch_await")(self); })
-      .def("future", [](py::object self) { return aio("batch_future")(self); },
-           "An asyncio future of the running loop that resolves to the batch (or raises as "
-           "wait does). asyncio.gather wraps any other awaitable in a task: with many batches "
-           "in flight, gather their futures.");
+  bind_transfers(m);
+  bind_batch(m);
 
   py::class_<PyEngine, std::shared_ptr<PyEngine>>(
       m, "Engine", py::dynamic_attr(),
@@ -650,11 +459,12 @@ void bind_engine(py::module_& m) {
           "rdmakit.Error naming it.")
       .def(
           "submit",
-          [](PyEngine& e, const py::object& transfers, std::optional<py::bytes> notify) {
-            if (py::isinstance<PyPlan>(transfers)) {
-              return e.submit(transfers.cast<const PyPlan&>().plan, notify);
-            }
-            return e.submit(resolve_all(e, transfers), notify);
+          [](const py::object& self, const py::object& transfers, std::optional<py::bytes> notify) {
+            PyEngine& e = self.cast<PyEngine&>();
+            PyBatch b = py::isinstance<PyPlan>(transfers) ? e.submit(transfers.cast<const PyPlan&>().plan, notify)
+                                                          : e.submit(resolve_all(e, transfers), notify);
+            b.owner = self;
+            return b;
           },
           py::arg("transfers"), py::kw_only(), py::arg("notify") = py::none(),
           "Starts the transfers (a list of rdmakit.Transfer, or a TransferPlan) and returns "

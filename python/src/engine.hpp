@@ -85,6 +85,10 @@ struct PyBatch {
   Batch batch;
   std::shared_ptr<PyEngine> engine;  // the engine lives while a batch of it is referenced
   std::shared_ptr<AwaitState> await;
+  /// The rdmakit.Engine object it was submitted through: Batch._engine is that object (whose
+  /// asyncio reader waits for it), never a new wrapper of the same engine made because the
+  /// caller let go of the first (an awaited batch then waited on a reader nobody polled).
+  py::object owner;
 };
 
 /// rdmakit.Engine. Every call may come from any Python thread; the engine's own calls run with
@@ -129,6 +133,14 @@ class PyEngine : public std::enable_shared_from_this<PyEngine> {
   std::map<std::uintptr_t, std::shared_ptr<Registration>> regs_;
 };
 
+/// A function of rdmakit._aio (the asyncio glue), looked up once.
+const py::object& aio(const char* name);
+
+/// Buffer, RemoteSegment, Transfer and its makers, TransferOp, TransferPlan (transfers.cpp).
+void bind_transfers(py::module_& m);
+/// Batch and Notification (batch.cpp).
+void bind_batch(py::module_& m);
+/// All of the above, then Engine.
 void bind_engine(py::module_& m);
 
 }  // namespace rdmakit::python

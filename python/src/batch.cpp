@@ -1,0 +1,130 @@
+// rdmakit.Batch and rdmakit.Notification: a submit's transfers as they end (waited on, awaited
+// in asyncio, checked), and the messages that come with a peer's batches.
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <cerrno>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "engine.hpp"
+#include "errors.hpp"
+#include "options.hpp"
+
+namespace rdmakit::python {
+
+namespace {
+
+std::vector<Failure> failures_of(const Batch& b) {
+  std::vector<Failure> out;
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    TransferResult r = b.result(i);
+    if (r.status != TransferStatus::ok && r.status != TransferStatus::pending) {
+      out.push_back({i, to_string(r.status), r.reason});
+    }
+  }
+  return out;
+}
+
+// Raises TransferError (PeerLostError when every failure is a lost or unreachable peer).
+void check_batch(const Batch& b) {
+  if (!b.done() || b.failed() == 0) return;
+  std::vector<Failure> f = failures_of(b);
+  bool lost = true;
+  for (const Failure& x : f) {
+    lost &= x.status == to_string(TransferStatus::peer_lost) ||
+            x.status == to_string(TransferStatus::connect_failed);
+  }
+  std::string first = f.empty() ? "" : fmt::format("; first: #{} {}: {}", f[0].index, f[0].status,
+                                                   f[0].reason);
+  throw KindedError(lost ? ErrorKind::peer_lost : ErrorKind::transfer, "batch", 0,
+                    fmt::format("{} of {} transfers failed{}", b.failed(), b.size(), first), {},
+                    std::move(f));
+}
+
+}  // namespace
+
+void bind_batch(py::module_& m) {
+  py::class_<Notification>(m, "Notification", "A message that came with a peer's batch.")
+      .def_readonly("peer", &Notification::peer)
+      .def_property_readonly("message",
+                             [](const Notification& n) {
+                               return py::bytes(reinterpret_cast<const char*>(n.message.data()),
+                                                n.message.size());
+                             })
+      .def("__repr__", [](const Notification& n) {
+        return fmt::format("<rdmakit.Notification from {}, {} bytes>", n.peer, n.message.size());
+      });
+
+  py::class_<PyBatch>(m, "Batch",
+                      "The transfers of one submit, in flight or done. `await batch` waits "
+                      "in an asyncio loop; wait() blocks (without the GIL).")
+      .def("done", [](const PyBatch& b) { return b.batch.done(); },
+           "Every transfer has ended.")
+      .def(
+          "wait",
+          [](const PyBatch& b, double timeout, bool check) {
+            bool ended;
+            {
+              py::gil_scoped_release nogil;
+              ended = b.batch.wait(to_ms(timeout, "wait"));
+            }
+            if (!ended) {
+              throw KindedError(ErrorKind::timeout, "Batch.wait", ETIMEDOUT,
+                                fmt::format("the batch of {} transfers was not done within {} s",
+                                            b.batch.size(), timeout),
+                                "a transfer to an unreachable peer ends within the link's "
+                                "handshake and retry deadlines; give it longer");
+            }
+            if (check) check_batch(b.batch);
+          },
+          py::arg("timeout") = 30.0, py::arg("check") = true,
+          "Waits until every transfer has ended (TimeoutError after `timeout` seconds); with "
+          "check, raises TransferError (PeerLostError when the peer is gone) if any failed.")
+      .def("check", [](const PyBatch& b) { check_batch(b.batch); },
+           "Raises TransferError or PeerLostError if a transfer failed (when done).")
+      .def("__len__", [](const PyBatch& b) { return b.batch.size(); })
+      .def_property_readonly("failed", [](const PyBatch& b) { return b.batch.failed(); })
+      .def_property_readonly("notifications_failed", [](const PyBatch& b) { return b.batch.notifications_failed(); },
+                             "Peers whose notification was not sent (their queue was full, or no link was "
+                             "up): describe_failures() says which.")
+      .def(
+          "result",
+          [](const PyBatch& b, std::size_t i) {
+            if (i >= b.batch.size()) throw py::index_error("no such transfer in the batch");
+            TransferResult r = b.batch.result(i);
+            return py::make_tuple(to_string(r.status), r.reason);
+          },
+          "Transfer i's (status, reason); status is \"pending\", \"ok\", \"invalid\", "
+          "\"no_segment\", \"connect_failed\", \"peer_lost\" or \"failed\".")
+      .def("results",
+           [](const PyBatch& b) {
+             py::list out;
+             for (std::size_t i = 0; i < b.batch.size(); ++i) {
+               TransferResult r = b.batch.result(i);
+               out.append(py::make_tuple(to_string(r.status), r.reason));
+             }
+             return out;
+           })
+      .def("describe_failures", [](const PyBatch& b) { return b.batch.describe_failures(); })
+      .def_property_readonly("_engine", [](const PyBatch& b) -> py::object {
+        return b.owner ? b.owner : py::cast(b.engine);
+      })
+      .def(
+          "_watch",
+          [](const PyBatch& b) {
+            b.await->watched.store(true, std::memory_order_relaxed);
+            std::atomic_thread_fence(std::memory_order_seq_cst);
+            return py::make_tuple(b.await->token, b.batch.done());
+          },
+          "For the asyncio reader: marks the batch awaited; (token, done).")
+      .def("__await__", [](py::object self) { return aio("batch_await")(self); })
+      .def("future", [](py::object self) { return aio("batch_future")(self); },
+           "An asyncio future of the running loop that resolves to the batch (or raises as "
+           "wait does). asyncio.gather wraps any other awaitable in a task: with many batches "
+           "in flight, gather their futures.");
+}
+
+}  // namespace rdmakit::python
