@@ -60,10 +60,17 @@ struct EngineConfig {
   /// drives progress() (then nothing moves between calls).
   std::optional<std::uint32_t> workers{};
   /// Most QPs this engine holds at once (links it initiated and links peers opened to it). When
-  /// a new link would pass it, the least recently used idle link is closed (an eviction, which
-  /// its next transfer undoes by reconnecting); with no idle link to close, the connect waits.
+  /// a new link would pass it, an idle link is closed (an eviction, which its peer's next
+  /// transfer undoes by reconnecting): first a link this engine opened with nothing in flight or
+  /// queued, the least recently used; else a link a peer opened that the peer has reported no
+  /// transfers on for idle_after. With no idle link, the new link waits (up to 5 s, within its
+  /// handshake) and is then refused as busy: a live link is never broken to make room.
   /// A link holds one QP, and over rdma_cm (link.method) two: its control channel is a QP too.
   std::uint32_t max_qps = 1024;
+  /// How long a link a peer opened must have carried no transfers, as the peer reports (the
+  /// accepting side sees no one-sided transfer: the side that opened a link says it is active
+  /// every quarter of this while it moves data), before it may be evicted. At least 100 ms.
+  std::chrono::milliseconds idle_after{2000};
   /// Notifications each peer link may have waiting in this engine for next_notification() at
   /// once (1..65536). The sender knows how many it may send (credits, returned as they are
   /// taken): one more is not sent, and its batch says so (Batch::notifications_failed), rather

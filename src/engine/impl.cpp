@@ -53,6 +53,9 @@ Engine::Impl::Impl(EngineConfig c)
   name = cfg.name.empty() ? default_name() : cfg.name;
   detail::engine_wire::check_name(name, "engine name");
   detail::check_key(cfg.link.psk);
+  if (cfg.idle_after < std::chrono::milliseconds{100}) {
+    throw Error("engine config", EINVAL, fmt::format("idle_after {} ms (at least 100)", cfg.idle_after.count()));
+  }
   if (cfg.notification_queue == 0 || cfg.notification_queue > 65536) {
     throw Error("engine config", EINVAL, fmt::format("notification_queue {} (1..65536)", cfg.notification_queue));
   }
@@ -110,7 +113,10 @@ Engine::Impl::Impl(EngineConfig c)
     for (auto& w : workers) w->start();
   }
   try {
-    for (int i = 0; i < 4; ++i) connectors.emplace_back([this] { connect_loop(); });
+    {
+      std::lock_guard lock(connect_mu);
+      for (int i = 0; i < 2; ++i) connectors.emplace_back([this] { connect_loop(); });
+    }
     if (!cfg.listen.empty() && cfg.listen_at_start) start_listening();
     // Published once the listener's port is known (or later, by start_listening()).
     if (store) meta = std::make_unique<detail::MetadataPlane>(*this);
@@ -151,15 +157,19 @@ Engine::Impl::~Impl() {
 
 void Engine::Impl::shut_down() noexcept {
   meta.reset();  // its entry goes first (a clean shutdown), and its thread stops posting
-  stopping.store(true);
+  std::vector<std::thread> connecting;
+  {
+    std::lock_guard lock(connect_mu);  // no connector is added from here on
+    stopping.store(true);
+    connecting.swap(connectors);
+  }
   connect_cv.notify_all();
   {
     std::lock_guard lock(listen_mu);
     listening.store(nullptr);
     listener.reset();  // its handshakes (which hand links to the workers) end first
   }  // its handshakes end (each bounded by its deadline) before the workers go
-  for (auto& t : connectors) t.join();
-  connectors.clear();
+  for (auto& t : connecting) t.join();
   for (auto& w : workers) w->stop();
   workers.clear();
 }
@@ -274,6 +284,15 @@ void Engine::Impl::request_connect(Peer* p, detail::RailState* rail) {
   {
     std::lock_guard lock(connect_mu);
     to_connect.emplace_back(p, rail);
+    // Every connector is in a handshake (maybe with a host that never answers): one more, so
+    // this one does not wait behind them.
+    if (to_connect.size() > idle_connectors && connectors.size() < kMaxConnectors && !stopping.load()) {
+      try {
+        connectors.emplace_back([this] { connect_loop(); });
+      } catch (const std::system_error&) {
+        // No thread to be had: the ones there are take it in turn.
+      }
+    }
   }
   connect_cv.notify_one();
 }
@@ -298,7 +317,9 @@ void Engine::Impl::connect_loop() noexcept {
     detail::RailState* rail = nullptr;
     {
       std::unique_lock lock(connect_mu);
+      ++idle_connectors;
       connect_cv.wait(lock, [this] { return stopping.load() || !to_connect.empty(); });
+      --idle_connectors;
       if (stopping.load()) return;
       std::tie(p, rail) = to_connect.front();
       to_connect.pop_front();

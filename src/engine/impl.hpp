@@ -213,7 +213,9 @@ struct Link {
   std::uint64_t ended = 0;  // the first sequence number not walked yet
   std::uint64_t walk_to = 0;  // completed up to here, to be walked after the poll (0: nothing)
   std::vector<Xfer*> alone;  // split transfers in flight (their ring slots are parts)
+  // Initiated: its last completion. Accepted: its peer's last ACTIVE (or its link-up).
   Deadline last_used{};
+  Deadline active_sent{};  // initiated: the last ACTIVE sent (every idle_after / 4 while used)
   // Error completions, ended only once the link is reaped: a peer whose process died answers
   // with access errors (its windows went before its QP) while its control channel closes, so
   // whether this was the peer's death or a real refusal is known a moment later.
@@ -442,6 +444,7 @@ class Worker {
   std::size_t ended_ = 0;
   std::vector<Link*> to_flush_;
   std::vector<Link*> to_walk_;  // links with completions to walk (Link::walk_to)
+  std::vector<Link*> to_report_;  // links to tell their peers they are active (Link::active_sent)
   std::vector<Link*> open_chains_;  // links with a chain being built (empty between commands)
   Deadline next_tick_{};
   std::vector<std::shared_ptr<Retirement>> retiring_;  // waiting for transfers of their buffer
@@ -512,12 +515,16 @@ struct Engine::Impl {
   std::vector<std::unique_ptr<detail::Worker>> workers;
   std::atomic<std::uint32_t> next_worker{0};
 
-  // Connecting: a queue of peers and the threads that run their handshakes.
+  // Connecting: a queue of peers and the threads that run their handshakes. A connect waits for
+  // its peer's answer (up to a handshake deadline), so one to a dead host must not hold the rest:
+  // a thread is added whenever none is idle, up to kMaxConnectors at once.
+  static constexpr std::size_t kMaxConnectors = 32;
   std::mutex connect_mu;
   std::condition_variable connect_cv;
   std::deque<std::pair<detail::Peer*, detail::RailState*>> to_connect;  // rail null: the first
   std::atomic<bool> stopping{false};
-  std::vector<std::thread> connectors;
+  std::vector<std::thread> connectors;  // under connect_mu
+  std::size_t idle_connectors = 0;      // under connect_mu
 
   std::mutex listen_mu;  // starting the listener
   std::atomic<Listener*> listening{nullptr};

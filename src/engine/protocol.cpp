@@ -76,6 +76,7 @@ std::vector<std::uint8_t> encode(const Message& m) {
     case Kind::withdraw: put_name(out, m.name); break;
     case Kind::synced:
     case Kind::credit: put(out, m.credits, 4); break;
+    case Kind::active: break;
     case Kind::notify:
       if (m.bytes.size() > kMaxNotify) {
         throw Error("engine notification", EMSGSIZE, fmt::format("{} bytes; at most {}", m.bytes.size(), kMaxNotify));
@@ -143,6 +144,7 @@ Message decode(std::span<const std::uint8_t> bytes) {
       m.kind = kind == 4 ? Kind::synced : Kind::credit;
       m.credits = static_cast<std::uint32_t>(r.get(4, "credits"));
       break;
+    case 8: m.kind = Kind::active; break;
     case 5: {
       m.kind = Kind::notify;
       const auto n = static_cast<std::size_t>(r.get(2, "notification length"));

@@ -11,6 +11,8 @@
 //             the notifications the sender may have queued at the receiver at once
 //   NOTIFY:   length u16 (0..900) | bytes (one credit)
 //   CREDIT:   count u32: that many more notifications were taken by the application
+//   ACTIVE:   (empty) the side that opened the link moved data on it lately: it is not idle,
+//             whatever the accepting side (which sees no one-sided transfer) can tell
 //   RAILS:    listen port u16 | this link's rail u8 (0xff: none listed) | count u8 (0..16) |
 //             count x { device length u8 (1..64) | device | port u8 | link layer u8 (1 IB, 2 Eth) |
 //                       gid 16 bytes | prefix u8 | has endpoint u8 (0/1) }
@@ -36,7 +38,7 @@ inline constexpr std::size_t kMaxName = 64;
 inline constexpr std::size_t kMaxNotify = 900;
 inline constexpr std::size_t kMaxRails = 16;
 
-enum class Kind : std::uint8_t { ident = 1, segment = 2, withdraw = 3, synced = 4, notify = 5, rails = 6, credit = 7 };
+enum class Kind : std::uint8_t { ident = 1, segment = 2, withdraw = 3, synced = 4, notify = 5, rails = 6, credit = 7, active = 8 };
 
 struct Message {
   Kind kind = Kind::ident;
@@ -74,6 +76,11 @@ inline Message synced(std::uint32_t credits) {
   Message m;
   m.kind = Kind::synced;
   m.credits = credits;
+  return m;
+}
+inline Message active() {
+  Message m;
+  m.kind = Kind::active;
   return m;
 }
 inline Message credit(std::uint32_t count) {

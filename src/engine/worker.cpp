@@ -218,13 +218,24 @@ int Worker::poll_cqs() noexcept {
   for (auto& q : cqs_) got += q->router.poll([this](DataPath& dp, const Completion& c) { on_completion(dp, c); });
   // The links' transfers that completed, each link walked once for all of this poll's
   // completions (on_completion).
+  const auto report_every = e_.cfg.idle_after / 4;
   for (Link* l : to_walk_) {
     walk(*l, l->walk_to, TransferStatus::ok, {});
     l->walk_to = 0;
     l->last_used = now_;
+    if (now_ - l->active_sent >= report_every) to_report_.push_back(l);
     if (!l->backlog.empty()) queue_flush(*l);  // room in the queue: what waited for it goes next
   }
   to_walk_.clear();
+  if (!to_report_.empty()) [[unlikely]] {
+    // The peer sees none of these one-sided transfers: it hears that the link is busy from
+    // here, so that it never evicts it as idle (Worker::evict_one).
+    for (Link* l : to_report_) {
+      l->active_sent = now_;
+      send(*l, ew::active());
+    }
+    to_report_.clear();
+  }
   return got;
 }
 

@@ -259,11 +259,30 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
   }
   switch (m.kind) {
     case ew::Kind::ident: {
+      if (l.initiated && l.rail != nullptr && l.rail != l.peer->rails[0].get() && l.peer->epoch != 0 &&
+          m.epoch != l.peer->epoch) {
+        // A further rail answered by another process than the peer's link (an old endpoint of
+        // a peer that restarted or moved): not the peer, and not news of a restart.
+        return break_link(l, fmt::format("its rail was answered by epoch {:#x}; the peer's link has {:#x}", m.epoch,
+                                         l.peer->epoch));
+      }
       const bool restarted = l.initiated && l.peer->epoch != 0 && l.peer->epoch != m.epoch;
       l.peer_name = m.name;
       l.peer_epoch = m.epoch;
       if (l.initiated) {
-        if (restarted) e_.count.restarts.fetch_add(1, std::memory_order_relaxed);
+        if (restarted) {
+          e_.count.restarts.fetch_add(1, std::memory_order_relaxed);
+          // Its further rails were its old process's: their links go, none is probed again
+          // until this link's RAILS says which the new process offers (Worker::on_rails).
+          for (std::size_t k = 1; k < l.peer->rails.size(); ++k) {
+            RailState& r = *l.peer->rails[k];
+            if (&r == l.rail) continue;
+            r.wanted = false;
+            if (r.link != nullptr && r.link->peer_epoch != 0 && r.link->peer_epoch != m.epoch) {
+              break_link(*r.link, fmt::format("peer '{}' restarted: this rail was its earlier process's", l.peer->name));
+            }
+          }
+        }
         l.peer->epoch = m.epoch;
       } else {
         // The same engine opened a link with a new epoch: it restarted, and its links of the old
@@ -298,6 +317,10 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
       if (!l.initiated) return break_link(l, "it sent SYNCED on a link it opened (only the accepting side does)");
       l.notify_credits = l.notify_queue = m.credits;
       if (l.state == Link::State::syncing) make_ready(l);
+      break;
+    case ew::Kind::active:
+      if (l.initiated) return break_link(l, "it reported activity on a link this engine opened");
+      l.last_used = Clock::now();
       break;
     case ew::Kind::credit:
       if (!l.initiated) return break_link(l, "it returned notification credits on a link it opened");
@@ -456,12 +479,22 @@ void Worker::close_link(Link& l) noexcept {
 }
 
 bool Worker::evict_one() {
+  // Idle by evidence only. A link this engine opened is idle when nothing of it is in flight or
+  // queued (known here); one a peer opened, when the peer has not reported transfers on it for
+  // idle_after (its one-sided transfers are invisible here). Those this engine opened go first.
+  const Deadline now = Clock::now();
   Link* victim = nullptr;
   for (auto& l : links_) {
-    const bool idle = l->state == Link::State::ready && l->in_flight == 0 && l->backlog.empty() &&
-                      l->binds_pending == 0 && (!l->initiated || l->peer->waiting.empty());
-    const bool accepted_idle = !l->initiated && l->state != Link::State::closing && l->in_flight == 0 && l->binds_pending == 0;
-    if ((idle || accepted_idle) && (victim == nullptr || l->last_used < victim->last_used)) victim = l.get();
+    if (l->state == Link::State::closing) continue;
+    const bool idle = l->initiated ? l->state == Link::State::ready && l->in_flight == 0 && l->backlog.empty() &&
+                                         l->peer->waiting.empty()
+                                   : l->binds_pending == 0 && l->binds_waiting.empty() &&
+                                         now - l->last_used >= e_.cfg.idle_after;
+    if (!idle) continue;
+    if (victim == nullptr || (l->initiated && !victim->initiated) ||
+        (l->initiated == victim->initiated && l->last_used < victim->last_used)) {
+      victim = l.get();
+    }
   }
   if (victim == nullptr) return false;
   e_.count.evictions.fetch_add(1, std::memory_order_relaxed);

@@ -144,31 +144,60 @@ void Worker::on_rails(Link& l, const ew::Message& m) {
       m.this_rail != 0xff ? std::optional<std::size_t>(m.this_rail) : std::nullopt;
   const std::size_t extra = rc.max == 0 ? ew::kMaxRails : rc.max - 1;
   RailMatch match = match_rails(local, m.rails, l.impl.info.device, l.impl.info.port, first_peer, extra);
-  std::vector<RailState*> open;
+  std::vector<RailState*> open, stale;
   {
     std::lock_guard lock(p.m);
     if (first_peer) p.rails[0]->peer = m.rails[*first_peer];
     p.unused_rails = std::move(match.unused);
+    std::vector<bool> planned(p.rails.size(), false);
     for (RailPlan& plan : match.rails) {
       RailState* r = nullptr;
       for (std::size_t k = 1; k < p.rails.size() && r == nullptr; ++k) {
         RailState& o = *p.rails[k];
-        if (o.local.device == plan.local.device && o.local.port == plan.local.port && o.peer.endpoint == plan.peer.endpoint) r = &o;
+        if (o.local.device == plan.local.device && o.local.port == plan.local.port && o.peer.endpoint == plan.peer.endpoint) {
+          r = &o;
+          planned[k] = true;
+        }
       }
       if (r == nullptr) {
-        auto made = std::make_unique<RailState>();
-        made->local = std::move(plan.local);
-        made->peer = std::move(plan.peer);
-        r = p.rails.emplace_back(std::move(made)).get();
+        // A rail the peer no longer offers, and that nothing refers to now, takes the new one;
+        // else a new one (never freed before the engine: the connect queue may point at it).
+        for (std::size_t k = 1; k < p.rails.size() && r == nullptr; ++k) {
+          RailState& o = *p.rails[k];
+          if (!planned[k] && o.state == "gone" && o.link == nullptr && !o.connecting) {
+            r = &o;
+            planned[k] = true;
+          }
+        }
+        if (r == nullptr) {
+          r = p.rails.emplace_back(std::make_unique<RailState>()).get();
+          planned.push_back(true);
+        }
+        r->local = std::move(plan.local);
+        r->peer = std::move(plan.peer);
+        r->backoff = std::chrono::milliseconds{0};
       }
+      r->wanted = true;
       if (r->link == nullptr && !r->connecting) {
         r->state = "connecting";
         open.push_back(r);
       }
     }
+    // The rails of the peer's earlier process (it restarted or moved) that this one does not
+    // offer: never probed again; a link still up on one goes.
+    for (std::size_t k = 1; k < p.rails.size(); ++k) {
+      RailState& o = *p.rails[k];
+      if (planned[k] || o.state == "gone") continue;
+      o.wanted = false;
+      o.state = "gone";
+      o.reason = "the peer no longer offers it (it restarted or moved)";
+      if (o.link != nullptr) stale.push_back(&o);
+    }
+  }
+  for (RailState* r : stale) {
+    if (r->link != nullptr) break_link(*r->link, "the peer no longer offers this rail (it restarted or moved)");
   }
   for (RailState* r : open) {
-    r->wanted = true;
     r->connecting = true;
     e_.request_connect(&p, r);
   }
@@ -190,6 +219,7 @@ void Worker::rail_down(Peer& p, RailState& r, const std::string& why, bool went_
   }
   std::lock_guard lock(p.m);
   p.cv.notify_all();  // Engine::connect() waits for the rails too
+  if (r.state == "gone") return;  // dropped: the peer no longer offers it
   r.state = "down";
   r.reason = probe ? fmt::format("{} (probed again in {} ms)", why, r.backoff.count())
                    : r.wanted ? why : fmt::format("{} (opened again with the peer's next link)", why);

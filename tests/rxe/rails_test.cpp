@@ -420,3 +420,45 @@ TEST(Rails, TheDeviceRankingOfABufferIsShown) {
   }
   EXPECT_THROW((void)a.locality(Buffer{999, nullptr, 0}), rdmakit::Error);
 }
+
+// The peer restarts on the same address offering only rxe0: a's rail on rxe1 (to the old
+// process's endpoint there, where the new process listens too) is dropped and never probed again
+// (it was probed for ever, and reached the new process on a port that process does not offer).
+TEST(Rails, ARestartedPeerThatNoLongerOffersARailLosesIt) {
+  if (!two_nics()) GTEST_SKIP() << "needs a lab VM with two NICs (--nics 2)";
+  auto b = std::make_unique<Engine>(config("b"));
+  const std::uint16_t port = b->port();
+  b->expose("kv", b->allocate_memory(4096), Access::remote_read | Access::remote_write);
+  Engine a(config("a"));
+  a.add_peer("b", std::string(ip(0)) + ":" + std::to_string(port));
+  std::string why;
+  ASSERT_TRUE(a.connect("b", 10s, &why)) << why;
+  ASSERT_GE(until_rail(a, "b", "rxe1", "up", 10s).count(), 0) << describe(peer_of(a, "b"));
+  b.reset();  // it dies; its links with it
+  ASSERT_GE(until_rail(a, "b", "rxe1", "down", 10s).count(), 0) << describe(peer_of(a, "b"));
+  EngineConfig bc = config("b");
+  bc.listen = ":" + std::to_string(port);
+  bc.rails.devices = {"rxe0"};
+  Engine b2(bc);
+  const Buffer seg = b2.allocate_memory(4096);
+  b2.expose("kv", seg, Access::remote_read | Access::remote_write);
+  const Buffer src = a.allocate_memory(4096);
+  fill(src, 9);
+  const Transfer w = xfer(TransferOp::write, src, 0, 4096, a.segment("b", "kv"), 0);
+  bool wrote = false;
+  for (int i = 0; i < 100 && !wrote; ++i) {  // its first transfers may meet the old link's end
+    Batch wb = a.submit({&w, 1});
+    ASSERT_TRUE(wb.wait(20s));
+    wrote = wb.failed() == 0;
+    if (!wrote) std::this_thread::sleep_for(100ms);
+  }
+  ASSERT_TRUE(wrote);
+  EXPECT_EQ(std::memcmp(seg.addr, src.addr, 4096), 0);
+  // Several probe intervals (500 ms, doubling): the old rail is never up again.
+  std::this_thread::sleep_for(4s);
+  const PeerInfo info = peer_of(a, "b");
+  const RailInfo* r1 = rail_on(info, "rxe1");
+  ASSERT_NE(r1, nullptr) << describe(info);
+  EXPECT_NE(r1->state, "up") << describe(info);
+  EXPECT_TRUE(r1->state == "gone" || r1->state == "unused") << describe(info);
+}

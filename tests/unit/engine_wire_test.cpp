@@ -42,6 +42,7 @@ TEST(EngineWire, EveryKindRoundTrips) {
   const ew::Message cr = ew::decode(ew::encode(ew::credit(7)));
   EXPECT_EQ(cr.kind, ew::Kind::credit);
   EXPECT_EQ(cr.credits, 7u);
+  EXPECT_EQ(ew::decode(ew::encode(ew::active())).kind, ew::Kind::active);
   const std::vector<std::uint8_t> note(900, 0x5a);
   EXPECT_EQ(ew::decode(ew::encode(ew::notify(note))).bytes, note);
   EXPECT_TRUE(ew::decode(ew::encode(ew::notify({}))).bytes.empty());
