@@ -58,9 +58,25 @@ void bind_batch(py::module_& m) {
         return fmt::format("<rdmakit.Notification from {}, {} bytes>", n.peer, n.message.size());
       });
 
+  // A Batch holds its Engine object (PyBatch::owner), and an engine's asyncio reader holds the
+  // batches it waits for: the collector must see that reference, or a cycle of an engine dropped
+  // without close() and a batch its closed loop never settled would never be freed.
+  auto gc = py::custom_type_setup([](PyHeapTypeObject* heap_type) {
+    auto* type = &heap_type->ht_type;
+    type->tp_flags |= Py_TPFLAGS_HAVE_GC;
+    type->tp_traverse = [](PyObject* self, visitproc visit, void* arg) {
+      Py_VISIT(Py_TYPE(self));
+      Py_VISIT(py::cast<PyBatch&>(py::handle(self)).owner.ptr());
+      return 0;
+    };
+    type->tp_clear = [](PyObject* self) {
+      py::cast<PyBatch&>(py::handle(self)).owner = py::object();
+      return 0;
+    };
+  });
   py::class_<PyBatch>(m, "Batch",
                       "The transfers of one submit, in flight or done. `await batch` waits "
-                      "in an asyncio loop; wait() blocks (without the GIL).")
+                      "in an asyncio loop; wait() blocks (without the GIL).", gc)
       .def("done", [](const PyBatch& b) { return b.batch.done(); },
            "Every transfer has ended.")
       .def(

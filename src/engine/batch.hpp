@@ -135,7 +135,9 @@ struct WorkerShare {
   std::shared_ptr<BatchState> keep;  // set while listed: the batch lives while its transfers run
   std::uint32_t left = 0;            // the worker's transfers of it that have not ended
   std::uint32_t pos = 0;             // its place in the worker's list
-  std::map<Peer*, std::uint32_t> writes_left;  // for the notification
+  // For the notification: the writes left per peer, by (id, generation) (a peer removed meanwhile
+  // is told apart from one that took its id).
+  std::map<std::pair<std::uint32_t, std::uint32_t>, std::uint32_t> writes_left;
 };
 
 struct BatchState : std::enable_shared_from_this<BatchState> {

@@ -191,6 +191,8 @@ void Engine::unregister_memory(const Buffer& buffer, std::chrono::milliseconds t
   if (b->released.load()) throw Error("unregister_memory", EINVAL, fmt::format("buffer {} was unregistered already", buffer.id));
   {
     std::lock_guard lock(impl_->mu);
+    // Another call released it meanwhile (its id may be going to another buffer).
+    if (b->released.load()) throw Error("unregister_memory", EINVAL, fmt::format("buffer {} was unregistered already", buffer.id));
     std::string users;
     for (const auto& [n, s] : impl_->segments) {
       if (s.buffer == buffer.id) users += (users.empty() ? "'" : ", '") + n + "'";
@@ -205,6 +207,7 @@ void Engine::unregister_memory(const Buffer& buffer, std::chrono::milliseconds t
   // NIC may still process names its regions, and they go.
   auto r = std::make_shared<detail::Retirement>();
   r->buffer = buffer.id;
+  r->generation = buffer.generation;
   r->workers_left = static_cast<std::uint32_t>(impl_->workers.size());
   for (auto& w : impl_->workers) {
     detail::Command c(detail::Command::Kind::retire);

@@ -235,13 +235,14 @@ detail::Attachment Engine::Impl::attach(const std::string& device, Worker* prefe
   const auto deadline = detail::deadline_in(std::min(cfg.link.handshake_timeout, std::chrono::milliseconds{5000}));
   // Over rdma_cm a link's control channel is a QP too: it counts against the budget.
   const std::uint64_t per = qps_per_link();
-  for (bool asked = false;;) {
+  for (auto ask = detail::Clock::now();;) {
     std::uint64_t have = count.qps.load();
     if (have + per <= cfg.max_qps && count.qps.compare_exchange_weak(have, have + per)) break;
     if (have + per <= cfg.max_qps) continue;
-    if (!asked) {
+    if (detail::Clock::now() >= ask) {
+      // Again every 200 ms: a link may become idle (by evidence) while this one waits.
       for (auto& w : workers) w->post(detail::Command(detail::Command::Kind::evict));
-      asked = true;
+      ask = detail::Clock::now() + std::chrono::milliseconds{200};
     }
     if (stopping.load() || detail::Clock::now() >= deadline) {
       throw Error("engine QP budget", EBUSY,
@@ -422,8 +423,8 @@ std::uint32_t Engine::Impl::slot_of(Peer& p, const std::string& segment) {
 }
 
 std::uint32_t Engine::Impl::next_generation() {
-  // splitmix64 of the engine's salt and a count: distinct for every handle this engine makes,
-  // unpredictable to another engine.
+  // splitmix64 of the engine's salt and a count, 31 bits of it: a handle of a buffer or peer
+  // that went matches the one that took its id with odds of 2^-31, another engine's likewise.
   std::uint64_t z = salt + ++handles_made * 0x9e3779b97f4a7c15ull;
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;

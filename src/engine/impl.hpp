@@ -88,6 +88,7 @@ struct BufferRec {
 /// flight uses the buffer any more.
 struct Retirement {
   std::uint32_t buffer = 0;
+  std::uint32_t generation = 0;  // the buffer's: its id may be another buffer's by the time a worker looks
   std::mutex m;
   std::condition_variable cv;
   std::uint32_t workers_left = 0;  // under m
@@ -182,6 +183,7 @@ struct Link {
   std::uint64_t peer_epoch = 0;
   enum class State { syncing, ready, closing } state = State::syncing;
   bool watched = false;  // its control fd is in the worker's epoll set
+  bool rails_seen = false;  // initiated: the peer's RAILS came (once per link)
   // Initiated: the peer's segments (by the peer's slot numbers, and as the data path checks them).
   std::vector<std::optional<RemoteRegion>> by_slot;
   std::map<std::string, RemoteRegion> remote;
@@ -383,6 +385,11 @@ class Worker {
   void tick_link(Link& l, Deadline now) noexcept;
   void on_message(Link& l, std::span<const std::uint8_t> bytes);
   void make_ready(Link& l);
+  /// Whether further rail `r` of `p` is still one to use (not dropped as the peer's old one).
+  bool rail_wanted(Peer& p, const RailState& r) noexcept;
+  /// Tells the peers of links with transfers in flight that they are active (Link::active_sent),
+  /// though nothing completed lately (one long transfer, a path in retries).
+  void report_active(Deadline now) noexcept;
   /// Engine `name` now runs with `epoch`: its links of another epoch (on this worker) go.
   void close_stale(const std::string& name, std::uint64_t epoch, const Link* except);
   /// Gives the peer of accepted link `l` a window on segment `s`: bound now when the send queue
@@ -447,6 +454,7 @@ class Worker {
   std::vector<Link*> to_report_;  // links to tell their peers they are active (Link::active_sent)
   std::vector<Link*> open_chains_;  // links with a chain being built (empty between commands)
   Deadline next_tick_{};
+  Deadline next_report_{};  // report_active()
   std::vector<std::shared_ptr<Retirement>> retiring_;  // waiting for transfers of their buffer
   std::unordered_map<Xfer*, std::unique_ptr<SliceGroup>> groups_;  // by sliced transfer
   std::vector<std::pair<Peer*, RailState*>> probes_;  // failed rails waiting for their probe

@@ -202,9 +202,21 @@ md::EngineRecord MetadataPlane::self_record() const {
     }
   }
   std::lock_guard lock(e_.mu);
+  std::size_t bytes = 0;
   for (const auto& [name, s] : e_.segments) {
-    // More than a record holds: the rest are served over the links all the same, not listed.
-    if (r.segments.size() == md::max_segments) break;
+    // More than a record holds (in entries, or in bytes within etcd's default 1.5 MiB request,
+    // counting a name's escapes at their worst): the rest are served over the links all the
+    // same, not listed, and the log says so once.
+    bytes += 2 * name.size() + 40;
+    if (r.segments.size() == md::max_segments || bytes > md::max_segment_bytes) {
+      if (!truncated_.exchange(true)) {
+        e_.cfg.link.log(fmt::format("engine {}: its record in {} lists {} of its {} segments (a record holds "
+                                    "at most {} or about {} KiB of them); peers reach all of them over their links",
+                                    e_.name, shown_, r.segments.size(), e_.segments.size(), md::max_segments,
+                                    md::max_segment_bytes / 1024));
+      }
+      break;
+    }
     const BufferRec* b = e_.buffer(s.buffer);
     r.segments.push_back({name, s.length, b != nullptr ? to_string(b->regions[0]->kind()) : "host"});
   }

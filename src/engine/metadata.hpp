@@ -12,6 +12,7 @@
 // `mu_`. Lock order: dir_mu_ before mu_ and before Engine::Impl::mu (publishing builds the record
 // from the engine's registries under dir_mu_); nothing takes dir_mu_ holding either.
 
+#include <atomic>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -66,6 +67,7 @@ class MetadataPlane {
   std::map<std::string, metadata::EngineRecord> known_;
   std::string status_;
   Deadline due_{};  // when the directory next has something to do
+  mutable std::atomic<bool> truncated_{false};  // the record could not list every segment (logged once)
   std::thread thread_;
 };
 

@@ -148,7 +148,7 @@ void Worker::submit_plan(const std::shared_ptr<BatchState>& b) {
     for (const std::uint32_t k : mine) {
       const PlanState::Run& run = plan.runs[k];
       if (!writes(run.op)) continue;
-      if (Peer* p = e_.peer(run.peer); p != nullptr && p->generation == run.peer_gen) live.writes_left[p] += run.n;
+      live.writes_left[{run.peer, run.peer_gen}] += run.n;
     }
   }
   // `live` may go from here on: the last transfer to end erases it.

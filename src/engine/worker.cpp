@@ -195,6 +195,7 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
       sleep(now);  // a zero wait: the links' control channels, device events
       reap_links();
       if (!probes_.empty()) probe_rails(now);
+      if (now >= next_report_) report_active(now);
       if (!retiring_.empty()) check_retiring();
     }
     if (!forever && now >= until) break;
@@ -237,6 +238,17 @@ int Worker::poll_cqs() noexcept {
     to_report_.clear();
   }
   return got;
+}
+
+void Worker::report_active(Deadline now) noexcept {
+  const auto every = e_.cfg.idle_after / 4;
+  next_report_ = now + every;
+  for (auto& l : links_) {
+    if (l->initiated && ready(l.get()) && (l->in_flight > 0 || !l->backlog.empty()) && now - l->active_sent >= every) {
+      l->active_sent = now;
+      send(*l, ew::active());
+    }
+  }
 }
 
 // Waits on the worker's descriptors until `until` (not at all when it has passed): CQ events
@@ -313,6 +325,13 @@ void Worker::handle(Command& c) {
       if (p.worker == this) {
         break_links(p, fmt::format("peer '{}' was removed", p.name));
         fail_waiting(p, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
+        {
+          std::lock_guard lock(p.m);  // Engine::connect() waiting for it ends now, saying why
+          p.last_error = fmt::format("peer '{}' was removed", p.name);
+          ++p.attempts;
+          p.up = false;
+          p.cv.notify_all();
+        }
         release_if_quiet(p);
       }
       // Its access to our segments goes with the links it opened to us.
@@ -338,7 +357,9 @@ void Worker::handle(Command& c) {
     case Command::Kind::restarted: close_stale(c.text, c.epoch, nullptr); break;
     case Command::Kind::retire:
       // Transfers of it submitted before this command were admitted already: those after are not.
-      if (BufferRec* b = e_.buffer(c.retirement->buffer)) b->retired_by.fetch_or(std::uint64_t{1} << index_);
+      if (BufferRec* b = e_.buffer(Buffer{c.retirement->buffer, nullptr, 0, c.retirement->generation})) {
+        b->retired_by.fetch_or(std::uint64_t{1} << index_);
+      }
       retiring_.push_back(std::move(c.retirement));
       check_retiring();
       break;

@@ -40,6 +40,7 @@ void Worker::link_up(Command& c) {
     c.rail->connecting = false;
     e_.count.rail_links.fetch_add(1, std::memory_order_relaxed);
     if (p.removed.load() || p.gone.load()) break_link(l, fmt::format("peer '{}' is gone", p.name));
+    if (!rail_wanted(p, *c.rail)) break_link(l, "the peer no longer offers this rail (it restarted or moved)");
     return;
   }
   if (l.initiated) {
@@ -263,6 +264,7 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
           m.epoch != l.peer->epoch) {
         // A further rail answered by another process than the peer's link (an old endpoint of
         // a peer that restarted or moved): not the peer, and not news of a restart.
+        l.rail->wanted = false;  // not probed again: the peer's next RAILS says whether it is offered
         return break_link(l, fmt::format("its rail was answered by epoch {:#x}; the peer's link has {:#x}", m.epoch,
                                          l.peer->epoch));
       }
@@ -336,6 +338,8 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
       break;
     case ew::Kind::rails:
       if (!l.initiated) return break_link(l, "it sent its rails on a link it opened (only the accepting side does)");
+      if (l.rails_seen) return break_link(l, "it sent its rails twice on one link");
+      l.rails_seen = true;
       if (l.rail == l.peer->rails[0].get()) on_rails(l, m);  // a further rail's copy says nothing new
       break;
   }
@@ -353,9 +357,13 @@ void Worker::close_stale(const std::string& name, std::uint64_t epoch, const Lin
 }
 
 void Worker::make_ready(Link& l) {
-  l.state = Link::State::ready;
   Peer& p = *l.peer;
   const bool first = l.rail == p.rails[0].get();
+  if (!first && !rail_wanted(p, *l.rail)) {
+    // Dropped while it connected (the peer restarted or moved and no longer offers it).
+    return break_link(l, "the peer no longer offers this rail (it restarted or moved)");
+  }
+  l.state = Link::State::ready;
   {
     std::lock_guard lock(p.m);
     l.rail->state = "up";
@@ -486,8 +494,10 @@ bool Worker::evict_one() {
   Link* victim = nullptr;
   for (auto& l : links_) {
     if (l->state == Link::State::closing) continue;
+    // A link this engine opened counts as idle after a twentieth of idle_after (100 ms by
+    // default) without a completion: the gap between a client's batches is not idleness.
     const bool idle = l->initiated ? l->state == Link::State::ready && l->in_flight == 0 && l->backlog.empty() &&
-                                         l->peer->waiting.empty()
+                                         l->peer->waiting.empty() && now - l->last_used >= e_.cfg.idle_after / 20
                                    : l->binds_pending == 0 && l->binds_waiting.empty() &&
                                          now - l->last_used >= e_.cfg.idle_after;
     if (!idle) continue;
@@ -528,11 +538,12 @@ void Worker::fail_waiting(Peer& p, TransferStatus s, const std::string& why) noe
 
 void Worker::check_retiring() noexcept {
   for (auto it = retiring_.begin(); it != retiring_.end();) {
-    const std::uint32_t id = (*it)->buffer;
+    const std::uint32_t id = (*it)->buffer, gen = (*it)->generation;
     bool used = false;
     for (const BatchState* b : live_) {
       for (std::uint32_t i = 0; i < b->size && !used; ++i) {
-        used = b->x[i].t->local.id == id && b->x[i].status(std::memory_order_relaxed) == TransferStatus::pending;
+        used = b->x[i].t->local.id == id && b->x[i].t->local.generation == gen &&
+               b->x[i].status(std::memory_order_relaxed) == TransferStatus::pending;
       }
       if (used) break;
     }

@@ -67,7 +67,7 @@ void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std:
     for (std::uint32_t k = 0; k < n; ++k) {
       const Transfer& t = *b->x[all ? k : indexes[k]].t;
       if (writes(t.op)) {
-        if (Peer* p = e_.peer(t.remote); p != nullptr) ++live.writes_left[p];
+        ++live.writes_left[{t.remote.peer, t.remote.generation}];
       }
     }
   }
@@ -443,8 +443,7 @@ void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
     e_.count.bytes.fetch_add(t.length, std::memory_order_relaxed);
   }
   if (writes(t.op) && !b.notify.empty()) {
-    Peer* p = e_.peer(t.remote);
-    auto w = live.writes_left.find(p);
+    auto w = live.writes_left.find({t.remote.peer, t.remote.generation});
     if (w != live.writes_left.end()) {
       if (s != TransferStatus::ok) {
         live.writes_left.erase(w);  // a write failed: no notification for that peer
@@ -452,8 +451,11 @@ void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
         live.writes_left.erase(w);
         // Every write of the batch to this peer has completed: the data is in its memory. Sent
         // within the credits the peer gave the link; otherwise the batch says why, before it ends.
-        Link* to = notify_link(*p);
-        if (to == nullptr) {
+        Peer* p = e_.peer(t.remote);
+        Link* to = p != nullptr ? notify_link(*p) : nullptr;
+        if (p == nullptr) {
+          b.notification_failed(fmt::format("peer {}: removed before its writes completed", t.remote.peer));
+        } else if (to == nullptr) {
           b.notification_failed(fmt::format("peer '{}': no link to it was up to carry it", p->name));
         } else if (to->notify_credits == 0) {
           b.notification_failed(fmt::format("peer '{}': not sent: its queue of {} notifications from this engine "
@@ -493,7 +495,7 @@ void Worker::on_completion(DataPath& dp, const Completion& c) noexcept {
 }
 
 // Nothing may leave a completion handler (it runs inside the CQ poll): what throws here (out of
-// memory formatting a reason) is logged, and the link breaks so its transfers still end.
+// memory formatting a reason) is logged, and the transfer ends failed with it.
 void Worker::on_news(Link& l, const Completion& c, std::uint64_t seq, bool part) noexcept {
   DataPath& dp = l.impl.dp;
   // Those before it completed; it is news of its own.

@@ -90,8 +90,8 @@ EngineRecord decode(std::string_view input, const std::string& where,
   json j = json::parse(input, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) bad(where, "not a JSON object");
   const std::uint64_t v = number(j, "v", where);
-  if (v != record_version) {
-    bad(where, fmt::format("format version {}; this rdmakit reads version {}", v, record_version));
+  if (v != record_version && v != 1) {
+    bad(where, fmt::format("format version {}; this rdmakit reads versions 1 and {}", v, record_version));
   }
   EngineRecord r;
   r.name = text(j, "name", where);
@@ -112,6 +112,12 @@ EngineRecord decode(std::string_view input, const std::string& where,
   }
   r.segments.reserve(list(j, "segments", where, max_segments).size());
   for (const json& s : j["segments"]) {
+    // Version 1 wrote {"name", "length", "memory"} objects: read too, so that a cluster upgraded
+    // one engine at a time keeps seeing the engines not upgraded yet.
+    if (v == 1 && s.is_object()) {
+      r.segments.push_back({text(s, "name", where), number(s, "length", where), text(s, "memory", where)});
+      continue;
+    }
     if (!s.is_array() || s.size() != 3 || !s[0].is_string() || !s[1].is_number_unsigned() || !s[2].is_string() ||
         s[0].get_ref<const std::string&>().size() > max_text || s[2].get_ref<const std::string&>().size() > max_text) {
       bad(where, "a segment is not [name, length, memory]");

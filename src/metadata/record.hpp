@@ -21,6 +21,8 @@ using EngineRecord = PublishedEngine;
 inline constexpr int record_version = 2;
 /// The most segments a record lists (an engine with more lists the first ones).
 inline constexpr std::size_t max_segments = 16384;
+/// And at most about this many bytes of them (etcd takes 1.5 MiB in one request by default).
+inline constexpr std::size_t max_segment_bytes = 1u << 20;
 
 [[nodiscard]] std::string encode(const EngineRecord& r);
 /// Throws Error (EPROTO) naming `where` (the store and key) for anything that is not a record

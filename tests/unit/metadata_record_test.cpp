@@ -30,6 +30,17 @@ TEST(EngineRecord, NeverCarriesKeysOrAddressesOfMemory) {
   }
 }
 
+// A record of version 1 (an engine not upgraded yet) is read: its segments were objects.
+TEST(EngineRecord, VersionOneIsReadDuringAnUpgrade) {
+  const std::string v1 =
+      R"({"v":1,"name":"kv-server","epoch":7,"endpoints":["10.0.0.7:7600"],"rails":[],)"
+      R"("segments":[{"name":"kv","length":4096,"memory":"host"}]})";
+  const EngineRecord r = decode(v1, "test", "kv-server");
+  ASSERT_EQ(r.segments.size(), 1u);
+  EXPECT_EQ(r.segments[0].name, "kv");
+  EXPECT_EQ(r.segments[0].length, 4096u);
+}
+
 TEST(EngineRecord, BadInputIsRefusedWithTheReason) {
   const std::string good = encode(sample());
   struct Case {
@@ -43,6 +54,7 @@ TEST(EngineRecord, BadInputIsRefusedWithTheReason) {
       {"[1,2]", "not a JSON object"},
       {"{\"v\":1", "not a JSON object"},
       {other_version, "format version 3"},
+      {R"({"v":1,"name":"kv-server","epoch":1,"endpoints":[],"rails":[],"segments":[{"name":"s","length":1}]})", "\"memory\""},
       {R"({"v":2,"name":"kv-server","epoch":-1,"endpoints":[],"rails":[],"segments":[]})", "\"epoch\""},
       {R"({"v":2,"name":"other","epoch":1,"endpoints":[],"rails":[],"segments":[]})", "names engine \"other\""},
       {R"({"v":2,"name":"kv-server","epoch":1,"endpoints":[3],"rails":[],"segments":[]})", "endpoint"},

@@ -5,6 +5,7 @@ import asyncio
 import gc
 import socket
 import threading
+import weakref
 
 import pytest
 
@@ -118,3 +119,26 @@ def test_notifications_beyond_the_queue_are_refused_and_said():
     assert got == [b"\x00", b"\x01"]
     a.close()
     t.close()
+
+
+def test_an_engine_dropped_with_an_abandoned_awaited_batch_is_collected():
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    a = rdmakit.Engine(name="a", listen="", handshake_timeout=1.0)
+    a.add_peer("t", f"127.0.0.1:{silent.getsockname()[1]}")
+    src = bytearray(4096)
+    a.register(src)
+    seg = a.segment("t", "kv")
+
+    async def run():
+        batch = a.submit([rdmakit.write(src, seg)])
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(batch, 0.05)  # given up on; its loop closes with it waited for
+
+    asyncio.run(run())
+    gone = weakref.ref(a)
+    del a, seg
+    gc.collect()
+    assert gone() is None, "the engine, its reader and the batch it waited for were never freed"
+    silent.close()
