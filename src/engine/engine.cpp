@@ -259,7 +259,8 @@ std::shared_ptr<Peer> Engine::Impl::add_peer(std::string peer_name, std::string 
   p->rails.push_back(std::make_unique<detail::RailState>());
   std::lock_guard lock(mu);
   if (peer_ids.count(p->name) != 0) throw Error("add_peer", EEXIST, fmt::format("a peer '{}' exists", p->name));
-  if (!free_peer_ids.empty()) {
+  const bool reused = !free_peer_ids.empty();
+  if (reused) {
     p->id = free_peer_ids.back();
   } else if (peers.size() < kMaxPeers) {
     p->id = static_cast<std::uint32_t>(peers.size() + 1);
@@ -271,7 +272,7 @@ std::shared_ptr<Peer> Engine::Impl::add_peer(std::string peer_name, std::string 
   p->generation = next_generation();
   p->order = ++peers_added;
   peer_ids[p->name] = p->id;  // the last step that may throw: nothing below does
-  if (!free_peer_ids.empty() && free_peer_ids.back() == p->id) {
+  if (reused) {
     free_peer_ids.pop_back();
   } else {
     peers.emplace_back();

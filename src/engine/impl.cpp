@@ -459,8 +459,8 @@ Buffer Engine::Impl::publish(std::unique_ptr<detail::BufferRec> rec) {
 }
 
 std::shared_ptr<detail::BufferRec> Engine::Impl::buffer_for(const Buffer& h, const char* verb) const {
-  std::lock_guard lock(mu);
-  if (h.id == 0 || h.id > buffers.size() || !buffers[h.id - 1] || buffers[h.id - 1]->handle.generation != h.generation) {
+  std::lock_guard lock(mu);  // the record cannot go while it is taken
+  if (buffer(h) == nullptr) {
     throw Error(verb, EINVAL,
                 fmt::format("buffer {} (generation {:#x}) is not a registered buffer of this engine", h.id, h.generation),
                 "a handle of another engine, or of a buffer unregistered");

@@ -58,7 +58,7 @@ struct RailState {
   // The worker's:
   Link* link = nullptr;
   bool connecting = false;
-  bool wanted = true;  // false once evicted (idle): opened again with the first rail
+  bool wanted = true;  // false once evicted (idle) or dropped as the peer's old one (state "gone"): opened again by the peer's next RAILS
   Deadline probe_at{};
   std::chrono::milliseconds backoff{0};
   // Shown by peers(): under Peer::m.
@@ -358,6 +358,8 @@ class Worker {
   int poll_cqs() noexcept;
   void link_up(Command& c);
   void connect_failed(Peer& p, const std::string& why);
+  /// Tells Engine::connect() waiting for `p` that this attempt ended without a link, and why.
+  void not_linked(Peer& p, const std::string& why);
   // Rails.
   /// The ready link of `p` (its first or a further rail) with the fewest bytes outstanding;
   /// with `instead_of`, another of the same peer process (epoch). Null: none ready.
@@ -385,15 +387,14 @@ class Worker {
   void tick_link(Link& l, Deadline now) noexcept;
   void on_message(Link& l, std::span<const std::uint8_t> bytes);
   void make_ready(Link& l);
-  /// Whether further rail `r` of `p` is still one to use (not dropped as the peer's old one).
-  bool rail_wanted(Peer& p, const RailState& r) noexcept;
   /// Tells the peers of links with transfers in flight that they are active (Link::active_sent),
   /// though nothing completed lately (one long transfer, a path in retries).
   void report_active(Deadline now) noexcept;
+  void tell_active(Link& l, Deadline now) noexcept;
   /// Engine `name` now runs with `epoch`: its links of another epoch (on this worker) go.
   void close_stale(const std::string& name, std::uint64_t epoch, const Link* except);
-  /// Gives the peer of accepted link `l` a window on segment `s`: bound now when the send queue
-  /// has room (and nothing waits before it), else queued for bind_waiting().
+  /// Gives the peer of accepted link `l` a window on segment `s`: announced at once with region
+  /// keys; with windows, queued for bind_waiting(), which the caller runs next.
   void bind_window(Link& l, const SegmentDef& s);
   /// Posts the bind of `s` on `l`; false when the send queue is full. Throws Error on a failure.
   bool post_bind(Link& l, const SegmentDef& s);

@@ -231,10 +231,7 @@ int Worker::poll_cqs() noexcept {
   if (!to_report_.empty()) [[unlikely]] {
     // The peer sees none of these one-sided transfers: it hears that the link is busy from
     // here, so that it never evicts it as idle (Worker::evict_one).
-    for (Link* l : to_report_) {
-      l->active_sent = now_;
-      send(*l, ew::active());
-    }
+    for (Link* l : to_report_) tell_active(*l, now_);
     to_report_.clear();
   }
   return got;
@@ -245,10 +242,14 @@ void Worker::report_active(Deadline now) noexcept {
   next_report_ = now + every;
   for (auto& l : links_) {
     if (l->initiated && ready(l.get()) && (l->in_flight > 0 || !l->backlog.empty()) && now - l->active_sent >= every) {
-      l->active_sent = now;
-      send(*l, ew::active());
+      tell_active(*l, now);
     }
   }
+}
+
+void Worker::tell_active(Link& l, Deadline now) noexcept {
+  l.active_sent = now;
+  send(l, ew::active());
 }
 
 // Waits on the worker's descriptors until `until` (not at all when it has passed): CQ events
@@ -315,7 +316,9 @@ void Worker::handle(Command& c) {
         def = it->second;
       }
       for (auto& l : links_) {
-        if (!l->initiated && l->state != Link::State::closing) bind_window(*l, def);
+        if (l->initiated || l->state == Link::State::closing) continue;
+        bind_window(*l, def);
+        bind_waiting(*l);
       }
       break;
     }
@@ -325,13 +328,7 @@ void Worker::handle(Command& c) {
       if (p.worker == this) {
         break_links(p, fmt::format("peer '{}' was removed", p.name));
         fail_waiting(p, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
-        {
-          std::lock_guard lock(p.m);  // Engine::connect() waiting for it ends now, saying why
-          p.last_error = fmt::format("peer '{}' was removed", p.name);
-          ++p.attempts;
-          p.up = false;
-          p.cv.notify_all();
-        }
+        not_linked(p, fmt::format("peer '{}' was removed", p.name));  // Engine::connect() ends now
         release_if_quiet(p);
       }
       // Its access to our segments goes with the links it opened to us.
@@ -374,10 +371,7 @@ void Worker::handle(Command& c) {
     case Command::Kind::kick: {
       Peer& p = *c.peer;
       if (p.removed.load()) {
-        std::lock_guard lock(p.m);
-        p.last_error = fmt::format("peer '{}' was removed", p.name);
-        ++p.attempts;
-        p.cv.notify_all();
+        not_linked(p, fmt::format("peer '{}' was removed", p.name));
       } else if (ready(p.link)) {
         std::lock_guard lock(p.m);
         p.up = true;

@@ -40,7 +40,7 @@ void Worker::link_up(Command& c) {
     c.rail->connecting = false;
     e_.count.rail_links.fetch_add(1, std::memory_order_relaxed);
     if (p.removed.load() || p.gone.load()) break_link(l, fmt::format("peer '{}' is gone", p.name));
-    if (!rail_wanted(p, *c.rail)) break_link(l, "the peer no longer offers this rail (it restarted or moved)");
+    if (!c.rail->wanted) break_link(l, "the peer no longer offers this rail (it restarted or moved)");
     return;
   }
   if (l.initiated) {
@@ -83,12 +83,16 @@ void Worker::link_up(Command& c) {
     for (const auto& [n, d] : e_.segments) defs.push_back(d);
   }
   for (const SegmentDef& d : defs) bind_window(l, d);
-  synced_if_done(l);
+  bind_waiting(l);  // then SYNCED, once the last has been bound
 }
 
 void Worker::connect_failed(Peer& p, const std::string& why) {
   p.connecting = false;
   fail_waiting(p, TransferStatus::connect_failed, why);
+  not_linked(p, why);
+}
+
+void Worker::not_linked(Peer& p, const std::string& why) {
   std::lock_guard lock(p.m);
   ++p.attempts;
   p.up = false;
@@ -111,14 +115,7 @@ void Worker::bind_window(Link& l, const SegmentDef& def) {
     l.windows.push_back(std::move(w));
     return;
   }
-  // In order: a segment queued before waits for room, so this one does too.
-  if (!l.binds_waiting.empty()) return l.binds_waiting.push_back(def);
-  try {
-    if (!post_bind(l, def)) l.binds_waiting.push_back(def);
-  } catch (const std::exception& ex) {
-    // This peer will not have this segment (its transfers to it end no_segment); the rest go on.
-    log(fmt::format("engine {}: segment '{}' for {}: {}", e_.name, def.name, l.impl.info.peer_address, ex.what()));
-  }
+  l.binds_waiting.push_back(def);  // bound in order, as the send queue has room (bind_waiting)
 }
 
 bool Worker::post_bind(Link& l, const SegmentDef& def) {
@@ -359,7 +356,7 @@ void Worker::close_stale(const std::string& name, std::uint64_t epoch, const Lin
 void Worker::make_ready(Link& l) {
   Peer& p = *l.peer;
   const bool first = l.rail == p.rails[0].get();
-  if (!first && !rail_wanted(p, *l.rail)) {
+  if (!first && !l.rail->wanted) {
     // Dropped while it connected (the peer restarted or moved and no longer offers it).
     return break_link(l, "the peer no longer offers this rail (it restarted or moved)");
   }

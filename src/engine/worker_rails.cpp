@@ -203,11 +203,6 @@ void Worker::on_rails(Link& l, const ew::Message& m) {
   }
 }
 
-bool Worker::rail_wanted(Peer& p, const RailState& r) noexcept {
-  std::lock_guard lock(p.m);
-  return r.wanted && r.state != "gone";
-}
-
 void Worker::rail_down(Peer& p, RailState& r, const std::string& why, bool went_down) {
   if (went_down) {
     r.link = nullptr;
