@@ -76,6 +76,11 @@ struct EngineConfig {
   /// taken): one more is not sent, and its batch says so (Batch::notifications_failed), rather
   /// than queued without bound or dropped in silence.
   std::uint32_t notification_queue = 1024;
+  /// A link's control messages (segments, notifications, credits, activity) wait in an outbox
+  /// of its own while the peer does not read them, and its worker goes on serving every other
+  /// link. When the outbox has taken nothing for this long (the peer is stopped, hung or
+  /// swamped), or holds more than 16 MiB, the link is broken with that reason. At least 100 ms.
+  std::chrono::milliseconds control_timeout{10'000};
   /// Where peers are found: "p2p" (the default; add_peer with host:port), or a Redis or etcd
   /// store in which the engine publishes itself (name, epoch, endpoints, rails, segments; never
   /// keys or addresses) under a lease, finds peers by name, and learns of their restarts and
@@ -249,6 +254,9 @@ struct EngineCounters {
   /// Notifications a peer sent beyond the credits this engine gave it (a peer that does not
   /// keep the protocol): not queued.
   std::uint64_t notifications_dropped = 0;
+  /// Notifications counted in notifications_sent that never left this engine: their link broke
+  /// while they waited in its outbox (the peer stopped reading; EngineConfig::control_timeout).
+  std::uint64_t notifications_lost = 0;
   std::uint64_t windows_bound = 0; ///< memory windows bound (one per peer link per segment)
   /// Time the binds of windows_bound took, from posting to completion, in nanoseconds, summed:
   /// what giving one more peer access to a segment costs (it does not grow with the peers).

@@ -241,6 +241,7 @@ py::dict to_dict(const EngineCounters& c) {
   d["notifications_received"] = c.notifications_received;
   d["notifications_refused"] = c.notifications_refused;
   d["notifications_dropped"] = c.notifications_dropped;
+  d["notifications_lost"] = c.notifications_lost;
   d["windows_bound"] = c.windows_bound;
   d["window_bind_ns"] = c.window_bind_ns;
   d["rail_links"] = c.rail_links;

@@ -25,6 +25,10 @@ void TcpChannel::send_all(std::span<const std::uint8_t> bytes, Deadline deadline
   detail::send_all(fd_.get(), bytes, deadline);
 }
 
+long TcpChannel::send_some(std::span<const std::uint8_t> bytes, int* error) noexcept {
+  return detail::send_nonblocking(fd_.get(), bytes, error);
+}
+
 void TcpChannel::recv_exact(std::span<std::uint8_t> bytes, Deadline deadline) {
   detail::recv_exact(fd_.get(), bytes, deadline);
 }

@@ -23,6 +23,14 @@ class Channel {
 
   /// Sends every byte by the deadline, or throws Error (the peer closed, the deadline passed).
   virtual void send_all(std::span<const std::uint8_t> bytes, Deadline deadline) = 0;
+  /// Takes what it can of `bytes` now, without blocking: the count taken (0: nothing fits now;
+  /// fd() turns readable, or writable for a socket, when more may), or kSendFailed with `error`
+  /// set when the channel is gone. What was taken is sent in order, after what was before.
+  virtual long send_some(std::span<const std::uint8_t> bytes, int* error) noexcept = 0;
+  /// Everything taken has reached the peer as far as this side can know (a socket: handed to
+  /// the kernel, which delivers it even after a close; rdma_cm: acknowledged by the peer's NIC,
+  /// since a disconnect drops what is not).
+  [[nodiscard]] virtual bool sent() noexcept { return true; }
   /// Fills `bytes` by the deadline, or throws Error saying how far it got.
   virtual void recv_exact(std::span<std::uint8_t> bytes, Deadline deadline) = 0;
   /// What has arrived, without blocking: a byte count, kRecvWouldBlock, or kRecvClosed with
@@ -45,6 +53,7 @@ class TcpChannel final : public Channel {
  public:
   explicit TcpChannel(Fd fd) noexcept : fd_(std::move(fd)) {}
   void send_all(std::span<const std::uint8_t> bytes, Deadline deadline) override;
+  long send_some(std::span<const std::uint8_t> bytes, int* error) noexcept override;
   void recv_exact(std::span<std::uint8_t> bytes, Deadline deadline) override;
   long recv_nonblocking(std::span<std::uint8_t> buf, int* error) noexcept override;
   [[nodiscard]] int fd() const noexcept override { return fd_.get(); }

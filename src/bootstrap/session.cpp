@@ -123,15 +123,16 @@ std::optional<Message> Session::open(const wire::Header& outer, std::span<const 
   }
 }
 
-void send_control(Channel& ch, Session* session, wire::MessageType type, std::span<const std::uint8_t> payload,
-                  Deadline deadline) {
-  if (session != nullptr) {
-    ch.send_all(session->seal(type, payload), deadline);
-    return;
-  }
+std::vector<std::uint8_t> frame_control(Session* session, wire::MessageType type, std::span<const std::uint8_t> payload) {
+  if (session != nullptr) return session->seal(type, payload);
   auto msg = wire::encode_header(type, static_cast<std::uint32_t>(payload.size()));
   msg.insert(msg.end(), payload.begin(), payload.end());
-  ch.send_all(msg, deadline);
+  return msg;
+}
+
+void send_control(Channel& ch, Session* session, wire::MessageType type, std::span<const std::uint8_t> payload,
+                  Deadline deadline) {
+  ch.send_all(frame_control(session, type, payload), deadline);
 }
 
 Message recv_control(Channel& ch, Session* session, Deadline deadline, const std::string& peer) {

@@ -70,6 +70,9 @@ class Session {
   std::uint64_t rx_seq_ = 0;
 };
 
+/// A control message as it goes on the channel: sealed when there is a session (taking its
+/// next sequence number: frames go out in the order they were made), plain otherwise.
+std::vector<std::uint8_t> frame_control(Session* session, wire::MessageType type, std::span<const std::uint8_t> payload);
 /// Sends a message on the control channel: sealed when there is a session, plain otherwise.
 void send_control(Channel& ch, Session* session, wire::MessageType type, std::span<const std::uint8_t> payload,
                   Deadline deadline);

@@ -346,6 +346,17 @@ long recv_nonblocking(int fd, std::span<std::uint8_t> buf, int* error) noexcept 
   }
 }
 
+long send_nonblocking(int fd, std::span<const std::uint8_t> bytes, int* error) noexcept {
+  for (;;) {
+    const ssize_t n = ::send(fd, bytes.data(), bytes.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n >= 0) return static_cast<long>(n);
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    *error = errno;
+    return kSendFailed;
+  }
+}
+
 bool wait_readable(int fd, std::chrono::milliseconds timeout) noexcept {
   pollfd p{fd, POLLIN, 0};
   int rc;

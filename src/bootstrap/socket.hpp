@@ -78,6 +78,10 @@ struct Message {
 inline constexpr long kRecvWouldBlock = -1;
 inline constexpr long kRecvClosed = 0;
 long recv_nonblocking(int fd, std::span<std::uint8_t> buf, int* error = nullptr) noexcept;
+/// Sends what the socket takes now, without blocking: the byte count (0 when its buffer is
+/// full), or kSendFailed with `error` set (EPIPE, ECONNRESET, ETIMEDOUT, ...).
+inline constexpr long kSendFailed = -1;
+long send_nonblocking(int fd, std::span<const std::uint8_t> bytes, int* error) noexcept;
 
 /// Waits up to `timeout` for `fd` to become readable (data, EOF or error).
 bool wait_readable(int fd, std::chrono::milliseconds timeout) noexcept;

@@ -302,8 +302,54 @@ void CmChannel::throw_gone(const char* op) const {
                                : "");
 }
 
+long CmChannel::post_chunk(std::span<const std::uint8_t> bytes, int* rc) noexcept {
+  const auto free = std::find(send_busy_.begin(), send_busy_.end(), false);
+  if (free == send_busy_.end()) return 0;
+  const auto k = static_cast<std::uint64_t>(free - send_busy_.begin());
+  const std::size_t n = std::min(bytes.size(), kSlot);
+  std::memcpy(slot(k), bytes.data(), n);
+  ibv_sge sge{reinterpret_cast<std::uintptr_t>(slot(k)), static_cast<std::uint32_t>(n), mr_->lkey};
+  ibv_send_wr wr{};
+  wr.wr_id = k;
+  wr.opcode = IBV_WR_SEND;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  ibv_send_wr* bad = nullptr;
+  if ((*rc = ibv_post_send(qp_.get(), &wr, &bad)) != 0) return -1;
+  send_busy_[k] = true;
+  return static_cast<long>(n);
+}
+
+bool CmChannel::sent() noexcept {
+  pump();
+  return std::none_of(send_busy_.begin(), send_busy_.end(), [](bool b) { return b; });
+}
+
+long CmChannel::send_some(std::span<const std::uint8_t> bytes, int* error) noexcept {
+  pump();
+  // After the peer's DREQ nothing more sent reaches a reader.
+  if (gone_ || disconnected_at_ != Deadline{}) {
+    *error = gone_errno_ == 0 ? ECONNRESET : gone_errno_;
+    return kSendFailed;
+  }
+  long taken = 0;
+  while (!bytes.empty()) {
+    int rc = 0;
+    const long n = post_chunk(bytes, &rc);
+    if (n < 0) {
+      *error = rc;
+      fail(rc);
+      return kSendFailed;
+    }
+    if (n == 0) break;
+    taken += n;
+    bytes = bytes.subspan(static_cast<std::size_t>(n));
+  }
+  return taken;
+}
+
 void CmChannel::send_all(std::span<const std::uint8_t> bytes, Deadline deadline) {
-  auto idle = [this] { return std::none_of(send_busy_.begin(), send_busy_.end(), [](bool b) { return b; }); };
   auto stalled = [&](const char* what) {
     throw Error("rdma_cm send", ETIMEDOUT,
                 fmt::format("{}: {} before the deadline ({} bytes left to send)", peer_, what, bytes.size()),
@@ -312,36 +358,23 @@ void CmChannel::send_all(std::span<const std::uint8_t> bytes, Deadline deadline)
   // Every chunk is acknowledged by the peer's NIC before this returns: what was sent is there
   // even if this side closes right after (a BYE), as a TCP close would deliver it.
   for (;;) {
-    pump();
-    // Checked after the pump, which may have reaped the last acknowledgement: done, without
-    // sleeping on a channel that has nothing more to say. First: every chunk acknowledged is
-    // delivered even if the same pump saw the peer's DREQ (a server that read this message,
-    // answered with a REJECT and disconnected): the caller reads that answer next.
-    if (bytes.empty() && idle()) return;
+    // sent() pumps, and may reap the last acknowledgement: done, without sleeping on a channel
+    // that has nothing more to say. First: every chunk acknowledged is delivered even if the
+    // same pump saw the peer's DREQ (a server that read this message, answered with a REJECT
+    // and disconnected): the caller reads that answer next.
+    const bool idle = sent();
+    if (bytes.empty() && idle) return;
     // After the peer's DREQ nothing more sent reaches a reader: fail now, not after the grace
     // that lets the peer's own last SENDs arrive (which is for receiving).
     if (gone_ || disconnected_at_ != Deadline{}) throw_gone("rdma_cm send");
-    const auto free = std::find(send_busy_.begin(), send_busy_.end(), false);
-    if (bytes.empty() || free == send_busy_.end()) {
+    int rc = 0;
+    const long n = bytes.empty() ? 0 : post_chunk(bytes, &rc);
+    if (n < 0) throw Error("ibv_post_send", rc, fmt::format("the rdma_cm control channel to {}", peer_));
+    if (n == 0) {
       if (!wait(deadline)) stalled(bytes.empty() ? "the last chunk was not acknowledged" : "no send slot came free");
       continue;
     }
-    const auto k = static_cast<std::uint64_t>(free - send_busy_.begin());
-    const std::size_t n = std::min(bytes.size(), kSlot);
-    std::memcpy(slot(k), bytes.data(), n);
-    ibv_sge sge{reinterpret_cast<std::uintptr_t>(slot(k)), static_cast<std::uint32_t>(n), mr_->lkey};
-    ibv_send_wr wr{};
-    wr.wr_id = k;
-    wr.opcode = IBV_WR_SEND;
-    wr.send_flags = IBV_SEND_SIGNALED;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    ibv_send_wr* bad = nullptr;
-    if (const int rc = ibv_post_send(qp_.get(), &wr, &bad); rc != 0) {
-      throw Error("ibv_post_send", rc, fmt::format("the rdma_cm control channel to {}", peer_));
-    }
-    send_busy_[k] = true;
-    bytes = bytes.subspan(n);
+    bytes = bytes.subspan(static_cast<std::size_t>(n));
   }
 }
 

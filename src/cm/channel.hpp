@@ -49,6 +49,8 @@ class CmChannel final : public Channel {
   void accept(Deadline deadline);
 
   void send_all(std::span<const std::uint8_t> bytes, Deadline deadline) override;
+  long send_some(std::span<const std::uint8_t> bytes, int* error) noexcept override;
+  [[nodiscard]] bool sent() noexcept override;
   void recv_exact(std::span<std::uint8_t> bytes, Deadline deadline) override;
   long recv_nonblocking(std::span<std::uint8_t> buf, int* error) noexcept override;
   [[nodiscard]] int fd() const noexcept override { return epoll_.get(); }
@@ -63,6 +65,9 @@ class CmChannel final : public Channel {
 
   void transition(ibv_qp_state state, const char* name);
   void post_recv(std::size_t slot);
+  /// Posts the first chunk of `bytes` in a free send slot: the bytes taken (0: no slot is free),
+  /// or -1 when the post failed (errno-style code in `rc`).
+  long post_chunk(std::span<const std::uint8_t> bytes, int* rc) noexcept;
   /// Reads the CM's events and the CQ without blocking; sends a keepalive probe when due.
   void pump() noexcept;
   /// Keeps `fd()` readable while received bytes wait in rx_ or the channel is closed, as a

@@ -343,7 +343,9 @@ void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
   // settle or reap here.
   const bool shared_cqs = attached.send_cq != nullptr;
   if (was_connected && !shared_cqs) dp.settle(deadline, *this);
-  if (was_connected && control && !control_gone) {
+  // After a BYE queued behind the outbox (an engine link), nothing more: a blocking send here
+  // would wait on a peer that does not read.
+  if (was_connected && control && !control_gone && !bye_queued && send_errno == 0) {
     try {
       send_control(wire::MessageType::bye, {}, std::max(deadline, Clock::now() + std::chrono::milliseconds{100}));
     } catch (const std::exception&) {

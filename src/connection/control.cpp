@@ -13,7 +13,63 @@ namespace rdmakit {
 
 void Connection::Impl::send_control(wire::MessageType type, std::span<const std::uint8_t> payload,
                                     detail::Deadline deadline) {
-  detail::send_control(*control, session.get(), type, payload, deadline);
+  try {
+    if (control_waiting() > 0) {
+      control->send_all({outbox.data() + out_head, control_waiting()}, deadline);
+      out_taken += control_waiting();
+      outbox.clear();
+      out_head = 0;
+    }
+    detail::send_control(*control, session.get(), type, payload, deadline);
+  } catch (const std::exception&) {
+    // Part of a frame may have gone: nothing may follow it on this channel.
+    send_errno = ECOMM;
+    outbox.clear();
+    out_head = 0;
+    throw;
+  }
+}
+
+void Connection::Impl::queue_control(wire::MessageType type, std::span<const std::uint8_t> payload) {
+  if (send_errno != 0) return;  // the channel failed: nothing more goes (the caller breaks the link)
+  std::vector<std::uint8_t> frame = detail::frame_control(session.get(), type, payload);
+  out_queued += frame.size();
+  if (control_waiting() == 0) {
+    out_moved = detail::Clock::now();
+    outbox.swap(frame);  // the common case: the channel takes it all at once, with no copy
+    out_head = 0;
+  } else {
+    outbox.insert(outbox.end(), frame.begin(), frame.end());
+  }
+  flush_control();
+}
+
+bool Connection::Impl::flush_control() noexcept {
+  if (control_waiting() == 0) return true;
+  if (!control || send_errno != 0) return false;
+  int err = 0;
+  const long n = control->send_some({outbox.data() + out_head, control_waiting()}, &err);
+  if (n == detail::kSendFailed) {
+    send_errno = err != 0 ? err : EIO;
+    outbox.clear();
+    out_head = 0;
+    return false;
+  }
+  if (n > 0) {
+    out_head += static_cast<std::size_t>(n);
+    out_taken += static_cast<std::uint64_t>(n);
+    out_moved = detail::Clock::now();
+  }
+  if (out_head == outbox.size()) {
+    outbox.clear();
+    out_head = 0;
+    return true;
+  }
+  if (out_head >= outbox.size() / 2) {  // the taken half goes, so the outbox never only grows
+    outbox.erase(outbox.begin(), outbox.begin() + static_cast<std::ptrdiff_t>(out_head));
+    out_head = 0;
+  }
+  return false;
 }
 
 std::string Connection::Impl::control_gone_reason() const {

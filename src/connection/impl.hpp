@@ -133,6 +133,14 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   std::array<std::uint8_t, detail::kControlBuffer> cbuf{};
   std::size_t cfill = 0;
   std::deque<std::vector<std::uint8_t>> messages;  // application messages not yet received
+  // Messages queued by queue_control() that the channel has not taken yet (from out_head on):
+  // an engine link's worker never waits for a peer to read. The blocking sends send these first.
+  std::vector<std::uint8_t> outbox;
+  std::size_t out_head = 0;
+  detail::Deadline out_moved{};  // when the outbox was last empty, or last took bytes
+  std::uint64_t out_queued = 0, out_taken = 0;  // bytes ever queued, and ever taken by the channel
+  int send_errno = 0;            // a send failed (errno): nothing more is sent, the outbox dropped
+  bool bye_queued = false;       // BYE went into the outbox: close() says nothing more
 
   // A device event that breaks this connection, left here by whichever thread pumped it
   // (on_device_event) and taken by this connection's own thread (pump_async).
@@ -181,6 +189,14 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   void set_keepalive() const { control->keepalive(cfg.keepalive_interval, cfg.keepalive_timeout); }
   /// One message on the control channel, sealed when there is a session.
   void send_control(wire::MessageType type, std::span<const std::uint8_t> payload, detail::Deadline deadline);
+  /// One message into the outbox (framed and sealed now: its place in the queue is its place
+  /// in the session's sequence), then flush_control(). Throws only what framing throws.
+  void queue_control(wire::MessageType type, std::span<const std::uint8_t> payload);
+  /// Gives the channel what it takes of the outbox now, without blocking; true when nothing is
+  /// left. A send that fails sets send_errno and drops the outbox (reading goes on: the peer's
+  /// last messages and its close still tell why).
+  bool flush_control() noexcept;
+  [[nodiscard]] std::size_t control_waiting() const noexcept { return outbox.size() - out_head; }
   void pump_control() noexcept;
   /// Reads the control channel until `done()` holds (true) or the deadline passes (false).
   template <typename Done>

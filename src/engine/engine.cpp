@@ -94,6 +94,7 @@ EngineCounters Engine::counters() const noexcept {
   o.notifications_received = c.notifications_received.load();
   o.notifications_refused = c.notifications_refused.load();
   o.notifications_dropped = c.notifications_dropped.load();
+  o.notifications_lost = c.notifications_lost.load();
   o.windows_bound = c.windows_bound.load();
   o.rail_links = c.rail_links.load();
   o.rail_failures = c.rail_failures.load();

@@ -56,6 +56,9 @@ Engine::Impl::Impl(EngineConfig c)
   if (cfg.idle_after < std::chrono::milliseconds{100}) {
     throw Error("engine config", EINVAL, fmt::format("idle_after {} ms (at least 100)", cfg.idle_after.count()));
   }
+  if (cfg.control_timeout < std::chrono::milliseconds{100}) {
+    throw Error("engine config", EINVAL, fmt::format("control_timeout {} ms (at least 100)", cfg.control_timeout.count()));
+  }
   if (cfg.notification_queue == 0 || cfg.notification_queue > 65536) {
     throw Error("engine config", EINVAL, fmt::format("notification_queue {} (1..65536)", cfg.notification_queue));
   }

@@ -46,6 +46,11 @@ struct Peer;
 
 
 // What a link's QP must allow for the windows bound on it: everything a segment may allow.
+// The most bytes of control messages a link's outbox holds (EngineConfig::control_timeout).
+inline constexpr std::size_t kMaxOutbox = 16u << 20;
+// How long a closing link waits for a peer that takes none of its last messages (and BYE).
+inline constexpr std::chrono::milliseconds kByeWait{1000};
+
 inline constexpr Access kAllRemote = Access::remote_read | Access::remote_write | Access::remote_atomic;
 
 /// One rail of a peer link: a local port, the peer's port it reaches, the link on it. rails[0]
@@ -183,6 +188,12 @@ struct Link {
   std::uint64_t peer_epoch = 0;
   enum class State { syncing, ready, closing } state = State::syncing;
   bool watched = false;  // its control fd is in the worker's epoll set
+  bool watched_out = false;  // ... for writability too (its outbox waits for the channel)
+  bool settled = false;  // closing: its transfers are ended; it goes once its outbox is sent
+  bool evicted = false;  // closing to make room (Worker::evict_one waits for it to go)
+  // Where each notification not yet taken by the channel ends in the control stream
+  // (Connection::Impl::out_queued): those still waiting when the link goes are counted lost.
+  Fifo<std::uint64_t> notes_waiting;
   bool rails_seen = false;  // initiated: the peer's RAILS came (once per link)
   // Initiated: the peer's segments (by the peer's slot numbers, and as the data path checks them).
   std::vector<std::optional<RemoteRegion>> by_slot;
@@ -388,7 +399,8 @@ class Worker {
   void on_message(Link& l, std::span<const std::uint8_t> bytes);
   void make_ready(Link& l);
   /// Tells the peers of links with transfers in flight that they are active (Link::active_sent),
-  /// though nothing completed lately (one long transfer, a path in retries).
+  /// though nothing completed lately (one long transfer, a path in retries); breaks links whose
+  /// peer stopped reading their control messages (outbox_stalled).
   void report_active(Deadline now) noexcept;
   void tell_active(Link& l, Deadline now) noexcept;
   /// Engine `name` now runs with `epoch`: its links of another epoch (on this worker) go.
@@ -413,9 +425,20 @@ class Worker {
   /// Breaks every link this engine opened to `p` (its first and its further rails).
   void break_links(Peer& p, const std::string& why);
   void reap_links();
+  /// Ends what `l` (closing, nothing outstanding) still held: deferred failures, the ring's
+  /// retired transfers, split transfers whose parts never all came back.
+  void settle(Link& l, bool peer_gone);
   void close_link(Link& l) noexcept;
   bool evict_one();
   void watch(Link& l, bool on);
+  /// Sends what waits in `l`'s outbox as far as its channel takes it now, and has the worker
+  /// woken when the channel takes more (or not, once it is empty).
+  void flush_outbox(Link& l) noexcept;
+  /// `l`'s outbox has taken nothing for control_timeout: the link is broken, and true.
+  bool outbox_stalled(Link& l, Deadline now) noexcept;
+  /// Closing `l`: BYE queued behind its outbox; true once all of it is sent (or cannot be: the
+  /// peer is gone, or stopped reading for control_timeout).
+  bool said_bye(Link& l, Deadline now) noexcept;
   void sleep(Deadline until) noexcept;
   void notify_peers(BatchState& b);
   /// The link a notification to `p` goes on: a ready one with credits left, else a ready one
@@ -508,7 +531,7 @@ struct Engine::Impl {
   struct {
     std::atomic<std::uint64_t> qps{0}, links{0}, connects{0}, reconnects{0}, accepts{0}, evictions{0},
         restarts{0}, batches{0}, transfers{0}, transfers_failed{0}, bytes{0}, notifications_sent{0},
-        notifications_received{0}, notifications_refused{0}, notifications_dropped{0}, windows_bound{0}, window_bind_ns{0}, rail_links{0}, rail_failures{0},
+        notifications_received{0}, notifications_refused{0}, notifications_dropped{0}, notifications_lost{0}, windows_bound{0}, window_bind_ns{0}, rail_links{0}, rail_failures{0},
         slices{0}, reposted{0}, plan_posted{0}, plan_builds{0};
   } count;
 

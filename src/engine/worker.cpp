@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -135,6 +136,15 @@ void Worker::stop() noexcept {
   // What never completed ends now; only this worker's transfers (the others' workers end theirs,
   // maybe at this very moment).
   const std::string closed = "the engine closed before the transfer completed";
+  // BYE behind what waits in each outbox, all of them sent together within one deadline: peers
+  // that do not read are not waited for one after another.
+  const Deadline bye_until = deadline_in(std::chrono::milliseconds{500});
+  for (;;) {
+    bool all = true;
+    for (auto& l : links_) all = said_bye(*l, Clock::now()) && all;
+    if (all || Clock::now() >= bye_until) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds{2});
+  }
   for (auto& l : links_) {
     for (Link::Deferred& d : l->deferred) end(*d.x, TransferStatus::failed, std::move(d.reason));
     l->deferred.clear();
@@ -243,6 +253,11 @@ void Worker::report_active(Deadline now) noexcept {
   for (auto& l : links_) {
     if (l->initiated && ready(l.get()) && (l->in_flight > 0 || !l->backlog.empty()) && now - l->active_sent >= every) {
       tell_active(*l, now);
+    }
+    // A peer that stopped reading its control channel: the link goes, on its own deadline.
+    if (l->state != Link::State::closing && l->impl.control_waiting() > 0) {
+      flush_outbox(*l);
+      (void)outbox_stalled(*l, now);
     }
   }
 }

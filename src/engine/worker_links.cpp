@@ -213,22 +213,90 @@ void Worker::send(Link& l, const ew::Message& m) noexcept {
   send(l, bytes);
 }
 
+// Control messages never wait for the peer: they go into the link's outbox, which the channel
+// takes as it can (at once, nearly always); the rest goes as the peer reads, while this worker
+// serves its other links. One that stops reading loses the link (outbox_stalled).
 void Worker::send(Link& l, const std::vector<std::uint8_t>& msg) noexcept {
   if (l.state == Link::State::closing) return;
   try {
-    l.impl.send_control(wire::MessageType::user, msg, deadline_in(std::chrono::milliseconds{1000}));
+    l.impl.queue_control(wire::MessageType::user, msg);
+    if (l.impl.control_waiting() > kMaxOutbox) {
+      return break_link(l, fmt::format("{} bytes of control messages wait for it to read (at most {}): it reads "
+                                       "far slower than this engine sends",
+                                       l.impl.control_waiting(), kMaxOutbox));
+    }
   } catch (const std::exception& e) {
     try {
       break_link(l, fmt::format("its control channel failed: {}", e.what()));
     } catch (...) {
       l.state = Link::State::closing;  // out of memory saying why: it goes all the same
     }
+    return;
   }
+  flush_outbox(l);
+}
+
+void Worker::flush_outbox(Link& l) noexcept {
+  Connection::Impl& c = l.impl;
+  if (c.control_waiting() > 0) c.flush_control();
+  while (!l.notes_waiting.empty() && l.notes_waiting.front() <= c.out_taken) l.notes_waiting.pop_front();
+  if (c.send_errno != 0 && l.state != Link::State::closing) {
+    try {
+      break_link(l, fmt::format("sending on its control channel failed ({})", errno_name(c.send_errno)));
+    } catch (...) {
+      l.state = Link::State::closing;
+    }
+  }
+  // A socket's writability wakes the worker while something waits (and only then: a socket with
+  // room is always writable); an rdma_cm channel's descriptor turns readable on its send
+  // completions instead (EPOLLOUT is never reported for it, so asking costs nothing).
+  const bool waiting = c.control_waiting() > 0;
+  if (!l.watched || l.watched_out == waiting) return;
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP | (waiting ? EPOLLOUT : 0U);
+  ev.data.u64 = reinterpret_cast<std::uint64_t>(&l);
+  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, c.control->fd(), &ev) == 0) l.watched_out = waiting;
+}
+
+bool Worker::outbox_stalled(Link& l, Deadline now) noexcept {
+  if (l.impl.control_waiting() == 0 || now - l.impl.out_moved < e_.cfg.control_timeout) return false;
+  try {
+    const std::string why = fmt::format("it has read none of the {} bytes of control messages waiting for it for {} ms "
+                                        "(control_timeout): the peer's process is stopped, hung or swamped",
+                                        l.impl.control_waiting(), e_.cfg.control_timeout.count());
+    log(fmt::format("engine {}: the link to {} goes: {}", e_.name, l.initiated ? l.peer->name : l.peer_name, why));
+    break_link(l, why);
+  } catch (...) {
+    l.state = Link::State::closing;
+  }
+  return true;
+}
+
+bool Worker::said_bye(Link& l, Deadline now) noexcept {
+  Connection::Impl& c = l.impl;
+  if (!c.control || c.control_gone || c.bye_received || c.send_errno != 0) {
+    c.bye_queued = true;  // a peer that closed needs no BYE (nor close() to wait to send one)
+    return true;
+  }
+  if (!c.bye_queued) {
+    c.bye_queued = true;
+    try {
+      c.queue_control(wire::MessageType::bye, {});
+    } catch (...) {
+      return true;  // out of memory: the close tells the peer without it
+    }
+  }
+  flush_outbox(l);
+  if (c.send_errno != 0 || (c.control_waiting() == 0 && c.control->sent())) return true;
+  // A peer that reads gets what waits; one that took nothing for a second is not waited for (the
+  // closing link holds a QP of the budget meanwhile).
+  return now - c.out_moved >= std::min<std::chrono::milliseconds>(e_.cfg.control_timeout, kByeWait);
 }
 
 void Worker::tick_link(Link& l, Deadline now) noexcept {
   try {
     l.impl.tick(now);
+    if (l.impl.control_waiting() > 0 || l.watched_out) flush_outbox(l);
     while (!l.impl.messages.empty()) {
       const std::vector<std::uint8_t> m = std::move(l.impl.messages.front());
       l.impl.messages.pop_front();
@@ -428,36 +496,49 @@ void Worker::reap_links() {
       ++it;
       continue;
     }
-    l.impl.dp.post_owed_markers();
     const bool peer_gone = l.impl.control_gone || l.impl.bye_received;
-    if (l.impl.dp.outstanding() > 0 ||
-        (!l.deferred.empty() && !peer_gone && Clock::now() - l.broke_at < kPeerGoneGrace)) {
+    if (!l.settled) {
+      l.impl.dp.post_owed_markers();
+      if (l.impl.dp.outstanding() > 0 ||
+          (!l.deferred.empty() && !peer_gone && Clock::now() - l.broke_at < kPeerGoneGrace)) {
+        ++it;
+        continue;
+      }
+      settle(l, peer_gone);
+    }
+    // What was queued for the peer (a withdrawal, its last notifications), then BYE: sent
+    // without waiting here, the link kept until the peer has it.
+    if (!said_bye(l, Clock::now())) {
       ++it;
       continue;
     }
-    for (Link::Deferred& d : l.deferred) {
-      if (peer_gone) {
-        // The peer closed this link (its process died, or only this rail failed on its side and
-        // its windows went with the link): another rail of a live peer does it.
-        lost(l, *d.x, TransferStatus::peer_lost,
-             fmt::format("{} (the peer's process went away: {})", d.reason, l.impl.control_gone_reason()));
-      } else if (d.transport) {
-        lost(l, *d.x, TransferStatus::failed, std::move(d.reason));
-      } else {
-        end(*d.x, TransferStatus::failed, std::move(d.reason));
-      }
-    }
-    l.deferred.clear();
-    // Nothing is outstanding: what was retired without news (behind a drain marker) completed;
-    // a split transfer whose parts never all came back did not.
-    walk(l, l.impl.dp.lane(0).sq.next_seq(), TransferStatus::ok, {});
-    for (Xfer* x : l.alone) lost(l, *x, TransferStatus::peer_lost, fmt::format("peer '{}': the link broke", l.initiated ? l.peer->name : l.peer_name));
-    l.alone.clear();
     close_link(l);
     Peer* p = l.initiated ? l.peer : nullptr;
     it = links_.erase(it);
     if (p != nullptr && p->removed.load()) release_if_quiet(*p);
   }
+}
+
+void Worker::settle(Link& l, bool peer_gone) {
+  l.settled = true;
+  for (Link::Deferred& d : l.deferred) {
+    if (peer_gone) {
+      // The peer closed this link (its process died, or only this rail failed on its side and
+      // its windows went with the link): another rail of a live peer does it.
+      lost(l, *d.x, TransferStatus::peer_lost,
+           fmt::format("{} (the peer's process went away: {})", d.reason, l.impl.control_gone_reason()));
+    } else if (d.transport) {
+      lost(l, *d.x, TransferStatus::failed, std::move(d.reason));
+    } else {
+      end(*d.x, TransferStatus::failed, std::move(d.reason));
+    }
+  }
+  l.deferred.clear();
+  // Nothing is outstanding: what was retired without news (behind a drain marker) completed;
+  // a split transfer whose parts never all came back did not.
+  walk(l, l.impl.dp.lane(0).sq.next_seq(), TransferStatus::ok, {});
+  for (Xfer* x : l.alone) lost(l, *x, TransferStatus::peer_lost, fmt::format("peer '{}': the link broke", l.initiated ? l.peer->name : l.peer_name));
+  l.alone.clear();
 }
 
 void Worker::release_if_quiet(Peer& p) noexcept {
@@ -474,6 +555,16 @@ void Worker::release_if_quiet(Peer& p) noexcept {
 }
 
 void Worker::close_link(Link& l) noexcept {
+  while (!l.notes_waiting.empty() && l.notes_waiting.front() <= l.impl.out_taken) l.notes_waiting.pop_front();
+  if (!l.notes_waiting.empty()) {
+    e_.count.notifications_lost.fetch_add(l.notes_waiting.size(), std::memory_order_relaxed);
+    try {
+      log(fmt::format("engine {}: {} notifications to {} were still waiting in the link's outbox when it went: "
+                      "lost (notifications_lost)",
+                      e_.name, l.notes_waiting.size(), l.initiated ? l.peer->name : l.peer_name));
+    } catch (...) {
+    }
+  }
   watch(l, false);
   std::erase(to_flush_, &l);
   l.windows.clear();  // revoked before the QP goes
@@ -489,6 +580,8 @@ bool Worker::evict_one() {
   // idle_after (its one-sided transfers are invisible here). Those this engine opened go first.
   const Deadline now = Clock::now();
   Link* victim = nullptr;
+  // One evicted link still saying BYE is room on its way: another is not taken for it.
+  if (std::any_of(links_.begin(), links_.end(), [](const auto& l) { return l->evicted; })) return false;
   for (auto& l : links_) {
     if (l->state == Link::State::closing) continue;
     // A link this engine opened counts as idle after a twentieth of idle_after (100 ms by
@@ -507,6 +600,7 @@ bool Worker::evict_one() {
   e_.count.evictions.fetch_add(1, std::memory_order_relaxed);
   // An evicted further rail is not probed: it opens again with the peer's next first link.
   if (victim->rail != nullptr) victim->rail->wanted = false;
+  victim->evicted = true;
   break_link(*victim, "evicted to stay within the engine's QP budget (idle)");
   reap_links();
   return true;
@@ -522,6 +616,7 @@ void Worker::watch(Link& l, bool on) {
   } else {
     (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, l.impl.control->fd(), nullptr);
     l.watched = false;
+    l.watched_out = false;
   }
 }
 

@@ -464,6 +464,12 @@ void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
         } else {
           --to->notify_credits;
           send(*to, ew::notify(b.notify));
+          if (to->impl.out_taken < to->impl.out_queued) {
+            try {
+              to->notes_waiting.push_back(to->impl.out_queued);  // counted lost if its link goes first
+            } catch (...) {
+            }
+          }
           if (to->state == Link::State::closing) {
             b.notification_failed(fmt::format("peer '{}': its link broke sending it", p->name));
           } else {

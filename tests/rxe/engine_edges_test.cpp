@@ -3,6 +3,7 @@
 // receiver does not take, ids reused for as long as an engine runs. Engines in one process talk
 // over loopback, every byte checked.
 #include <arpa/inet.h>
+#include <signal.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -17,6 +18,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -446,4 +448,116 @@ TEST(EngineEdges, DeadPeersDoNotDelayALivePeersConnect) {
     ASSERT_TRUE(b.wait(30s));
     EXPECT_EQ(b.result(0).status, TransferStatus::connect_failed) << b.result(0).reason;
   }
+}
+
+// A stopped peer does not stall the others: five target engines, each in a process of its own,
+// one of them SIGSTOPped for 5 s. A client with one worker (every link on it) sends each target
+// a steady stream of small batches, each with a notification, whether or not the last ended (as a
+// serving system's requests come). The stopped peer's control messages wait in its link's
+// outbox while the other four's batches end as fast as without it; once that outbox has taken
+// nothing for control_timeout (5 s: after the 5 s measured, since it fills a second or so into
+// the stop), the stopped peer's link goes, saying why, with the notifications still in it counted
+// lost; continued, the peer is linked again. When the worker sent control
+// messages itself with a 1 s deadline, it stalled once the stopped peer's channel took no more,
+// and every batch of that second waited.
+// Through rdma_cm only: the control QP's 64 receives fill in a second; a TCP socket's buffers
+// hold all that a stopped peer is sent here, so its outbox would never be reached.
+TEST(EngineEdges, AStoppedPeerDoesNotStallTheOthers) {
+  if (lab::test_method() != rdmakit::ConnectMethod::rdma_cm) GTEST_SKIP() << "through rdma_cm only";
+  constexpr int kPeers = 5;
+  constexpr int kBase = 7800;
+  std::vector<std::unique_ptr<lab::Child>> peers;
+  for (int i = 0; i < kPeers; ++i) {
+    peers.push_back(std::make_unique<lab::Child>("engine", std::to_string(kBase + i), "p" + std::to_string(i)));
+  }
+  for (auto& p : peers) ASSERT_TRUE(p->ok() && p->await("ready"));  // starting at once
+  EngineConfig ac = config("a");
+  ac.listen = "";
+  ac.workers = 1;
+  ac.control_timeout = 5s;
+  ac.link.method = lab::test_method();
+  ac.link.handshake_timeout = 4s;  // a connect to the stopped peer gives up in time
+  struct Said {
+    std::mutex m;
+    std::string all;
+  };
+  auto said = std::make_shared<Said>();  // the worker logs; the test reads it after
+  ac.link.log = [said](std::string_view line) {
+    std::lock_guard lock(said->m);
+    said->all.append(line).append("\n");
+  };
+  Engine a(ac);
+  const Buffer src = a.allocate_memory(4096);
+  std::vector<RemoteSegment> segs;
+  for (int i = 0; i < kPeers; ++i) {
+    const std::string name = "p" + std::to_string(i);
+    a.add_peer(name, lab::here() + ":" + std::to_string(kBase + i));
+    std::string why;
+    ASSERT_TRUE(a.connect(name, 15s, &why)) << why;
+    segs.push_back(a.segment(name, "kv"));
+  }
+  struct Lat {
+    std::mutex m;
+    std::vector<double> ms;  // the four peers never stopped
+    std::atomic<int> failed{0};
+  };
+  // Every 20 ms, a batch to each peer: a 4 KiB write and a notification.
+  const auto run = [&](std::chrono::milliseconds length) {
+    auto lat = std::make_shared<Lat>();
+    std::vector<Batch> batches;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (auto next = t0; next - t0 < length; next += 20ms) {
+      std::this_thread::sleep_until(next);
+      for (int i = 0; i < kPeers; ++i) {
+        rdmakit::SubmitOptions o;
+        o.notify = {'n'};
+        const auto start = std::chrono::steady_clock::now();
+        if (i != 0) {
+          o.on_done = [lat, start](const Batch& b) {
+            if (b.failed() != 0) lat->failed.fetch_add(1);
+            const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+            std::lock_guard lock(lat->m);
+            lat->ms.push_back(ms);
+          };
+        }
+        batches.push_back(a.submit(std::vector<Transfer>{xfer(TransferOp::write, src, 0, 4096, segs[static_cast<std::size_t>(i)], 0)}, std::move(o)));
+      }
+    }
+    for (Batch& b : batches) EXPECT_TRUE(b.wait(30s));
+    std::lock_guard lock(lat->m);
+    EXPECT_EQ(lat->failed.load(), 0);
+    std::vector<double>& v = lat->ms;
+    std::sort(v.begin(), v.end());
+    return std::make_pair(v.empty() ? 0.0 : v[v.size() * 99 / 100], v.empty() ? 0.0 : v.back());
+  };
+  (void)run(1000ms);  // the targets' first moments (ASan's, the links' first use) are not the baseline
+  const auto base = run(1500ms);
+  ASSERT_EQ(::kill(peers[0]->pid, SIGSTOP), 0);
+  const auto stopped = run(5000ms);
+  const auto broken = [&said] {
+    std::lock_guard lock(said->m);
+    return said->all.find("the link to p0 goes: it has read none of") != std::string::npos;
+  };
+  // The link goes, and closes at once (its peer took nothing for over kByeWait): the
+  // notifications still in its outbox are counted lost, while the peer is still stopped.
+  for (const auto until = std::chrono::steady_clock::now() + 10s;
+       (!broken() || a.counters().notifications_lost == 0) && std::chrono::steady_clock::now() < until;) {
+    std::this_thread::sleep_for(20ms);
+  }
+  std::printf("%llu notifications lost with the stopped peer's link\n",
+              static_cast<unsigned long long>(a.counters().notifications_lost));
+  EXPECT_GT(a.counters().notifications_lost, 0u);
+  ASSERT_EQ(::kill(peers[0]->pid, SIGCONT), 0);
+  std::printf("batches to the four peers never stopped: p99 %.2f ms (max %.1f) without a stopped peer, "
+              "%.2f ms (max %.1f) with one\n",
+              base.first, base.second, stopped.first, stopped.second);
+  // Within 2x, or 25 ms for a VM's scheduling noise (two vCPUs, six processes, ASan): the
+  // stall this guards against is a second.
+  EXPECT_LE(stopped.first, std::max(2 * base.first, base.first + 25)) << "one stopped peer stalled the others";
+  EXPECT_TRUE(broken()) << "the stopped peer's link never went";
+  // Continued, the peer is linked again and carries transfers.
+  Batch b = a.submit(std::vector<Transfer>{xfer(TransferOp::write, src, 0, 4096, segs[0], 0)});
+  ASSERT_TRUE(b.wait(20s));
+  EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
+  EXPECT_GE(a.counters().reconnects, 1u);
 }

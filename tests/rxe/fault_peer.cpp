@@ -3,7 +3,8 @@
 // until it is killed (through rdma_cm with RDMAKIT_TEST_METHOD=rdma_cm). With try-connect, a client in a process of its own: one connect attempt
 // per line on stdin, "connected" or "refused: WHY" on stdout for each.
 // With engine, an rdmakit::Engine called NAME on PORT exposing a 1 MiB segment "kv", published in
-// the metadata store RDMAKIT_PEER_METADATA names (if set; cluster "t", lease 2 s, poll 200 ms).
+// the metadata store RDMAKIT_PEER_METADATA names (if set; cluster "t", lease 2 s, poll 200 ms),
+// taking the notifications sent to it.
 //   rdmakit_rxe_fault_peer connect HOST:PORT | listen PORT | try-connect HOST:PORT [no-keepalive]
 //                          | engine PORT NAME | engines PORT COUNT
 #include <chrono>
@@ -69,7 +70,11 @@ int main(int argc, char** argv) {
     engine.expose("kv", b, rdmakit::Access::remote_read | rdmakit::Access::remote_write);
     std::printf("ready\n");
     std::fflush(stdout);
-    for (;;) std::this_thread::sleep_for(1s);
+    for (;;) {  // notifications are taken as they come, as a serving target's loop takes them
+      while (engine.next_notification()) {
+      }
+      std::this_thread::sleep_for(5ms);
+    }
   }
   rdmakit::ConnectionConfig cfg;
   cfg.log = [](std::string_view) {};

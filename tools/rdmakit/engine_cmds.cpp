@@ -110,6 +110,7 @@ nlohmann::json counters_json(const EngineCounters& c) {
           {"notifications_received", c.notifications_received},
           {"notifications_refused", c.notifications_refused},
           {"notifications_dropped", c.notifications_dropped},
+          {"notifications_lost", c.notifications_lost},
           {"windows_bound", c.windows_bound},
           {"window_bind_ns", c.window_bind_ns},
           {"rail_links", c.rail_links},
