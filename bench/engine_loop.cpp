@@ -8,7 +8,7 @@
 // is counted is posting and completing, not polls of an empty CQ while the emulated NIC works.
 //
 //   rdmakit_engine_loop raw ROUNDS BATCH                (a connection of its own, in-process)
-//   rdmakit_engine_loop engine ROUNDS BATCH HOST:PORT   (against `rdmakit serve --expose kv:1M`)
+//   rdmakit_engine_loop engine ROUNDS BATCH HOST:PORT   (against `rdmakit serve --name t --expose kv:1M`)
 //   rdmakit_engine_loop plan ROUNDS BATCH HOST:PORT     (the same transfers as a plan, Engine::prepare)
 #include <infiniband/verbs.h>
 #include <time.h>

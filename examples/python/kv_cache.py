@@ -45,8 +45,8 @@ async def serve(args):
 
 async def send(args):
     engine = rdmakit.Engine(name="kv-worker", listen="")
-    engine.add_peer("pool", args.address)
-    kv = engine.segment("pool", "kv")
+    engine.add_peer("kv-pool", args.address)  # the pool's own name: only that engine is linked to
+    kv = engine.segment("kv-pool", "kv")
     cache = np.zeros((BLOCKS, BLOCK_BYTES), dtype=np.uint8)  # this side's blocks
     engine.register(cache)  # once; every block is a view of it
     blocks = [int(b) for b in args.blocks.split(",")]

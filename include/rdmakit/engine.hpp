@@ -76,6 +76,13 @@ struct EngineConfig {
   /// taken): one more is not sent, and its batch says so (Batch::notifications_failed), rather
   /// than queued without bound or dropped in silence.
   std::uint32_t notification_queue = 1024;
+  /// Where a device has no type-2 memory windows (per-peer keys): false, expose() refuses, naming
+  /// the device. true: segments are served with the buffer's own key to every peer that holds
+  /// the link key (link.psk, required): access is then per buffer (a peer reaches the whole
+  /// buffer with the buffer's access, whatever the segment says), and withdraw() and
+  /// remove_peer() revoke nothing until the buffer is registered again. info().access_model and
+  /// the log say so. rxe, mlx5 and most current NICs have type-2 windows.
+  bool allow_region_keys = false;
   /// A link's control messages (segments, notifications, credits, activity) wait in an outbox
   /// of its own while the peer does not read them, and its worker goes on serving every other
   /// link. When the outbox has taken nothing for this long (the peer is stopped, hung or
@@ -379,7 +386,10 @@ class Engine {
   void withdraw(const std::string& name);
 
   /// Adds a peer by name and bootstrap address ("host:port"); nothing is connected until a
-  /// transfer needs it. Throws Error for a name in use.
+  /// transfer needs it. `name` is the name the engine there runs under (its EngineConfig::name):
+  /// a link is used only when the engine that answers says that name (and, on further rails,
+  /// the first link's epoch); another engine at the address ends the transfers waiting for the
+  /// link as connect_failed, naming both. Throws Error for a name in use.
   void add_peer(std::string name, std::string address);
   /// Adds a peer found by name in the metadata store (its first published endpoint, followed
   /// when it restarts elsewhere). Throws Error naming the store when it has no such engine or

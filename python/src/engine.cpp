@@ -272,7 +272,8 @@ void bind_engine(py::module_& m) {
                        std::string device, double handshake_timeout, std::uint32_t send_depth,
                        std::string metadata, std::string cluster, double lease, std::uint32_t rails,
                        std::vector<std::string> rail_devices, std::uint64_t slice_size,
-                       std::uint64_t slice_threshold, const std::string& method, std::uint32_t notification_queue) {
+                       std::uint64_t slice_threshold, const std::string& method, std::uint32_t notification_queue,
+                       bool allow_region_keys) {
              EngineConfig c;
              c.link.method = parse_connect_method(method);
              c.rails.max = rails;
@@ -287,6 +288,7 @@ void bind_engine(py::module_& m) {
              c.workers = workers;
              c.max_qps = max_qps;
              c.notification_queue = notification_queue;
+             c.allow_region_keys = allow_region_keys;
              c.listen_at_start = listen_at_start;
              c.link.psk = key_from(psk);
              c.link.device = std::move(device);
@@ -302,6 +304,7 @@ void bind_engine(py::module_& m) {
            py::arg("lease") = 10.0, py::arg("rails") = 0, py::arg("rail_devices") = std::vector<std::string>{},
            py::arg("slice_size") = RailConfig{}.slice_size, py::arg("slice_threshold") = RailConfig{}.slice_threshold,
            py::arg("method") = "tcp", py::arg("notification_queue") = EngineConfig{}.notification_queue,
+           py::arg("allow_region_keys") = false,
            "name: as peers know it (default host:pid). listen: \"[host]:port\" (port 0: any; "
            "empty: no listener). workers: progress threads (default one per device). psk: the "
            "pre-shared key, bytes or a key file's path (both ends of a link hold the same). "
@@ -312,7 +315,8 @@ void bind_engine(py::module_& m) {
            "of at least slice_threshold bytes are cut into slices of slice_size over the rails. method: "
            "how links connect, \"tcp\" or \"rdma_cm\" (every engine the same). notification_queue: the "
            "notifications each peer link may have waiting here at once (a sender is told, per batch, of "
-           "one more).")
+           "one more). allow_region_keys: on a device without type-2 memory windows, serve segments with "
+           "the buffer's own key (access per buffer, no per-peer revocation); otherwise expose() refuses.")
       .def("close", &close_engine,
            "Closes every link (what is in flight ends) and releases the registered objects.")
       .def("__enter__", [](py::object self) { return self; })
@@ -374,7 +378,8 @@ void bind_engine(py::module_& m) {
            },
            py::arg("name"), py::arg("address") = py::none(),
            "Adds a peer by name and \"host:port\", or by name alone from the metadata store; "
-           "nothing connects until a transfer needs it.")
+           "nothing connects until a transfer needs it. The name is the one the engine there runs "
+           "under: another engine answering at the address is refused (connect_failed, naming both).")
       .def("directory",
            [](PyEngine& e) {
              std::vector<PublishedEngine> es = e.call([](Engine& x) { return x.directory(); });

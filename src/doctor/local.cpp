@@ -287,10 +287,12 @@ Report check_local(const Options& o) {
                              "bound on that peer's QP and revocable alone", d->name);
     } else {
       w.verdict = Verdict::warn;
-      w.detail = fmt::format("{} has no type-2 memory windows: an engine gives authenticated peers the buffer's "
-                             "own key (any of them could use another's), and offers nothing without a key", d->name);
-      w.fix = "set a pre-shared key on every engine (EngineConfig::link.psk), and use separate engines for peers "
-              "that must not reach each other's segments";
+      w.detail = fmt::format("{} has no type-2 memory windows: an engine refuses to expose segments unless "
+                             "region keys are allowed, and then gives every peer holding the link key the "
+                             "buffer's own key (the whole buffer, no per-peer revocation)", d->name);
+      w.fix = "use a NIC with type-2 memory windows; or set EngineConfig::allow_region_keys (serve "
+              "--allow-region-keys) with a pre-shared key, and separate engines for peers that must not reach "
+              "each other's segments";
     }
     r.checks.push_back(w);
   }

@@ -168,6 +168,24 @@ std::vector<DeviceRank> Engine::locality(const Buffer& buffer) const {
 
 void Engine::expose(std::string name, const Buffer& buffer, Access access, std::uint64_t offset, std::uint64_t length) {
   detail::engine_wire::check_name(name, "segment name");
+  if (!impl_->windows && impl_->cfg.allow_region_keys && !impl_->psk) {
+    throw Error("expose", EOPNOTSUPP,
+                fmt::format("segment '{}': device {} has no type-2 memory windows, and region keys go only to "
+                            "peers that hold the link key: this engine has none",
+                            name, impl_->no_windows_device),
+                "set EngineConfig::link.psk (serve --psk-file)");
+  }
+  if (!impl_->windows && !impl_->cfg.allow_region_keys) {
+    // Never a silent fallback: the buffer's own key would give every peer the whole buffer,
+    // and nothing could be revoked from one peer.
+    throw Error("expose", EOPNOTSUPP,
+                fmt::format("segment '{}': device {} has no type-2 memory windows, so a peer could only get the "
+                            "buffer's own key: to the whole buffer, for every peer with the link key, and "
+                            "revocable only by registering the buffer again",
+                            name, impl_->no_windows_device),
+                "set EngineConfig::allow_region_keys (rdmakit serve --allow-region-keys) to accept access per "
+                "buffer, or use a NIC with type-2 memory windows");
+  }
   const auto b = impl_->buffer_for(buffer, "expose");
   if (length == 0) length = b->handle.length - std::min<std::uint64_t>(offset, b->handle.length);
   if (offset > b->handle.length || length > b->handle.length - offset || length == 0) {

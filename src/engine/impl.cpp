@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <utility>
 #include <cerrno>
 
 #include <fmt/format.h>
@@ -88,24 +89,15 @@ Engine::Impl::Impl(EngineConfig c)
   if (layer->devices().empty()) {
     throw Error("engine", ENODEV, "no RDMA device on this host", "rdmakit doctor says why");
   }
-  windows = true;
+  std::string without;
   for (const auto& d : layer->devices()) {
     pds.push_back(detail::open_pd(d));
-    if ((d->attr().device_cap_flags & IBV_DEVICE_MEM_WINDOW_TYPE_2B) == 0 &&
+    if (without.empty() && (d->attr().device_cap_flags & IBV_DEVICE_MEM_WINDOW_TYPE_2B) == 0 &&
         (d->attr().device_cap_flags & IBV_DEVICE_MEM_WINDOW_TYPE_2A) == 0) {
-      windows = false;
+      without = d->name();
     }
   }
-  if (windows) {
-    access_model = "type-2 memory windows: each peer gets its own key per segment, bound on its link's "
-                   "QP (useless on any other QP) and revoked per peer";
-  } else if (psk) {
-    access_model = "region keys (a device has no type-2 memory windows): every authenticated peer gets "
-                   "the buffer's own key; revocation deregisters the buffer";
-  } else {
-    access_model = "none: a device has no type-2 memory windows and the engine has no key, so no segment "
-                   "is offered to peers (set EngineConfig::link.psk)";
-  }
+  choose_access(without.empty(), without);
   event_fd = detail::Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!event_fd) throw Error("eventfd", errno, "the engine's descriptor");
   threads = cfg.workers.value_or(static_cast<std::uint32_t>(layer->devices().size()));
@@ -151,6 +143,27 @@ void Engine::Impl::start_listening() {
                                       [this](Connection c) noexcept { adopt(std::move(c)); });
   listening.store(listener.get(), std::memory_order_release);
   if (meta) meta->changed(/*wait=*/true);  // its endpoints, now that there is a port
+}
+
+void Engine::Impl::choose_access(bool with_windows, std::string device) {
+  windows = with_windows;
+  no_windows_device = std::move(device);
+  if (windows) {
+    access_model = "type-2 memory windows: each peer gets its own key per segment, bound on its link's "
+                   "QP (useless on any other QP) and revoked per peer";
+  } else if (!cfg.allow_region_keys) {
+    access_model = fmt::format("none: device {} has no type-2 memory windows, and region keys are not allowed "
+                               "(EngineConfig::allow_region_keys): expose() refuses", no_windows_device);
+  } else if (psk) {
+    access_model = fmt::format("region keys, per buffer (device {} has no type-2 memory windows): every peer "
+                               "holding the link key gets the buffer's own key, to the whole buffer with its "
+                               "access; withdraw() and remove_peer() revoke nothing until the buffer is "
+                               "registered again", no_windows_device);
+    cfg.link.log(fmt::format("engine {}: access is per buffer: {}", name, access_model));
+  } else {
+    access_model = fmt::format("none: device {} has no type-2 memory windows and the engine has no key, so no "
+                               "segment is offered to peers (set EngineConfig::link.psk)", no_windows_device);
+  }
 }
 
 Engine::Impl::~Impl() {
@@ -338,6 +351,8 @@ void Engine::Impl::connect_loop() noexcept {
     for (std::string address;;) {
       {
         std::lock_guard lock(mu);
+        // A record held back while a live link disagreed with it: that link is down now.
+        if (!p->held_address.empty()) p->address = std::exchange(p->held_address, {});
         address = p->address;
       }
       try {

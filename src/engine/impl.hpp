@@ -127,6 +127,9 @@ struct Peer {
   std::string name, address;
   Worker* worker = nullptr;
   bool from_store = false;  // its address came from the metadata store (and follows its entry)
+  // Under Engine::Impl::mu: the store's endpoint for it, held back while a live link said
+  // another epoch than the store's record; the next connect (the link is down then) takes it.
+  std::string held_address;
   // The metadata store says its engine is gone: what waits for it fails, and so does what is
   // submitted to it, until its entry is back (MetadataPlane).
   std::atomic<bool> gone{false};
@@ -151,6 +154,7 @@ struct Peer {
   std::mutex m;
   std::condition_variable cv;
   bool up = false;
+  std::uint64_t up_epoch = 0;  // while up: the epoch its first link's IDENT said (what the store yields to)
   std::string last_error;
   std::uint64_t attempts = 0;
 };
@@ -195,6 +199,7 @@ struct Link {
   // (Connection::Impl::out_queued): those still waiting when the link goes are counted lost.
   Fifo<std::uint64_t> notes_waiting;
   bool rails_seen = false;  // initiated: the peer's RAILS came (once per link)
+  bool ident_seen = false;  // its IDENT came (once per link: a link's peer never changes)
   // Initiated: the peer's segments (by the peer's slot numbers, and as the data path checks them).
   std::vector<std::optional<RemoteRegion>> by_slot;
   std::map<std::string, RemoteRegion> remote;
@@ -403,7 +408,11 @@ class Worker {
   /// peer stopped reading their control messages (outbox_stalled).
   void report_active(Deadline now) noexcept;
   void tell_active(Link& l, Deadline now) noexcept;
-  /// Engine `name` now runs with `epoch`: its links of another epoch (on this worker) go.
+  /// Another engine than `l`'s peer answered on it (`answered` is its IDENT's name): the link
+  /// goes, and what waits for it fails as connect_failed, naming both.
+  void wrong_engine(Link& l, const std::string& answered);
+  /// Engine `name` opened a link with `epoch`: the links it opened to this engine with another
+  /// epoch (on this worker) go, with the windows they held.
   void close_stale(const std::string& name, std::uint64_t epoch, const Link* except);
   /// Gives the peer of accepted link `l` a window on segment `s`: announced at once with region
   /// keys; with windows, queued for bind_waiting(), which the caller runs next.
@@ -491,6 +500,11 @@ namespace rdmakit {
 struct Engine::Impl {
   explicit Impl(EngineConfig c);
   ~Impl();
+  /// The implementation behind an Engine (for the library's own tests).
+  static Impl& of(Engine& e) noexcept { return *e.impl_; }
+  /// How peers get access: per-peer windows, or region keys (`device` has no windows). Decided
+  /// at construction; a test calls it before any buffer is registered to play a device without.
+  void choose_access(bool with_windows, std::string device);
 
   // Fixed at construction.
   EngineConfig cfg;
@@ -500,6 +514,7 @@ struct Engine::Impl {
   std::shared_ptr<detail::DeviceLayer> layer;
   std::vector<std::shared_ptr<detail::DeviceResources>> pds;  // by device index
   bool windows = false;
+  std::string no_windows_device;  // the first device without type-2 windows (when !windows)
   std::string access_model;
   std::shared_ptr<const detail::Secret> psk;
 

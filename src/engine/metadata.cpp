@@ -226,12 +226,38 @@ md::EngineRecord MetadataPlane::self_record() const {
 void MetadataPlane::apply(const md::DirectoryChange& c) {
   using Kind = md::DirectoryChange::Kind;
   std::shared_ptr<Peer> p;
-  std::string reason;
   {
     std::lock_guard lock(e_.mu);
     const auto it = e_.peer_ids.find(c.record.name);
     if (it == e_.peer_ids.end()) return;  // not one of this engine's peers: known, nothing to do
     p = e_.peers[it->second - 1];
+  }
+  if (c.kind != Kind::gone) {
+    // A live link's peer said who it is on the link itself: a record of another epoch is stale
+    // (written late, by hand, or flapping), not news. It is kept out, address and all, until
+    // it agrees or the link breaks; a restart that is real breaks the old process's links on
+    // its own (its sockets or its CM ids close with it).
+    std::uint64_t live = 0;
+    {
+      std::lock_guard lock(p->m);
+      if (p->up) live = p->up_epoch;
+    }
+    if (live != 0 && live != c.record.epoch) {
+      {
+        std::lock_guard lock(e_.mu);
+        p->gone.store(false);  // listed: not gone, whatever its epoch
+        if (p->from_store && !c.record.endpoints.empty()) p->held_address = c.record.endpoints.front();
+      }
+      e_.cfg.link.log(fmt::format("engine {}: {} says peer '{}' runs with epoch {:#x} at {}; its live link says "
+                                  "{:#x}: the record is ignored while the link is up (the next connect uses it)",
+                                  e_.name, shown_, c.record.name, c.record.epoch,
+                                  c.record.endpoints.empty() ? std::string("no endpoint") : c.record.endpoints.front(), live));
+      return;
+    }
+  }
+  std::string reason;
+  {
+    std::lock_guard lock(e_.mu);
     if (c.kind == Kind::gone) {
       reason = fmt::format("peer '{}' is gone from {}: its entry (epoch {:#x}) expired or was removed",
                            c.record.name, shown_, c.record.epoch);
@@ -241,19 +267,13 @@ void MetadataPlane::apply(const md::DirectoryChange& c) {
       p->gone.store(false);
       // A peer found through the store follows its entry (a restart on another port).
       if (p->from_store && !c.record.endpoints.empty()) p->address = c.record.endpoints.front();
+      p->held_address.clear();
     }
   }
   if (c.kind == Kind::gone) {
     Command cmd(Command::Kind::gone, p.get(), reason);
     cmd.keep = p;
     p->worker->post(std::move(cmd));
-  } else if (c.kind == Kind::restarted) {
-    // Its links to the old process (ours, and those it opened to us) go before they fail.
-    for (auto& w : e_.workers) {
-      Command cmd(Command::Kind::restarted, nullptr, c.record.name);
-      cmd.epoch = c.record.epoch;
-      w->post(std::move(cmd));
-    }
   }
 }
 

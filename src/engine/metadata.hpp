@@ -1,10 +1,10 @@
 #pragma once
 // The engine's use of a metadata store (EngineConfig::metadata): it publishes the engine's record
 // (name, epoch, endpoints, rails, segments) under a lease and keeps it there, finds peers by name,
-// and acts on what the store says of the peers this engine added: a new epoch closes the links to
-// the old process (and a moved endpoint is followed), an engine gone from the store fails what
-// waits for it and everything submitted to it later, naming the peer and the store, until it is
-// back.
+// and acts on what the store says of the peers this engine added: a moved endpoint is followed
+// (held back while a live link says another epoch than the record: the link wins until it
+// breaks), an engine gone from the store fails what waits for it and everything submitted to it
+// later, naming the peer and the store, until it is back.
 //
 // Threads: one thread of its own calls the directory's tick(); the engine's callers use lookup()
 // and known() from any thread. The directory is used under `dir_mu_` (a lookup waits for it no

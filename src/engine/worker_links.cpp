@@ -323,8 +323,19 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
   } catch (const std::exception& ex) {
     return break_link(l, fmt::format("it sent a malformed engine message: {}", ex.what()));
   }
+  // Nothing a refused or closing link says is acted on (an impostor's RAILS would rewrite the
+  // real peer's rails), and nothing comes before the peer says who it is.
+  if (l.state == Link::State::closing) return;
+  if (!l.ident_seen && m.kind != ew::Kind::ident) {
+    return break_link(l, fmt::format("it sent {} before saying who it is (IDENT comes first)", static_cast<int>(m.kind)));
+  }
   switch (m.kind) {
     case ew::Kind::ident: {
+      // A link's peer is fixed when it says who it is: a second IDENT (another name, another
+      // epoch) would rename it, close other engines' links as stale, and forge notifications.
+      if (l.ident_seen) return break_link(l, "it sent IDENT a second time on one link (a link's peer never changes)");
+      l.ident_seen = true;
+      if (l.initiated && m.name != l.peer->name) return wrong_engine(l, m.name);
       if (l.initiated && l.rail != nullptr && l.rail != l.peer->rails[0].get() && l.peer->epoch != 0 &&
           m.epoch != l.peer->epoch) {
         // A further rail answered by another process than the peer's link (an old endpoint of
@@ -410,12 +421,32 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
   }
 }
 
+void Worker::wrong_engine(Link& l, const std::string& answered) {
+  Peer& p = *l.peer;
+  const bool further = l.rail != nullptr && l.rail != p.rails[0].get();
+  const std::string why = fmt::format(
+      "engine '{}' answered at {} where peer '{}' was expected{}", answered, l.impl.info.peer_address, p.name,
+      p.from_store ? " (the store's entry for it is out of date: another engine took its address)"
+                   : " (the address now belongs to another engine, or add_peer was given another engine's "
+                     "name: the name must be the one that engine runs under)");
+  if (further) {
+    l.rail->wanted = false;  // not probed again: the peer's next RAILS says what it offers
+    return break_link(l, why);
+  }
+  // Not the peer: nothing waits for this link (no transfer goes to the wrong engine), connect()
+  // ends with why, and the next transfer to the peer tries again.
+  fail_waiting(p, TransferStatus::connect_failed, why);
+  break_link(l, why);
+  not_linked(p, why);
+}
+
 void Worker::close_stale(const std::string& name, std::uint64_t epoch, const Link* except) {
   for (auto& o : links_) {
     if (o.get() == except || o->state == Link::State::closing || o->peer_epoch == 0 || o->peer_epoch == epoch) continue;
-    // Links it opened to us (its windows are revoked with them), and ours to its old process.
-    const bool same = o->initiated ? o->peer->name == name : o->peer_name == name;
-    if (!same) continue;
+    // Links it opened to us (its windows are revoked with them). Not ours to it: each answered
+    // with an IDENT of its own, and a link that is up wins over what another link says (a name
+    // on a new link is only what that peer says: docs/security.md).
+    if (o->initiated || o->peer_name != name) continue;
     e_.count.restarts.fetch_add(1, std::memory_order_relaxed);
     break_link(*o, fmt::format("peer '{}' restarted (epoch {:#x} -> {:#x})", name, o->peer_epoch, epoch));
   }
@@ -445,6 +476,7 @@ void Worker::make_ready(Link& l) {
   }
   std::lock_guard lock(p.m);
   p.up = true;
+  p.up_epoch = p.epoch;
   ++p.attempts;
   p.cv.notify_all();
 }

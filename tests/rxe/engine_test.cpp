@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include "connection/impl.hpp"
+#include "engine/impl.hpp"
 #include "engine/protocol.hpp"
 #include "engine_helpers.hpp"
 #include "lab_helpers.hpp"
@@ -108,27 +109,36 @@ TEST(Engine, MemoryIsRegisteredOncePerDeviceWhateverThePeers) {
   EXPECT_EQ(a.counters().qps, 3u);
 }
 
+namespace {
+
+// A raw connection playing an engine `name` linked to `target`: it says IDENT and reads the
+// target's messages up to SYNCED; the segment "kv" as the target announced it to this link.
+std::pair<std::unique_ptr<rdmakit::Connection>, rdmakit::RemoteRegion> raw_peer(const Engine& target, const std::string& name) {
+  namespace ew = rdmakit::detail::engine_wire;
+  auto c = std::make_unique<rdmakit::Connection>(rdmakit::Connection::connect(at(target), lab::quiet(), [](rdmakit::Connection& conn) {
+    (void)conn.allocate_memory(4096, Access::local_write);
+  }));
+  c->send_message(ew::encode(ew::ident(name, 7)), 1s);
+  rdmakit::RemoteRegion kv;
+  for (int i = 0; i < 10; ++i) {
+    auto m = c->receive_message(2s);
+    if (!m) break;
+    const auto msg = ew::decode(*m);
+    if (msg.kind == ew::Kind::segment) kv = msg.region;
+    if (msg.kind == ew::Kind::synced) break;
+  }
+  return {std::move(c), kv};
+}
+
+}  // namespace
+
 // Each peer gets its own window per segment, bound on its own link's QP: its key is useless on
 // another peer's QP, and withdrawing the segment revokes every peer's key. Two raw connections
 // play the peers, so the test can aim one's key through the other.
 TEST(Engine, APeersWindowKeyIsUselessOnAnotherPeersQp) {
   Target b("b", 4096);
   fill(b.buf.addr, 4096, 9);
-  auto peer = [&](const std::string& name) {
-    auto c = std::make_unique<rdmakit::Connection>(rdmakit::Connection::connect(at(b.engine), lab::quiet(), [](rdmakit::Connection& conn) {
-      (void)conn.allocate_memory(4096, Access::local_write);
-    }));
-    c->send_message(rdmakit::detail::engine_wire::encode(rdmakit::detail::engine_wire::ident(name, 7)), 1s);
-    rdmakit::RemoteRegion kv;
-    for (int i = 0; i < 10; ++i) {
-      auto m = c->receive_message(2s);
-      if (!m) break;
-      const auto msg = rdmakit::detail::engine_wire::decode(*m);
-      if (msg.kind == rdmakit::detail::engine_wire::Kind::segment) kv = msg.region;
-      if (msg.kind == rdmakit::detail::engine_wire::Kind::synced) break;
-    }
-    return std::pair{std::move(c), kv};
-  };
+  auto peer = [&](const std::string& name) { return raw_peer(b.engine, name); };
   auto [c1, k1] = peer("p1");
   auto [c2, k2] = peer("p2");
   ASSERT_NE(k1.rkey, 0u);
@@ -519,30 +529,147 @@ TEST(Engine, TwoHundredPeers) {
   run(32, false);
 }
 
+namespace {
+
+// A write of 4 KiB (a pattern of `seed`, in a buffer of its own) into `peer`'s "kv" at 0.
+Transfer write_to(Engine& a, const std::string& peer, std::uint8_t seed) {
+  const Buffer src = a.allocate_memory(4096);
+  fill(src.addr, 4096, seed);
+  return xfer(TransferOp::write, src, 0, 4096, a.segment(peer, "kv"), 0);
+}
+
+void write_ok(Engine& a, const Transfer& w) {
+  Batch b = a.submit({&w, 1});
+  ASSERT_TRUE(b.wait(10s));
+  EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
+}
+
+}  // namespace
+
+// No silent region-key fallback (issue 31): on a device without type-2 windows (played here:
+// rxe has them) expose() refuses, naming the device; with region keys allowed it serves the
+// buffer's own key to a peer holding the link key, and says access is per buffer.
+TEST(Engine, WithoutWindowsExposeRefusesUnlessRegionKeysAreAllowed) {
+  const std::vector<std::uint8_t> key(32, 0x42);
+  {
+    EngineConfig c = config("nw");
+    c.link.psk = key;
+    Engine e(c);
+    Engine::Impl::of(e).choose_access(false, "rxe-without-windows");  // before any buffer
+    const Buffer b = e.allocate_memory(4096);
+    try {
+      e.expose("kv", b, Access::remote_read | Access::remote_write);
+      ADD_FAILURE() << "exposed without windows and without allow_region_keys";
+    } catch (const rdmakit::Error& err) {
+      EXPECT_EQ(err.sys_errno(), EOPNOTSUPP);
+      EXPECT_NE(std::string(err.what()).find("rxe-without-windows"), std::string::npos) << err.what();
+      EXPECT_NE(err.hint().find("allow_region_keys"), std::string::npos) << err.hint();
+    }
+    EXPECT_NE(e.info().access_model.find("expose() refuses"), std::string::npos) << e.info().access_model;
+  }
+  {
+    EngineConfig c = config("nokey");
+    c.allow_region_keys = true;  // but no key: nobody could be given one
+    Engine e(c);
+    Engine::Impl::of(e).choose_access(false, "rxe-without-windows");
+    EXPECT_THROW(e.expose("kv", e.allocate_memory(4096), Access::remote_read), rdmakit::Error);
+  }
+  EngineConfig c = config("rk");
+  c.link.psk = key;
+  c.allow_region_keys = true;
+  Engine t(c);
+  Engine::Impl::of(t).choose_access(false, "rxe-without-windows");
+  EXPECT_NE(t.info().access_model.find("per buffer"), std::string::npos) << t.info().access_model;
+  const Buffer tb = t.allocate_memory(4096);
+  t.expose("kv", tb, Access::remote_read | Access::remote_write);
+  EngineConfig ac = config("a");
+  ac.link.psk = key;
+  Engine a(ac);
+  a.add_peer("rk", at(t));
+  const Transfer w = write_to(a, "rk", 5);
+  write_ok(a, w);
+  EXPECT_TRUE(same(w.local.addr, tb.addr, 4096));
+  EXPECT_EQ(t.counters().windows_bound, 0u) << "region keys, not windows";
+}
+
+// The engine reaches only the peer it meant (issue 31): kv-0 goes and another engine, kv-3,
+// comes up on its address and port exposing "kv" too. Every transfer to kv-0 ends connect_failed
+// naming both, every try (five here), and not a byte lands in kv-3's segment. (It reconnected and
+// wrote into kv-3, status ok.)
+TEST(Engine, AnotherEngineAtThePeersAddressIsRefused) {
+  auto kv0 = std::make_unique<Target>("kv-0", 4096);
+  const std::uint16_t port = kv0->engine.port();
+  Engine a(config("a"));
+  a.add_peer("kv-0", at(kv0->engine));
+  const Transfer w = write_to(a, "kv-0", 3);
+  write_ok(a, w);
+  kv0.reset();
+  EngineConfig ic = config("kv-3");
+  ic.listen = "127.0.0.1:" + std::to_string(port);
+  Target kv3("kv-3", 4096, ic);
+  std::memset(kv3.buf.addr, 0, 4096);
+  const auto linked = [&a] {
+    const auto ps = a.peers();
+    return !ps.empty() && ps[0].linked;
+  };
+  for (const auto until = std::chrono::steady_clock::now() + 5s; linked() && std::chrono::steady_clock::now() < until;) {
+    std::this_thread::sleep_for(10ms);
+  }
+  for (int i = 0; i < 5; ++i) {
+    Batch b = a.submit({&w, 1});
+    ASSERT_TRUE(b.wait(15s));
+    const auto r = b.result(0);
+    ASSERT_EQ(r.status, TransferStatus::connect_failed) << "try " << i << ": " << r.reason;
+    EXPECT_NE(r.reason.find("engine 'kv-3' answered"), std::string::npos) << r.reason;
+    EXPECT_NE(r.reason.find("peer 'kv-0' was expected"), std::string::npos) << r.reason;
+  }
+  std::string why;
+  EXPECT_FALSE(a.connect("kv-0", 5s, &why));
+  EXPECT_NE(why.find("kv-3"), std::string::npos) << why;
+  const auto* bytes = static_cast<const std::uint8_t*>(kv3.buf.addr);
+  EXPECT_TRUE(std::all_of(bytes, bytes + 4096, [](std::uint8_t v) { return v == 0; })) << "a write reached kv-3";
+}
+
+// IDENT comes once per link (issue 31): a peer that says it again, under another engine's name
+// and epoch, loses its own link, and the engine it named keeps its links. (The second IDENT
+// was taken as that engine's restart: its links were closed as stale, on every worker.)
+TEST(Engine, ASecondIdentIsRefusedAndTheNamedEnginesLinksStay) {
+  Target t("t", 4096);
+  Engine victim(config("victim"));
+  victim.add_peer("t", at(t.engine));
+  const Buffer src = victim.allocate_memory(4096);
+  const Transfer w = xfer(TransferOp::write, src, 0, 64, victim.segment("t", "kv"), 0);
+  const auto write = [&] {
+    Batch b = victim.submit({&w, 1});
+    ASSERT_TRUE(b.wait(10s));
+    EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
+  };
+  write();
+  auto [c, kv] = raw_peer(t.engine, "x");
+  ASSERT_NE(kv.rkey, 0u);
+  namespace ew = rdmakit::detail::engine_wire;
+  c->send_message(ew::encode(ew::ident("victim", 9)), 1s);
+  EXPECT_TRUE(c->wait_peer_close(5s)) << "the link that said IDENT twice stayed up";
+  write();
+  EXPECT_EQ(victim.counters().reconnects, 0u) << "the named engine's link was closed";
+}
+
 // Giving one more peer access to a segment is one window bound on that peer's link: what it
-// costs does not depend on how many peers have access already. One target, 60 links to it (one
-// engine adding the target under 60 names: each is a link of its own, with a window of its own),
-// the bind time of the first 10 against the last 10.
+// costs does not depend on how many peers have access already. One target, 60 links to it (raw
+// connections, each saying it is another engine: each link gets a window of its own), the bind
+// time of the first 10 against the last 10.
 TEST(Engine, GivingOneMorePeerAccessCostsTheSame) {
   constexpr int kLinks = 60, kSample = 10;  // a listener takes at most 64 links from one address
   Target t("t", 4096);
-  EngineConfig c = config("a");
-  c.listen = "";
-  Engine a(c);
-  const Buffer src = a.allocate_memory(4096);
   auto bind_ns = [&] { return t.engine.counters().window_bind_ns; };
   std::uint64_t first = 0, before_last = 0;
+  std::vector<std::unique_ptr<rdmakit::Connection>> links;
   for (int i = 0; i < kLinks; ++i) {
     if (i == kSample) first = bind_ns();
     if (i == kLinks - kSample) before_last = bind_ns();
-    const std::string name = "t" + std::to_string(i);
-    a.add_peer(name, at(t.engine));
-    std::string why;
-    ASSERT_TRUE(a.connect(name, 20s, &why)) << why;
-    const Transfer w = xfer(TransferOp::write, src, 0, 8, a.segment(name, "kv"), 8 * static_cast<std::uint64_t>(i % 512));
-    Batch b = a.submit({&w, 1});
-    ASSERT_TRUE(b.wait(10s));
-    ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
+    auto [c, kv] = raw_peer(t.engine, "p" + std::to_string(i));
+    ASSERT_NE(kv.rkey, 0u) << "link " << i << " got no window";
+    links.push_back(std::move(c));
   }
   const auto cnt = t.engine.counters();
   EXPECT_EQ(cnt.windows_bound, static_cast<std::uint64_t>(kLinks));

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -15,6 +16,8 @@
 
 #include "lab_helpers.hpp"
 #include "metadata/directory.hpp"
+#include "metadata/record.hpp"
+#include "metadata/store.hpp"
 #include "rdmakit/engine.hpp"
 #include "rdmakit/error.hpp"
 #include "servers.hpp"
@@ -183,6 +186,54 @@ TEST_P(Metadata, EnginesFindEachOtherByNameAndMoveValidatedData) {
   // The engine that goes cleanly takes its entry with it.
   { Engine c(config("c", server.uri())); }
   EXPECT_FALSE(lists(rdmakit::list_engines(metadata(server.uri())), "c"));
+}
+
+// A link that is up wins over the store (issue 31): a record of b under an older epoch, written
+// by hand, neither closes a's link to b nor moves b's address; a logs it and goes on. (It closed
+// the link as b's restart, on every worker.)
+TEST_P(Metadata, AStaleRecordDoesNotCloseALiveLink) {
+  Engine b(config("b", server.uri()));
+  b.expose("kv", b.allocate_memory(1 << 16), Access::remote_read | Access::remote_write);
+  EngineConfig ac = config("a", server.uri());
+  struct Said {
+    std::mutex m;
+    std::string all;
+  };
+  auto said = std::make_shared<Said>();
+  ac.link.log = [said](std::string_view line) {
+    std::lock_guard lock(said->m);
+    said->all.append(line).append("\n");
+  };
+  Engine a(ac);
+  const auto listed_b = until(kGrace + 2s, [&] {
+    try {
+      return lists(rdmakit::list_engines(metadata(server.uri())), "b");
+    } catch (const rdmakit::Error&) {
+      return false;
+    }
+  });
+  ASSERT_LT(listed_b, kGrace + 2s) << b.info().metadata;
+  const RemoteSegment seg = a.segment("b", "kv");
+  round_trip(a, seg, 4096, 1);
+  namespace md = rdmakit::detail::metadata;
+  auto store = md::open_store(md::parse_store_uri(server.uri()));
+  const std::string key = md::engine_key("t", "b");
+  const auto text = store->get(key, rdmakit::detail::deadline_in(kCall));
+  ASSERT_TRUE(text.has_value());
+  md::EngineRecord r = md::decode(*text, key, "b");
+  const std::string address = a.peers()[0].address;
+  r.epoch = b.info().epoch ^ 0x5a5a;  // another process's, as a stale record says
+  r.endpoints = {"192.0.2.1:9"};       // and somewhere else
+  store->put(key, md::encode(r), md::no_lease, rdmakit::detail::deadline_in(kCall));
+  const auto ignored = until(5s, [&] {
+    std::lock_guard lock(said->m);
+    return said->all.find("the record is ignored while the link is up") != std::string::npos;
+  });
+  EXPECT_LT(ignored, 5s) << "a never saw the stale record";
+  round_trip(a, seg, 4096, 2);
+  EXPECT_EQ(a.counters().reconnects, 0u) << "the stale record closed the live link";
+  EXPECT_EQ(a.counters().connects, 1u);
+  EXPECT_EQ(a.peers()[0].address, address) << "the stale record moved the peer";
 }
 
 // A SIGKILLed engine's entry is gone within its lease plus a second; then a transfer to it fails

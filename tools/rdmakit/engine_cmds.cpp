@@ -50,6 +50,7 @@ struct EngineNet {
   std::uint64_t slice_size = RailConfig{}.slice_size;
   std::uint64_t slice_threshold = RailConfig{}.slice_threshold;
   MetadataOptions metadata;
+  bool allow_region_keys = false;
 
   void add_to(CLI::App& app, bool publishing) {
     metadata.add_to(app, publishing);
@@ -57,6 +58,11 @@ struct EngineNet {
     app.add_option("-d,--device", device, "RDMA device (default: the one the route to each peer uses)");
     app.add_option("--timeout", timeout_ms, "handshake deadline in ms")->capture_default_str();
     app.add_option("--psk-file", psk_file, "pre-shared key file (both ends the same)");
+    if (publishing) {
+      app.add_flag("--allow-region-keys", allow_region_keys,
+                   "on a device without type-2 memory windows, serve segments with the buffer's own key "
+                   "(access per buffer, no per-peer revocation; needs --psk-file)");
+    }
     app.add_option("--cm", method, "how links connect: tcp or rdma_cm (then ports are rdma_cm ports); every engine the same")
         ->check(CLI::IsMember({"tcp", "rdma_cm", "cm"}))
         ->capture_default_str();
@@ -87,6 +93,7 @@ struct EngineNet {
     c.rails.slice_size = slice_size;
     c.rails.slice_threshold = slice_threshold;
     c.metadata = metadata.config();
+    c.allow_region_keys = allow_region_keys;
     return c;
   }
 };
@@ -275,12 +282,15 @@ struct PeerArg {
   std::string name, address;
 };
 
-// NAME=HOST:PORT, HOST:PORT, or (with a metadata store) NAME alone: found in the store.
-PeerArg parse_peer(const std::string& text, std::size_t index, bool store) {
+// NAME=HOST:PORT, or (with a metadata store) NAME alone: found in the store. NAME is the name
+// the target runs under (serve --name): the engine links only to the engine it names.
+PeerArg parse_peer(const std::string& text, bool store) {
   const auto eq = text.find('=');
   if (eq != std::string::npos) return {text.substr(0, eq), text.substr(eq + 1)};
   if (store && text.find(':') == std::string::npos) return {text, {}};
-  return {fmt::format("peer{}", index), text};
+  throw Fail(fmt::format("--peer {}: give the target's name too, NAME={} (the name rdmakit serve --name gave it, "
+                         "which it prints): a link is made only to the engine of that name",
+                         text, text));
 }
 
 // The byte at `offset` of peer `p`'s segment, as the benchmark writes it.
@@ -296,12 +306,12 @@ double cpu_seconds() {
 }
 
 int run_engine_bench(const BenchOpts& o) {
-  if (o.peers.empty()) throw Fail("give at least one --peer [NAME=]HOST:PORT (or NAME, with --metadata)");
+  if (o.peers.empty()) throw Fail("give at least one --peer NAME=HOST:PORT (or NAME, with --metadata)");
   Engine engine(o.net.config(""));
   std::vector<PeerArg> peers;
   std::vector<RemoteSegment> segs;
   for (std::size_t i = 0; i < o.peers.size(); ++i) {
-    peers.push_back(parse_peer(o.peers[i], i, o.net.metadata.store()));
+    peers.push_back(parse_peer(o.peers[i], o.net.metadata.store()));
     if (peers.back().address.empty()) {
       engine.add_peer(peers.back().name);  // found in the store
     } else {
@@ -479,7 +489,7 @@ void add_engine_bench(CLI::App& app, std::function<int()>& run) {
   auto* sub = app.add_subcommand("engine-bench", "drive batched transfers at serve targets, like transfer_engine_bench");
   o->net.add_to(*sub, /*publishing=*/false);
   sub->add_option("--peer", o->peers,
-                  "[NAME=]HOST:PORT of a target (rdmakit serve), or its NAME with --metadata; repeatable")
+                  "NAME=HOST:PORT of a target (rdmakit serve --name NAME), or its NAME with --metadata; repeatable")
       ->required();
   sub->add_option("--segment", o->segment, "the targets' segment")->capture_default_str();
   sub->add_option("--op", o->op, "read or write")->check(CLI::IsMember({"read", "write"}))->capture_default_str();
