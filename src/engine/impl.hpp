@@ -431,6 +431,16 @@ class Worker {
   void log(const std::string& what) const noexcept;
   void withdraw(const std::string& name);
   void break_link(Link& l, const std::string& why);
+  /// break_link with the reason `why()` makes, for paths that must not throw: out of memory
+  /// saying why, the link goes all the same.
+  template <typename Why>
+  void break_link_anyway(Link& l, Why why) noexcept {
+    try {
+      break_link(l, why());
+    } catch (...) {
+      l.state = Link::State::closing;
+    }
+  }
   /// Breaks every link this engine opened to `p` (its first and its further rails).
   void break_links(Peer& p, const std::string& why);
   void reap_links();
@@ -443,6 +453,9 @@ class Worker {
   /// Sends what waits in `l`'s outbox as far as its channel takes it now, and has the worker
   /// woken when the channel takes more (or not, once it is empty).
   void flush_outbox(Link& l) noexcept;
+  /// Forgets the notifications of `l` its channel has taken (Link::notes_waiting); what is left
+  /// has not left this engine.
+  void forget_sent_notes(Link& l) noexcept;
   /// `l`'s outbox has taken nothing for control_timeout: the link is broken, and true.
   bool outbox_stalled(Link& l, Deadline now) noexcept;
   /// Closing `l`: BYE queued behind its outbox; true once all of it is sent (or cannot be: the

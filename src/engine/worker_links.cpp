@@ -226,49 +226,53 @@ void Worker::send(Link& l, const std::vector<std::uint8_t>& msg) noexcept {
                                        l.impl.control_waiting(), kMaxOutbox));
     }
   } catch (const std::exception& e) {
-    try {
-      break_link(l, fmt::format("its control channel failed: {}", e.what()));
-    } catch (...) {
-      l.state = Link::State::closing;  // out of memory saying why: it goes all the same
-    }
-    return;
+    return break_link_anyway(l, [&] { return fmt::format("its control channel failed: {}", e.what()); });
   }
   flush_outbox(l);
+}
+
+namespace {
+
+// The events a link's control channel is watched for: readable, and writable while its outbox
+// waits for a socket's room.
+epoll_event control_events(Link& l, bool writable) noexcept {
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP | (writable ? EPOLLOUT : 0U);
+  ev.data.u64 = reinterpret_cast<std::uint64_t>(&l);
+  return ev;
+}
+
+}  // namespace
+
+void Worker::forget_sent_notes(Link& l) noexcept {
+  while (!l.notes_waiting.empty() && l.notes_waiting.front() <= l.impl.out_taken) l.notes_waiting.pop_front();
 }
 
 void Worker::flush_outbox(Link& l) noexcept {
   Connection::Impl& c = l.impl;
   if (c.control_waiting() > 0) c.flush_control();
-  while (!l.notes_waiting.empty() && l.notes_waiting.front() <= c.out_taken) l.notes_waiting.pop_front();
+  forget_sent_notes(l);
   if (c.send_errno != 0 && l.state != Link::State::closing) {
-    try {
-      break_link(l, fmt::format("sending on its control channel failed ({})", errno_name(c.send_errno)));
-    } catch (...) {
-      l.state = Link::State::closing;
-    }
+    break_link_anyway(l, [&] { return fmt::format("sending on its control channel failed ({})", errno_name(c.send_errno)); });
   }
   // A socket's writability wakes the worker while something waits (and only then: a socket with
   // room is always writable); an rdma_cm channel's descriptor turns readable on its send
   // completions instead (EPOLLOUT is never reported for it, so asking costs nothing).
   const bool waiting = c.control_waiting() > 0;
   if (!l.watched || l.watched_out == waiting) return;
-  epoll_event ev{};
-  ev.events = EPOLLIN | EPOLLRDHUP | (waiting ? EPOLLOUT : 0U);
-  ev.data.u64 = reinterpret_cast<std::uint64_t>(&l);
+  epoll_event ev = control_events(l, waiting);
   if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, c.control->fd(), &ev) == 0) l.watched_out = waiting;
 }
 
 bool Worker::outbox_stalled(Link& l, Deadline now) noexcept {
   if (l.impl.control_waiting() == 0 || now - l.impl.out_moved < e_.cfg.control_timeout) return false;
-  try {
-    const std::string why = fmt::format("it has read none of the {} bytes of control messages waiting for it for {} ms "
-                                        "(control_timeout): the peer's process is stopped, hung or swamped",
-                                        l.impl.control_waiting(), e_.cfg.control_timeout.count());
+  break_link_anyway(l, [&] {
+    std::string why = fmt::format("it has read none of the {} bytes of control messages waiting for it for {} ms "
+                                  "(control_timeout): the peer's process is stopped, hung or swamped",
+                                  l.impl.control_waiting(), e_.cfg.control_timeout.count());
     log(fmt::format("engine {}: the link to {} goes: {}", e_.name, l.initiated ? l.peer->name : l.peer_name, why));
-    break_link(l, why);
-  } catch (...) {
-    l.state = Link::State::closing;
-  }
+    return why;
+  });
   return true;
 }
 
@@ -304,11 +308,7 @@ void Worker::tick_link(Link& l, Deadline now) noexcept {
     }
   } catch (const std::exception& ex) {
     // What a peer sends never ends the process: the link goes, with why.
-    try {
-      break_link(l, fmt::format("handling its control message: {}", ex.what()));
-    } catch (...) {
-      l.state = Link::State::closing;
-    }
+    break_link_anyway(l, [&] { return fmt::format("handling its control message: {}", ex.what()); });
   }
   if (l.impl.control_gone && l.watched) watch(l, false);  // EOF stays readable: stop looking
   if (l.state != Link::State::closing && (l.impl.dp.mode() == DataPath::Mode::broken || l.impl.dp.mode() == DataPath::Mode::closed)) {
@@ -587,7 +587,7 @@ void Worker::release_if_quiet(Peer& p) noexcept {
 }
 
 void Worker::close_link(Link& l) noexcept {
-  while (!l.notes_waiting.empty() && l.notes_waiting.front() <= l.impl.out_taken) l.notes_waiting.pop_front();
+  forget_sent_notes(l);
   if (!l.notes_waiting.empty()) {
     e_.count.notifications_lost.fetch_add(l.notes_waiting.size(), std::memory_order_relaxed);
     try {
@@ -641,9 +641,7 @@ bool Worker::evict_one() {
 void Worker::watch(Link& l, bool on) {
   if (l.watched == on || !l.impl.control) return;
   if (on) {
-    epoll_event ev{};
-    ev.events = EPOLLIN | EPOLLRDHUP;
-    ev.data.u64 = reinterpret_cast<std::uint64_t>(&l);
+    epoll_event ev = control_events(l, false);  // writability is asked for by flush_outbox
     if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, l.impl.control->fd(), &ev) == 0) l.watched = true;
   } else {
     (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, l.impl.control->fd(), nullptr);
