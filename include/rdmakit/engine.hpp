@@ -288,8 +288,9 @@ struct EngineInfo {
   std::uint16_t port = 0;   ///< 0: no listener
   std::vector<std::string> devices{};
   /// Peers get access through type-2 memory windows bound on their own link's QP (a key is
-  /// useless on any other QP, and revoked per peer); false: the device has none, and peers get
-  /// the region's own key (which is why a key is then required).
+  /// useless on any other QP, and revoked per peer); false: the device has none, and expose()
+  /// refuses unless EngineConfig::allow_region_keys (then peers holding the link key get the
+  /// region's own key).
   bool memory_windows = false;
   std::string access_model{};  ///< one line saying which, and why
   /// This engine's ports that can carry rails, one line each: device, port, address, subnet, and
