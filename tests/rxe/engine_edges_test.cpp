@@ -555,9 +555,11 @@ TEST(EngineEdges, AStoppedPeerDoesNotStallTheOthers) {
   std::printf("batches to the four peers never stopped: p99 %.2f ms (max %.1f) without a stopped peer, "
               "%.2f ms (max %.1f) with one\n",
               base.first, base.second, stopped.first, stopped.second);
-  // Within 2x, or 25 ms for a VM's scheduling noise (two vCPUs, six processes, ASan): the
-  // stall this guards against is a second.
-  EXPECT_LE(stopped.first, std::max(2 * base.first, base.first + 25)) << "one stopped peer stalled the others";
+  // The stall this guards against is a worker blocked in send() for a second or more (the
+  // synchronous send measured p99 1181 ms against 82). A VM's scheduling noise (two vCPUs, six
+  // processes, ASan) has doubled a 25 ms p99 on its own (CI: 55 vs 25), so the bound is
+  // 3x or 250 ms over the baseline, whichever is larger: far under the stall, far over the noise.
+  EXPECT_LE(stopped.first, std::max(3 * base.first, base.first + 250)) << "one stopped peer stalled the others";
   EXPECT_TRUE(broken()) << "the stopped peer's link never went";
   // Continued, the peer is linked again and carries transfers.
   Batch b = a.submit(std::vector<Transfer>{xfer(TransferOp::write, src, 0, 4096, segs[0], 0)});
