@@ -1,5 +1,5 @@
 #pragma once
-// The bootstrap wire format, version 4. Every message is a 12-byte header followed by a payload;
+// The bootstrap wire format, version 5. Every message is a 12-byte header followed by a payload;
 // every field has a fixed width and network byte order, and the decoder checks each one. No C
 // struct is ever copied onto the socket.
 //
@@ -9,19 +9,22 @@
 //            region count u16 | QP count u16 (1..16) | flags u16 | the QPs after the first:
 //            qpn u32, psn u32 (each 8 bytes) | regions: addr u64, length u64, rkey u32,
 //            access u32 (each 24 bytes)
-// Version 4 seals everything after the key proof (SEALED below); version 3 added the flags (bit
+// Version 5 adds an ephemeral X25519 key to each side's nonce (forward secrecy; a session only
+// its two ends can read, which engine identities sign); version 4 seals everything after the key
+// proof (SEALED below); version 3 added the flags (bit
 // 0: the sender's device serves remote atomics; other bits are refused); version 2 the QP list
 // (a connection may stripe over several QPs); version 1 had a reserved u16 where the QP count is.
 //   READY, BYE: empty.   REJECT: a UTF-8 reason.   USER: application bytes.
 //   With a pre-shared key K, before any HELLO (src/bootstrap/auth.cpp):
-//   AUTH_CHALLENGE (client): nonce_c [32]
-//   AUTH_RESPONSE (server):  nonce_s [32] | HMAC-SHA256(K, "rdmakit server" | nonce_c | nonce_s)
-//   AUTH_PROOF (client):     HMAC-SHA256(K, "rdmakit client" | nonce_c | nonce_s)
+//   AUTH_CHALLENGE (client): hello_c = nonce_c [32] | X25519 public key e_c [32]
+//   AUTH_RESPONSE (server):  hello_s = nonce_s [32] | e_s [32] |
+//                            HMAC-SHA256(K, "rdmakit server" | hello_c | hello_s)
+//   AUTH_PROOF (client):     HMAC-SHA256(K, "rdmakit client" | hello_c | hello_s)
 //   After the proof, every message (HELLO, READY, BYE, REJECT, USER) travels as
 //   SEALED: XChaCha20-Poly1305 of the whole inner message (its header and payload) | 16-byte tag,
 //   with the outer header as associated data, the key of the sender's direction
-//   (HKDF-SHA256 of K, salted with both nonces) and its sequence number as the nonce
-//   (src/bootstrap/session.cpp). Without a key, messages travel as they are.
+//   (HKDF-SHA256 of K | X25519(e_c, e_s), salted with both hellos) and its sequence number as the
+//   nonce (src/bootstrap/session.cpp). Without a key, messages travel as they are.
 
 #include <cstddef>
 #include <cstdint>
@@ -37,7 +40,7 @@
 namespace rdmakit::wire {
 
 inline constexpr std::uint32_t kMagic = 0x52444b54;  // "RDKT"
-inline constexpr std::uint16_t kVersion = 4;
+inline constexpr std::uint16_t kVersion = 5;
 inline constexpr std::size_t kHeaderSize = 12;
 inline constexpr std::size_t kHelloFixedSize = 42;
 inline constexpr std::size_t kRegionSize = 24;

@@ -1,9 +1,7 @@
 #include "bootstrap/auth.hpp"
+#include "bootstrap/secret_file.hpp"
 
-#include <fcntl.h>
 #include <sodium.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <array>
 #include <vector>
@@ -20,9 +18,26 @@ namespace {
 
 using Nonce = std::array<std::uint8_t, kNonceSize>;
 using Mac = std::array<std::uint8_t, kMacSize>;
+// What each side sends in the clear: its nonce, then its ephemeral X25519 public key.
+using Hello = std::array<std::uint8_t, kHelloSize>;
+
+// A side's ephemeral X25519 key pair, wiped when it goes: one per handshake.
+struct Ephemeral {
+  std::array<std::uint8_t, crypto_scalarmult_SCALARBYTES> secret{};
+  std::array<std::uint8_t, crypto_scalarmult_BYTES> pub{};
+  Ephemeral() {
+    ::randombytes_buf(secret.data(), secret.size());
+    ::crypto_scalarmult_base(pub.data(), secret.data());
+  }
+  Ephemeral(const Ephemeral&) = delete;
+  Ephemeral& operator=(const Ephemeral&) = delete;
+  ~Ephemeral() { ::sodium_memzero(secret.data(), secret.size()); }
+};
+static_assert(crypto_scalarmult_BYTES == kNonceSize);
 
 // Each side's MAC covers a label naming its role, so a client's proof can never be replayed as
-// a server's (or reflected back), and both nonces, so neither side can replay an old session.
+// a server's (or reflected back), and both hellos (nonces and ephemeral keys), so neither side
+// can replay an old session and no relay can swap an ephemeral key for its own.
 constexpr std::string_view kServerLabel = "rdmakit server";
 constexpr std::string_view kClientLabel = "rdmakit client";
 
@@ -31,7 +46,7 @@ void init_sodium() {
   if (::sodium_init() < 0) throw Error("sodium_init", EIO, "libsodium could not initialise (no random source?)");
 }
 
-Mac mac(std::span<const std::uint8_t> key, std::string_view label, const Nonce& client, const Nonce& server) {
+Mac mac(std::span<const std::uint8_t> key, std::string_view label, const Hello& client, const Hello& server) {
   crypto_auth_hmacsha256_state st;
   crypto_auth_hmacsha256_init(&st, key.data(), key.size());
   crypto_auth_hmacsha256_update(&st, reinterpret_cast<const unsigned char*>(label.data()), label.size());
@@ -48,10 +63,26 @@ bool same(const Mac& a, std::span<const std::uint8_t> b) {
   return b.size() == a.size() && ::crypto_verify_32(a.data(), b.data()) == 0;
 }
 
-Nonce fresh_nonce() {
-  Nonce n{};
-  ::randombytes_buf(n.data(), n.size());
-  return n;
+Hello fresh_hello(const Ephemeral& e) {
+  Hello h{};
+  ::randombytes_buf(h.data(), kNonceSize);
+  std::copy(e.pub.begin(), e.pub.end(), h.begin() + kNonceSize);
+  return h;
+}
+
+// The X25519 secret both sides share, wiped when it goes.
+struct Shared {
+  std::array<std::uint8_t, crypto_scalarmult_BYTES> bytes{};
+  Shared() = default;
+  Shared(const Shared&) = delete;
+  Shared& operator=(const Shared&) = delete;
+  ~Shared() { ::sodium_memzero(bytes.data(), bytes.size()); }
+};
+
+// False for a public key of low order (an all-zero result), which a peer sends only to force a
+// known secret.
+bool shared_secret(const Ephemeral& mine, const Hello& theirs, Shared& out) {
+  return ::crypto_scalarmult(out.bytes.data(), mine.secret.data(), theirs.data() + kNonceSize) == 0;
 }
 
 // The server's refusals are sent as REJECT by the handshake that catches them; the client sends
@@ -72,7 +103,8 @@ void check_key(std::span<const std::uint8_t> key) {
 std::unique_ptr<Session> authenticate_client(Channel& ch, std::span<const std::uint8_t> key, Deadline deadline,
                                              const std::string& peer) {
   init_sodium();
-  const Nonce mine = fresh_nonce();
+  const Ephemeral eph;
+  const Hello mine = fresh_hello(eph);
   send_control(ch, nullptr, wire::MessageType::auth_challenge, mine, deadline);  // before any session
   const Message reply = recv_message(ch, deadline);
   if (reply.header.type == wire::MessageType::reject) {
@@ -80,14 +112,14 @@ std::unique_ptr<Session> authenticate_client(Channel& ch, std::span<const std::u
                 fmt::format("{} refused: {}", peer, wire::decode_reject(reply.payload)),
                 "the server does not use a pre-shared key (or another version): give both sides the same key");
   }
-  if (reply.header.type != wire::MessageType::auth_response || reply.payload.size() != kNonceSize + kMacSize) {
+  if (reply.header.type != wire::MessageType::auth_response || reply.payload.size() != kHelloSize + kMacSize) {
     throw Error("bootstrap authentication", EPROTO,
                 fmt::format("{} answered the challenge with {} ({} bytes)", peer, wire::to_string(reply.header.type),
                             reply.payload.size()));
   }
-  Nonce theirs{};
-  std::copy_n(reply.payload.begin(), kNonceSize, theirs.begin());
-  const std::span<const std::uint8_t> their_mac(reply.payload.data() + kNonceSize, kMacSize);
+  Hello theirs{};
+  std::copy_n(reply.payload.begin(), kHelloSize, theirs.begin());
+  const std::span<const std::uint8_t> their_mac(reply.payload.data() + kHelloSize, kMacSize);
   if (!same(mac(key, kServerLabel, mine, theirs), their_mac)) {
     // Nothing more than that: the server is not the one we meant, or its key differs.
     try {
@@ -98,8 +130,13 @@ std::unique_ptr<Session> authenticate_client(Channel& ch, std::span<const std::u
     refuse(peer, "the server failed to prove it knows the pre-shared key",
            "the server uses another key (or is not the intended server): give both sides the same key");
   }
+  Shared dh;
+  if (!shared_secret(eph, theirs, dh)) {
+    refuse(peer, "the server's ephemeral key is of low order (it would force a known shared secret)",
+           "the server is not rdmakit, or tampers with the handshake");
+  }
   send_control(ch, nullptr, wire::MessageType::auth_proof, mac(key, kClientLabel, mine, theirs), deadline);
-  return std::make_unique<Session>(key, mine, theirs, Role::client);
+  return std::make_unique<Session>(key, mine, theirs, Role::client, dh.bytes);
 }
 
 std::unique_ptr<Session> authenticate_server(Channel& ch, std::span<const std::uint8_t> key, const Message& first,
@@ -109,23 +146,28 @@ std::unique_ptr<Session> authenticate_server(Channel& ch, std::span<const std::u
     refuse(peer, "this listener requires authentication with a pre-shared key",
            "the client connected without a key");
   }
-  if (first.payload.size() != kNonceSize) {
-    refuse(peer, fmt::format("malformed challenge ({} bytes)", first.payload.size()));
+  if (first.payload.size() != kHelloSize) {
+    refuse(peer, fmt::format("malformed challenge ({} bytes; {} are a nonce and an ephemeral key)", first.payload.size(),
+                             kHelloSize),
+           "an rdmakit of another protocol version (before 5 a challenge was a bare nonce): run the same version");
   }
-  Nonce theirs{};
+  Hello theirs{};
   std::copy(first.payload.begin(), first.payload.end(), theirs.begin());
-  const Nonce mine = fresh_nonce();
-  std::array<std::uint8_t, kNonceSize + kMacSize> response{};
+  const Ephemeral eph;
+  Shared dh;
+  if (!shared_secret(eph, theirs, dh)) refuse(peer, "its ephemeral key is of low order (it would force a known shared secret)");
+  const Hello mine = fresh_hello(eph);
+  std::array<std::uint8_t, kHelloSize + kMacSize> response{};
   const Mac proof = mac(key, kServerLabel, theirs, mine);
   std::copy(mine.begin(), mine.end(), response.begin());
-  std::copy(proof.begin(), proof.end(), response.begin() + kNonceSize);
+  std::copy(proof.begin(), proof.end(), response.begin() + kHelloSize);
   send_control(ch, nullptr, wire::MessageType::auth_response, response, deadline);
   const Message answer = recv_message(ch, deadline);
   if (answer.header.type != wire::MessageType::auth_proof ||
       !same(mac(key, kClientLabel, theirs, mine), answer.payload)) {
     refuse(peer, "authentication failed", "the client does not know the pre-shared key");
   }
-  return std::make_unique<Session>(key, theirs, mine, Role::server);
+  return std::make_unique<Session>(key, theirs, mine, Role::server, dh.bytes);
 }
 
 }  // namespace rdmakit::detail
@@ -133,51 +175,9 @@ std::unique_ptr<Session> authenticate_server(Channel& ch, std::span<const std::u
 namespace rdmakit {
 
 // A key file holds the key's bytes, all of them and nothing else: no newline is trimmed, so a
-// binary key reads back exactly (a key given programmatically is the same bytes). It is opened
-// without following a symbolic link, and its owner and mode are checked on the open file, so no
-// one can swap it between the check and the read.
+// binary key reads back exactly (a key given programmatically is the same bytes).
 std::vector<std::uint8_t> read_key_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
-  if (fd < 0) {
-    const int err = errno;
-    throw Error("read key file", err, path,
-                err == ELOOP ? "it is a symbolic link: give the key file itself (a link could be "
-                               "pointed elsewhere by whoever can change it)"
-                             : "");
-  }
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) throw Error("read key file", errno, path);
-  if (!S_ISREG(st.st_mode)) throw Error("read key file", EINVAL, fmt::format("{} is not a regular file", path));
-  if (st.st_uid != ::geteuid()) {
-    throw Error("read key file", EPERM,
-                fmt::format("{} belongs to uid {}, not to this process's uid {}", path, st.st_uid, ::geteuid()),
-                "a key file must belong to the user that reads it (whoever owns it can change it)");
-  }
-  if ((st.st_mode & 077) != 0) {
-    throw Error("read key file", EPERM,
-                fmt::format("{} can be read or written by other users (mode {:o})", path, st.st_mode & 0777),
-                fmt::format("a key others can read is no secret: chmod 600 {}", path));
-  }
-  if (st.st_size > static_cast<off_t>(detail::kMaxKeySize)) {
-    throw Error("read key file", EFBIG,
-                fmt::format("{}: {} bytes; a key file holds at most {}", path, st.st_size, detail::kMaxKeySize),
-                "is it the key? `rdmakit keygen FILE` writes one");
-  }
-  std::vector<std::uint8_t> key(static_cast<std::size_t>(st.st_size));
-  std::size_t got = 0;
-  while (got < key.size()) {
-    const ssize_t n = ::read(fd, key.data() + got, key.size() - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      detail::wipe(key);
-      throw Error("read key file", n < 0 ? errno : EIO, path);
-    }
-    got += static_cast<std::size_t>(n);
-  }
+  std::vector<std::uint8_t> key = detail::read_secret_file(path, "read key file", detail::kMaxKeySize);
   if (key.size() < detail::kMinKeySize) {
     const std::size_t n = key.size();
     detail::wipe(key);
@@ -190,23 +190,15 @@ std::vector<std::uint8_t> read_key_file(const std::string& path) {
 
 void generate_key_file(const std::string& path) {
   if (::sodium_init() < 0) throw Error("sodium_init", EIO, "libsodium could not initialise (no random source?)");
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    const int err = errno;
-    throw Error("write key file", err, path,
-                err == EEXIST ? "it exists already; a key is not overwritten (remove it first)" : "");
-  }
   std::array<std::uint8_t, 32> key{};
   ::randombytes_buf(key.data(), key.size());
-  const bool ok = ::fchmod(fd, 0600) == 0 && ::write(fd, key.data(), key.size()) == static_cast<ssize_t>(key.size()) &&
-                  ::fsync(fd) == 0;
-  const int err = errno;
-  ::sodium_memzero(key.data(), key.size());
-  ::close(fd);
-  if (!ok) {
-    ::unlink(path.c_str());
-    throw Error("write key file", err, path);
+  try {
+    detail::write_new_file(path, key, 0600, "write key file");
+  } catch (...) {
+    ::sodium_memzero(key.data(), key.size());
+    throw;
   }
+  ::sodium_memzero(key.data(), key.size());
 }
 
 }  // namespace rdmakit

@@ -1,6 +1,7 @@
 #pragma once
 // The authenticated bootstrap: with a pre-shared key both sides prove they know it (mutual
-// HMAC-SHA256 challenge-response over fresh nonces from both) before either sends a QPN, GID,
+// HMAC-SHA256 challenge-response over fresh nonces and ephemeral X25519 keys from both, whose
+// shared secret goes into the session keys) before either sends a QPN, GID,
 // address or rkey. A side that fails to prove it gets a REJECT that says only that, and nothing
 // else crosses the wire. After the proof, everything travels sealed in the session it yields
 // (session.hpp), so a relay that forwarded the proof can neither read nor inject anything.
@@ -17,6 +18,8 @@ namespace rdmakit::detail {
 
 inline constexpr std::size_t kNonceSize = 32;
 inline constexpr std::size_t kMacSize = 32;
+/// A side's hello: its nonce and its ephemeral X25519 public key.
+inline constexpr std::size_t kHelloSize = 2 * kNonceSize;
 /// Shorter keys are refused: 16 random bytes is the least that resists guessing.
 inline constexpr std::size_t kMinKeySize = 16;
 /// A key file larger than this is not a key.

@@ -18,9 +18,10 @@ using Key = std::array<std::uint8_t, kSessionKeySize>;
 // HKDF-SHA256 (RFC 5869) with one output block: extract with the nonces as salt, expand with a
 // label naming the direction. The version is in the salt, so another protocol version never
 // derives the same keys.
-constexpr std::string_view kSalt = "rdmakit v4 session";
-constexpr std::string_view kClientToServer = "rdmakit v4 client to server";
-constexpr std::string_view kServerToClient = "rdmakit v4 server to client";
+constexpr std::string_view kSalt = "rdmakit v5 session";
+constexpr std::string_view kClientToServer = "rdmakit v5 client to server";
+constexpr std::string_view kServerToClient = "rdmakit v5 server to client";
+constexpr std::string_view kBinding = "rdmakit v5 channel binding";
 
 void hmac(std::span<const std::uint8_t> key, std::initializer_list<std::span<const std::uint8_t>> parts,
           std::uint8_t* out) {
@@ -61,16 +62,17 @@ void wipe(std::vector<std::uint8_t>& v) noexcept {
   v.clear();
 }
 
-Session::Session(std::span<const std::uint8_t> psk, std::span<const std::uint8_t> client_nonce,
-                 std::span<const std::uint8_t> server_nonce, Role role) {
+Session::Session(std::span<const std::uint8_t> psk, std::span<const std::uint8_t> client_hello,
+                 std::span<const std::uint8_t> server_hello, Role role, std::span<const std::uint8_t> dh) {
   if (::sodium_init() < 0) throw Error("sodium_init", EIO, "libsodium could not initialise");
   std::vector<std::uint8_t> salt(kSalt.begin(), kSalt.end());
-  salt.insert(salt.end(), client_nonce.begin(), client_nonce.end());
-  salt.insert(salt.end(), server_nonce.begin(), server_nonce.end());
+  salt.insert(salt.end(), client_hello.begin(), client_hello.end());
+  salt.insert(salt.end(), server_hello.begin(), server_hello.end());
   Key prk{};
-  hmac(salt, {psk}, prk.data());
+  hmac(salt, {psk, dh}, prk.data());
   const Key c2s = expand(prk, kClientToServer);
   const Key s2c = expand(prk, kServerToClient);
+  binding_ = expand(prk, kBinding);
   tx_ = role == Role::client ? c2s : s2c;
   rx_ = role == Role::client ? s2c : c2s;
   ::sodium_memzero(prk.data(), prk.size());
@@ -79,6 +81,7 @@ Session::Session(std::span<const std::uint8_t> psk, std::span<const std::uint8_t
 Session::~Session() {
   ::sodium_memzero(tx_.data(), tx_.size());
   ::sodium_memzero(rx_.data(), rx_.size());
+  ::sodium_memzero(binding_.data(), binding_.size());
 }
 
 std::vector<std::uint8_t> Session::seal(wire::MessageType type, std::span<const std::uint8_t> payload) {

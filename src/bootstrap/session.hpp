@@ -1,7 +1,9 @@
 #pragma once
 // The keyed session: after the mutual proof of the pre-shared key, every control-channel message
 // travels sealed in an AEAD frame (XChaCha20-Poly1305, libsodium) under a key of its direction,
-// derived from the PSK and both sides' nonces, with a per-direction sequence number as the nonce.
+// derived from the PSK, both sides' nonces and an ephemeral X25519 exchange (forward secrecy:
+// a PSK that leaks later opens no recorded session), with a per-direction sequence number as the
+// nonce.
 // Confidentiality for addresses and rkeys, integrity, no replay, no reordering, no reflection: a
 // frame that was altered, repeated, dropped, reordered or sent back the other way fails to open.
 //
@@ -48,10 +50,12 @@ enum class Role : std::uint8_t { client, server };
 
 class Session {
  public:
-  /// Keys for both directions from the PSK and both nonces (HKDF-SHA256: extract with the
-  /// nonces as salt, expand with a label per direction).
-  Session(std::span<const std::uint8_t> psk, std::span<const std::uint8_t> client_nonce,
-          std::span<const std::uint8_t> server_nonce, Role role);
+  /// Keys for both directions from the PSK, the shared secret of both sides' ephemeral X25519
+  /// keys (`dh`), and what each side sent in the clear (`client_hello`, `server_hello`: nonce and
+  /// ephemeral public key): HKDF-SHA256, extract with the hellos as salt over psk | dh, expand
+  /// with a label per direction, and once more for binding().
+  Session(std::span<const std::uint8_t> psk, std::span<const std::uint8_t> client_hello,
+          std::span<const std::uint8_t> server_hello, Role role, std::span<const std::uint8_t> dh);
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
   ~Session();
@@ -62,10 +66,16 @@ class Session {
   /// it fails to authenticate (tampered, replayed, reordered, reflected, truncated) or is
   /// malformed inside. Never throws. A failed frame consumes no sequence number.
   [[nodiscard]] std::optional<Message> open(const wire::Header& outer, std::span<const std::uint8_t> sealed) noexcept;
+  /// What names this session and no other: the same on both sides, unknowable to anyone who
+  /// does not hold the PSK and one side's ephemeral secret (a relay holding the PSK runs two
+  /// sessions with two different bindings). Engine identities sign it (engine/identity.hpp), so
+  /// a signature proves its holder is at the other end of this very session.
+  [[nodiscard]] std::span<const std::uint8_t, kSessionKeySize> binding() const noexcept { return binding_; }
 
  private:
   std::array<std::uint8_t, kSessionKeySize> tx_{};
   std::array<std::uint8_t, kSessionKeySize> rx_{};
+  std::array<std::uint8_t, kSessionKeySize> binding_{};
   std::uint64_t tx_seq_ = 0;
   std::uint64_t rx_seq_ = 0;
 };

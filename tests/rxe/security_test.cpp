@@ -83,12 +83,12 @@ TEST(Security, KeylessAndWrongKeyPeersLearnNothing) {
   const std::string reason = rdmakit::wire::decode_reject(got[0].second);
   EXPECT_NE(reason.find("requires authentication"), std::string::npos) << reason;
 
-  // A client that answers the challenge with a made-up proof: the server's nonce and MAC (64
-  // bytes, no parameter of the connection), then a REJECT, then EOF. Never a HELLO.
+  // A client that answers the challenge with a made-up proof: the server's nonce, ephemeral key
+  // and MAC (96 bytes, no parameter of the connection), then a REJECT, then EOF. Never a HELLO.
   fd = lab::raw_connect("127.0.0.1", listener.port());
   ASSERT_GE(fd, 0);
-  auto challenge = rdmakit::wire::encode_header(MessageType::auth_challenge, 32);
-  challenge.resize(challenge.size() + 32, 0x42);
+  auto challenge = rdmakit::wire::encode_header(MessageType::auth_challenge, 64);
+  challenge.resize(challenge.size() + 64, 0x42);
   ASSERT_TRUE(lab::send_bytes(fd, challenge));
   std::this_thread::sleep_for(200ms);
   auto proof = rdmakit::wire::encode_header(MessageType::auth_proof, 32);
@@ -98,7 +98,7 @@ TEST(Security, KeylessAndWrongKeyPeersLearnNothing) {
   ::close(fd);
   ASSERT_EQ(got.size(), 2u);
   EXPECT_EQ(got[0].first.type, MessageType::auth_response);
-  EXPECT_EQ(got[0].second.size(), 64u);
+  EXPECT_EQ(got[0].second.size(), 96u);
   EXPECT_EQ(got[1].first.type, MessageType::reject);
   EXPECT_NE(rdmakit::wire::decode_reject(got[1].second).find("authentication failed"), std::string::npos);
 

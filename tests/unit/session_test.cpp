@@ -27,6 +27,7 @@ using rdmakit::wire::MessageType;
 const std::vector<std::uint8_t> kPsk(32, 0x42);
 const std::array<std::uint8_t, 32> kNc = {1, 2, 3};
 const std::array<std::uint8_t, 32> kNs = {9, 8, 7};
+const std::array<std::uint8_t, 32> kDh = {5, 5};
 
 std::vector<std::uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
@@ -37,8 +38,8 @@ std::pair<rdmakit::wire::Header, std::vector<std::uint8_t>> split(const std::vec
 }
 
 struct Pair {
-  Session client{kPsk, kNc, kNs, Role::client};
-  Session server{kPsk, kNc, kNs, Role::server};
+  Session client{kPsk, kNc, kNs, Role::client, kDh};
+  Session server{kPsk, kNc, kNs, Role::server, kDh};
 };
 
 TEST(Session, FramesOpenInOrderAndCarryTheMessage) {
@@ -97,16 +98,19 @@ TEST(Session, AlteredReplayedReorderedOrReflectedFramesFail) {
   EXPECT_FALSE(p.server.open({MessageType::user, 4}, bytes("abcd")).has_value());
 }
 
-TEST(Session, KeysDependOnTheKeyAndBothNonces) {
-  Session client(kPsk, kNc, kNs, Role::client);
+TEST(Session, KeysDependOnTheKeyBothNoncesAndTheSharedSecret) {
+  Session client(kPsk, kNc, kNs, Role::client, kDh);
   const auto f = split(client.seal(MessageType::user, bytes("x")));
   auto other_nonce = kNs;
   other_nonce[31] ^= 1;
   std::vector<std::uint8_t> other_key = kPsk;
   other_key[0] ^= 1;
-  EXPECT_FALSE(Session(kPsk, kNc, other_nonce, Role::server).open(f.first, f.second).has_value());
-  EXPECT_FALSE(Session(other_key, kNc, kNs, Role::server).open(f.first, f.second).has_value());
-  EXPECT_TRUE(Session(kPsk, kNc, kNs, Role::server).open(f.first, f.second).has_value());
+  EXPECT_FALSE(Session(kPsk, kNc, other_nonce, Role::server, kDh).open(f.first, f.second).has_value());
+  EXPECT_FALSE(Session(other_key, kNc, kNs, Role::server, kDh).open(f.first, f.second).has_value());
+  auto other_dh = kDh;
+  other_dh[0] ^= 1;
+  EXPECT_FALSE(Session(kPsk, kNc, kNs, Role::server, other_dh).open(f.first, f.second).has_value());
+  EXPECT_TRUE(Session(kPsk, kNc, kNs, Role::server, kDh).open(f.first, f.second).has_value());
 }
 
 // --- key files -------------------------------------------------------------------------------

@@ -63,8 +63,8 @@ TEST(Wire, RoundTrip) {
 
 TEST(Wire, FieldsAreBigEndianAtFixedOffsets) {
   const auto msg = encode_hello(sample());
-  // "RDKT", version 4, type HELLO, then the payload length.
-  const std::vector<std::uint8_t> header = {'R', 'D', 'K', 'T', 0, 4, 0, 1, 0, 0, 0, 90};
+  // "RDKT", version 5, type HELLO, then the payload length.
+  const std::vector<std::uint8_t> header = {'R', 'D', 'K', 'T', 0, 5, 0, 1, 0, 0, 0, 90};
   EXPECT_EQ(std::vector<std::uint8_t>(msg.begin(), msg.begin() + 12), header);
   const std::uint8_t* p = msg.data() + kHeaderSize;
   EXPECT_EQ((std::vector<std::uint8_t>{p, p + 8}),
@@ -97,7 +97,7 @@ TEST(Wire, HeaderRejections) {
   expect_error([&] { (void)decode_header(bad); }, "bad magic");
   bad = msg;
   bad[5] = 1;
-  expect_error([&] { (void)decode_header(bad); }, "protocol version mismatch: peer speaks 1, this side speaks 4");
+  expect_error([&] { (void)decode_header(bad); }, "protocol version mismatch: peer speaks 1, this side speaks 5");
   bad = msg;
   bad[7] = 10;
   expect_error([&] { (void)decode_header(bad); }, "unknown message type 10");
