@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "rdmakit/connection.hpp"
+#include "rdmakit/identity.hpp"
 #include "rdmakit/memory.hpp"
 #include "rdmakit/metadata.hpp"
 
@@ -83,6 +84,20 @@ struct EngineConfig {
   /// remove_peer() revoke nothing until the buffer is registered again. info().access_model and
   /// the log say so. rxe, mlx5 and most current NICs have type-2 windows.
   bool allow_region_keys = false;
+  /// This engine's identity (none by default). With one, every link proves it: the engine's
+  /// IDENT carries its public key and signs the link's session (its binding, both sides' roles,
+  /// its name and epoch), so a peer that expects this engine's key (add_peer's public_key, the
+  /// store's record, or pinned on first use) gets a link only from the holder of the secret.
+  /// Requires link.psk (the signature binds the keyed session). Whether it has one or not, an
+  /// engine checks every identity its peers prove: docs/security.md, "Engine identities".
+  Identity identity{};
+  /// Who may link to this engine: engine names ("kv-client-3"), public keys ("ed25519:..."), or
+  /// both ("kv-client-3=ed25519:...": that name, proven by that key only). A link whose peer
+  /// matches none is refused at its IDENT, before it is offered anything, and its peer's
+  /// transfers end connect_failed with the reason. Empty: any member of the cluster key
+  /// (link.psk; anyone without one). A bare name is only as good as what vouches for it: with
+  /// identities the name is its key's, without it is what a key holder says.
+  std::vector<std::string> allowed_peers{};
   /// A link's control messages (segments, notifications, credits, activity) wait in an outbox
   /// of its own while the peer does not read them, and its worker goes on serving every other
   /// link. When the outbox has taken nothing for this long (the peer is stopped, hung or
@@ -293,6 +308,8 @@ struct EngineInfo {
   /// region's own key).
   bool memory_windows = false;
   std::string access_model{};  ///< one line saying which, and why
+  /// Identity::public_key() of EngineConfig::identity (empty: none).
+  std::string public_key{};
   /// This engine's ports that can carry rails, one line each: device, port, address, subnet, and
   /// where a peer bootstraps a rail on it (or why it cannot: the listener is bound elsewhere).
   std::vector<std::string> rails{};
@@ -334,6 +351,11 @@ struct PeerInfo {
   /// Its rails: the first is the port its address is reached through; then every other local
   /// port, used or not (with the reason). Learnt from the peer when the link first came up.
   std::vector<RailInfo> rails{};
+  /// The key its links must prove (Identity::public_key() text), and where it came from:
+  /// "given" (add_peer), "store" (its record), "pinned" (the first link that proved one), or
+  /// empty with no key (its links prove none: the cluster key is all that vouches for them).
+  std::string public_key{};
+  std::string key_source{};
 };
 
 /// Many peers, memory registered once, batched asynchronous transfers from any number of
@@ -382,16 +404,34 @@ class Engine {
   /// name in use or a bad range.
   void expose(std::string name, const Buffer& buffer, Access access, std::uint64_t offset = 0,
               std::uint64_t length = 0);
+  /// The same, for `peers` only (entries as in EngineConfig::allowed_peers): no other peer ever
+  /// gets a window on it, and their transfers to it end no_segment. Empty: every peer.
+  void expose(std::string name, const Buffer& buffer, Access access, std::vector<std::string> peers,
+              std::uint64_t offset = 0, std::uint64_t length = 0);
   /// Withdraws a segment: every peer's key for it stops working (its window is invalidated),
   /// and linked peers are told.
   void withdraw(const std::string& name);
+  /// Revokes `peer` (an engine name, a public key, or NAME=KEY), whether it was added or not:
+  /// its windows on every segment are invalidated at once (what it has in flight to them fails),
+  /// the links it opened to this engine close, and its next links are refused, with a reason
+  /// its transfers carry (connect_failed), until allow(peer). Links this engine opened to it
+  /// (add_peer) stay: remove_peer() ends those. Throws Error for an entry that is not a peer.
+  void revoke(const std::string& peer);
+  /// Undoes revoke(peer); with EngineConfig::allowed_peers set, also lets `peer` link from now
+  /// on. Throws Error for an entry that is not a peer.
+  void allow(const std::string& peer);
 
   /// Adds a peer by name and bootstrap address ("host:port"); nothing is connected until a
   /// transfer needs it. `name` is the name the engine there runs under (its EngineConfig::name):
   /// a link is used only when the engine that answers says that name (and, on further rails,
   /// the first link's epoch); another engine at the address ends the transfers waiting for the
-  /// link as connect_failed, naming both. Throws Error for a name in use.
-  void add_peer(std::string name, std::string address);
+  /// link as connect_failed, naming both. `public_key` (Identity::public_key() text): only the
+  /// holder of its secret is linked as this peer. Without it, the key the peer's first link
+  /// proves (if any) is pinned: every later link and rail must prove the same one (remove_peer
+  /// and add_peer again to accept another). A link that proves another key, or none where one
+  /// is expected, is never used: its transfers end connect_failed naming both keys. Throws Error
+  /// for a name in use, or a public key that is not one.
+  void add_peer(std::string name, std::string address, std::string public_key = {});
   /// Adds a peer found by name in the metadata store (its first published endpoint, followed
   /// when it restarts elsewhere). Throws Error naming the store when it has no such engine or
   /// does not answer within MetadataConfig::call_timeout, or when the engine has no store.

@@ -56,6 +56,9 @@ struct PublishedEngine {
   std::vector<std::string> endpoints;  ///< bootstrap addresses, "host:port"
   std::vector<PublishedRail> rails;
   std::vector<PublishedSegment> segments;
+  /// Its Identity::public_key() (empty: it has none). A peer found through the store must
+  /// prove it on every link.
+  std::string public_key;
   friend bool operator==(const PublishedEngine&, const PublishedEngine&) = default;
 };
 

@@ -38,6 +38,7 @@ from ._rdmakit import (  # noqa: F401
     compare_swap,
     connect,
     fetch_add,
+    generate_identity,
     memory_of,
     read,
     write,
@@ -47,5 +48,5 @@ __all__ = [
     "Batch", "Buffer", "BufferError", "Connection", "Engine", "Error", "Listener",
     "Notification", "PeerLostError", "PostError", "RemoteRegion", "RemoteSegment",
     "TimeoutError", "Transfer", "TransferError", "TransferOp", "TransferPlan", "__version__",
-    "compare_swap", "connect", "fetch_add", "memory_of", "read", "write",
+    "compare_swap", "connect", "fetch_add", "generate_identity", "memory_of", "read", "write",
 ]

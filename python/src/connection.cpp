@@ -89,7 +89,6 @@ ConnectionConfig config_from(const py::object& psk, std::string device, double h
   return c;
 }
 
-}  // namespace
 
 /// rdmakit.Connection. Its calls are serialised by a mutex (a Connection is one thread's at a
 /// time), and those that wait run without the GIL.
@@ -150,7 +149,6 @@ class PyConnection {
   std::optional<Connection> conn_;
 };
 
-namespace {
 
 py::object completion_of(const WaitResult& r, const std::string& failure) {
   switch (r.status) {

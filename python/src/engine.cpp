@@ -273,8 +273,10 @@ void bind_engine(py::module_& m) {
                        std::string metadata, std::string cluster, double lease, std::uint32_t rails,
                        std::vector<std::string> rail_devices, std::uint64_t slice_size,
                        std::uint64_t slice_threshold, const std::string& method, std::uint32_t notification_queue,
-                       bool allow_region_keys) {
+                       bool allow_region_keys, const py::object& identity, std::vector<std::string> allowed_peers) {
              EngineConfig c;
+             c.identity = identity_from(identity);
+             c.allowed_peers = std::move(allowed_peers);
              c.link.method = parse_connect_method(method);
              c.rails.max = rails;
              c.rails.devices = std::move(rail_devices);
@@ -304,7 +306,8 @@ void bind_engine(py::module_& m) {
            py::arg("lease") = 10.0, py::arg("rails") = 0, py::arg("rail_devices") = std::vector<std::string>{},
            py::arg("slice_size") = RailConfig{}.slice_size, py::arg("slice_threshold") = RailConfig{}.slice_threshold,
            py::arg("method") = "tcp", py::arg("notification_queue") = EngineConfig{}.notification_queue,
-           py::arg("allow_region_keys") = false,
+           py::arg("allow_region_keys") = false, py::arg("identity") = py::none(),
+           py::arg("allowed_peers") = std::vector<std::string>{},
            "name: as peers know it (default host:pid). listen: \"[host]:port\" (port 0: any; "
            "empty: no listener). workers: progress threads (default one per device). psk: the "
            "pre-shared key, bytes or a key file's path (both ends of a link hold the same). "
@@ -316,7 +319,10 @@ void bind_engine(py::module_& m) {
            "how links connect, \"tcp\" or \"rdma_cm\" (every engine the same). notification_queue: the "
            "notifications each peer link may have waiting here at once (a sender is told, per batch, of "
            "one more). allow_region_keys: on a device without type-2 memory windows, serve segments with "
-           "the buffer's own key (access per buffer, no per-peer revocation); otherwise expose() refuses.")
+           "the buffer's own key (access per buffer, no per-peer revocation); otherwise expose() refuses. "
+           "identity: an identity file's path (rdmakit keygen --identity, or generate_identity()) or a "
+           "32-byte seed: every link proves it (needs psk); info()['public_key'] is what peers pin. "
+           "allowed_peers: who may link here (names, public keys, or NAME=KEY; empty: any holder of psk).")
       .def("close", &close_engine,
            "Closes every link (what is in flight ends) and releases the registered objects.")
       .def("__enter__", [](py::object self) { return self; })
@@ -338,6 +344,7 @@ void bind_engine(py::module_& m) {
              d["devices"] = i.devices;
              d["memory_windows"] = i.memory_windows;
              d["access_model"] = i.access_model;
+             d["public_key"] = i.public_key;
              d["metadata"] = i.metadata;
              return d;
            })
@@ -352,34 +359,46 @@ void bind_engine(py::module_& m) {
       .def(
           "expose",
           [](PyEngine& e, std::string name, const PyBuffer& b, const std::string& access,
-             std::uint64_t offset, std::uint64_t length) {
+             std::uint64_t offset, std::uint64_t length, std::vector<std::string> peers) {
             Access a = parse_access(access, "expose");
             if (a == Access::none) throw Error("expose", EINVAL, "access is empty", "e.g. \"rw\"");
             refuse_remote_writes("expose", fmt::format("segment {}: its buffer", name),
                                  b.reg->readonly, a, access);
-            e.call([&](Engine& x) { x.expose(std::move(name), b.reg->buffer, a, offset, length); });
+            e.call([&](Engine& x) { x.expose(std::move(name), b.reg->buffer, a, std::move(peers), offset, length); });
           },
           py::arg("name"), py::arg("buffer"), py::arg("access") = "rw", py::kw_only(),
-          py::arg("offset") = 0, py::arg("length") = 0,
+          py::arg("offset") = 0, py::arg("length") = 0, py::arg("peers") = std::vector<std::string>{},
           "Makes a range of a registered buffer a segment peers reach by name. access: letters "
-          "r (read), w (write), a (atomics). length 0: to the buffer's end.")
+          "r (read), w (write), a (atomics). length 0: to the buffer's end. peers: only these "
+          "(names, public keys, NAME=KEY) get a window on it; empty: every peer.")
+      .def("revoke", [](PyEngine& e, const std::string& peer) { e.call([&](Engine& x) { x.revoke(peer); }); },
+           py::arg("peer"),
+           "Revokes a peer (name, public key or NAME=KEY), added or not: its windows are invalidated at "
+           "once, its links here close, and its next links are refused with the reason until allow().")
+      .def("allow", [](PyEngine& e, const std::string& peer) { e.call([&](Engine& x) { x.allow(peer); }); },
+           py::arg("peer"), "Undoes revoke(peer); with allowed_peers, also lets peer link from now on.")
       .def("withdraw", [](PyEngine& e, const std::string& name) {
         e.call([&](Engine& x) { x.withdraw(name); });
       })
       .def("add_peer",
-           [](PyEngine& e, std::string name, std::optional<std::string> address) {
+           [](PyEngine& e, std::string name, std::optional<std::string> address, std::string public_key) {
              e.call([&](Engine& x) {
                if (address) {
-                 x.add_peer(std::move(name), std::move(*address));
+                 x.add_peer(std::move(name), std::move(*address), std::move(public_key));
+               } else if (!public_key.empty()) {
+                 throw Error("add_peer", EINVAL, fmt::format("a public key for '{}' without an address", name),
+                             "a peer found in the metadata store proves the key it publishes there");
                } else {
                  x.add_peer(std::move(name));
                }
              });
            },
-           py::arg("name"), py::arg("address") = py::none(),
+           py::arg("name"), py::arg("address") = py::none(), py::kw_only(), py::arg("public_key") = "",
            "Adds a peer by name and \"host:port\", or by name alone from the metadata store; "
            "nothing connects until a transfer needs it. The name is the one the engine there runs "
-           "under: another engine answering at the address is refused (connect_failed, naming both).")
+           "under: another engine answering at the address is refused (connect_failed, naming both). "
+           "public_key: the key its links must prove (its info()['public_key']); without, the first "
+           "one a link proves is pinned.")
       .def("directory",
            [](PyEngine& e) {
              std::vector<PublishedEngine> es = e.call([](Engine& x) { return x.directory(); });
@@ -397,7 +416,7 @@ void bind_engine(py::module_& m) {
                }
                out.append(py::dict(py::arg("name") = p.name, py::arg("epoch") = p.epoch,
                                    py::arg("endpoints") = p.endpoints, py::arg("rails") = rails,
-                                   py::arg("segments") = segs));
+                                   py::arg("segments") = segs, py::arg("public_key") = p.public_key));
              }
              return out;
            },
@@ -416,6 +435,8 @@ void bind_engine(py::module_& m) {
                d["worker"] = p.worker;
                d["device"] = p.device;
                d["linked"] = p.linked;
+               d["public_key"] = p.public_key;
+               d["key_source"] = p.key_source;
                py::list rails;
                for (const RailInfo& r : p.rails) {
                  py::dict rd;

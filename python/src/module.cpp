@@ -6,6 +6,7 @@
 #include "engine.hpp"
 #include "errors.hpp"
 #include "pymemory.hpp"
+#include "rdmakit/identity.hpp"
 #include "rdmakit/version.hpp"
 
 namespace py = pybind11;
@@ -32,4 +33,16 @@ PYBIND11_MODULE(_rdmakit, m) {
       py::arg("obj"),
       "What rdmakit would register for obj: address, nbytes, readonly, memory (host, cuda, "
       "cuda-host) and device. BufferError when obj's memory cannot be used.");
+  m.def(
+      "generate_identity",
+      [](const py::object& path) {
+        const std::string p = py::module_::import("os").attr("fspath")(path).cast<std::string>();
+        const rdmakit::Identity id = rdmakit::Identity::generate();
+        id.save(p);
+        return id.public_key();
+      },
+      py::arg("path"),
+      "Writes a fresh engine identity to a new file `path` (mode 0600) and its public key to "
+      "path + '.pub' (as `rdmakit keygen --identity`); returns the public key. Engine(identity=path) "
+      "proves it.");
 }

@@ -36,6 +36,19 @@ Access parse_access(const std::string& letters, const char* op) {
   return a;
 }
 
+Identity identity_from(const py::object& identity) {
+  if (identity.is_none()) return {};
+  if (py::isinstance<py::bytes>(identity) || py::isinstance<py::bytearray>(identity)) {
+    std::string s = py::isinstance<py::bytes>(identity) ? std::string(identity.cast<py::bytes>())
+                                                        : std::string(identity.cast<py::bytearray>());
+    Identity id = Identity::from_seed({reinterpret_cast<const std::uint8_t*>(s.data()), s.size()});
+    std::fill(s.begin(), s.end(), '\0');
+    return id;
+  }
+  py::object path = py::module_::import("os").attr("fspath")(identity);
+  return Identity::from_file(path.cast<std::string>());
+}
+
 std::vector<std::uint8_t> key_from(const py::object& psk) {
   if (psk.is_none()) return {};
   if (py::isinstance<py::bytes>(psk) || py::isinstance<py::bytearray>(psk)) {

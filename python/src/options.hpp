@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "rdmakit/identity.hpp"
 #include "rdmakit/memory.hpp"
 
 namespace rdmakit::python {
@@ -25,5 +26,7 @@ Access parse_access(const std::string& letters, const char* op);
 /// A pre-shared key: None (none), bytes (the key), or a str/PathLike naming a key file
 /// (read_key_file's checks apply).
 std::vector<std::uint8_t> key_from(const py::object& psk);
+/// An identity from None (none), a 32-byte seed (bytes), or an identity file's path.
+rdmakit::Identity identity_from(const py::object& identity);
 
 }  // namespace rdmakit::python

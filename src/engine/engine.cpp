@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "bootstrap/auth.hpp"
+#include "engine/admission.hpp"
 #include "engine/impl.hpp"
 #include "engine/locality.hpp"
 #include "memory/cuda.hpp"
@@ -61,6 +62,7 @@ EngineInfo Engine::info() const {
   for (const auto& d : impl_->layer->devices()) i.devices.push_back(d->name());
   i.memory_windows = impl_->windows;
   i.access_model = impl_->access_model;
+  i.public_key = impl_->cfg.identity.public_key();
   i.metadata = impl_->meta ? impl_->meta->status() : "p2p: peers added by address, no store";
   for (const detail::RailPort& r : impl_->offered_rails()) {
     i.rails.push_back(r.describe() + (!r.endpoint.empty() ? ": peers open rails at " + r.endpoint
@@ -167,42 +169,47 @@ std::vector<DeviceRank> Engine::locality(const Buffer& buffer) const {
 }
 
 void Engine::expose(std::string name, const Buffer& buffer, Access access, std::uint64_t offset, std::uint64_t length) {
-  detail::engine_wire::check_name(name, "segment name");
-  if (!impl_->windows && impl_->cfg.allow_region_keys && !impl_->psk) {
+  impl_->expose(std::move(name), buffer, access, offset, length, {});
+}
+
+void Engine::Impl::expose(std::string segment, const Buffer& buffer, Access access, std::uint64_t offset,
+                          std::uint64_t length, std::vector<std::string> for_peers) {
+  detail::engine_wire::check_name(segment, "segment name");
+  if (!windows && cfg.allow_region_keys && !psk) {
     throw Error("expose", EOPNOTSUPP,
                 fmt::format("segment '{}': device {} has no type-2 memory windows, and region keys go only to "
                             "peers that hold the link key: this engine has none",
-                            name, impl_->no_windows_device),
+                            segment, no_windows_device),
                 "set EngineConfig::link.psk (serve --psk-file)");
   }
-  if (!impl_->windows && !impl_->cfg.allow_region_keys) {
+  if (!windows && !cfg.allow_region_keys) {
     // Never a silent fallback: the buffer's own key would give every peer the whole buffer,
     // and nothing could be revoked from one peer.
     throw Error("expose", EOPNOTSUPP,
                 fmt::format("segment '{}': device {} has no type-2 memory windows, so a peer could only get the "
                             "buffer's own key: to the whole buffer, for every peer with the link key, and "
                             "revocable only by registering the buffer again",
-                            name, impl_->no_windows_device),
+                            segment, no_windows_device),
                 "set EngineConfig::allow_region_keys (rdmakit serve --allow-region-keys) to accept access per "
                 "buffer, or use a NIC with type-2 memory windows");
   }
-  const auto b = impl_->buffer_for(buffer, "expose");
+  const auto b = buffer_for(buffer, "expose");
   if (length == 0) length = b->handle.length - std::min<std::uint64_t>(offset, b->handle.length);
   if (offset > b->handle.length || length > b->handle.length - offset || length == 0) {
-    throw Error("expose", EINVAL, fmt::format("segment '{}': [{}, +{}) is not inside the buffer of {} bytes", name, offset, length, b->handle.length));
+    throw Error("expose", EINVAL, fmt::format("segment '{}': [{}, +{}) is not inside the buffer of {} bytes", segment, offset, length, b->handle.length));
   }
   if (access == Access::none ||
       (static_cast<std::uint32_t>(access) & ~static_cast<std::uint32_t>(detail::kAllRemote)) != 0) {
-    throw Error("expose", EINVAL, fmt::format("segment '{}': access {} (remote_read, remote_write, remote_atomic)", name, to_string(access)));
+    throw Error("expose", EINVAL, fmt::format("segment '{}': access {} (remote_read, remote_write, remote_atomic)", segment, to_string(access)));
   }
   {
-    std::lock_guard lock(impl_->mu);  // unregister_memory() retires a buffer under it
-    if (b->retired.load()) throw Error("expose", EINVAL, fmt::format("segment '{}': buffer {} was unregistered", name, buffer.id));
-    if (impl_->segments.count(name) != 0) throw Error("expose", EEXIST, fmt::format("a segment '{}' exists", name));
-    impl_->segments[name] = {name, buffer.id, buffer.generation, offset, length, access};
+    std::lock_guard lock(mu);  // unregister_memory() retires a buffer under it
+    if (b->retired.load()) throw Error("expose", EINVAL, fmt::format("segment '{}': buffer {} was unregistered", segment, buffer.id));
+    if (segments.count(segment) != 0) throw Error("expose", EEXIST, fmt::format("a segment '{}' exists", segment));
+    segments[segment] = {segment, buffer.id, buffer.generation, offset, length, access, std::move(for_peers)};
   }
-  for (auto& w : impl_->workers) w->post(detail::Command(detail::Command::Kind::expose, nullptr, name));
-  if (impl_->meta) impl_->meta->changed(/*wait=*/false);
+  for (auto& w : workers) w->post(detail::Command(detail::Command::Kind::expose, nullptr, segment));
+  if (meta) meta->changed(/*wait=*/false);
 }
 
 void Engine::unregister_memory(const Buffer& buffer, std::chrono::milliseconds timeout) {
@@ -268,13 +275,17 @@ void Engine::withdraw(const std::string& name) {
   if (impl_->meta) impl_->meta->changed(/*wait=*/false);
 }
 
-std::shared_ptr<Peer> Engine::Impl::add_peer(std::string peer_name, std::string address, bool from_store) {
-  detail::engine_wire::check_name(peer_name, "peer name");
+std::shared_ptr<Peer> Engine::Impl::add_peer(std::string peer_name, std::string address, bool from_store,
+                                             std::string public_key, std::string key_source) {
+  detail::check_engine_name(peer_name, "peer name");
   (void)detail::parse_host_port(address, 0);
+  if (!public_key.empty()) check_public_key(public_key);
   auto p = std::make_shared<Peer>();
   p->name = std::move(peer_name);
   p->address = std::move(address);
   p->from_store = from_store;
+  p->key_source = public_key.empty() ? std::string{} : std::move(key_source);
+  p->public_key = std::move(public_key);
   p->rails.push_back(std::make_unique<detail::RailState>());
   std::lock_guard lock(mu);
   if (peer_ids.count(p->name) != 0) throw Error("add_peer", EEXIST, fmt::format("a peer '{}' exists", p->name));
@@ -317,7 +328,7 @@ std::shared_ptr<Peer> Engine::Impl::named(const std::string& peer_name, const ch
                 "it does not listen (EngineConfig::listen), so only it can open links");
   }
   try {
-    return add_peer(peer_name, r.endpoints.front(), /*from_store=*/true);
+    return add_peer(peer_name, r.endpoints.front(), /*from_store=*/true, r.public_key, "store");
   } catch (const Error& e) {
     if (e.sys_errno() != EEXIST) throw;
     std::lock_guard lock(mu);  // another thread added it meanwhile
@@ -330,8 +341,8 @@ std::string Engine::Impl::gone_reason(const Peer& p) const {
   return p.gone_reason;
 }
 
-void Engine::add_peer(std::string name, std::string address) {
-  (void)impl_->add_peer(std::move(name), std::move(address), /*from_store=*/false);
+void Engine::add_peer(std::string name, std::string address, std::string public_key) {
+  (void)impl_->add_peer(std::move(name), std::move(address), /*from_store=*/false, std::move(public_key), "given");
 }
 
 void Engine::add_peer(std::string name) {
@@ -382,6 +393,8 @@ std::vector<PeerInfo> Engine::peers() const {
   std::sort(added.begin(), added.end(), [](const Peer* a, const Peer* b) { return a->order < b->order; });
   for (Peer* p : added) {
     PeerInfo i{p->name, p->address, p->worker->index(), {}, false};
+    i.public_key = p->public_key;
+    i.key_source = p->key_source;
     const int d = p->device.load(std::memory_order_relaxed);
     if (d >= 0 && static_cast<std::size_t>(d) < devices.size()) i.device = devices[static_cast<std::size_t>(d)]->name();
     {

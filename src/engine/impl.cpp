@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "bootstrap/auth.hpp"
+#include "engine/admission.hpp"
 #include "engine/impl.hpp"
 #include "engine/locality.hpp"
 #include "memory/cuda.hpp"
@@ -52,8 +53,19 @@ Engine::Impl::Impl(EngineConfig c)
   for (std::uint32_t i = 0; i < kMaxPeers; ++i) peer_worker[i].store(0, std::memory_order_relaxed);
   salt = fresh_epoch();
   name = cfg.name.empty() ? default_name() : cfg.name;
-  detail::engine_wire::check_name(name, "engine name");
+  detail::check_engine_name(name, "engine name");
   detail::check_key(cfg.link.psk);
+  if (!cfg.identity.empty() && cfg.link.psk.empty()) {
+    throw Error("engine config", EINVAL, "an identity without a pre-shared key (link.psk)",
+                "an identity signs each link's keyed session: give the engine the cluster's key too "
+                "(rdmakit keygen FILE; --psk-file)");
+  }
+  for (const std::string& p : cfg.allowed_peers) detail::check_peer_entry(p, "engine config: allowed_peers");
+  allowed = cfg.allowed_peers;
+  if (!allowed.empty() && cfg.link.psk.empty()) {
+    cfg.link.log(fmt::format("engine {}: allowed_peers without a pre-shared key: a peer's name is whatever it says, "
+                             "and anyone who reaches the port can say it (give link.psk, and identities)", name));
+  }
   if (cfg.idle_after < std::chrono::milliseconds{100}) {
     throw Error("engine config", EINVAL, fmt::format("idle_after {} ms (at least 100)", cfg.idle_after.count()));
   }
@@ -353,6 +365,10 @@ void Engine::Impl::connect_loop() noexcept {
         std::lock_guard lock(mu);
         // A record held back while a live link disagreed with it: that link is down now.
         if (!p->held_address.empty()) p->address = std::exchange(p->held_address, {});
+        if (!p->held_key.empty()) {
+          p->public_key = std::exchange(p->held_key, {});
+          p->key_source = "store";
+        }
         address = p->address;
       }
       try {

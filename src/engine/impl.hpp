@@ -113,6 +113,7 @@ struct SegmentDef {
   std::uint32_t generation = 0;  // the buffer's (its id may be another buffer's later)
   std::uint64_t offset = 0, length = 0;
   Access access = Access::none;
+  std::vector<std::string> peers;  // who gets a window on it (admission.hpp entries); empty: every peer
 };
 
 /// A peer added by name. `name`, `worker`, `from_store` are fixed at add_peer; `address`, the
@@ -130,6 +131,12 @@ struct Peer {
   // Under Engine::Impl::mu: the store's endpoint for it, held back while a live link said
   // another epoch than the store's record; the next connect (the link is down then) takes it.
   std::string held_address;
+  // Under Engine::Impl::mu: the key its links must prove (Identity::public_key() text; empty:
+  // none yet), where it came from (PeerInfo::key_source), and the store's key held back with
+  // held_address.
+  std::string public_key;
+  std::string key_source;
+  std::string held_key;
   // The metadata store says its engine is gone: what waits for it fails, and so does what is
   // submitted to it, until its entry is back (MetadataPlane).
   std::atomic<bool> gone{false};
@@ -189,6 +196,7 @@ struct Link {
   Peer* peer = nullptr;  // initiated links
   RailState* rail = nullptr;  // initiated links: the rail it is on
   std::string peer_name;  // from its IDENT
+  std::string peer_key;   // the key its IDENT proved (Identity::public_key() text), or empty
   std::uint64_t peer_epoch = 0;
   enum class State { syncing, ready, closing } state = State::syncing;
   bool watched = false;  // its control fd is in the worker's epoll set
@@ -262,14 +270,14 @@ struct DeviceCqs {
 
 /// What other threads ask a worker to do.
 struct Command {
-  enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick, restarted, gone, retire, reclaim, credit };
+  enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick, restarted, gone, retire, reclaim, credit, revoke };
   explicit Command(Kind k, Peer* p = nullptr, std::string t = {}) : kind(k), peer(p), text(std::move(t)) {}
   Kind kind;
   std::shared_ptr<BatchState> batch;
   std::vector<std::uint32_t> indexes;
   std::optional<Connection> conn;
   Peer* peer;
-  std::string text;  // a failure, a segment's name, or a restarted peer's name
+  std::string text;  // a failure, a segment's name, a restarted peer's name, or a revoked peer
   std::uint32_t device = 0;
   std::uint64_t epoch = 0;  // restarted: the peer's new epoch
   RailState* rail = nullptr;  // link_up, connect_failed: of a further rail (null: the first)
@@ -408,9 +416,23 @@ class Worker {
   /// peer stopped reading their control messages (outbox_stalled).
   void report_active(Deadline now) noexcept;
   void tell_active(Link& l, Deadline now) noexcept;
-  /// Another engine than `l`'s peer answered on it (`answered` is its IDENT's name): the link
-  /// goes, and what waits for it fails as connect_failed, naming both.
-  void wrong_engine(Link& l, const std::string& answered);
+  /// A link a peer opened, once its IDENT is accepted: a window on every segment, then SYNCED.
+  void grant(Link& l);
+  /// This engine's IDENT for `l`: with an identity, its public key and its signature of the
+  /// link's session (engine_wire::ident_transcript).
+  [[nodiscard]] engine_wire::Message my_ident(const Link& l) const;
+  /// Checks the identity `m` (`l`'s IDENT) proves against the one expected: on a link this
+  /// engine opened, the peer's name and key (given, from the store, or pinned now, on its first
+  /// link that proves one); on one a peer opened, the key its name was pinned to here. False
+  /// when the link went (wrong_engine, or broken with why).
+  bool check_identity(Link& l, const engine_wire::Message& m);
+  /// Under Engine::Impl::mu: why engine `name`, proving `key` (empty: none), may not link from
+  /// `from` (revoked, not allowed, or its name bound to another key), or empty (admitted, its
+  /// name pinned to its key if nothing bound it). `note`: a line to log once the lock is let go.
+  std::string admit(const std::string& name, const std::string& key, const std::string& from, std::string& note);
+  /// Another engine than `l`'s peer answered on it (`why` says which, and how it differs): the
+  /// link goes, and what waits for it fails as connect_failed, with why.
+  void wrong_engine(Link& l, const std::string& why);
   /// Engine `name` opened a link with `epoch`: the links it opened to this engine with another
   /// epoch (on this worker) go, with the windows they held.
   void close_stale(const std::string& name, std::uint64_t epoch, const Link* except);
@@ -430,6 +452,11 @@ class Worker {
   /// Logs through the link config's logger; never throws.
   void log(const std::string& what) const noexcept;
   void withdraw(const std::string& name);
+  /// Engine::revoke(entry): every link a matching peer opened here loses its windows at once
+  /// (their keys die with them), is refused with the reason, and closes.
+  void revoke(const std::string& entry);
+  /// Tells the peer of `l` (a link it opened) why it is not served (REFUSE), and closes the link.
+  void refuse(Link& l, const std::string& why);
   void break_link(Link& l, const std::string& why);
   /// break_link with the reason `why()` makes, for paths that must not throw: out of memory
   /// saying why, the link goes all the same.
@@ -530,6 +557,18 @@ struct Engine::Impl {
   std::string no_windows_device;  // the first device without type-2 windows (when !windows)
   std::string access_model;
   std::shared_ptr<const detail::Secret> psk;
+  // Under mu: the key each engine that opened links here proved first, by name (unless
+  // allowed_peers or add_peer bound the name to a key). A link that says the name and proves
+  // another key (or none) is refused: the name is its key's.
+  std::map<std::string, std::string> pinned_names;
+  // Under mu: who may link (EngineConfig::allowed_peers, and allow()'s; empty: any member of the
+  // cluster key), and who may not (revoke(), until allow()). Entries as in admission.hpp.
+  std::vector<std::string> allowed;
+  std::vector<std::string> revoked;
+  std::map<std::string, std::uint32_t> names_of_key;  // under mu: how many names each key pinned
+  static constexpr std::uint32_t kNamesPerKey = 16;
+  /// Under mu: forgets a pin (and counts it off its key).
+  void unpin(std::map<std::string, std::string>::iterator it);
 
   // Registries, under mu; buffers and peers also in lock-free tables for the workers. Both are
   // indexed by id - 1; an id freed (an unregistered buffer, a removed peer) is reused, under a
@@ -643,8 +682,13 @@ struct Engine::Impl {
   void adopt(Connection conn) noexcept;
   void request_connect(detail::Peer* p, detail::RailState* rail = nullptr);
   std::uint32_t slot_of(detail::Peer& p, const std::string& segment);
-  /// Adds a peer (Engine::add_peer); throws Error for a name in use.
-  std::shared_ptr<detail::Peer> add_peer(std::string name, std::string address, bool from_store);
+  /// Engine::expose, for `peers` (empty: every peer).
+  void expose(std::string segment, const Buffer& buffer, Access access, std::uint64_t offset, std::uint64_t length,
+              std::vector<std::string> peers);
+  /// Adds a peer (Engine::add_peer); throws Error for a name in use or a key that is not one.
+  /// `public_key` with `key_source` ("given", "store"), or empty.
+  std::shared_ptr<detail::Peer> add_peer(std::string name, std::string address, bool from_store,
+                                         std::string public_key = {}, std::string key_source = {});
   /// The peer called `name`; with a metadata store, one not added yet is added from its entry.
   /// Throws Error (for `verb`) naming why there is none.
   std::shared_ptr<detail::Peer> named(const std::string& name, const char* verb);

@@ -168,6 +168,7 @@ md::EngineRecord MetadataPlane::self_record() const {
   md::EngineRecord r;
   r.name = e_.name;
   r.epoch = e_.epoch;
+  r.public_key = e_.cfg.identity.public_key();
   for (const RailPort& p : local_rails(e_.layer->catalog(), e_.cfg.link.gid, e_.cfg.rails.devices)) {
     md::RailRecord rail;
     rail.device = p.device;
@@ -247,6 +248,7 @@ void MetadataPlane::apply(const md::DirectoryChange& c) {
         std::lock_guard lock(e_.mu);
         p->gone.store(false);  // listed: not gone, whatever its epoch
         if (p->from_store && !c.record.endpoints.empty()) p->held_address = c.record.endpoints.front();
+        if (p->from_store && !c.record.public_key.empty()) p->held_key = c.record.public_key;
       }
       e_.cfg.link.log(fmt::format("engine {}: {} says peer '{}' runs with epoch {:#x} at {}; its live link says "
                                   "{:#x}: the record is ignored while the link is up (the next connect uses it)",
@@ -267,7 +269,14 @@ void MetadataPlane::apply(const md::DirectoryChange& c) {
       p->gone.store(false);
       // A peer found through the store follows its entry (a restart on another port).
       if (p->from_store && !c.record.endpoints.empty()) p->address = c.record.endpoints.front();
+      // And the key its links must prove: the record's (one without a key changes nothing; the
+      // link in use, if any, proved the key it had when it came up).
+      if (p->from_store && !c.record.public_key.empty()) {
+        p->public_key = c.record.public_key;
+        p->key_source = "store";
+      }
       p->held_address.clear();
+      p->held_key.clear();
     }
   }
   if (c.kind == Kind::gone) {

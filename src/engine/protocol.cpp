@@ -1,7 +1,9 @@
 // The engine's messages between linked engines (protocol.hpp).
 #include "engine/protocol.hpp"
 
+#include <algorithm>
 #include <cerrno>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -27,6 +29,17 @@ struct Reader {
     }
     std::uint64_t v = 0;
     for (int i = 0; i < bytes; ++i) v = (v << 8) | b[at++];
+    return v;
+  }
+  // A length-prefixed field of one of `sizes` bytes.
+  std::vector<std::uint8_t> bytes(std::initializer_list<std::size_t> sizes, const char* field) {
+    const auto n = static_cast<std::size_t>(get(1, field));
+    if (std::find(sizes.begin(), sizes.end(), n) == sizes.end()) {
+      throw Error("engine message", EPROTO, fmt::format("{} of {} bytes", field, n));
+    }
+    if (b.size() - at < n) throw Error("engine message", EPROTO, fmt::format("the message ends inside the {}", field));
+    std::vector<std::uint8_t> v(b.begin() + static_cast<std::ptrdiff_t>(at), b.begin() + static_cast<std::ptrdiff_t>(at + n));
+    at += n;
     return v;
   }
   std::string name() {
@@ -65,6 +78,15 @@ std::vector<std::uint8_t> encode(const Message& m) {
     case Kind::ident:
       put(out, m.epoch, 8);
       put_name(out, m.name);
+      if ((!m.public_key.empty() && m.public_key.size() != kPublicKeySize) ||
+          (!m.signature.empty() && m.signature.size() != kSignatureSize) || m.public_key.empty() != m.signature.empty()) {
+        throw Error("engine ident", EINVAL, fmt::format("a public key of {} bytes and a signature of {}",
+                                                        m.public_key.size(), m.signature.size()));
+      }
+      out.push_back(static_cast<std::uint8_t>(m.public_key.size()));
+      out.insert(out.end(), m.public_key.begin(), m.public_key.end());
+      out.push_back(static_cast<std::uint8_t>(m.signature.size()));
+      out.insert(out.end(), m.signature.begin(), m.signature.end());
       break;
     case Kind::segment:
       put_name(out, m.name);
@@ -77,6 +99,13 @@ std::vector<std::uint8_t> encode(const Message& m) {
     case Kind::synced:
     case Kind::credit: put(out, m.credits, 4); break;
     case Kind::active: break;
+    case Kind::refuse:
+      if (m.bytes.empty() || m.bytes.size() > kMaxNotify) {
+        throw Error("engine refusal", EMSGSIZE, fmt::format("a reason of {} bytes (1..{})", m.bytes.size(), kMaxNotify));
+      }
+      put(out, m.bytes.size(), 2);
+      out.insert(out.end(), m.bytes.begin(), m.bytes.end());
+      break;
     case Kind::notify:
       if (m.bytes.size() > kMaxNotify) {
         throw Error("engine notification", EMSGSIZE, fmt::format("{} bytes; at most {}", m.bytes.size(), kMaxNotify));
@@ -118,6 +147,11 @@ Message decode(std::span<const std::uint8_t> bytes) {
       m.kind = Kind::ident;
       m.epoch = r.get(8, "epoch");
       m.name = r.name();
+      m.public_key = r.bytes({0, kPublicKeySize}, "public key");
+      m.signature = r.bytes({0, kSignatureSize}, "signature");
+      if (m.public_key.empty() != m.signature.empty()) {
+        throw Error("engine message", EPROTO, "an IDENT with a public key and no signature, or a signature and no key");
+      }
       break;
     case 2: {
       m.kind = Kind::segment;
@@ -150,6 +184,16 @@ Message decode(std::span<const std::uint8_t> bytes) {
       const auto n = static_cast<std::size_t>(r.get(2, "notification length"));
       if (n > kMaxNotify || bytes.size() - r.at != n) {
         throw Error("engine message", EPROTO, fmt::format("notification of {} bytes in a message with {} left", n, bytes.size() - r.at));
+      }
+      m.bytes.assign(bytes.begin() + static_cast<std::ptrdiff_t>(r.at), bytes.end());
+      r.at = bytes.size();
+      break;
+    }
+    case 9: {
+      m.kind = Kind::refuse;
+      const auto n = static_cast<std::size_t>(r.get(2, "reason length"));
+      if (n == 0 || n > kMaxNotify || bytes.size() - r.at != n) {
+        throw Error("engine message", EPROTO, fmt::format("a refusal of {} bytes in a message with {} left", n, bytes.size() - r.at));
       }
       m.bytes.assign(bytes.begin() + static_cast<std::ptrdiff_t>(r.at), bytes.end());
       r.at = bytes.size();
@@ -191,6 +235,18 @@ Message decode(std::span<const std::uint8_t> bytes) {
     throw Error("engine message", EPROTO, fmt::format("{} bytes after the end of the message", bytes.size() - r.at));
   }
   return m;
+}
+
+std::vector<std::uint8_t> ident_transcript(std::span<const std::uint8_t> binding, bool initiator, const std::string& name,
+                                           std::uint64_t epoch, std::span<const std::uint8_t> public_key) {
+  static constexpr std::string_view kLabel = "rdmakit engine ident v4";
+  std::vector<std::uint8_t> out(kLabel.begin(), kLabel.end());
+  out.insert(out.end(), binding.begin(), binding.end());
+  out.push_back(initiator ? 'i' : 'a');
+  put(out, epoch, 8);
+  put_name(out, name);
+  out.insert(out.end(), public_key.begin(), public_key.end());
+  return out;
 }
 
 }  // namespace rdmakit::detail::engine_wire

@@ -4,7 +4,9 @@
 // Connection::max_message_size bytes, with fixed-width big-endian fields, every one checked:
 //
 //   header:   magic u8 0xE7 | version u8 | kind u8
-//   IDENT:    epoch u64 | name length u8 (1..64) | name
+//   IDENT:    epoch u64 | name length u8 (1..64) | name | key length u8 (0 or 32) | Ed25519 public
+//             key | signature length u8 (0 or 64, as the key) | signature of ident_transcript():
+//             the sender's name, epoch and key, its side of the link, and the session's binding
 //   SEGMENT:  name length u8 (1..64) | name | addr u64 | length u64 | rkey u32 | access u32
 //   WITHDRAW: name length u8 | name
 //   SYNCED:   credits u32: every segment exposed when the link came up has been announced, and
@@ -13,6 +15,8 @@
 //   CREDIT:   count u32: that many more notifications were taken by the application
 //   ACTIVE:   (empty) the side that opened the link moved data on it lately: it is not idle,
 //             whatever the accepting side (which sees no one-sided transfer) can tell
+//   REFUSE:   length u16 (1..900) | UTF-8 reason: the accepting side will not serve this link
+//             (its peer is revoked, not allowed, or not the key its name is bound to); it closes
 //   RAILS:    listen port u16 | this link's rail u8 (0xff: none listed) | count u8 (0..16) |
 //             count x { device length u8 (1..64) | device | port u8 | link layer u8 (1 IB, 2 Eth) |
 //                       gid 16 bytes | prefix u8 | has endpoint u8 (0/1) }
@@ -22,6 +26,7 @@
 // The side that accepted a link binds a memory window per segment on the link's QP and
 // announces it (SEGMENT); the side that initiated it is the only one that posts on it.
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -33,19 +38,21 @@
 namespace rdmakit::detail::engine_wire {
 
 inline constexpr std::uint8_t kMagic = 0xE7;
-inline constexpr std::uint8_t kVersion = 3;  // 2: RAILS; 3: notification credits
+inline constexpr std::uint8_t kVersion = 4;  // 2: RAILS; 3: notification credits; 4: signed IDENT
 inline constexpr std::size_t kMaxName = 64;
 inline constexpr std::size_t kMaxNotify = 900;
 inline constexpr std::size_t kMaxRails = 16;
 
-enum class Kind : std::uint8_t { ident = 1, segment = 2, withdraw = 3, synced = 4, notify = 5, rails = 6, credit = 7, active = 8 };
+enum class Kind : std::uint8_t { ident = 1, segment = 2, withdraw = 3, synced = 4, notify = 5, rails = 6, credit = 7, active = 8, refuse = 9 };
 
 struct Message {
   Kind kind = Kind::ident;
   std::string name;            // ident, segment, withdraw
   std::uint64_t epoch = 0;     // ident
+  std::vector<std::uint8_t> public_key;  // ident: empty (no identity) or 32 bytes
+  std::vector<std::uint8_t> signature;   // ident: with the key, 64 bytes
   RemoteRegion region;         // segment
-  std::vector<std::uint8_t> bytes;  // notify
+  std::vector<std::uint8_t> bytes;  // notify; refuse: the reason
   std::uint32_t credits = 0;        // synced, credit
   std::uint16_t listen_port = 0;    // rails
   std::uint8_t this_rail = 0xff;    // rails
@@ -59,6 +66,17 @@ inline Message ident(std::string name, std::uint64_t epoch) {
   m.epoch = epoch;
   return m;
 }
+
+inline constexpr std::size_t kPublicKeySize = 32;
+inline constexpr std::size_t kSignatureSize = 64;
+
+/// What an IDENT's signature covers: a label, the link's session binding (Session::binding: no
+/// other session has it, so a signature cannot be replayed on another link or relayed through a
+/// key holder in the middle), the signer's side (`initiator`: it opened the link; so a
+/// signature cannot be reflected), its epoch, name and public key.
+[[nodiscard]] std::vector<std::uint8_t> ident_transcript(std::span<const std::uint8_t> binding, bool initiator,
+                                                         const std::string& name, std::uint64_t epoch,
+                                                         std::span<const std::uint8_t> public_key);
 inline Message segment(std::string name, const RemoteRegion& r) {
   Message m;
   m.kind = Kind::segment;
@@ -81,6 +99,14 @@ inline Message synced(std::uint32_t credits) {
 inline Message active() {
   Message m;
   m.kind = Kind::active;
+  return m;
+}
+/// Cut to kMaxNotify bytes.
+inline Message refuse(const std::string& reason) {
+  Message m;
+  m.kind = Kind::refuse;
+  m.bytes.assign(reason.begin(), reason.begin() + static_cast<std::ptrdiff_t>(std::min(reason.size(), kMaxNotify)));
+  if (m.bytes.empty()) m.bytes.push_back('?');
   return m;
 }
 inline Message credit(std::uint32_t count) {

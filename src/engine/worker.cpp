@@ -331,13 +331,15 @@ void Worker::handle(Command& c) {
         def = it->second;
       }
       for (auto& l : links_) {
-        if (l->initiated || l->state == Link::State::closing) continue;
+        // A link whose peer has not proved who it is yet gets every segment at its IDENT (grant).
+        if (l->initiated || l->state == Link::State::closing || !l->ident_seen) continue;
         bind_window(*l, def);
         bind_waiting(*l);
       }
       break;
     }
     case Command::Kind::withdraw: withdraw(c.text); break;
+    case Command::Kind::revoke: revoke(c.text); break;
     case Command::Kind::remove_peer: {
       Peer& p = *c.peer;
       if (p.worker == this) {

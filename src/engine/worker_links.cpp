@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "engine/admission.hpp"
 #include "engine/impl.hpp"
 #include "engine/protocol.hpp"
 #include "rdmakit/error.hpp"
@@ -32,7 +33,7 @@ void Worker::link_up(Command& c) {
   links_.push_back(std::move(owned));
   e_.count.links.fetch_add(1, std::memory_order_relaxed);
   watch(l, true);
-  send(l, ew::ident(e_.name, e_.epoch));
+  send(l, my_ident(l));
   if (l.initiated && c.rail != nullptr) {  // a further rail of the peer's link
     Peer& p = *l.peer;
     l.rail = c.rail;
@@ -71,6 +72,11 @@ void Worker::link_up(Command& c) {
     return;
   }
   e_.count.accepts.fetch_add(1, std::memory_order_relaxed);
+  // Its rails and windows wait for its IDENT (grant): nothing is offered before the peer has
+  // said, and proved, who it is.
+}
+
+void Worker::grant(Link& l) {
   // Our ports, so that the peer opens its further rails (it uses them on the link it opened).
   try {
     send(l, rails_message(l));
@@ -101,6 +107,9 @@ void Worker::not_linked(Peer& p, const std::string& why) {
 }
 
 void Worker::bind_window(Link& l, const SegmentDef& def) {
+  // A segment exposed for some peers only: the others never get a window (their transfers to it
+  // end no_segment, as for a segment that does not exist).
+  if (!def.peers.empty() && !any_matches(def.peers, l.peer_name, l.peer_key)) return;
   if (!e_.windows) {
     const BufferRec* buf = e_.buffer(def.buffer);
     if (buf == nullptr || !e_.psk) return;  // no key, no windows: nothing is offered (EngineInfo::access_model)
@@ -163,7 +172,9 @@ void Worker::bind_waiting(Link& l) noexcept {
 }
 
 void Worker::synced_if_done(Link& l) noexcept {
-  if (l.binds_pending == 0 && l.binds_waiting.empty() && !l.synced_sent && l.state != Link::State::closing) {
+  // Never before the peer's IDENT was accepted (grant): a link not admitted yet is told nothing.
+  if (l.ident_seen && l.binds_pending == 0 && l.binds_waiting.empty() && !l.synced_sent &&
+      l.state != Link::State::closing) {
     l.synced_sent = true;
     send(l, ew::synced(e_.cfg.notification_queue));
   }
@@ -180,7 +191,7 @@ void Worker::log(const std::string& what) const noexcept {
 
 void Worker::withdraw(const std::string& name) {
   for (auto& l : links_) {
-    if (l->initiated) continue;
+    if (l->initiated || !l->ident_seen) continue;  // not granted yet: it has nothing of the segment
     std::erase_if(l->binds_waiting, [&](const SegmentDef& d) { return d.name == name; });
     for (auto it = l->windows.begin(); it != l->windows.end();) {
       Window& w = **it;
@@ -335,7 +346,7 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
       // epoch) would rename it, close other engines' links as stale, and forge notifications.
       if (l.ident_seen) return break_link(l, "it sent IDENT a second time on one link (a link's peer never changes)");
       l.ident_seen = true;
-      if (l.initiated && m.name != l.peer->name) return wrong_engine(l, m.name);
+      if (!check_identity(l, m)) return;
       if (l.initiated && l.rail != nullptr && l.rail != l.peer->rails[0].get() && l.peer->epoch != 0 &&
           m.epoch != l.peer->epoch) {
         // A further rail answered by another process than the peer's link (an old endpoint of
@@ -372,6 +383,7 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
           c.epoch = m.epoch;
           w->post(std::move(c));
         }
+        grant(l);
       }
       break;
     }
@@ -412,6 +424,16 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
       }
       e_.deliver(l.notes, {l.peer_name.empty() ? l.impl.info.peer_address : l.peer_name, std::move(m.bytes)});
       break;
+    case ew::Kind::refuse: {
+      if (!l.initiated) return break_link(l, "it refused a link it opened (only the accepting side does)");
+      // The peer's words, made printable (they end up in logs and in TransferResult::reason).
+      std::string reason(m.bytes.begin(), m.bytes.end());
+      for (char& ch : reason) {
+        if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7f) ch = '?';
+      }
+      return wrong_engine(l, fmt::format("peer '{}' at {} refused the link: {}", l.peer->name, l.impl.info.peer_address,
+                                         reason));
+    }
     case ew::Kind::rails:
       if (!l.initiated) return break_link(l, "it sent its rails on a link it opened (only the accepting side does)");
       if (l.rails_seen) return break_link(l, "it sent its rails twice on one link");
@@ -419,25 +441,6 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
       if (l.rail == l.peer->rails[0].get()) on_rails(l, m);  // a further rail's copy says nothing new
       break;
   }
-}
-
-void Worker::wrong_engine(Link& l, const std::string& answered) {
-  Peer& p = *l.peer;
-  const bool further = l.rail != nullptr && l.rail != p.rails[0].get();
-  const std::string why = fmt::format(
-      "engine '{}' answered at {} where peer '{}' was expected{}", answered, l.impl.info.peer_address, p.name,
-      p.from_store ? " (the store's entry for it is out of date: another engine took its address)"
-                   : " (the address now belongs to another engine, or add_peer was given another engine's "
-                     "name: the name must be the one that engine runs under)");
-  if (further) {
-    l.rail->wanted = false;  // not probed again: the peer's next RAILS says what it offers
-    return break_link(l, why);
-  }
-  // Not the peer: nothing waits for this link (no transfer goes to the wrong engine), connect()
-  // ends with why, and the next transfer to the peer tries again.
-  fail_waiting(p, TransferStatus::connect_failed, why);
-  break_link(l, why);
-  not_linked(p, why);
 }
 
 void Worker::close_stale(const std::string& name, std::uint64_t epoch, const Link* except) {

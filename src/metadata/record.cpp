@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "bootstrap/identity.hpp"
 #include "rdmakit/error.hpp"
 
 namespace rdmakit::detail::metadata {
@@ -82,6 +83,9 @@ std::string encode(const EngineRecord& r) {
   }
   j["segments"] = json::array();
   for (const SegmentRecord& s : r.segments) j["segments"].push_back(json::array({s.name, s.length, s.memory}));
+  // Its public key as "identity" (a memory key is never in a record; this names the engine). Absent
+  // without one; readers of before ignore it either way.
+  if (!r.public_key.empty()) j["identity"] = r.public_key;
   return j.dump();
 }
 
@@ -99,6 +103,10 @@ EngineRecord decode(std::string_view input, const std::string& where,
     bad(where, fmt::format("names engine \"{}\" under the key of \"{}\"", r.name, expected_name));
   }
   r.epoch = number(j, "epoch", where);
+  if (j.contains("identity")) {
+    r.public_key = text(j, "identity", where);
+    if (!detail::decode_public_key(r.public_key)) bad(where, "its \"identity\" is not a public key (\"ed25519:\" and 43 characters)");
+  }
   for (const json& e : list(j, "endpoints", where)) {
     if (!e.is_string() || e.get<std::string>().size() > max_text) bad(where, "an endpoint is not a short string");
     r.endpoints.push_back(e.get<std::string>());

@@ -11,16 +11,16 @@
 
 namespace lab {
 
-/// An engine `name` listening on loopback, quiet.
+/// An engine `name` listening on loopback (over rdma_cm the VM's own address: here()), quiet.
 inline rdmakit::EngineConfig config(const std::string& name) {
   rdmakit::EngineConfig c;
   c.name = name;
-  c.listen = "127.0.0.1:0";
+  c.listen = here() + ":0";
   c.link = quiet();
   return c;
 }
 
-inline std::string at(const rdmakit::Engine& e) { return "127.0.0.1:" + std::to_string(e.port()); }
+inline std::string at(const rdmakit::Engine& e) { return here(e.port()); }
 
 /// Bytes that differ with the seed and the position.
 inline void fill(void* p, std::size_t n, std::uint8_t seed) {

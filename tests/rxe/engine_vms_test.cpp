@@ -188,3 +188,77 @@ TEST(EngineVms, FoundByNameThroughEachStore) {
     std::printf("all to all by name through %s: done\n", uri.c_str());
   }
 }
+
+// Two VMs (issue 31): VM 1 runs kv-0 with its identity, then, once kv-0 is gone, an engine of the
+// same name with another key on the same address and port, exposing `kv` too. VM 0's client,
+// given kv-0's public key, writes to kv-0, then gets connect_failed naming the mismatch on every
+// try against the impostor, which checks that not a byte reached its memory.
+TEST(EngineVms, AnImpostorOnTheTargetsAddressIsRefused) {
+  const auto ips = lab_ips();
+  const char* index_env = std::getenv("RDMAKIT_LAB_INDEX");
+  ASSERT_EQ(ips.size(), 2u) << "run in a lab of two VMs";
+  ASSERT_NE(index_env, nullptr);
+  const auto config = [](const std::string& name, const rdmakit::Identity& id) {
+    rdmakit::EngineConfig c;
+    c.name = name;
+    c.listen = ":7621";
+    c.link = lab::quiet();
+    c.link.psk.assign(32, 0x6b);
+    c.identity = id;
+    return c;
+  };
+  // Both VMs know kv-0's key from its seed; the impostor's is its own.
+  const rdmakit::Identity kv0_id = rdmakit::Identity::from_seed(std::vector<std::uint8_t>(32, 0x11));
+  constexpr int kTries = 3;
+  if (std::atoi(index_env) == 1) {
+    {
+      Engine kv0(config("kv-0", kv0_id));
+      kv0.expose("kv", kv0.allocate_memory(4096), Access::remote_read | Access::remote_write);
+      // Serves until the client's write came and told it (a notification), then goes.
+      for (int i = 0; i < 300 && !kv0.next_notification(); ++i) std::this_thread::sleep_for(100ms);
+    }
+    Engine impostor(config("kv-0", rdmakit::Identity::generate()));
+    const Buffer mem = impostor.allocate_memory(4096);
+    std::memset(mem.addr, 0, 4096);
+    impostor.expose("kv", mem, Access::remote_read | Access::remote_write);
+    // The client tries kTries times, each a link this engine accepts and the client refuses.
+    for (int i = 0; i < 300 && impostor.counters().accepts < kTries; ++i) std::this_thread::sleep_for(100ms);
+    std::this_thread::sleep_for(500ms);
+    EXPECT_GE(impostor.counters().accepts, static_cast<std::uint64_t>(kTries)) << "the client never came";
+    const auto* b = static_cast<const std::uint8_t*>(mem.addr);
+    EXPECT_TRUE(std::all_of(b, b + 4096, [](std::uint8_t v) { return v == 0; })) << "a write reached the impostor";
+    return;
+  }
+  Engine client(config("client", {}));
+  client.add_peer("kv-0", ips[1] + ":7621", kv0_id.public_key());
+  const Buffer src = client.allocate_memory(4096);
+  std::memset(src.addr, 0x5c, 4096);
+  Transfer w;
+  w.op = TransferOp::write;
+  w.local = src;
+  w.length = 4096;
+  w.remote = client.segment("kv-0", "kv");
+  rdmakit::SubmitOptions tell;
+  tell.notify = {'d', 'o', 'n', 'e'};
+  Batch first = client.submit({&w, 1}, tell);
+  ASSERT_TRUE(first.wait(30s));
+  ASSERT_EQ(first.failed(), 0u) << first.describe_failures();
+  // kv-0 goes; the impostor takes its address and port.
+  for (int i = 0; i < 300 && client.peers()[0].linked; ++i) std::this_thread::sleep_for(50ms);
+  // Until the impostor answers, a try may still meet kv-0 going (peer_lost); never an ok one.
+  int refused = 0;
+  for (int i = 0; i < 40 && refused < kTries; ++i) {
+    Batch b = client.submit({&w, 1});
+    ASSERT_TRUE(b.wait(30s));
+    const auto r = b.result(0);
+    ASSERT_NE(r.status, rdmakit::TransferStatus::ok) << "try " << i << " wrote to the impostor";
+    std::printf("try %d: %s: %s\n", i, rdmakit::to_string(r.status), r.reason.c_str());
+    if (r.status != rdmakit::TransferStatus::connect_failed) {
+      std::this_thread::sleep_for(200ms);
+      continue;
+    }
+    EXPECT_NE(r.reason.find("where its key " + kv0_id.public_key()), std::string::npos) << r.reason;
+    ++refused;
+  }
+  EXPECT_EQ(refused, kTries);
+}

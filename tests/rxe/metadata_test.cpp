@@ -192,9 +192,14 @@ TEST_P(Metadata, EnginesFindEachOtherByNameAndMoveValidatedData) {
 // by hand, neither closes a's link to b nor moves b's address; a logs it and goes on. (It closed
 // the link as b's restart, on every worker.)
 TEST_P(Metadata, AStaleRecordDoesNotCloseALiveLink) {
-  Engine b(config("b", server.uri()));
+  // b has an identity: its record publishes its key, and a's links to it must prove that key.
+  EngineConfig bc = config("b", server.uri());
+  bc.link.psk.assign(32, 0x33);
+  bc.identity = rdmakit::Identity::generate();
+  Engine b(bc);
   b.expose("kv", b.allocate_memory(1 << 16), Access::remote_read | Access::remote_write);
   EngineConfig ac = config("a", server.uri());
+  ac.link.psk.assign(32, 0x33);
   struct Said {
     std::mutex m;
     std::string all;
@@ -215,6 +220,17 @@ TEST_P(Metadata, AStaleRecordDoesNotCloseALiveLink) {
   ASSERT_LT(listed_b, kGrace + 2s) << b.info().metadata;
   const RemoteSegment seg = a.segment("b", "kv");
   round_trip(a, seg, 4096, 1);
+  EXPECT_EQ(a.peers()[0].public_key, b.info().public_key);
+  EXPECT_EQ(a.peers()[0].key_source, "store");
+  // And the directory lists it (as of a's next listing).
+  std::string listed_key;
+  (void)until(kGrace + 2s, [&] {
+    for (const auto& e : a.directory()) {
+      if (e.name == "b") listed_key = e.public_key;
+    }
+    return !listed_key.empty();
+  });
+  EXPECT_EQ(listed_key, b.info().public_key);
   namespace md = rdmakit::detail::metadata;
   auto store = md::open_store(md::parse_store_uri(server.uri()));
   const std::string key = md::engine_key("t", "b");
@@ -224,6 +240,7 @@ TEST_P(Metadata, AStaleRecordDoesNotCloseALiveLink) {
   const std::string address = a.peers()[0].address;
   r.epoch = b.info().epoch ^ 0x5a5a;  // another process's, as a stale record says
   r.endpoints = {"192.0.2.1:9"};       // and somewhere else
+  r.public_key = rdmakit::Identity::generate().public_key();  // with another key
   store->put(key, md::encode(r), md::no_lease, rdmakit::detail::deadline_in(kCall));
   const auto ignored = until(5s, [&] {
     std::lock_guard lock(said->m);
@@ -234,6 +251,7 @@ TEST_P(Metadata, AStaleRecordDoesNotCloseALiveLink) {
   EXPECT_EQ(a.counters().reconnects, 0u) << "the stale record closed the live link";
   EXPECT_EQ(a.counters().connects, 1u);
   EXPECT_EQ(a.peers()[0].address, address) << "the stale record moved the peer";
+  EXPECT_EQ(a.peers()[0].public_key, b.info().public_key) << "the stale record changed the key the live link proved";
 }
 
 // A SIGKILLed engine's entry is gone within its lease plus a second; then a transfer to it fails

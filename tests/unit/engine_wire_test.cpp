@@ -50,7 +50,7 @@ TEST(EngineWire, EveryKindRoundTrips) {
 
 TEST(EngineWire, FieldsAreBigEndianAtFixedOffsets) {
   const auto b = ew::encode(ew::segment("s", {0x1122334455667788, 0x10, 0xaabbccdd, Access::remote_write}));
-  const std::vector<std::uint8_t> want = {0xE7, 3, 2, 1, 's', 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88,
+  const std::vector<std::uint8_t> want = {0xE7, 4, 2, 1, 's', 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88,
                                           0, 0, 0, 0, 0, 0, 0, 0x10, 0xaa, 0xbb, 0xcc, 0xdd, 0, 0, 0, 4};
   EXPECT_EQ(b, want);
 }
@@ -61,11 +61,11 @@ TEST(EngineWire, MalformedMessagesAreRefusedWithAReason) {
   bad[0] = 0;
   EXPECT_NE(refusal(bad).find("bad magic"), std::string::npos);
   bad = good;
-  bad[1] = 2;  // before notification credits
-  EXPECT_NE(refusal(bad).find("version 2; this engine speaks 3"), std::string::npos);
+  bad[1] = 3;  // before the signed IDENT
+  EXPECT_NE(refusal(bad).find("version 3; this engine speaks 4"), std::string::npos);
   bad = good;
-  bad[2] = 9;
-  EXPECT_NE(refusal(bad).find("unknown kind 9"), std::string::npos);
+  bad[2] = 10;
+  EXPECT_NE(refusal(bad).find("unknown kind 10"), std::string::npos);
   for (std::size_t cut = 0; cut < good.size(); ++cut) {
     EXPECT_FALSE(refusal({good.begin(), good.begin() + static_cast<std::ptrdiff_t>(cut)}).empty()) << cut;
   }

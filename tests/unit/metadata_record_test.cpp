@@ -3,6 +3,7 @@
 
 #include "metadata/record.hpp"
 #include "rdmakit/error.hpp"
+#include "rdmakit/identity.hpp"
 
 namespace rdmakit::detail::metadata {
 namespace {
@@ -13,7 +14,8 @@ EngineRecord sample() {
           {"10.0.0.7:7600", "[fd00::7]:7600"},
           {{"rxe0", 1, "ethernet", "::ffff:198.18.0.1", "198.18.0.0/24"},
            {"rxe1", 1, "ethernet", "::ffff:198.18.1.1", "198.18.1.0/24"}},
-          {{"kv", 1 << 30, "host"}, {"weights", 4096, "cuda"}}};
+          {{"kv", 1 << 30, "host"}, {"weights", 4096, "cuda"}},
+          {}};
 }
 
 TEST(EngineRecord, RoundTrips) {
@@ -21,6 +23,23 @@ TEST(EngineRecord, RoundTrips) {
   EXPECT_EQ(decode(encode(r), "test", "kv-server"), r);
   EXPECT_EQ(engine_key("prod", "kv-server"), "rdmakit/prod/engines/kv-server");
   EXPECT_EQ(engine_key("prod", "x").rfind(engines_prefix("prod"), 0), 0u);
+}
+
+// An engine's public key (its identity) round-trips as "identity"; one that is not a key is
+// refused with the reason.
+TEST(EngineRecord, AnIdentityRoundTripsAndABadOneIsRefused) {
+  EngineRecord r = sample();
+  r.public_key = Identity::generate().public_key();
+  EXPECT_EQ(decode(encode(r), "test", "kv-server"), r);
+  EXPECT_NE(encode(r).find("\"identity\":\"ed25519:"), std::string::npos);
+  std::string text = encode(r);
+  text.replace(text.find("ed25519:"), 8, "ed448:xx");
+  try {
+    (void)decode(text, "test", "kv-server");
+    ADD_FAILURE() << "a record with a bad identity was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("\"identity\" is not a public key"), std::string::npos) << e.what();
+  }
 }
 
 TEST(EngineRecord, NeverCarriesKeysOrAddressesOfMemory) {

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <csignal>
 #include <chrono>
 #include <cstring>
@@ -51,6 +52,7 @@ struct EngineNet {
   std::uint64_t slice_threshold = RailConfig{}.slice_threshold;
   MetadataOptions metadata;
   bool allow_region_keys = false;
+  std::string identity_file;
 
   void add_to(CLI::App& app, bool publishing) {
     metadata.add_to(app, publishing);
@@ -58,6 +60,8 @@ struct EngineNet {
     app.add_option("-d,--device", device, "RDMA device (default: the one the route to each peer uses)");
     app.add_option("--timeout", timeout_ms, "handshake deadline in ms")->capture_default_str();
     app.add_option("--psk-file", psk_file, "pre-shared key file (both ends the same)");
+    app.add_option("--identity", identity_file,
+                   "this engine's identity file (rdmakit keygen --identity FILE): every link proves it; needs --psk-file");
     if (publishing) {
       app.add_flag("--allow-region-keys", allow_region_keys,
                    "on a device without type-2 memory windows, serve segments with the buffer's own key "
@@ -86,6 +90,7 @@ struct EngineNet {
     c.link.handshake_timeout = std::chrono::milliseconds{timeout_ms};
     c.link.retry_refused = true;  // a target started at the same moment may not listen yet
     if (!psk_file.empty()) c.link.psk = read_key_file(psk_file);
+    if (!identity_file.empty()) c.identity = Identity::from_file(identity_file);
     if (workers != 0) c.workers = workers;
     c.max_qps = max_qps;
     c.rails.max = rails;
@@ -161,6 +166,8 @@ struct ServeOptions {
   double duration = 0;
   bool json = false;
   bool notifications = false;
+  std::vector<std::string> allow;
+  bool commands = false;
 };
 
 struct Exposed {
@@ -202,11 +209,50 @@ Exposed parse_expose(const std::string& text) {
   return e;
 }
 
+// --commands: one command per line on standard input ("revoke PEER", "allow PEER"), each
+// answered on standard output. False once the input is closed.
+bool serve_commands(Engine& engine, std::string& pending, bool as_json) {
+  char buf[4096];
+  const ssize_t n = ::read(0, buf, sizeof buf);
+  if (n <= 0) return n < 0 && errno == EINTR;
+  pending.append(buf, static_cast<std::size_t>(n));
+  for (auto nl = pending.find('\n'); nl != std::string::npos; nl = pending.find('\n')) {
+    const std::string line = pending.substr(0, nl);
+    pending.erase(0, nl + 1);
+    const auto sp = line.find(' ');
+    const std::string verb = line.substr(0, sp), peer = sp == std::string::npos ? std::string{} : line.substr(sp + 1);
+    std::string error;
+    try {
+      if (verb == "revoke") {
+        engine.revoke(peer);
+      } else if (verb == "allow") {
+        engine.allow(peer);
+      } else if (!line.empty()) {
+        error = fmt::format("unknown command '{}' (revoke PEER, allow PEER)", line.substr(0, 100));
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    if (line.empty()) continue;
+    if (as_json) {
+      // Replace what is not UTF-8 (standard input says anything): dump() would throw.
+      fmt::print("{}\n", nlohmann::json{{"event", "command"}, {"command", verb}, {"peer", peer}, {"ok", error.empty()},
+                                        {"error", error}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    } else {
+      fmt::print("{}\n", error.empty() ? fmt::format("{} {}: done", verb, peer) : fmt::format("{}: {}", line, error));
+    }
+    std::fflush(stdout);
+  }
+  if (pending.size() > 65536) pending.clear();  // no line that long is a command
+  return true;
+}
+
 int run_serve(const ServeOptions& o) {
   std::vector<Exposed> segs;
   for (const auto& t : o.expose) segs.push_back(parse_expose(t));
   EngineConfig cfg = o.net.config(o.listen.find(':') == std::string::npos ? ":" + o.listen : o.listen);
   cfg.listen_at_start = false;  // every segment is offered from the first link on
+  cfg.allowed_peers = o.allow;
   Engine engine(cfg);
   for (const Exposed& s : segs) {
     check_memory(s.spec, s.size);
@@ -221,11 +267,14 @@ int run_serve(const ServeOptions& o) {
     fmt::print("{}\n", nlohmann::json{{"event", "serving"}, {"name", info.name}, {"epoch", fmt::format("{:#x}", info.epoch)},
                                       {"port", info.port}, {"segments", segj}, {"memory_windows", info.memory_windows},
                                       {"access_model", info.access_model}, {"metadata", info.metadata},
-                                      {"rails", info.rails}}.dump());
+                                      {"rails", info.rails}, {"public_key", info.public_key}}.dump());
   } else {
     fmt::print("rdmakit serve: engine {} (epoch {:#x}) listening on port {}\n", info.name, info.epoch, info.port);
     for (const Exposed& s : segs) fmt::print("  segment {}: {} bytes of {} memory\n", s.name, s.size, to_string(s.spec.kind));
     fmt::print("  access: {}\n", info.access_model);
+    fmt::print("  identity: {}\n", info.public_key.empty() ? std::string("none (peers know this engine by its name and the "
+                                                                        "cluster key alone)")
+                                                           : info.public_key);
     for (const std::string& r : info.rails) fmt::print("  rail: {}\n", r);
     fmt::print("  metadata: {}\n", info.metadata);
   }
@@ -236,11 +285,16 @@ int run_serve(const ServeOptions& o) {
   sigaction(SIGTERM, &sa, nullptr);
   const auto until = o.duration > 0 ? Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.duration))
                                     : Clock::time_point::max();
+  std::string pending;  // --commands: what standard input said after its last full line
+  bool stdin_open = o.commands;
   while (g_stop == 0 && Clock::now() < until) {
-    pollfd pfd{engine.fd(), POLLIN, 0};
-    if (::poll(&pfd, 1, 200) > 0) {
-      std::uint64_t v = 0;
-      (void)!::read(engine.fd(), &v, sizeof v);
+    pollfd pfd[2] = {{engine.fd(), POLLIN, 0}, {stdin_open ? 0 : -1, POLLIN, 0}};
+    if (::poll(pfd, 2, 200) > 0) {
+      if ((pfd[0].revents & POLLIN) != 0) {
+        std::uint64_t v = 0;
+        (void)!::read(engine.fd(), &v, sizeof v);
+      }
+      if ((pfd[1].revents & (POLLIN | POLLHUP)) != 0) stdin_open = serve_commands(engine, pending, o.json);
     }
     while (auto n = engine.next_notification()) {
       if (!o.notifications) continue;
@@ -268,6 +322,7 @@ int run_serve(const ServeOptions& o) {
 struct BenchOpts {
   EngineNet net;
   std::vector<std::string> peers;
+  std::vector<std::string> peer_keys;  // NAME=KEY
   std::string segment = "kv";
   std::string op = "write";
   std::uint64_t block = 65536;
@@ -312,10 +367,17 @@ int run_engine_bench(const BenchOpts& o) {
   std::vector<RemoteSegment> segs;
   for (std::size_t i = 0; i < o.peers.size(); ++i) {
     peers.push_back(parse_peer(o.peers[i], o.net.metadata.store()));
+    std::string key;
+    for (const std::string& k : o.peer_keys) {
+      const auto eq = k.find('=');
+      if (eq == std::string::npos) throw Fail(fmt::format("--peer-key {}: give NAME=KEY", k));
+      if (k.substr(0, eq) == peers.back().name) key = k.substr(eq + 1);
+    }
     if (peers.back().address.empty()) {
+      if (!key.empty()) throw Fail(fmt::format("--peer-key {}: a peer found in the store proves the key it publishes there", peers.back().name));
       engine.add_peer(peers.back().name);  // found in the store
     } else {
-      engine.add_peer(peers.back().name, peers.back().address);
+      engine.add_peer(peers.back().name, peers.back().address, key);
     }
     segs.push_back(engine.segment(peers.back().name, o.segment));
   }
@@ -480,6 +542,12 @@ void add_serve(CLI::App& app, std::function<int()>& run) {
       ->required();
   sub->add_option("--duration", o->duration, "stop after this many seconds (default: at SIGINT/SIGTERM)");
   sub->add_flag("--notifications", o->notifications, "print each notification received");
+  sub->add_option("--allow", o->allow,
+                  "a peer that may link (a name, a public key, or NAME=KEY); repeatable; default: any holder of "
+                  "the --psk-file key");
+  sub->add_flag("--commands", o->commands,
+                "read commands from standard input, one per line: \"revoke PEER\" (its windows invalidated, its "
+                "links closed, its next ones refused) and \"allow PEER\"");
   sub->add_flag("--json", o->json, "JSON lines");
   sub->callback([o, &run] { run = guarded("serve", [o] { return run_serve(*o); }); });
 }
@@ -491,6 +559,9 @@ void add_engine_bench(CLI::App& app, std::function<int()>& run) {
   sub->add_option("--peer", o->peers,
                   "NAME=HOST:PORT of a target (rdmakit serve --name NAME), or its NAME with --metadata; repeatable")
       ->required();
+  sub->add_option("--peer-key", o->peer_keys,
+                  "NAME=KEY: the public key target NAME must prove (what its rdmakit serve --identity prints); "
+                  "without, the key its first link proves is pinned; repeatable");
   sub->add_option("--segment", o->segment, "the targets' segment")->capture_default_str();
   sub->add_option("--op", o->op, "read or write")->check(CLI::IsMember({"read", "write"}))->capture_default_str();
   sub->add_option("--block-size", o->block, "bytes per transfer (K, M suffixes)")

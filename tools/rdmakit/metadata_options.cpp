@@ -67,7 +67,7 @@ int run_peers(const PeersOptions& o) {
         segs.push_back({{"name", s.name}, {"length", s.length}, {"memory", s.memory}});
       }
       list.push_back({{"name", e.name}, {"epoch", fmt::format("{:#x}", e.epoch)}, {"endpoints", e.endpoints},
-                      {"rails", rails}, {"segments", segs}});
+                      {"rails", rails}, {"segments", segs}, {"public_key", e.public_key}});
     }
     fmt::print("{}\n", nlohmann::json{{"metadata", c.shown_uri()},
                                       {"cluster", o.md.cluster}, {"engines", list}, {"skipped", skipped}}
@@ -77,6 +77,7 @@ int run_peers(const PeersOptions& o) {
   fmt::print("{} engine(s) in cluster \"{}\" of {}\n", engines.size(), o.md.cluster, c.shown_uri());
   for (const PublishedEngine& e : engines) {
     fmt::print("  {}  epoch {:#x}  endpoints {}\n", e.name, e.epoch, fmt::join(e.endpoints, ", "));
+    if (!e.public_key.empty()) fmt::print("    identity {}\n", e.public_key);
     for (const PublishedRail& r : e.rails) {
       fmt::print("    rail {} port {}: {}, GID {}, subnet {}\n", r.device, r.port, r.link_layer, r.gid,
                  r.subnet.empty() ? "unknown" : r.subnet);
