@@ -108,10 +108,7 @@ EngineCounters Engine::counters() const noexcept {
   return o;
 }
 
-std::uint16_t Engine::port() const noexcept {
-  const Listener* l = impl_->listening.load(std::memory_order_acquire);
-  return l != nullptr ? l->port() : 0;
-}
+std::uint16_t Engine::port() const noexcept { return impl_->listen_port.load(std::memory_order_acquire); }
 
 void Engine::start_listening() { impl_->start_listening(); }
 

@@ -153,6 +153,7 @@ void Engine::Impl::start_listening() {
   lc.max_pending = std::max<std::uint32_t>(lc.max_pending, 256);
   listener = detail::listen_with_hooks(cfg.listen, std::move(lc), hooks(nullptr),
                                       [this](Connection c) noexcept { adopt(std::move(c)); });
+  listen_port.store(listener->port(), std::memory_order_release);
   listening.store(listener.get(), std::memory_order_release);
   if (meta) meta->changed(/*wait=*/true);  // its endpoints, now that there is a port
 }
@@ -405,9 +406,9 @@ void Engine::Impl::connect_loop() noexcept {
 }
 
 std::vector<detail::RailPort> Engine::Impl::offered_rails() const {
-  const Listener* l = listening.load(std::memory_order_acquire);
   const std::string host = cfg.listen.empty() ? std::string{} : detail::parse_host_port(cfg.listen, 0).host;
-  return detail::local_rails(layer->catalog(), cfg.link.gid, cfg.rails.devices, l != nullptr ? l->port() : 0, host);
+  return detail::local_rails(layer->catalog(), cfg.link.gid, cfg.rails.devices,
+                             listen_port.load(std::memory_order_acquire), host);
 }
 
 void Engine::Impl::connect_rail(Peer& p, detail::RailState& rail, detail::Command& c) noexcept {

@@ -627,6 +627,9 @@ struct Engine::Impl {
 
   std::mutex listen_mu;  // starting the listener
   std::atomic<Listener*> listening{nullptr};
+  // The listener's port, for the workers (RAILS, offered_rails): they read this, never the
+  // Listener, which shut_down() destroys while they still run.
+  std::atomic<std::uint16_t> listen_port{0};
   std::unique_ptr<Listener> listener;
   void start_listening();
 

@@ -125,8 +125,7 @@ void Worker::lost(Link& l, Xfer& x, TransferStatus s, std::string why) noexcept 
 }
 
 std::vector<std::uint8_t> Worker::rails_message(const Link& l) const {
-  const Listener* listening = e_.listening.load(std::memory_order_acquire);
-  const std::uint16_t port = listening != nullptr ? listening->port() : 0;
+  const std::uint16_t port = e_.listen_port.load(std::memory_order_acquire);
   std::vector<RailPort> ports = e_.offered_rails();
   if (ports.size() > ew::kMaxRails) ports.resize(ew::kMaxRails);
   std::uint8_t here = 0xff;
