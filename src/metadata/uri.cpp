@@ -11,7 +11,7 @@
 namespace rdmakit::detail::metadata {
 namespace {
 
-[[noreturn]] void bad(const std::string& text, const std::string& why) {
+[[noreturn]] void bad_uri(const std::string& text, const std::string& why) {
   throw Error("metadata URI", EINVAL, fmt::format("\"{}\": {}", text, why),
               "use p2p, redis://[user:password@]host[:port][/db] or "
               "etcd://host[:port][,host[:port]...]");
@@ -19,14 +19,14 @@ namespace {
 
 // "host[:port]" or "[v6]:port", with the store's default port when none is given.
 HostPort host_of(const std::string& uri, const std::string& part, std::uint16_t default_port) {
-  if (part.empty()) bad(uri, "a host is missing");
+  if (part.empty()) bad_uri(uri, "a host is missing");
   HostPort hp;
   try {
     hp = parse_host_port(part, default_port);
   } catch (const Error& e) {
-    bad(uri, e.detail());
+    bad_uri(uri, e.detail());
   }
-  if (hp.host.empty()) bad(uri, fmt::format("\"{}\" has no host", part));
+  if (hp.host.empty()) bad_uri(uri, fmt::format("\"{}\" has no host", part));
   return hp;
 }
 
@@ -56,7 +56,7 @@ StoreUri parse_store_uri(const std::string& text) {
   StoreUri u;
   if (text.empty() || text == "p2p") return u;
   const auto scheme_end = text.find("://");
-  if (scheme_end == std::string::npos) bad(text, "no scheme");
+  if (scheme_end == std::string::npos) bad_uri(text, "no scheme");
   const std::string scheme = text.substr(0, scheme_end);
   std::string rest = text.substr(scheme_end + 3);
   if (scheme == "redis") {
@@ -65,17 +65,17 @@ StoreUri parse_store_uri(const std::string& text) {
       std::string cred = rest.substr(0, at);
       rest = rest.substr(at + 1);
       auto colon = cred.find(':');
-      if (colon == std::string::npos) bad(text, "credentials must be user:password (or :password)");
+      if (colon == std::string::npos) bad_uri(text, "credentials must be user:password (or :password)");
       u.user = cred.substr(0, colon);
       u.password = cred.substr(colon + 1);
-      if (u.password.empty()) bad(text, "the password is empty");
+      if (u.password.empty()) bad_uri(text, "the password is empty");
     }
     if (auto slash = rest.find('/'); slash != std::string::npos) {
       std::string db = rest.substr(slash + 1);
       rest = rest.substr(0, slash);
       auto [p, ec] = std::from_chars(db.data(), db.data() + db.size(), u.db);
       if (db.empty() || ec != std::errc{} || p != db.data() + db.size() || u.db < 0) {
-        bad(text, fmt::format("database \"{}\" is not a number >= 0", db));
+        bad_uri(text, fmt::format("database \"{}\" is not a number >= 0", db));
       }
     }
     u.hosts.push_back(host_of(text, rest, 6379));
@@ -89,7 +89,7 @@ StoreUri parse_store_uri(const std::string& text) {
       start = comma + 1;
     }
   } else {
-    bad(text, fmt::format("unknown scheme \"{}\"", scheme));
+    bad_uri(text, fmt::format("unknown scheme \"{}\"", scheme));
   }
   return u;
 }
