@@ -282,5 +282,18 @@ TEST(EngineAccess, OnlyAllowedPeersLinkAndASegmentForOnePeerIsNotTheOthers) {
   // allow() admits one more.
   t.allow("x");
   EXPECT_EQ(write(x, "kv").status, TransferStatus::ok);
+  // A key revoked: its holder is refused whatever it is called; allowed again, it links again.
+  // allow("b") after revoke("b") never widens "b=KEY" to any holder of the name.
+  t.revoke(b_id.public_key());
+  wait_unlinked(b);  // the revocation reaches its link on the target's worker
+  const auto revoked = write(b, "kv");
+  EXPECT_EQ(revoked.status, TransferStatus::connect_failed) << revoked.reason;
+  EXPECT_NE(revoked.reason.find("is revoked by engine 't'"), std::string::npos) << revoked.reason;
+  t.allow(b_id.public_key());
+  EXPECT_EQ(write(b, "kv").status, TransferStatus::ok);
+  t.revoke("b");
+  t.allow("b");
+  const auto widened = write(b2, "kv");
+  EXPECT_EQ(widened.status, TransferStatus::connect_failed) << "allow(\"b\") let another key in as 'b'";
   EXPECT_THROW(t.expose("bad", buf, Access::remote_read, std::vector<std::string>{"ed25519:nope"}), rdmakit::Error);
 }

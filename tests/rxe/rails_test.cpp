@@ -462,3 +462,55 @@ TEST(Rails, ARestartedPeerThatNoLongerOffersARailLosesIt) {
   EXPECT_NE(r1->state, "up") << describe(info);
   EXPECT_TRUE(r1->state == "gone" || r1->state == "unused") << describe(info);
 }
+
+// A rail endpoint taken by another engine (issue 31): b (with its identity) dies, and an engine
+// that calls itself b with another key takes its port on every address. The client's probe of
+// b's second rail, and its reconnect of the first, meet the impostor: both are refused naming the
+// key that was expected, neither rail comes up, and not a byte reaches the impostor.
+TEST(Rails, ARailEndpointTakenByAnotherEngineIsRefused) {
+  if (!two_nics()) GTEST_SKIP() << "needs a lab VM with two NICs (--nics 2)";
+  const auto keyed = [](const std::string& name, rdmakit::Identity id) {
+    EngineConfig c = config(name);
+    c.link.psk.assign(32, 0x2f);
+    c.identity = std::move(id);
+    c.rails.probe_first = 200ms;
+    return c;
+  };
+  const rdmakit::Identity b_id = rdmakit::Identity::generate();
+  auto b = std::make_unique<Engine>(keyed("b", b_id));
+  const std::uint16_t port = b->port();
+  b->expose("kv", b->allocate_memory(4096), Access::remote_read | Access::remote_write);
+  Engine a(keyed("a", {}));
+  a.add_peer("b", std::string(ip(0)) + ":" + std::to_string(port), b_id.public_key());
+  std::string why;
+  ASSERT_TRUE(a.connect("b", 10s, &why)) << why;
+  ASSERT_GE(until_rail(a, "b", "rxe1", "up", 10s).count(), 0) << describe(peer_of(a, "b"));
+  b.reset();
+  EngineConfig ic = keyed("b", rdmakit::Identity::generate());
+  ic.listen = ":" + std::to_string(port);
+  Engine impostor(ic);
+  const Buffer mem = impostor.allocate_memory(4096);
+  std::memset(mem.addr, 0, 4096);
+  impostor.expose("kv", mem, Access::remote_read | Access::remote_write);
+  // The second rail's probes meet the impostor at b's address on NIC 1.
+  const auto refused = [&] {
+    const PeerInfo p = peer_of(a, "b");
+    const RailInfo* r = rail_on(p, "rxe1");
+    return r != nullptr && r->reason.find("where its key " + b_id.public_key()) != std::string::npos;
+  };
+  for (const auto until = Clock::now() + 15s; !refused() && Clock::now() < until;) std::this_thread::sleep_for(50ms);
+  EXPECT_TRUE(refused()) << describe(peer_of(a, "b"));
+  // And the first link's reconnect meets it at b's address on NIC 0.
+  const Buffer src = a.allocate_memory(4096);
+  fill(src, 5);
+  const Transfer w = xfer(TransferOp::write, src, 0, 4096, a.segment("b", "kv"), 0);
+  Batch wb = a.submit({&w, 1});
+  ASSERT_TRUE(wb.wait(20s));
+  ASSERT_EQ(wb.failed(), 1u);
+  EXPECT_EQ(wb.result(0).status, rdmakit::TransferStatus::connect_failed) << wb.result(0).reason;
+  EXPECT_NE(wb.result(0).reason.find("where its key " + b_id.public_key()), std::string::npos) << wb.result(0).reason;
+  const PeerInfo info = peer_of(a, "b");
+  for (const RailInfo& r : info.rails) EXPECT_NE(r.state, "up") << describe(info);
+  const auto* bytes = static_cast<const std::uint8_t*>(mem.addr);
+  EXPECT_TRUE(std::all_of(bytes, bytes + 4096, [](std::uint8_t v) { return v == 0; })) << "a write reached the impostor";
+}
