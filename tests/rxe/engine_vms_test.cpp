@@ -257,6 +257,13 @@ TEST(EngineVms, AnImpostorOnTheTargetsAddressIsRefused) {
     Batch b = client.submit({&w, 1});
     ASSERT_TRUE(b.wait(30s));
     const auto r = b.result(0);
+    // kv-0 may still be serving the first tries (it goes once it has taken the notification):
+    // an ok is kv-0's until the first refusal, and an impostor's after it. (Each impostor checks
+    // its own memory too.)
+    if (same_name + other_name == 0 && r.status == rdmakit::TransferStatus::ok) {
+      std::this_thread::sleep_for(100ms);
+      continue;
+    }
     ASSERT_NE(r.status, rdmakit::TransferStatus::ok) << "try " << i << " wrote to an impostor";
     std::printf("try %d: %s: %s\n", i, rdmakit::to_string(r.status), r.reason.c_str());
     if (r.reason.find("where its key " + kv0_id.public_key()) != std::string::npos) {
