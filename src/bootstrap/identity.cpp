@@ -17,7 +17,7 @@
 namespace rdmakit {
 namespace {
 
-constexpr std::string_view kKeyPrefix = "ed25519:";
+using detail::kPublicKeyPrefix;
 // An identity file is one line of text, so that it is never mistaken for a pre-shared key file
 // (raw bytes) nor one for it: this header, then the seed in URL-safe base64.
 constexpr std::string_view kFileHeader = "rdmakit-identity-ed25519 ";
@@ -169,8 +169,8 @@ std::optional<std::array<std::uint8_t, kPublicKeySize>> decode_public_key(const 
   std::array<std::uint8_t, kPublicKeySize> key{};
   // A point off the curve, or of small order, is no one's public key (no signature verifies
   // with it): refused here rather than waited on.
-  if (text.size() <= kKeyPrefix.size() || std::string_view(text).substr(0, kKeyPrefix.size()) != kKeyPrefix ||
-      !unbase64(std::string_view(text).substr(kKeyPrefix.size()), key.data(), key.size()) ||
+  if (text.size() <= kPublicKeyPrefix.size() || std::string_view(text).substr(0, kPublicKeyPrefix.size()) != kPublicKeyPrefix ||
+      !unbase64(std::string_view(text).substr(kPublicKeyPrefix.size()), key.data(), key.size()) ||
       ::crypto_core_ed25519_is_valid_point(key.data()) == 0) {
     return std::nullopt;
   }
@@ -178,7 +178,7 @@ std::optional<std::array<std::uint8_t, kPublicKeySize>> decode_public_key(const 
 }
 
 std::string encode_public_key(std::span<const std::uint8_t, kPublicKeySize> key) {
-  return std::string(kKeyPrefix) + base64(key);
+  return std::string(kPublicKeyPrefix) + base64(key);
 }
 
 bool verify_signature(std::span<const std::uint8_t, kPublicKeySize> public_key, std::span<const std::uint8_t> message,

@@ -7,11 +7,14 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 
 namespace rdmakit::detail {
 
 inline constexpr std::size_t kPublicKeySize = 32;
 inline constexpr std::size_t kSignatureSize = 64;
+/// What every public key's text begins with.
+inline constexpr std::string_view kPublicKeyPrefix = "ed25519:";
 
 /// The 32 bytes of a public key's text, or nullopt when it is not one.
 [[nodiscard]] std::optional<std::array<std::uint8_t, kPublicKeySize>> decode_public_key(const std::string& text) noexcept;

@@ -12,17 +12,6 @@
 
 namespace rdmakit {
 
-namespace {
-
-// NAME=KEY: {NAME, KEY}; a bare name or key: {entry, ""}.
-std::pair<std::string, std::string> split_entry(const std::string& entry) {
-  const auto eq = entry.find('=');
-  if (eq == std::string::npos) return {entry, {}};
-  return {entry.substr(0, eq), entry.substr(eq + 1)};
-}
-
-}  // namespace
-
 void Engine::Impl::unpin(std::map<std::string, std::string>::iterator it) {
   if (const auto n = names_of_key.find(it->second); n != names_of_key.end() && --n->second == 0) names_of_key.erase(n);
   pinned_names.erase(it);
@@ -36,7 +25,7 @@ void Engine::revoke(const std::string& peer) {
       impl_->revoked.push_back(peer);
     }
     // A revoked key holds no name here any more: allowed again, it pins anew.
-    const auto [name, key] = split_entry(peer);
+    const auto [name, key] = detail::split_entry(peer);
     const std::string& k = key.empty() ? name : key;
     for (auto it = impl_->pinned_names.begin(); it != impl_->pinned_names.end();) {
       const auto next = std::next(it);
@@ -53,7 +42,7 @@ void Engine::allow(const std::string& peer) {
   detail::check_peer_entry(peer, "allow");
   std::lock_guard lock(impl_->mu);
   std::erase(impl_->revoked, peer);
-  const auto [name, key] = split_entry(peer);
+  const auto [name, key] = detail::split_entry(peer);
   // NAME=KEY binds the name to that key from now on (a client that rotated its key).
   if (!key.empty()) {
     if (const auto it = impl_->pinned_names.find(name); it != impl_->pinned_names.end()) impl_->unpin(it);
@@ -64,7 +53,7 @@ void Engine::allow(const std::string& peer) {
   // allow("kv-3") never widens "kv-3=KEY" to any holder of the name.
   if (impl_->allowed.empty()) return;
   const bool covered = std::any_of(impl_->allowed.begin(), impl_->allowed.end(), [&](const std::string& a) {
-    const auto [an, ak] = split_entry(a);
+    const auto [an, ak] = detail::split_entry(a);
     return a == peer || an == name || (!key.empty() && (ak == key || an == key));
   });
   if (!covered) impl_->allowed.push_back(peer);

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "bootstrap/identity.hpp"
 #include "engine/protocol.hpp"
 #include "rdmakit/error.hpp"
 #include "rdmakit/identity.hpp"
@@ -13,16 +14,20 @@ namespace rdmakit::detail {
 
 namespace {
 
-constexpr std::string_view kKeyPrefix = "ed25519:";
-
-bool is_key(std::string_view s) noexcept { return s.substr(0, kKeyPrefix.size()) == kKeyPrefix; }
+bool is_key(std::string_view s) noexcept { return s.substr(0, kPublicKeyPrefix.size()) == kPublicKeyPrefix; }
 
 }  // namespace
+
+std::pair<std::string, std::string> split_entry(const std::string& entry) {
+  const auto eq = entry.find('=');
+  if (eq == std::string::npos) return {entry, {}};
+  return {entry.substr(0, eq), entry.substr(eq + 1)};
+}
 
 void check_engine_name(const std::string& name, const char* what) {
   engine_wire::check_name(name, what);
   if (name.find('=') != std::string::npos || is_key(name)) {
-    throw Error("engine", EINVAL, fmt::format("{} '{}' has '=' or begins with \"{}\"", what, name, kKeyPrefix),
+    throw Error("engine", EINVAL, fmt::format("{} '{}' has '=' or begins with \"{}\"", what, name, kPublicKeyPrefix),
                 "an engine's name cannot look like a peer entry's key (EngineConfig::allowed_peers)");
   }
 }

@@ -4,10 +4,13 @@
 // public key ("ed25519:..."), or both ("kv-3=ed25519:...": that name, proven by that key).
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace rdmakit::detail {
 
+/// An entry's parts: NAME=KEY as {NAME, KEY}; a bare name or key as {entry, ""}.
+[[nodiscard]] std::pair<std::string, std::string> split_entry(const std::string& entry);
 /// Throws Error (EINVAL, naming `what`) unless `name` can name an engine: engine_wire::check_name,
 /// and nothing an entry would read as a key ('=', or the prefix "ed25519:").
 void check_engine_name(const std::string& name, const char* what);

@@ -132,8 +132,8 @@ std::string Worker::admit(const std::string& name, const std::string& key, const
   // The keys the operator bound the name to.
   std::vector<std::string> bound;
   for (const std::string& a : e_.allowed) {
-    const auto eq = a.find('=');
-    if (eq != std::string::npos && a.compare(0, eq, name) == 0 && eq == name.size()) bound.push_back(a.substr(eq + 1));
+    auto [an, ak] = split_entry(a);
+    if (!ak.empty() && an == name) bound.push_back(std::move(ak));
   }
   if (const auto it = e_.peer_ids.find(name); it != e_.peer_ids.end() && e_.peers[it->second - 1]->key_source != "pinned" &&
                                               !e_.peers[it->second - 1]->public_key.empty()) {
