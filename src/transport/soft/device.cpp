@@ -1,0 +1,185 @@
+// A software RC device's objects (device.hpp): the context's ops table, the PD, CQs and windows.
+#include "transport/soft/device.hpp"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include <fmt/format.h>
+
+#include "rdmakit/error.hpp"
+#include "transport/soft/qp.hpp"
+
+namespace rdmakit::detail::soft {
+
+namespace {
+
+int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) { return Qp::of(qp).post_send(wr, bad); }
+int post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) { return Qp::of(qp).post_recv(wr, bad); }
+int poll_cq(ibv_cq* cq, int n, ibv_wc* wc) { return Cq::of(cq).poll(n, wc); }
+int req_notify_cq(ibv_cq* cq, int) { return Cq::of(cq).arm(); }
+
+ibv_mw* alloc_mw(ibv_pd* pd, ibv_mw_type type) {
+  if (type != IBV_MW_TYPE_2) {
+    errno = EOPNOTSUPP;
+    return nullptr;
+  }
+  auto* w = new (std::nothrow) Mw;
+  if (w == nullptr) {
+    errno = ENOMEM;
+    return nullptr;
+  }
+  w->mw.context = pd->context;
+  w->mw.pd = pd;
+  w->mw.type = type;
+  // The key's low byte is the part a bind changes (ibv_inc_rkey); the rest names the window.
+  w->mw.rkey = Device::of(pd->context).next_key_index() << 8;
+  w->mw.handle = w->mw.rkey >> 8;
+  return &w->mw;
+}
+
+int dealloc_mw(ibv_mw* mw) {
+  auto* w = reinterpret_cast<Mw*>(mw);
+  if (w->bound != nullptr) w->bound->unbind(*w);
+  delete w;
+  return 0;
+}
+
+// A bind through ibv_bind_mw (type 1) is not offered: type-2 windows are bound by post_send.
+int bind_mw(ibv_qp*, ibv_mw*, ibv_mw_bind*) { return EOPNOTSUPP; }
+
+int to_error(ibv_qp* qp) noexcept {
+  Qp::of(qp).to_error();
+  return 0;
+}
+
+// The channel's descriptor is level-triggered (readable while there is work): an "event" is
+// whatever made it readable, and there is nothing to acknowledge.
+int get_cq_event(ibv_comp_channel* ch, ibv_cq** cq, void** ctx) noexcept {
+  (void)ch;
+  (void)cq;
+  (void)ctx;
+  errno = EAGAIN;
+  return -1;
+}
+void ack_cq_events(ibv_cq*, unsigned) noexcept {}
+
+}  // namespace
+
+Device::Device(std::string name) : name_(std::move(name)) {
+  context_.self = this;
+  ibv_context_ops& o = context_.ctx.ops;
+  o.post_send = post_send;
+  o.post_recv = post_recv;
+  o.poll_cq = poll_cq;
+  o.req_notify_cq = req_notify_cq;
+  o.alloc_mw = alloc_mw;
+  o.dealloc_mw = dealloc_mw;
+  o.bind_mw = bind_mw;
+  context_.ctx.cmd_fd = -1;
+  context_.ctx.async_fd = -1;
+  context_.ctx.num_comp_vectors = 1;
+  pd_.context = &context_.ctx;
+  pd_.handle = 1;
+}
+
+Device::~Device() = default;
+
+const VerbsOps& Device::ops() noexcept {
+  static constexpr VerbsOps soft{to_error, get_cq_event, ack_cq_events};
+  return soft;
+}
+
+Cq::Cq(Device& dev, std::uint32_t entries) {
+  epoll_ = Fd(::epoll_create1(EPOLL_CLOEXEC));
+  if (!epoll_) throw Error("epoll_create1", errno, fmt::format("a {} completion queue", dev.name()));
+  wake_ = Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!wake_) throw Error("eventfd", errno, fmt::format("a {} completion queue", dev.name()));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.ptr = nullptr;
+  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, wake_.get(), &ev) != 0) {
+    throw Error("epoll_ctl(ADD)", errno, fmt::format("a {} completion queue", dev.name()));
+  }
+  channel_.context = dev.context();
+  channel_.fd = epoll_.get();
+  channel_.refcnt = 0;
+  cq_.context = dev.context();
+  cq_.channel = &channel_;
+  cq_.cq_context = this;
+  cq_.cqe = static_cast<int>(entries);
+}
+
+Cq::~Cq() = default;
+
+void Cq::attach(Qp* qp) { qps_.push_back(qp); }
+
+void Cq::detach(Qp* qp) noexcept { std::erase(qps_, qp); }
+
+void Cq::watch(int fd, Watched* stream) noexcept {
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.ptr = stream;
+  (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev);
+}
+
+void Cq::rewatch(int fd, Watched* stream, bool in, bool out) noexcept {
+  epoll_event ev{};
+  ev.events = (in ? EPOLLIN : 0u) | (out ? EPOLLOUT : 0u);
+  ev.data.ptr = stream;
+  (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, fd, &ev);
+}
+
+void Cq::unwatch(int fd) noexcept { (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr); }
+
+void Cq::push(const ibv_wc& wc) noexcept {
+  try {
+    entries_.push_back(wc);
+  } catch (...) {
+    // Out of memory growing the queue: an overrun, as a full CQ on a NIC. Sized by the links'
+    // depths, it never grows past its working size.
+  }
+}
+
+void Cq::progress() noexcept {
+  epoll_event events[64];
+  const int n = ::epoll_wait(epoll_.get(), events, 64, 0);
+  for (int i = 0; i < n; ++i) {
+    if (events[i].data.ptr == nullptr) {
+      std::uint64_t v = 0;
+      (void)!::read(wake_.get(), &v, sizeof v);
+      woken_ = false;
+      continue;
+    }
+    static_cast<Watched*>(events[i].data.ptr)->on_ready(events[i].events);
+  }
+  if (!qps_.empty()) {
+    // Answers owed for too long mean the peer is gone (each queue pair looks every 10 ms).
+    const Deadline now = Clock::now();
+    for (Qp* q : qps_) {
+      if (q->outstanding() > 0) q->check_stalls(now);
+    }
+  }
+}
+
+int Cq::poll(int n, ibv_wc* out) noexcept {
+  if (entries_.size() < static_cast<std::size_t>(n)) progress();
+  int got = 0;
+  while (got < n && !entries_.empty()) {
+    out[got++] = entries_.front();
+    entries_.pop_front();
+  }
+  return got;
+}
+
+int Cq::arm() noexcept {
+  if (!entries_.empty() && !woken_) {
+    const std::uint64_t one = 1;
+    if (::write(wake_.get(), &one, sizeof one) == sizeof one) woken_ = true;
+  }
+  return 0;
+}
+
+}  // namespace rdmakit::detail::soft

@@ -1,0 +1,310 @@
+// The software RC queue pairs of the tcp and shm transports (src/transport/soft/), driven by the
+// data path itself over real sockets: what the engine's links do with them, without a VM. A
+// socketpair per stream (tcp's streams are TCP sockets; the frames are the same), and for shm the
+// same process on both ends, so cross-memory attach reads and writes this very process.
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "datapath/datapath.hpp"
+#include "transport/soft/device.hpp"
+#include "transport/soft/frame.hpp"
+#include "transport/soft/qp.hpp"
+#include "verbs/memory_impl.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+using rdmakit::Access;
+using rdmakit::Completion;
+using rdmakit::LocalSlice;
+using rdmakit::MemoryRegion;
+using rdmakit::Opcode;
+using rdmakit::RemoteRegion;
+using rdmakit::detail::DataPath;
+using rdmakit::detail::Fd;
+namespace soft = rdmakit::detail::soft;
+
+MemoryRegion unregistered(void* addr, std::size_t length) {
+  auto impl = std::make_unique<MemoryRegion::Impl>();
+  impl->addr = addr;
+  impl->length = length;
+  impl->access = Access::local_write;
+  return MemoryRegion::Impl::wrap(std::move(impl));
+}
+
+// Two queue pairs joined by `streams` socketpairs, each with its data path; B serves a window.
+struct Pair {
+  explicit Pair(std::uint32_t streams = 2, bool shm = false, std::chrono::milliseconds stall = 4000ms)
+      : dev(shm ? "shm" : "tcp"), cqa(dev, 1024), cqb(dev, 1024), a_mem(8 << 20), b_mem(4 << 20) {
+    std::vector<Fd> fa, fb;
+    for (std::uint32_t k = 0; k < streams; ++k) {
+      int sv[2];
+      EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+      fa.emplace_back(sv[0]);
+      fb.emplace_back(sv[1]);
+    }
+    soft::QpConfig ca;
+    ca.send_depth = 64;
+    ca.qp_num = 1;
+    ca.peer_pid = shm ? ::getpid() : 0;
+    ca.stall_timeout = stall;
+    ca.on_fault = [this](const std::string& why) { a_fault = why; };
+    soft::QpConfig cb = ca;
+    cb.qp_num = 2;
+    cb.on_fault = [this](const std::string& why) { b_fault = why; };
+    qa = std::make_unique<soft::Qp>(dev, cqa, ca, std::move(fa));
+    qb = std::make_unique<soft::Qp>(dev, cqb, cb, std::move(fb));
+    const rdmakit::detail::DataPathLimits limits{64, 4, 1, 0, 1u << 30, 1u << 30};
+    ibv_qp* a = qa->qp();
+    ibv_qp* b = qb->qp();
+    dpa.init(limits, {&a, 1}, cqa.cq(), cqa.cq(), cqa.channel(), soft::Device::ops());
+    dpb.init(limits, {&b, 1}, cqb.cq(), cqb.cq(), cqb.channel(), soft::Device::ops());
+    dpa.start();
+    dpb.start();
+    std::iota(a_mem.begin(), a_mem.end(), std::uint8_t{7});
+    a_region = unregistered(a_mem.data(), a_mem.size());
+  }
+  ~Pair() {
+    mw.reset();
+    dpa.forget_qps();
+    dpb.forget_qps();
+  }
+
+  // B binds a window on [offset, +length) of its memory for A, as an engine target does.
+  RemoteRegion bind(std::size_t offset, std::size_t length, Access access) {
+    mw.reset(ibv_alloc_mw(dev.pd(), IBV_MW_TYPE_2));
+    EXPECT_NE(mw, nullptr);
+    const std::uint32_t rkey = ibv_inc_rkey(mw->rkey);
+    const auto addr = reinterpret_cast<std::uint64_t>(b_mem.data()) + offset;
+    unsigned flags = 0;
+    if (has(access, Access::remote_read)) flags |= IBV_ACCESS_REMOTE_READ;
+    if (has(access, Access::remote_write)) flags |= IBV_ACCESS_REMOTE_WRITE;
+    if (has(access, Access::remote_atomic)) flags |= IBV_ACCESS_REMOTE_ATOMIC;
+    EXPECT_TRUE(dpb.post_bind(mw.get(), rkey, nullptr, addr, length, flags, 77).ok());
+    const Completion c = next(dpb);
+    EXPECT_TRUE(c.ok()) << c.describe();
+    EXPECT_EQ(c.wr_id, 77u);
+    return {addr, length, rkey, access};
+  }
+  static bool has(Access a, Access b) { return (static_cast<unsigned>(a) & static_cast<unsigned>(b)) != 0; }
+
+  // The next completion of `dp`, both sides making progress meanwhile (each is its own NIC).
+  Completion next(DataPath& dp, std::chrono::milliseconds within = 5000ms) {
+    const auto until = std::chrono::steady_clock::now() + within;
+    Completion c;
+    while (std::chrono::steady_clock::now() < until) {
+      cqa.progress();
+      cqb.progress();
+      if (dp.poll({&c, 1}) == 1) return c;
+    }
+    ADD_FAILURE() << "no completion within " << within.count() << " ms";
+    return c;
+  }
+  void progress_for(std::chrono::milliseconds d) {
+    const auto until = std::chrono::steady_clock::now() + d;
+    while (std::chrono::steady_clock::now() < until) {
+      cqa.progress();
+      cqb.progress();
+    }
+  }
+
+  soft::Device dev;
+  soft::Cq cqa, cqb;
+  std::unique_ptr<soft::Qp> qa, qb;
+  DataPath dpa, dpb;
+  std::vector<std::uint8_t> a_mem, b_mem;
+  std::optional<MemoryRegion> a_region;
+  rdmakit::detail::MwPtr mw;
+  std::string a_fault, b_fault;
+};
+
+class SoftTransport : public ::testing::TestWithParam<bool> {};
+
+TEST_P(SoftTransport, WritesReadsAndAtomicsLandWhereTheWindowSays) {
+  Pair p(2, GetParam());
+  const RemoteRegion seg = p.bind(4096, 2 << 20, Access::remote_read | Access::remote_write | Access::remote_atomic);
+  p.dpa.set_remote({seg}, true);
+  // A write of several frames spread over both streams, then one of 1 byte, then an empty one.
+  const LocalSlice all = p.a_region->local();
+  ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(0, 1 << 20), seg, 1000, 0, 0, 0, 1).ok()));
+  ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(5, 1), seg, 0, 0, 0, 0, 2).ok()));
+  Completion c = p.next(p.dpa);
+  ASSERT_TRUE(c.ok()) << c.describe();
+  EXPECT_EQ(c.wr_id, 1u);
+  c = p.next(p.dpa);
+  ASSERT_TRUE(c.ok()) << c.describe();
+  EXPECT_EQ(c.wr_id, 2u);
+  EXPECT_EQ(std::memcmp(p.b_mem.data() + 4096 + 1000, p.a_mem.data(), 1 << 20), 0);
+  EXPECT_EQ(p.b_mem[4096], p.a_mem[5]);
+  EXPECT_EQ(p.b_mem[4095], 0);  // outside the window: untouched
+  EXPECT_EQ(p.b_mem[4096 + 1000 + (1 << 20)], 0);
+  // Read it back elsewhere.
+  ASSERT_TRUE((p.dpa.post_one<Opcode::read>(all.subslice(4 << 20, 1 << 20), seg, 1000, 0, 0, 0, 3).ok()));
+  c = p.next(p.dpa);
+  ASSERT_TRUE(c.ok()) << c.describe();
+  EXPECT_EQ(std::memcmp(p.a_mem.data() + (4 << 20), p.a_mem.data(), 1 << 20), 0);
+  // Atomics on an aligned word: the old value comes back, the word changes.
+  std::uint64_t word = 40;
+  std::memcpy(p.b_mem.data() + 4096 + 64, &word, 8);
+  ASSERT_TRUE((p.dpa.post_one<Opcode::fetch_add>(all.subslice(6 << 20, 8), seg, 64, 0, 2, 0, 4).ok()));
+  c = p.next(p.dpa);
+  ASSERT_TRUE(c.ok()) << c.describe() << p.qa->failure() << p.qb->failure();
+  std::memcpy(&word, p.a_mem.data() + (6 << 20), 8);
+  EXPECT_EQ(word, 40u);
+  ASSERT_TRUE((p.dpa.post_one<Opcode::compare_swap>(all.subslice(6 << 20, 8), seg, 64, 0, 42, 9, 5).ok()));
+  c = p.next(p.dpa);
+  ASSERT_TRUE(c.ok()) << c.describe();
+  std::memcpy(&word, p.b_mem.data() + 4096 + 64, 8);
+  EXPECT_EQ(word, 9u);
+  EXPECT_TRUE(p.a_fault.empty() && p.b_fault.empty()) << p.a_fault << p.b_fault;
+}
+
+TEST_P(SoftTransport, AChainOfUnsignaledWritesEndsWithItsLastCompletion) {
+  Pair p(3, GetParam());
+  const RemoteRegion seg = p.bind(0, 4 << 20, Access::remote_write);
+  p.dpa.set_remote({seg}, false);
+  const LocalSlice all = p.a_region->local();
+  // 60 requests of 64 KiB in one chain (one doorbell): only the last is signaled.
+  ASSERT_EQ(p.dpa.begin_chain(p.dpa.lane(0), 64), 64u);
+  for (std::uint64_t k = 0; k < 60; ++k) {
+    ASSERT_EQ(p.dpa.chain_add<Opcode::write>(reinterpret_cast<std::uint64_t>(all.addr()) + k * 65536, 65536, 0, true, seg,
+                                             k * 65536, 0, 0, 100 + k),
+              rdmakit::PostStatus::ok);
+  }
+  ASSERT_TRUE(p.dpa.post_chain_built().ok());
+  // Signaled: every half queue (the 32nd) and the last; the last completes once all did.
+  Completion c = p.next(p.dpa);
+  ASSERT_TRUE(c.ok()) << c.describe();
+  EXPECT_EQ(c.wr_id, 131u);
+  c = p.next(p.dpa);
+  ASSERT_TRUE(c.ok()) << c.describe();
+  EXPECT_EQ(c.wr_id, 159u);
+  std::size_t first = 0;
+  while (first < 60 * 65536 && p.b_mem[first] == p.a_mem[first]) ++first;
+  EXPECT_EQ(first, 60u * 65536) << "the first byte that differs";
+}
+
+TEST_P(SoftTransport, TheTargetRefusesWhatNoWindowOnTheLinkCovers) {
+  Pair p(2, GetParam());
+  const RemoteRegion seg = p.bind(4096, 8192, Access::remote_read);
+  // The requester believes in more than the target bound (a peer that lies, or a stale view):
+  // the target checks each request itself, as a NIC checks an rkey.
+  RemoteRegion wider = seg;
+  wider.length = 1 << 20;
+  wider.access = Access::remote_read | Access::remote_write;
+  p.dpa.set_remote({wider}, false);
+  const LocalSlice all = p.a_region->local();
+  ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(0, 100), wider, 0, 0, 0, 0, 1).ok()));  // no write access
+  Completion c = p.next(p.dpa);
+  EXPECT_EQ(c.status, IBV_WC_REM_ACCESS_ERR) << c.describe();
+  EXPECT_EQ(p.b_mem[4096], 0);  // not a byte landed
+  // As on RC, the link is dead now on both sides: what follows is flushed.
+  EXPECT_TRUE(p.qa->in_error());
+  p.progress_for(50ms);
+  EXPECT_TRUE(p.qb->in_error());
+  EXPECT_NE(p.b_fault.find("closed data stream"), std::string::npos) << p.b_fault;
+}
+
+TEST_P(SoftTransport, AReadPastTheWindowIsRefused) {
+  Pair p(1, GetParam());
+  const RemoteRegion seg = p.bind(4096, 8192, Access::remote_read);
+  RemoteRegion wider = seg;
+  wider.length = 1 << 20;
+  p.dpa.set_remote({wider}, false);
+  const LocalSlice all = p.a_region->local();
+  std::memset(p.a_mem.data(), 0xee, 100);
+  ASSERT_TRUE((p.dpa.post_one<Opcode::read>(all.subslice(0, 100), wider, 8150, 0, 0, 0, 1).ok()));
+  const Completion c = p.next(p.dpa);
+  EXPECT_EQ(c.status, IBV_WC_REM_ACCESS_ERR) << c.describe();
+  EXPECT_EQ(p.a_mem[0], 0xee);
+}
+
+TEST_P(SoftTransport, AWindowDeallocatedIsNoLongerServed) {
+  Pair p(1, GetParam());
+  const RemoteRegion seg = p.bind(0, 8192, Access::remote_write);
+  p.dpa.set_remote({seg}, false);
+  p.mw.reset();  // the target withdraws it
+  const LocalSlice all = p.a_region->local();
+  ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(0, 100), seg, 0, 0, 0, 0, 1).ok()));
+  const Completion c = p.next(p.dpa);
+  EXPECT_EQ(c.status, IBV_WC_REM_ACCESS_ERR) << c.describe();
+  EXPECT_EQ(p.b_mem[0], 0);
+}
+
+TEST_P(SoftTransport, APeerThatClosesMidTransferEndsItAndWhatFollowsIsFlushed) {
+  Pair p(2, GetParam());
+  const RemoteRegion seg = p.bind(0, 4 << 20, Access::remote_write);
+  p.dpa.set_remote({seg}, false);
+  const LocalSlice all = p.a_region->local();
+  ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(0, 4 << 20), seg, 0, 0, 0, 0, 1).ok()));
+  ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(0, 64), seg, 0, 0, 0, 0, 2).ok()));
+  p.mw.reset();
+  p.dpb.forget_qps();
+  p.qb.reset();  // its process ends: its streams close
+  Completion c = p.next(p.dpa);
+  EXPECT_EQ(c.wr_id, 1u);
+  EXPECT_EQ(c.status, IBV_WC_RETRY_EXC_ERR) << c.describe();
+  c = p.next(p.dpa);
+  EXPECT_EQ(c.wr_id, 2u);
+  EXPECT_EQ(c.status, IBV_WC_WR_FLUSH_ERR) << c.describe();
+  EXPECT_NE(p.a_fault.find("closed data stream"), std::string::npos) << p.a_fault;
+  EXPECT_FALSE((p.dpa.post_one<Opcode::write>(all.subslice(0, 64), seg, 0, 0, 0, 0, 3).ok()));  // broken: refused
+}
+
+TEST_P(SoftTransport, APeerThatStopsAnsweringFailsTheLinkAtTheStallTimeout) {
+  Pair p(1, GetParam(), 200ms);
+  const RemoteRegion seg = p.bind(0, 8192, Access::remote_write);
+  p.dpa.set_remote({seg}, false);
+  const LocalSlice all = p.a_region->local();
+  ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(0, 64), seg, 0, 0, 0, 0, 1).ok()));
+  // B is stopped (SIGSTOP): nothing polls its queue pair.
+  const auto t0 = std::chrono::steady_clock::now();
+  Completion c;
+  while (std::chrono::steady_clock::now() - t0 < 3s && p.dpa.poll({&c, 1}) == 0) p.cqa.progress();
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_EQ(c.status, IBV_WC_RETRY_EXC_ERR) << c.describe();
+  EXPECT_GE(took, 190ms);
+  EXPECT_LT(took, 1500ms);
+  EXPECT_NE(p.a_fault.find("brought nothing for 200 ms"), std::string::npos) << p.a_fault;
+}
+
+TEST_P(SoftTransport, GarbageOnOneLinksStreamFailsThatLinkOnlyAndTheOthersAreServed) {
+  Pair p(1, GetParam());
+  const RemoteRegion seg = p.bind(0, 8192, Access::remote_write);
+  p.dpa.set_remote({seg}, false);
+  // A third queue pair on B's CQ, whose peer is not an engine.
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  Fd raw(sv[0]);
+  std::vector<Fd> fc;
+  fc.emplace_back(sv[1]);
+  std::string c_fault;
+  soft::QpConfig cc;
+  cc.qp_num = 3;
+  cc.on_fault = [&](const std::string& why) { c_fault = why; };
+  soft::Qp qc(p.dev, p.cqb, cc, std::move(fc));
+  std::vector<std::uint8_t> junk(soft::kFrameSize + 7, 0x5a);
+  ASSERT_EQ(::write(raw.get(), junk.data(), junk.size()), static_cast<ssize_t>(junk.size()));
+  const LocalSlice all = p.a_region->local();
+  ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(0, 64), seg, 0, 0, 0, 0, 1).ok()));
+  const Completion c = p.next(p.dpa);
+  EXPECT_TRUE(c.ok()) << c.describe();
+  EXPECT_TRUE(qc.in_error());
+  EXPECT_NE(c_fault.find("not one"), std::string::npos) << c_fault;
+  EXPECT_FALSE(p.qb->in_error());
+  EXPECT_EQ(std::memcmp(p.b_mem.data(), p.a_mem.data(), 64), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(TcpAndShm, SoftTransport, ::testing::Values(false, true),
+                         [](const auto& param_info) { return param_info.param ? "shm" : "tcp"; });
+
+}  // namespace
