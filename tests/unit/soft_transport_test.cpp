@@ -63,6 +63,8 @@ struct Pair {
     cb.on_fault = [this](const std::string& why) { b_fault = why; };
     qa = std::make_unique<soft::Qp>(dev, cqa, ca, std::move(fa));
     qb = std::make_unique<soft::Qp>(dev, cqb, cb, std::move(fb));
+    qa->start();
+    qb->start();
     const rdmakit::detail::DataPathLimits limits{64, 4, 1, 0, 1u << 30, 1u << 30};
     ibv_qp* a = qa->qp();
     ibv_qp* b = qb->qp();
@@ -292,6 +294,7 @@ TEST_P(SoftTransport, GarbageOnOneLinksStreamFailsThatLinkOnlyAndTheOthersAreSer
   cc.qp_num = 3;
   cc.on_fault = [&](const std::string& why) { c_fault = why; };
   soft::Qp qc(p.dev, p.cqb, cc, std::move(fc));
+  qc.start();
   std::vector<std::uint8_t> junk(soft::kFrameSize + 7, 0x5a);
   ASSERT_EQ(::write(raw.get(), junk.data(), junk.size()), static_cast<ssize_t>(junk.size()));
   const LocalSlice all = p.a_region->local();

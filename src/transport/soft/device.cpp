@@ -5,6 +5,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 
 #include <fmt/format.h>
@@ -143,7 +144,28 @@ void Cq::push(const ibv_wc& wc) noexcept {
   }
 }
 
+void Cq::again(Watched* stream) noexcept {
+  if (std::find(again_.begin(), again_.end(), stream) != again_.end()) return;
+  try {
+    again_.push_back(stream);
+  } catch (...) {
+    // Out of memory: its descriptor stays readable, and the next wake-up reads it.
+  }
+}
+
+void Cq::forget(Watched* stream) noexcept {
+  std::erase(again_, stream);
+  std::replace(turn_.begin(), turn_.end(), stream, static_cast<Watched*>(nullptr));
+}
+
 void Cq::progress() noexcept {
+  if (!again_.empty()) {
+    turn_.swap(again_);
+    for (std::size_t i = 0; i < turn_.size(); ++i) {
+      if (turn_[i] != nullptr) turn_[i]->on_ready(EPOLLIN);
+    }
+    turn_.clear();
+  }
   epoll_event events[64];
   const int n = ::epoll_wait(epoll_.get(), events, 64, 0);
   for (int i = 0; i < n; ++i) {
@@ -155,6 +177,9 @@ void Cq::progress() noexcept {
     }
     static_cast<Watched*>(events[i].data.ptr)->on_ready(events[i].events);
   }
+  // A stream owed another turn keeps the channel readable, so a thread about to sleep on it
+  // does not (it would wait for a descriptor that has nothing new to say).
+  if (!again_.empty()) wake();
   if (!qps_.empty()) {
     // Answers owed for too long mean the peer is gone (each queue pair looks every 10 ms).
     const Deadline now = Clock::now();
@@ -175,11 +200,14 @@ int Cq::poll(int n, ibv_wc* out) noexcept {
 }
 
 int Cq::arm() noexcept {
-  if (!entries_.empty() && !woken_) {
-    const std::uint64_t one = 1;
-    if (::write(wake_.get(), &one, sizeof one) == sizeof one) woken_ = true;
-  }
+  if (!entries_.empty() || !again_.empty()) wake();
   return 0;
+}
+
+void Cq::wake() noexcept {
+  if (woken_) return;
+  const std::uint64_t one = 1;
+  if (::write(wake_.get(), &one, sizeof one) == sizeof one) woken_ = true;
 }
 
 }  // namespace rdmakit::detail::soft

@@ -107,12 +107,18 @@ class Cq {
   void watch(int fd, Watched* stream) noexcept;
   void rewatch(int fd, Watched* stream, bool in, bool out) noexcept;
   void unwatch(int fd) noexcept;
+  /// `stream` has more to read than one turn took: it gets another at the next poll, and the
+  /// channel reads as ready until then (an idle thread sleeps on the channel alone).
+  void again(Watched* stream) noexcept;
+  void forget(Watched* stream) noexcept;
   /// Runs what the streams can do now (without blocking).
   void progress() noexcept;
   void attach(Qp* qp);
   void detach(Qp* qp) noexcept;
 
  private:
+  /// The channel's descriptor reads as ready (until the next poll takes the wake-up).
+  void wake() noexcept;
   ibv_cq cq_{};
   ibv_comp_channel channel_{};
   Fd epoll_;
@@ -120,6 +126,7 @@ class Cq {
   bool woken_ = false;
   Fifo<ibv_wc> entries_;
   std::vector<Qp*> qps_;
+  std::vector<Watched*> again_, turn_;  // streams owed another turn (turn_: the one being given)
 };
 
 

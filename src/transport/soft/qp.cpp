@@ -113,8 +113,15 @@ Qp::Qp(Device& dev, Cq& cq, QpConfig cfg, std::vector<Fd> streams) : dev_(dev), 
     if (flags < 0 || ::fcntl(f.get(), F_SETFL, flags | O_NONBLOCK) < 0) throw Error("fcntl(O_NONBLOCK)", errno, "a data stream");
     streams_.push_back(std::make_unique<Stream>(*this, std::move(f), static_cast<std::uint32_t>(streams_.size())));
   }
+}
+
+void Qp::start() {
+  if (started_) return;
   cq_.attach(this);
+  started_ = true;
+  if (error_) return;
   for (auto& s : streams_) cq_.watch(s->fd.get(), s.get());
+  // What arrived before is read now (the channel's set reports it too: level-triggered).
 }
 
 Qp::~Qp() {
@@ -123,7 +130,11 @@ Qp::~Qp() {
     mw->key = 0;
   }
   windows_.clear();
-  for (auto& s : streams_) cq_.unwatch(s->fd.get());
+  if (!started_) return;
+  for (auto& s : streams_) {
+    cq_.unwatch(s->fd.get());
+    cq_.forget(s.get());
+  }
   cq_.detach(this);
 }
 
@@ -360,7 +371,7 @@ void Qp::fail(std::string why, Req* first, bool fault) noexcept {
   // As on RC, the peer's side fails too: it reads the end of each stream.
   for (auto& s : streams_) {
     (void)::shutdown(s->fd.get(), SHUT_RDWR);
-    cq_.unwatch(s->fd.get());
+    if (started_) cq_.unwatch(s->fd.get());
     s->exp_head = s->exp_tail;
   }
   complete_ready();
@@ -610,6 +621,9 @@ bool Qp::pump_once(Stream& s) noexcept {
     peer_closed(s);
     return false;
   }
+  // Its turn ended with bytes still to read: another turn at the next poll, whether or not its
+  // descriptor wakes anyone (a sleeping worker waits on the channel, not on the stream).
+  if (taken >= kTurnBytes && !s.held) cq_.again(&s);
   issue();
   // What issue() queued on the other streams goes now too (they may have nothing to read).
   for (auto& o : streams_) {
@@ -701,8 +715,9 @@ void Qp::check_stalls(Deadline now) noexcept {
     Req* first = &req(s->expect[s->exp_head % s->expect.size()].req);
     if (first->status == IBV_WC_SUCCESS) first->status = IBV_WC_RETRY_EXC_ERR;
     return fail(fmt::format("data stream {} brought nothing for {} ms while {} answers were owed (the peer is stopped, "
-                            "hung or unreachable)",
-                            s->index, cfg_.stall_timeout.count(), s->owed()),
+                            "hung or unreachable; this side: {} frames to send, {} bytes of the first sent, {})",
+                            s->index, cfg_.stall_timeout.count(), s->owed(), s->out_tail - s->out_head, s->out_sent,
+                            s->watch_out ? "waiting for room" : "nothing waits for room"),
                 first, true);
   }
 }

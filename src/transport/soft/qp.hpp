@@ -59,13 +59,16 @@ class Stream;
 
 class Qp {
  public:
-  /// Takes the connected streams (at least one, nonblocking or not: they are made nonblocking),
-  /// joined to `cq`'s channel.
+  /// Takes the connected streams (at least one, nonblocking or not: they are made nonblocking).
+  /// Built on any thread; start() joins them to `cq` on the thread that polls it.
   Qp(Device& dev, Cq& cq, QpConfig cfg, std::vector<Fd> streams);
   ~Qp();
   Qp(const Qp&) = delete;
   Qp& operator=(const Qp&) = delete;
 
+  /// On the Cq's thread, before anything is posted: the streams join its channel's set (what
+  /// arrived before is read then).
+  void start();
   [[nodiscard]] ibv_qp* qp() noexcept { return &qp_; }
   static Qp& of(ibv_qp* q) noexcept { return *static_cast<Qp*>(q->qp_context); }
   [[nodiscard]] bool in_error() const noexcept { return error_; }
@@ -138,6 +141,7 @@ class Qp {
   Fifo<std::uint64_t> recvs_;  // posted receives (nothing is ever sent to them: flushed at the end)
   std::unordered_map<std::uint32_t, Mw*> windows_;  // by rkey: the windows bound here
   bool error_ = false;
+  bool started_ = false;
   std::string failure_;
   Deadline next_stall_check_{};
 };
