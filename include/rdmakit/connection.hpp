@@ -280,6 +280,10 @@ struct ConnectionInfo {
   bool atomics = false;           ///< both devices support remote atomics
   std::string peer_address;  ///< the bootstrap peer, "host:port"
   ConnectMethod method = ConnectMethod::tcp;  ///< how the connection was set up
+  /// How it moves data: "rdma" (always, for a Connection), or for an engine's link "tcp" or
+  /// "shm" (docs/engine.md, "Transports"), and why that one.
+  std::string transport = "rdma";
+  std::string transport_reason;
   wire::EndpointInfo local;
   wire::EndpointInfo remote;
 };

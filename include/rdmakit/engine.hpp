@@ -38,6 +38,16 @@ struct RailConfig {
   std::chrono::milliseconds probe_max{4000};
 };
 
+/// How a peer link moves its data (EngineConfig::transports, docs/engine.md "Transports").
+enum class Transport : std::uint8_t {
+  rdma,  ///< RDMA on a NIC: one-sided, the NIC checks every access
+  tcp,   ///< any peer: TCP streams, the target's worker serves and checks each request in software
+  shm,   ///< a peer on the same host (proven, not guessed): the target copies process to process
+};
+[[nodiscard]] const char* to_string(Transport t) noexcept;
+/// "rdma", "tcp", "shm"; throws Error (EINVAL) for anything else.
+[[nodiscard]] Transport parse_transport(std::string_view text);
+
 /// Everything an Engine is built from, passed by value.
 struct EngineConfig {
   /// This engine's name, as its peers know it (1..64 bytes). Empty: "host:pid".
@@ -50,6 +60,17 @@ struct EngineConfig {
   /// offer its segments from the first link sets this false, exposes them, then calls
   /// Engine::start_listening().
   bool listen_at_start = true;
+  /// The transports this engine's links may use, best first. A link takes the first in the list
+  /// of the engine that opens it that the other engine also lists and can use: rdma where both
+  /// have an RDMA device, shm only between processes proven to share the host (the target reads
+  /// a secret from the initiator's memory by cross-memory attach), tcp to anyone. Nothing else
+  /// is ever used: a peer RDMA cannot reach fails (connect_failed, saying why) unless tcp is
+  /// listed. Empty: rdma only, and an engine on a host without an RDMA device is refused at
+  /// construction, naming this setting. Every link says which it took and why (peers()).
+  std::vector<Transport> transports{};
+  /// tcp: data streams per link (1..16); transfers are cut into frames of at most 256 KiB
+  /// spread over them.
+  std::uint32_t tcp_streams = 2;
   /// Settings of every peer link: device, timeouts, keepalive, queue depths, the pre-shared key
   /// (psk: both ends of a link must hold the same). One QP per link and rail (the engine spreads
   /// over peers and NICs, not over QPs of one port). A link's depth is its send_depth.
@@ -302,6 +323,10 @@ struct EngineInfo {
   std::uint64_t epoch = 0;  ///< new at every start; peers recognise a restart by it
   std::uint16_t port = 0;   ///< 0: no listener
   std::vector<std::string> devices{};
+  /// The transports it offers, best first ("rdma", "tcp", "shm"), and one line on each listed
+  /// one it cannot offer (no RDMA device).
+  std::vector<std::string> transports{};
+  std::string transports_note{};
   /// Peers get access through type-2 memory windows bound on their own link's QP (a key is
   /// useless on any other QP, and revoked per peer); false: the device has none, and expose()
   /// refuses unless EngineConfig::allow_region_keys (then peers holding the link key get the
@@ -348,6 +373,10 @@ struct PeerInfo {
   std::uint32_t worker = 0;
   std::string device{};  ///< the local device of its link (empty until it was first linked)
   bool linked = false;   ///< a link to it is up now
+  /// Its last link's transport ("rdma", "tcp", "shm"; empty until linked), and why that one
+  /// (the first both engines list and can use, or which were passed over and why).
+  std::string transport{};
+  std::string transport_reason{};
   /// Its rails: the first is the port its address is reached through; then every other local
   /// port, used or not (with the reason). Learnt from the peer when the link first came up.
   std::vector<RailInfo> rails{};

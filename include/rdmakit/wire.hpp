@@ -1,5 +1,5 @@
 #pragma once
-// The bootstrap wire format, version 5. Every message is a 12-byte header followed by a payload;
+// The bootstrap wire format, version 6. Every message is a 12-byte header followed by a payload;
 // every field has a fixed width and network byte order, and the decoder checks each one. No C
 // struct is ever copied onto the socket.
 //
@@ -8,13 +8,19 @@
 //            gid index u32 | mtu u16 (bytes) | max_rd_atomic u8 | max_dest_rd_atomic u8 |
 //            region count u16 | QP count u16 (1..16) | flags u16 | the QPs after the first:
 //            qpn u32, psn u32 (each 8 bytes) | regions: addr u64, length u64, rkey u32,
-//            access u32 (each 24 bytes)
-// Version 5 adds an ephemeral X25519 key to each side's nonce (forward secrecy; a session only
+//            access u32 (each 24 bytes) | with flag bit 1, a transport block: count u8 (1..8) |
+//            transports u8 [count] (1 rdma, 2 tcp, 3 shm) | host [16] | pid u32 |
+//            proof address u64 | proof [32] | token [32] | streams u8
+// Version 6 adds the transport block (engine links: the client's HELLO lists the transports it
+// offers, best first, the server's names the one it chose; when rdma is not among them the
+// HELLO's QP fields are zero and not read) and STREAM, the first message on a data stream of a
+// tcp or shm link: token [32] | index u16 (the token is the server HELLO's, so a stream joins
+// only the link whose sealed HELLO carried it). Version 5 adds an ephemeral X25519 key to each side's nonce (forward secrecy; a session only
 // its two ends can read, which engine identities sign); version 4 seals everything after the key
 // proof (SEALED below); version 3 added the flags (bit
 // 0: the sender's device serves remote atomics; other bits are refused); version 2 the QP list
 // (a connection may stripe over several QPs); version 1 had a reserved u16 where the QP count is.
-//   READY, BYE: empty.   REJECT: a UTF-8 reason.   USER: application bytes.
+//   READY, BYE: empty.   REJECT: a UTF-8 reason.   USER: application bytes.   STREAM: above.
 //   With a pre-shared key K, before any HELLO (src/bootstrap/auth.cpp):
 //   AUTH_CHALLENGE (client): hello_c = nonce_c [32] | X25519 public key e_c [32]
 //   AUTH_RESPONSE (server):  hello_s = nonce_s [32] | e_s [32] |
@@ -26,6 +32,7 @@
 //   (HKDF-SHA256 of K | X25519(e_c, e_s), salted with both hellos) and its sequence number as the
 //   nonce (src/bootstrap/session.cpp). Without a key, messages travel as they are.
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -40,7 +47,7 @@
 namespace rdmakit::wire {
 
 inline constexpr std::uint32_t kMagic = 0x52444b54;  // "RDKT"
-inline constexpr std::uint16_t kVersion = 5;
+inline constexpr std::uint16_t kVersion = 6;
 inline constexpr std::size_t kHeaderSize = 12;
 inline constexpr std::size_t kHelloFixedSize = 42;
 inline constexpr std::size_t kRegionSize = 24;
@@ -49,9 +56,14 @@ inline constexpr std::size_t kQpSize = 8;
 inline constexpr std::size_t kMaxQps = 16;
 /// Most regions one HELLO may advertise; more is refused as absurd.
 inline constexpr std::size_t kMaxRegions = 1024;
+/// Most transports a HELLO may list.
+inline constexpr std::size_t kMaxTransports = 8;
+inline constexpr std::size_t kTokenSize = 32;
+inline constexpr std::size_t kTransportBlockSize = 1 + 16 + 4 + 8 + 32 + kTokenSize + 1;  // and one byte per transport
+inline constexpr std::size_t kStreamSize = kTokenSize + 2;
 /// Largest payload accepted; checked from the header before any payload is read.
-inline constexpr std::size_t kMaxPayload =
-    kHelloFixedSize + (kMaxQps - 1) * kQpSize + kMaxRegions * kRegionSize;
+inline constexpr std::size_t kMaxPayload = kHelloFixedSize + (kMaxQps - 1) * kQpSize + kMaxRegions * kRegionSize +
+                                           kTransportBlockSize + kMaxTransports;
 /// A SEALED frame carries a whole message (header and payload) and a 16-byte tag.
 inline constexpr std::size_t kMaxSealedPayload = kHeaderSize + kMaxPayload + 16;
 
@@ -65,8 +77,9 @@ enum class MessageType : std::uint16_t {
   auth_response = 7,   ///< server's nonce and its proof of the key
   auth_proof = 8,      ///< client's proof of the key
   sealed = 9,          ///< any message after the key proof, encrypted and authenticated
+  stream = 10,         ///< the first message on a data stream of a tcp or shm engine link
 };
-inline constexpr std::uint16_t kLastMessageType = 9;
+inline constexpr std::uint16_t kLastMessageType = 10;
 
 struct Header {
   MessageType type = MessageType::hello;
@@ -82,7 +95,37 @@ struct QpAddress {
 
 /// EndpointInfo::flags: the sender's device can serve remote atomics (as responder).
 inline constexpr std::uint16_t kFlagAtomics = 1u << 0;
-inline constexpr std::uint16_t kKnownFlags = kFlagAtomics;
+/// EndpointInfo::flags: a transport block follows the regions (EndpointInfo::transport).
+inline constexpr std::uint16_t kFlagTransports = 1u << 1;
+inline constexpr std::uint16_t kKnownFlags = kFlagAtomics | kFlagTransports;
+
+/// How an engine link moves its data: RDMA on a NIC, or a software RC queue pair over TCP
+/// streams, or over one stream with the data copied process to process on one host.
+enum class LinkTransport : std::uint8_t { rdma = 1, tcp = 2, shm = 3 };
+
+/// An engine link's transports, in its HELLO.
+struct TransportBlock {
+  /// The client's: what it offers, best first; the server's: the one it chose.
+  std::vector<LinkTransport> kinds;
+  /// shm: the sender's host (its kernel's boot id) and process.
+  std::array<std::uint8_t, 16> host{};
+  std::uint32_t pid = 0;
+  /// shm, the client's: 32 bytes at this address of its memory hash to `proof` (the server
+  /// proves it shares the host, and may copy from this process, by reading them).
+  std::uint64_t proof_addr = 0;
+  std::array<std::uint8_t, 32> proof{};
+  /// The server's, for tcp and shm: what each data stream presents, and how many the client opens.
+  std::array<std::uint8_t, kTokenSize> token{};
+  std::uint8_t streams = 0;
+  [[nodiscard]] bool has(LinkTransport t) const noexcept {
+    for (LinkTransport k : kinds) {
+      if (k == t) return true;
+    }
+    return false;
+  }
+  friend bool operator==(const TransportBlock&, const TransportBlock&) = default;
+};
+[[nodiscard]] const char* to_string(LinkTransport t) noexcept;
 
 /// What one side of a connection tells the other.
 struct EndpointInfo {
@@ -100,6 +143,10 @@ struct EndpointInfo {
   /// The connection's other QPs, when it stripes over several (ConnectionConfig::qps).
   std::vector<QpAddress> extra_qps;
   std::vector<RemoteRegion> regions;
+  /// Engine links (flags has kFlagTransports).
+  std::optional<TransportBlock> transport;
+  /// Whether the QP fields say anything: not when the transports offered (or chosen) leave rdma out.
+  [[nodiscard]] bool carries_rdma() const noexcept { return !transport || transport->has(LinkTransport::rdma); }
   /// QP `k` of the connection (0: qpn/psn, then extra_qps).
   [[nodiscard]] QpAddress qp(std::size_t k) const noexcept {
     return k == 0 ? QpAddress{qpn, psn} : extra_qps[k - 1];
@@ -123,6 +170,14 @@ struct EndpointInfo {
 [[nodiscard]] std::optional<Header> try_decode_header(std::span<const std::uint8_t> bytes) noexcept;
 /// Validates and decodes a HELLO payload (every field). Throws Error saying what was wrong.
 [[nodiscard]] EndpointInfo decode_hello(std::span<const std::uint8_t> payload);
+/// A whole STREAM message: the link's token and the stream's index.
+[[nodiscard]] std::vector<std::uint8_t> encode_stream(std::span<const std::uint8_t, kTokenSize> token, std::uint16_t index);
+struct StreamHello {
+  std::array<std::uint8_t, kTokenSize> token{};
+  std::uint16_t index = 0;
+};
+/// Validates and decodes a STREAM payload. Throws Error saying what was wrong.
+[[nodiscard]] StreamHello decode_stream(std::span<const std::uint8_t> payload);
 /// Decodes a REJECT payload (any bytes; non-printable ones are escaped).
 [[nodiscard]] std::string decode_reject(std::span<const std::uint8_t> payload);
 

@@ -59,6 +59,8 @@ class TcpChannel final : public Channel {
   [[nodiscard]] int fd() const noexcept override { return fd_.get(); }
   void keepalive(std::chrono::milliseconds interval, std::chrono::milliseconds timeout) override;
   [[nodiscard]] std::string local_address() const override;
+  /// The socket, out of the channel (a data stream handed to its link).
+  [[nodiscard]] Fd take() noexcept { return std::move(fd_); }
 
  private:
   Fd fd_;

@@ -56,16 +56,12 @@ class Reader {
   throw Error("bootstrap decode", EBADMSG, std::move(detail), std::move(hint));
 }
 
-QpAddress read_qp(Reader& r, std::size_t k) {
-  QpAddress q;
-  q.qpn = r.u32();
+void check_qp(const QpAddress& q, std::size_t k) {
   if (q.qpn == 0 || q.qpn >= kQpnLimit) {
     reject(fmt::format("QP {}: QPN {:#x} out of range (1..0xffffff)", k, q.qpn),
            "the peer sent a corrupt or misaligned QPN");
   }
-  q.psn = r.u32();
   if (q.psn >= kQpnLimit) reject(fmt::format("QP {}: PSN {:#x} does not fit in 24 bits", k, q.psn));
-  return q;
 }
 
 std::size_t max_payload(MessageType t) {
@@ -89,6 +85,7 @@ const char* to_string(MessageType type) noexcept {
     case MessageType::auth_response: return "AUTH_RESPONSE";
     case MessageType::auth_proof: return "AUTH_PROOF";
     case MessageType::sealed: return "SEALED";
+    case MessageType::stream: return "STREAM";
   }
   return "?";
 }
@@ -106,22 +103,28 @@ std::vector<std::uint8_t> encode_hello(const EndpointInfo& info) {
   if (info.qp_count() > kMaxQps) {
     throw Error("bootstrap encode", E2BIG, fmt::format("{} QPs; at most {}", info.qp_count(), kMaxQps));
   }
-  for (std::size_t k = 0; k < info.qp_count(); ++k) {
+  for (std::size_t k = 0; k < info.qp_count() && info.carries_rdma(); ++k) {
     const QpAddress q = info.qp(k);
     if (q.qpn == 0 || q.qpn >= kQpnLimit || q.psn >= kQpnLimit) {
       throw Error("bootstrap encode", EINVAL,
                   fmt::format("QP {}: QPN {:#x} / PSN {:#x} do not fit in 24 bits", k, q.qpn, q.psn));
     }
   }
-  if ((info.flags & ~kKnownFlags) != 0) {
+  const std::uint16_t flags = static_cast<std::uint16_t>((info.flags & ~kFlagTransports) | (info.transport ? kFlagTransports : 0));
+  if ((flags & ~kKnownFlags) != 0) {
     throw Error("bootstrap encode", EINVAL, fmt::format("unknown capability flags {:#x}", info.flags));
   }
   if (info.regions.size() > kMaxRegions) {
     throw Error("bootstrap encode", E2BIG,
                 fmt::format("{} regions advertised; at most {}", info.regions.size(), kMaxRegions));
   }
-  const auto payload = static_cast<std::uint32_t>(kHelloFixedSize + info.extra_qps.size() * kQpSize +
-                                                  info.regions.size() * kRegionSize);
+  if (info.transport && (info.transport->kinds.empty() || info.transport->kinds.size() > kMaxTransports)) {
+    throw Error("bootstrap encode", EINVAL,
+                fmt::format("{} transports listed (1..{})", info.transport->kinds.size(), kMaxTransports));
+  }
+  const auto payload = static_cast<std::uint32_t>(
+      kHelloFixedSize + info.extra_qps.size() * kQpSize + info.regions.size() * kRegionSize +
+      (info.transport ? kTransportBlockSize + info.transport->kinds.size() : 0));
   Writer w(kHeaderSize + payload);
   w.bytes(encode_header(MessageType::hello, payload));
   w.u32(info.qpn);
@@ -136,7 +139,7 @@ std::vector<std::uint8_t> encode_hello(const EndpointInfo& info) {
   w.u8(info.max_dest_rd_atomic);
   w.u16(static_cast<std::uint16_t>(info.regions.size()));
   w.u16(static_cast<std::uint16_t>(info.qp_count()));
-  w.u16(info.flags);
+  w.u16(flags);
   for (const QpAddress& q : info.extra_qps) {
     w.u32(q.qpn);
     w.u32(q.psn);
@@ -147,7 +150,46 @@ std::vector<std::uint8_t> encode_hello(const EndpointInfo& info) {
     w.u32(r.rkey);
     w.u32(static_cast<std::uint32_t>(r.access));
   }
+  if (info.transport) {
+    const TransportBlock& t = *info.transport;
+    w.u8(static_cast<std::uint8_t>(t.kinds.size()));
+    for (LinkTransport k : t.kinds) w.u8(static_cast<std::uint8_t>(k));
+    w.bytes(t.host);
+    w.u32(t.pid);
+    w.u64(t.proof_addr);
+    w.bytes(t.proof);
+    w.bytes(t.token);
+    w.u8(t.streams);
+  }
   return w.take();
+}
+
+std::vector<std::uint8_t> encode_stream(std::span<const std::uint8_t, kTokenSize> token, std::uint16_t index) {
+  Writer w(kHeaderSize + kStreamSize);
+  w.bytes(encode_header(MessageType::stream, static_cast<std::uint32_t>(kStreamSize)));
+  w.bytes(token);
+  w.u16(index);
+  return w.take();
+}
+
+StreamHello decode_stream(std::span<const std::uint8_t> payload) {
+  if (payload.size() != kStreamSize) {
+    reject(fmt::format("STREAM of {} bytes ({} expected)", payload.size(), kStreamSize));
+  }
+  Reader r(payload);
+  StreamHello s;
+  r.bytes(s.token);
+  s.index = r.u16();
+  return s;
+}
+
+const char* to_string(LinkTransport t) noexcept {
+  switch (t) {
+    case LinkTransport::rdma: return "rdma";
+    case LinkTransport::tcp: return "tcp";
+    case LinkTransport::shm: return "shm";
+  }
+  return "unknown";
 }
 
 std::vector<std::uint8_t> encode_reject(std::string_view reason) {
@@ -203,22 +245,18 @@ EndpointInfo decode_hello(std::span<const std::uint8_t> payload) {
     reject(fmt::format("truncated HELLO: {} bytes, at least {} needed", payload.size(),
                        kHelloFixedSize));
   }
+  // Read as it comes; the QP fields are checked once the transport block (last) says whether
+  // they mean anything.
   Reader r(payload);
   EndpointInfo info;
-  const QpAddress first = read_qp(r, 0);
-  info.qpn = first.qpn;
-  info.psn = first.psn;
+  info.qpn = r.u32();
+  info.psn = r.u32();
   info.lid = r.u16();
   const std::uint8_t link = r.u8();
-  if (link != 1 && link != 2) reject(fmt::format("unknown link layer {}", link));
-  info.link_layer = static_cast<LinkLayer>(link);
   const std::uint8_t gid_type = r.u8();
-  if (gid_type > 2) reject(fmt::format("unknown GID type {}", gid_type));
-  info.gid_type = static_cast<GidType>(gid_type);
   r.bytes(info.gid);
   info.gid_index = r.u32();
   info.mtu = r.u16();
-  if (!valid_mtu(info.mtu)) reject(fmt::format("invalid MTU {} (256, 512, 1024, 2048 or 4096)", info.mtu));
   info.max_rd_atomic = r.u8();
   info.max_dest_rd_atomic = r.u8();
   const std::uint16_t count = r.u16();
@@ -232,7 +270,15 @@ EndpointInfo decode_hello(std::span<const std::uint8_t> payload) {
     reject(fmt::format("unknown capability flags {:#x}", info.flags & ~kKnownFlags),
            "the peer speaks a newer protocol revision");
   }
-  const std::size_t want = kHelloFixedSize + (qps - 1u) * kQpSize + std::size_t{count} * kRegionSize;
+  const bool block = (info.flags & kFlagTransports) != 0;
+  std::size_t want = kHelloFixedSize + (qps - 1u) * kQpSize + std::size_t{count} * kRegionSize;
+  std::size_t kinds = 0;
+  if (block) {
+    if (payload.size() <= want) reject("truncated HELLO: its transport block is missing");
+    kinds = payload[want];
+    if (kinds == 0 || kinds > kMaxTransports) reject(fmt::format("absurd transport count {} (1..{})", kinds, kMaxTransports));
+    want += kTransportBlockSize + kinds;
+  }
   if (payload.size() < want) {
     reject(fmt::format("truncated HELLO: QP count {} and region count {} need {} bytes, got {}", qps, count,
                        want, payload.size()));
@@ -241,8 +287,11 @@ EndpointInfo decode_hello(std::span<const std::uint8_t> payload) {
     reject(fmt::format("HELLO has {} trailing bytes after QP count {} and region count {}",
                        payload.size() - want, qps, count));
   }
-  info.extra_qps.reserve(qps - 1u);
-  for (std::uint16_t k = 1; k < qps; ++k) info.extra_qps.push_back(read_qp(r, k));
+  std::vector<QpAddress> extra(qps - 1u);
+  for (QpAddress& q : extra) {
+    q.qpn = r.u32();
+    q.psn = r.u32();
+  }
   info.regions.reserve(count);
   for (std::uint16_t i = 0; i < count; ++i) {
     RemoteRegion reg;
@@ -259,6 +308,38 @@ EndpointInfo decode_hello(std::span<const std::uint8_t> payload) {
     reg.access = static_cast<Access>(access);
     info.regions.push_back(reg);
   }
+  if (block) {
+    TransportBlock& t = info.transport.emplace();
+    (void)r.u8();
+    for (std::size_t k = 0; k < kinds; ++k) {
+      const std::uint8_t v = r.u8();
+      if (v < 1 || v > 3) reject(fmt::format("unknown transport {} (1 rdma, 2 tcp, 3 shm)", v), "the peer speaks a newer protocol revision");
+      const auto kind = static_cast<LinkTransport>(v);
+      if (t.has(kind)) reject(fmt::format("transport {} listed twice", to_string(kind)));
+      t.kinds.push_back(kind);
+    }
+    r.bytes(t.host);
+    t.pid = r.u32();
+    t.proof_addr = r.u64();
+    r.bytes(t.proof);
+    r.bytes(t.token);
+    t.streams = r.u8();
+  }
+  if (!info.carries_rdma()) {
+    // No QP: the fields are zero, whatever the peer put there.
+    info.qpn = info.psn = 0;
+    info.link_layer = LinkLayer::ethernet;
+    info.gid_type = GidType::roce_v2;
+    return info;
+  }
+  if (link != 1 && link != 2) reject(fmt::format("unknown link layer {}", link));
+  info.link_layer = static_cast<LinkLayer>(link);
+  if (gid_type > 2) reject(fmt::format("unknown GID type {}", gid_type));
+  info.gid_type = static_cast<GidType>(gid_type);
+  if (!valid_mtu(info.mtu)) reject(fmt::format("invalid MTU {} (256, 512, 1024, 2048 or 4096)", info.mtu));
+  check_qp({info.qpn, info.psn}, 0);
+  for (std::size_t k = 0; k < extra.size(); ++k) check_qp(extra[k], k + 1);
+  info.extra_qps = std::move(extra);
   return info;
 }
 

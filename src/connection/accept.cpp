@@ -2,6 +2,9 @@
 // build QPs on the route the client came in by -> Setup -> RTS -> server HELLO -> READY.
 // Each side is in RTS before the other may post to it, and a malformed HELLO is refused before
 // the server spends any device resource on it.
+#include <sys/random.h>
+
+#include <algorithm>
 #include <cerrno>
 
 #include <fmt/format.h>
@@ -15,7 +18,7 @@ namespace rdmakit {
 
 using detail::Deadline;
 
-Connection Connection::Impl::accept(std::unique_ptr<detail::Channel> channel, const std::string& peer, const ConnectionConfig& config,
+std::optional<Connection> Connection::Impl::accept(std::unique_ptr<detail::Channel> channel, const std::string& peer, const ConnectionConfig& config,
                                     std::shared_ptr<const detail::Secret> key, const Setup& setup,
                                     std::shared_ptr<void> admission, std::shared_ptr<detail::PinBudget> budget,
                                     const detail::HandshakeHooks& hooks) {
@@ -25,8 +28,21 @@ Connection Connection::Impl::accept(std::unique_ptr<detail::Channel> channel, co
   std::unique_ptr<detail::Session> session;
   // Every failure, whatever threw it (an Error, a Setup's own exception, bad_alloc), ends in a
   // REJECT that says why: the client never sees a bare EOF.
+  std::optional<wire::LinkTransport> soft;  // an engine link of the tcp or shm transport
+  std::string why;
   try {
     detail::Message first = detail::recv_message(ch, deadline);
+    if (first.header.type == wire::MessageType::stream) {
+      // A data stream of a tcp or shm link whose handshake runs on another thread: handed to
+      // it by the token its sealed HELLO carried (a stream with any other goes).
+      auto* tcp = dynamic_cast<detail::TcpChannel*>(&ch);
+      if (!hooks.streams || tcp == nullptr) throw Error("bootstrap", EPROTO, "a data stream to a listener that is not an engine's");
+      detail::Fd fd = tcp->take();
+      if (!hooks.streams->deliver(wire::decode_stream(first.payload), fd)) {
+        throw Error("data stream", EACCES, "its token is no link's in its handshake here (stale, repeated or forged)");
+      }
+      return std::nullopt;
+    }
     if (key) {
       // Nothing about this side crosses the wire before the client has proven the key, and
       // after that, nothing in the clear: a HELLO that is not sealed was not sent by the client
@@ -40,10 +56,28 @@ Connection Connection::Impl::accept(std::unique_ptr<detail::Channel> channel, co
     }
     detail::expect(first, wire::MessageType::hello, peer);
     remote = wire::decode_hello(first.payload);
+    if (remote.transport) {
+      if (hooks.transports.empty()) {
+        throw Error("bootstrap handshake", EPROTO, "the peer offers transports (an engine's link) to a listener that is not an engine's");
+      }
+      const auto k = choose_transport(hooks, *remote.transport, session.get(), why);
+      if (!k) {
+        throw Error("transport", EPROTONOSUPPORT, fmt::format("no transport both engines offer and can use: {}", why),
+                    hooks.transports_note);
+      }
+      if (*k != wire::LinkTransport::rdma) soft = *k;
+    } else if (!hooks.transports.empty() &&
+               std::find(hooks.transports.begin(), hooks.transports.end(), wire::LinkTransport::rdma) == hooks.transports.end()) {
+      // A HELLO without a transport block is RDMA's (a plain Connection, a tool).
+      throw Error("transport", EPROTONOSUPPORT, "the peer offers rdma only (a plain connection), and this engine does not offer it",
+                  hooks.transports_note);
+    }
   } catch (const std::exception& e) {
     detail::send_reject(ch, session.get(), e.what());
     throw;
   }
+  if (soft) return accept_soft(std::move(channel), peer, config, std::move(key), std::move(session), std::move(admission),
+                               std::move(budget), hooks, std::move(remote), *soft, why, deadline);
   // The client chose how many QPs the connection has.
   ConnectionConfig mine = config;
   mine.qps = static_cast<std::uint32_t>(remote.qp_count());
@@ -67,10 +101,10 @@ Connection Connection::Impl::accept(std::unique_ptr<detail::Channel> channel, co
     m.finish(std::move(remote));
   } catch (const std::exception& e) {
     if (conn) of(*conn).trace_failure(step, e);
-    const std::string why = std::string_view(step) == "Setup callback"
-                                ? fmt::format("the server's Setup failed: {}", e.what())
-                                : std::string(e.what());
-    detail::send_reject(ch, session.get(), why);
+    const std::string reason = std::string_view(step) == "Setup callback"
+                                   ? fmt::format("the server's Setup failed: {}", e.what())
+                                   : std::string(e.what());
+    detail::send_reject(ch, session.get(), reason);
     throw;
   } catch (...) {
     detail::send_reject(ch, session.get(),
@@ -80,6 +114,11 @@ Connection Connection::Impl::accept(std::unique_ptr<detail::Channel> channel, co
   Impl& m = of(*conn);
   m.control = std::move(channel);
   m.session = std::move(session);
+  if (m.info.remote.transport) {  // an engine link over rdma: the server's HELLO says so
+    m.info.local.transport = hooks.self;
+    m.info.local.transport->kinds = {wire::LinkTransport::rdma};
+    m.info.transport_reason = why;
+  }
   try {
     const auto hello = wire::encode_hello(m.info.local);
     m.send_control(wire::MessageType::hello, std::span(hello).subspan(wire::kHeaderSize), deadline);
@@ -92,6 +131,69 @@ Connection Connection::Impl::accept(std::unique_ptr<detail::Channel> channel, co
   }
   m.connected();
   return std::move(*conn);
+}
+
+Connection Connection::Impl::accept_soft(std::unique_ptr<detail::Channel> channel, const std::string& peer,
+                                         const ConnectionConfig& config, std::shared_ptr<const detail::Secret> key,
+                                         std::unique_ptr<detail::Session> session, std::shared_ptr<void> admission,
+                                         std::shared_ptr<detail::PinBudget> budget, const detail::HandshakeHooks& hooks,
+                                         wire::EndpointInfo remote, wire::LinkTransport kind, const std::string& why,
+                                         Deadline deadline) {
+  Connection conn = wrap(std::make_unique<Impl>(config, std::move(key)));
+  Impl& m = of(conn);
+  m.hooks = hooks;
+  m.admission = std::move(admission);
+  m.budget = std::move(budget);
+  m.info.peer_address = peer;
+  m.trace_hello("hello_received", remote);
+  channel->keepalive(m.cfg.keepalive_interval, m.cfg.keepalive_timeout);
+  m.control = std::move(channel);
+  m.session = std::move(session);
+  // The streams present a token only the client's sealed HELLO reply tells (with a key).
+  detail::StreamRegistry::Token token{};
+  if (::getrandom(token.data(), token.size(), 0) != static_cast<ssize_t>(token.size())) {
+    const int err = errno;
+    detail::send_reject(*m.control, m.session.get(), "the server could not draw a stream token");
+    throw Error("getrandom", err, "a data stream token");
+  }
+  const auto streams = static_cast<std::uint8_t>(kind == wire::LinkTransport::tcp ? hooks.tcp_streams : 1);
+  wire::EndpointInfo& mine = m.info.local;
+  mine.transport = hooks.self;
+  mine.transport->kinds = {kind};
+  mine.transport->proof_addr = 0;
+  mine.transport->proof = {};
+  mine.transport->token = token;
+  mine.transport->streams = streams;
+  const char* step = "link";
+  try {
+    // Its room in a worker's CQ and a QP of the budget first: a busy engine says so before the
+    // client opens any stream.
+    m.attached = hooks.attach_soft(kind);
+    step = "HELLO";
+    hooks.streams->expect(token, streams);
+    m.info.transport = wire::to_string(kind);
+    m.info.transport_reason = why;
+    const auto hello = wire::encode_hello(mine);
+    m.send_control(wire::MessageType::hello, std::span(hello).subspan(wire::kHeaderSize), deadline);
+    m.trace_hello("hello_sent", mine);
+    step = "data streams";
+    std::vector<detail::Fd> fds = hooks.streams->wait(token, deadline, peer);
+    step = "link";
+    m.info.remote = std::move(remote);
+    m.open_soft(kind, std::move(fds), kind == wire::LinkTransport::shm ? static_cast<int>(m.info.remote.transport->pid) : 0);
+    m.info.transport_reason = why;
+    // The link is whole here: READY tells the client (which waits for it, not the other way
+    // round as on RDMA, where the client's QP is the last to be ready).
+    step = "READY";
+    m.send_control(wire::MessageType::ready, {}, deadline);
+  } catch (const std::exception& e) {
+    hooks.streams->forget(token);
+    m.trace_failure(step, e);
+    if (std::string_view(step) != "READY") detail::send_reject(*m.control, m.session.get(), e.what());
+    throw;
+  }
+  m.connected();
+  return conn;
 }
 
 }  // namespace rdmakit

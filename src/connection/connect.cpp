@@ -2,6 +2,7 @@
 // route the kernel chose -> Setup -> HELLO exchange -> RTS -> READY.
 #include <sys/random.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <thread>
 
@@ -45,6 +46,9 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
   m.hooks = hooks;
   m.info.peer_address = to.to_string();
   const char* step = "setup";
+  const bool engine_link = !hooks.transports.empty();
+  const bool offers_rdma = !engine_link || std::find(hooks.transports.begin(), hooks.transports.end(),
+                                                     wire::LinkTransport::rdma) != hooks.transports.end();
   try {
     detail::Message reply;
     // A listener at its limits answers "busy": like a refused connect, that is worth retrying
@@ -64,7 +68,7 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
           step = "authentication";
           m.session = detail::authenticate_client(*m.control, m.psk->bytes(), deadline, m.info.peer_address);
         }
-        if (m.qps.empty()) {
+        if (m.qps.empty() && offers_rdma) {
           // The device, port and GID follow the route the kernel picked for the control
           // channel: the CM's resolution, or the TCP socket's own address (on that netdev).
           step = "setup";
@@ -72,6 +76,12 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
           if (setup) setup(conn);
         }
         step = "HELLO exchange";
+        if (engine_link) {
+          // An engine link: the transports this side offers, best first; the server chooses.
+          m.info.local.transport = hooks.self;
+          m.info.local.transport->kinds = hooks.transports;
+          if (m.info.local.transport->has(wire::LinkTransport::shm)) m.prove_host(*m.info.local.transport);
+        }
         const auto hello = wire::encode_hello(m.info.local);
         m.send_control(wire::MessageType::hello, std::span(hello).subspan(wire::kHeaderSize), deadline);
         m.trace_hello("hello_sent", m.info.local);
@@ -89,13 +99,25 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
     try {
       wire::EndpointInfo remote = wire::decode_hello(reply.payload);
       m.trace_hello("hello_received", remote);
-      m.finish(std::move(remote));
+      const wire::LinkTransport chosen = engine_link ? m.chosen_transport(remote) : wire::LinkTransport::rdma;
+      if (chosen == wire::LinkTransport::rdma) {
+        m.finish(std::move(remote));
+      } else {
+        step = "data streams";
+        m.open_streams(to, std::move(remote), chosen, deadline);
+      }
     } catch (const std::exception& e) {
       detail::send_reject(*m.control, m.session.get(), e.what());
       throw;
     }
     step = "READY";
-    m.send_control(wire::MessageType::ready, {}, deadline);
+    if (m.soft_qp) {
+      // A tcp or shm link: the server says when its side (its streams, its queue pair) is whole.
+      detail::expect(detail::recv_control(*m.control, m.session.get(), deadline, m.info.peer_address),
+                     wire::MessageType::ready, m.info.peer_address);
+    } else {
+      m.send_control(wire::MessageType::ready, {}, deadline);
+    }
   } catch (const std::exception& e) {
     m.trace_failure(step, e);
     throw;

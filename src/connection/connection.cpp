@@ -358,7 +358,7 @@ void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
     log(fmt::format("close: {} work requests never completed on QP {:#x}; releasing anyway", left,
                     info.local.qpn));
   }
-  if (!qps.empty()) {
+  if (!qps.empty() || soft_qp) {
     detail::emit(cfg.trace, [&] {
       return TraceEvent{"closed",
                         {{"peer", info.peer_address},
@@ -374,6 +374,7 @@ void Connection::Impl::close(std::chrono::milliseconds timeout) noexcept {
   // regions' registrations (revocation: no rkey of this connection works any more).
   dp.forget_qps();
   qps.clear();
+  soft_qp.reset();  // its streams close: the peer's side fails as on RC
   // No event of ours can be delivered any more (and a new QP at a freed address is not ours).
   if (dev) dev->device->unsubscribe(this);
   for (MemoryRegion& r : regions) MemoryRegion::Impl::deregister(r);

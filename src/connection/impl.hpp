@@ -8,11 +8,14 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -22,6 +25,7 @@
 #include "bootstrap/socket.hpp"
 #include "datapath/datapath.hpp"
 #include "rdmakit/connection.hpp"
+#include "transport/soft/qp.hpp"
 #include "verbs/device_layer.hpp"
 #include "verbs/handles.hpp"
 #include "verbs/memory_impl.hpp"
@@ -62,9 +66,12 @@ class PinBudget {
 
 /// What a connection is built on when it is one of an engine's peer links: the engine's PD on
 /// the device the route chose, and a worker's shared CQs (the data path is routed through them
-/// by the worker, which then polls it).
+/// by the worker, which then polls it); for a link of the tcp or shm transport, the engine's
+/// software device and a worker's CQ of it instead.
 struct Attachment {
   std::shared_ptr<DeviceResources> dev;
+  soft::Device* soft_dev = nullptr;
+  soft::Cq* soft_cq = nullptr;
   ibv_cq* send_cq = nullptr;
   ibv_cq* recv_cq = nullptr;
   /// What peers may do through the QP: access is then granted per segment by memory windows.
@@ -72,6 +79,34 @@ struct Attachment {
   void* owner = nullptr;         // the worker, for the engine to find again
   std::shared_ptr<void> keep;    // keeps the CQs alive while the QPs exist
 };
+
+/// Data streams of tcp and shm links that arrived at a listener (STREAM), waiting for the
+/// handshake of the link whose token they present. Shared by the engine's listener and its
+/// handshakes; thread-safe.
+class StreamRegistry {
+ public:
+  using Token = std::array<std::uint8_t, wire::kTokenSize>;
+  /// The server's handshake expects `n` streams presenting `token` (a fresh random one).
+  void expect(const Token& token, std::uint32_t n);
+  /// A stream arrived: taken (true) when a handshake expects it and has no stream of that index.
+  bool deliver(const wire::StreamHello& hello, Fd& fd);
+  /// The streams, in index order, once all `n` came; throws Error at the deadline. Forgets the
+  /// token either way.
+  std::vector<Fd> wait(const Token& token, Deadline deadline, const std::string& peer);
+  void forget(const Token& token) noexcept;
+
+ private:
+  struct Pending {
+    std::vector<Fd> fds;
+    std::uint32_t got = 0;
+  };
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<Token, Pending> pending_;
+};
+
+/// This process for shm: its host (the kernel's boot id) and pid, in a transport block.
+wire::TransportBlock this_host();
 
 /// The library's own hooks into a handshake, for the doctor (which explains a failed connection
 /// by comparing both sides' parameters), the engine (which builds its links on shared
@@ -82,6 +117,18 @@ struct HandshakeHooks {
   /// Given the device the route chose, what to build the QPs on (instead of a PD and CQs of the
   /// connection's own). May throw (an Error with detail::kBusyReason is a "busy" refusal).
   std::function<Attachment(const std::string& device)> attach;
+
+  // Engine links (docs/engine.md, "Transports"); a plain Connection leaves these empty and is RDMA.
+  /// The transports this side offers, best first (a client), or accepts (a server).
+  std::vector<wire::LinkTransport> transports;
+  /// Why each transport this side does not offer is not (for the server's refusal, the client's log).
+  std::string transports_note;
+  std::uint8_t tcp_streams = 2;
+  /// This process, for shm: its host's boot id and its pid (this_host()).
+  wire::TransportBlock self;
+  std::shared_ptr<StreamRegistry> streams;
+  /// What a tcp or shm link's queue pair is built on: the engine's device and a worker's CQ.
+  std::function<Attachment(wire::LinkTransport)> attach_soft;
 };
 
 /// A Listener whose handshakes use `hooks` (the engine's), set before any client can arrive,
@@ -119,6 +166,8 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   detail::CqPtr send_cq;  // null when attached: the worker's CQs are used
   detail::CqPtr recv_cq;
   std::vector<detail::QpPtr> qps;  // qps[0] carries SEND/RECV, WRITE_WITH_IMM and atomics
+  std::unique_ptr<detail::soft::Qp> soft_qp;  // an engine link of the tcp or shm transport (no QPs then)
+  std::array<std::uint8_t, 32> shm_proof{};   // shm, a client's: what the server reads here
   detail::DataPath dp;             // posts to and polls the objects above; owns none of them
 
   // Control channel, and with a key the session every message after the proof travels in.
@@ -162,10 +211,19 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
                             const Setup& setup, const detail::HandshakeHooks& hooks);
   /// The listener's side of the handshake on an accepted control channel (accept.cpp).
   /// `admission` is the listener's per-peer slot, held while the connection lives.
-  static Connection accept(std::unique_ptr<detail::Channel> channel, const std::string& peer, const ConnectionConfig& config,
-                           std::shared_ptr<const detail::Secret> key, const Setup& setup,
-                           std::shared_ptr<void> admission, std::shared_ptr<detail::PinBudget> budget,
-                           const detail::HandshakeHooks& hooks = {});
+  /// Nullopt: the channel was a data stream of a tcp or shm link, handed to that link's handshake.
+  static std::optional<Connection> accept(std::unique_ptr<detail::Channel> channel, const std::string& peer,
+                                          const ConnectionConfig& config, std::shared_ptr<const detail::Secret> key,
+                                          const Setup& setup, std::shared_ptr<void> admission,
+                                          std::shared_ptr<detail::PinBudget> budget,
+                                          const detail::HandshakeHooks& hooks = {});
+  /// accept() for an engine link of the tcp or shm transport, once the client's HELLO chose it.
+  static Connection accept_soft(std::unique_ptr<detail::Channel> channel, const std::string& peer,
+                                const ConnectionConfig& config, std::shared_ptr<const detail::Secret> key,
+                                std::unique_ptr<detail::Session> session, std::shared_ptr<void> admission,
+                                std::shared_ptr<detail::PinBudget> budget, const detail::HandshakeHooks& hooks,
+                                wire::EndpointInfo remote, wire::LinkTransport kind, const std::string& why,
+                                detail::Deadline deadline);
 
   // connection.cpp
   /// Opens the device, builds CQs and QPs (in INIT) and the data path, and fills in our
@@ -175,6 +233,30 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   void open(const detail::Channel& control_channel);
   /// Both sides' parameters are known: check they can talk, then INIT -> RTR -> RTS.
   void finish(wire::EndpointInfo remote);
+  /// An engine link of the tcp or shm transport (soft.cpp): its queue pair over `streams` on
+  /// the engine's software device, and the data path on it. `peer_pid`: shm, the process whose
+  /// memory this side copies from and to. Drops RDMA QPs built before the choice was known.
+  void open_soft(wire::LinkTransport kind, std::vector<detail::Fd> streams, int peer_pid);
+  /// The client of an engine link: the transport the server's HELLO names (one this side
+  /// offered, else Error), with why it is that one.
+  wire::LinkTransport chosen_transport(const wire::EndpointInfo& remote);
+  /// The client of a tcp or shm link: opens the data streams the server's HELLO asks for (each
+  /// presenting its token), then the link's queue pair on them.
+  void open_streams(const detail::HostPort& to, wire::EndpointInfo remote, wire::LinkTransport chosen, detail::Deadline deadline);
+  /// Engine links: the server's choice among the transports the client offers (or why none),
+  /// by `hooks`.
+  [[nodiscard]] static std::optional<wire::LinkTransport> choose_transport(const detail::HandshakeHooks& hooks,
+                                                                         const wire::TransportBlock& offer,
+                                                                         const detail::Session* session,
+                                                                         std::string& why);
+  /// shm, the client: what its HELLO says of its proof (`t`: where it lies in this process's
+  /// memory, and with no key its hash); with a key, the proof is derived from the session, so
+  /// no other process's memory can hold it.
+  void prove_host(wire::TransportBlock& t);
+  /// shm, the server: whether the client that sent `t` on `session` shares this host and lets
+  /// this process copy from and to its memory: its proof, read there by cross-memory attach.
+  [[nodiscard]] static bool same_host(const wire::TransportBlock& mine, const wire::TransportBlock& t,
+                                      const detail::Session* session) noexcept;
   void connected() noexcept;
   /// Counts `bytes` about to be pinned against the listener's handshake budget (Setup only).
   void charge(std::uint64_t bytes);

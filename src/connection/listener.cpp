@@ -196,14 +196,16 @@ void Listener::Impl::serve(const std::shared_ptr<Arrival>& client, std::list<Han
     // to refuse.
     h.thread = std::thread([this, client, peer, done = h.done, slot = std::move(slot)]() mutable {
       try {
-        Connection conn =
+        std::optional<Connection> got =
             Connection::Impl::accept(client->open(cfg.connection), peer, cfg.connection, psk, setup, std::move(slot), budget, hooks);
-        if (deliver) {
-          deliver(std::move(conn));
+        if (!got) {
+          // A data stream, handed to the link whose handshake waits for it.
+        } else if (deliver) {
+          deliver(std::move(*got));
         } else {
           {
             std::lock_guard lock(mu);
-            ready.push_back(std::move(conn));
+            ready.push_back(std::move(*got));
           }
           ready_cv.notify_one();
         }

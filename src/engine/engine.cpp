@@ -60,6 +60,8 @@ EngineInfo Engine::info() const {
   i.epoch = impl_->epoch;
   i.port = port();
   for (const auto& d : impl_->layer->devices()) i.devices.push_back(d->name());
+  for (const wire::LinkTransport t : impl_->offer) i.transports.emplace_back(wire::to_string(t));
+  i.transports_note = impl_->offer_note;
   i.memory_windows = impl_->windows;
   i.access_model = impl_->access_model;
   i.public_key = impl_->cfg.identity.public_key();
@@ -124,6 +126,7 @@ Access buffer_access(bool windows) {
 
 Buffer Engine::register_memory(void* addr, std::size_t length) {
   auto rec = std::make_unique<detail::BufferRec>();
+  if (addr == nullptr || length == 0) throw Error("register_memory", EINVAL, "an empty buffer");
   for (const auto& pd : impl_->pds) {
     rec->regions.emplace_back(MemoryRegion::Impl::wrap(detail::register_region(pd, addr, length, buffer_access(impl_->windows))));
   }
@@ -134,6 +137,26 @@ Buffer Engine::register_memory(void* addr, std::size_t length) {
 
 Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
   auto rec = std::make_unique<detail::BufferRec>();
+  rec->kind = spec.kind;
+  if (impl_->pds.empty()) {
+    // No RDMA device (tcp and shm only): memory the CPU reaches, owned by the buffer's record.
+    if (spec.kind != MemoryKind::host) {
+      throw Error("allocate_memory", ENOTSUP,
+                  fmt::format("{} memory without an RDMA device: this engine's transports (tcp, shm) copy with the "
+                              "CPU, and allocate_memory() gives them host memory",
+                              to_string(spec.kind)),
+                  "allocate it yourself and register_memory() it, or use MemoryKind::host");
+    }
+    auto impl = std::make_unique<MemoryRegion::Impl>();
+    impl->memory = detail::allocate_pages(length);
+    impl->addr = impl->cpu = impl->memory.get();
+    impl->length = length;
+    impl->access = Access::local_write;
+    rec->soft.emplace(MemoryRegion::Impl::wrap(std::move(impl)));
+    rec->handle.addr = rec->soft->data();
+    rec->handle.length = length;
+    return impl_->publish(std::move(rec));
+  }
   rec->regions.reserve(impl_->pds.size());  // `first` below stays valid
   // The first device allocates (and owns) the memory; the others register the same bytes by
   // their address (host memory, huge pages, CUDA host memory, and GPU memory where the first
@@ -382,7 +405,6 @@ void Engine::remove_peer(const std::string& name) {
 std::vector<PeerInfo> Engine::peers() const {
   std::vector<PeerInfo> out;
   std::lock_guard lock(impl_->mu);
-  const auto& devices = impl_->layer->devices();
   std::vector<Peer*> added;
   for (const auto& p : impl_->peers) {
     if (p && !p->removed.load()) added.push_back(p.get());
@@ -393,10 +415,12 @@ std::vector<PeerInfo> Engine::peers() const {
     i.public_key = p->public_key;
     i.key_source = p->key_source;
     const int d = p->device.load(std::memory_order_relaxed);
-    if (d >= 0 && static_cast<std::size_t>(d) < devices.size()) i.device = devices[static_cast<std::size_t>(d)]->name();
+    if (d >= 0 && static_cast<std::uint32_t>(d) < impl_->device_count()) i.device = impl_->device_name(static_cast<std::uint32_t>(d));
     {
       std::lock_guard pl(p->m);
       i.linked = p->up;
+      i.transport = p->transport;
+      i.transport_reason = p->transport_reason;
       for (const auto& r : p->rails) {
         if (r->local.device.empty()) continue;  // the first, before its link came up
         i.rails.push_back({r->local.describe(), r->peer.device.empty() ? std::string{} : r->peer.describe(), r->state,

@@ -97,10 +97,7 @@ Engine::Impl::Impl(EngineConfig c)
   epoch = fresh_epoch();
   if (!cfg.link.psk.empty()) psk = std::make_shared<const detail::Secret>(cfg.link.psk);
 
-  layer = detail::DeviceLayer::acquire();
-  if (layer->devices().empty()) {
-    throw Error("engine", ENODEV, "no RDMA device on this host", "rdmakit doctor says why");
-  }
+  choose_transports();
   std::string without;
   for (const auto& d : layer->devices()) {
     pds.push_back(detail::open_pd(d));
@@ -112,7 +109,7 @@ Engine::Impl::Impl(EngineConfig c)
   choose_access(without.empty(), without);
   event_fd = detail::Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!event_fd) throw Error("eventfd", errno, "the engine's descriptor");
-  threads = cfg.workers.value_or(static_cast<std::uint32_t>(layer->devices().size()));
+  threads = cfg.workers.value_or(std::max<std::uint32_t>(rdma_count, 1));
   if (threads > 64) throw Error("engine config", EINVAL, fmt::format("{} workers (at most 64)", threads));
   const std::uint32_t n = std::max<std::uint32_t>(threads, 1);
   for (std::uint32_t i = 0; i < n; ++i) workers.push_back(std::make_unique<Worker>(*this, i));
@@ -249,17 +246,24 @@ std::uint32_t Engine::Impl::device_index(const std::string& device) const {
   for (std::uint32_t i = 0; i < ds.size(); ++i) {
     if (ds[i]->name() == device) return i;
   }
+  if (device == "tcp") return soft_index(wire::LinkTransport::tcp);
+  if (device == "shm") return soft_index(wire::LinkTransport::shm);
   throw Error("engine", ENODEV, fmt::format("device {} is not in the device layer", device));
 }
 
 detail::HandshakeHooks Engine::Impl::hooks(Worker* preferred) {
   detail::HandshakeHooks h;
   h.attach = [this, preferred](const std::string& device) { return attach(device, preferred); };
+  h.transports = offer;
+  h.transports_note = offer_note;
+  h.tcp_streams = static_cast<std::uint8_t>(cfg.tcp_streams);
+  h.self = self;
+  h.streams = streams;
+  h.attach_soft = [this, preferred](wire::LinkTransport k) { return attach_soft(k, preferred); };
   return h;
 }
 
-detail::Attachment Engine::Impl::attach(const std::string& device, Worker* preferred) {
-  const std::uint32_t d = device_index(device);
+std::shared_ptr<void> Engine::Impl::take_qps() {
   // A QP of the budget: when there is none, idle links are evicted to make room.
   const auto deadline = detail::deadline_in(std::min(cfg.link.handshake_timeout, std::chrono::milliseconds{5000}));
   // Over rdma_cm a link's control channel is a QP too: it counts against the budget.
@@ -289,7 +293,12 @@ detail::Attachment Engine::Impl::attach(const std::string& device, Worker* prefe
     std::atomic<std::uint64_t>* qps;
     std::uint64_t count;
   };
-  auto ticket = std::make_shared<QpTicket>(&count.qps, per);
+  return std::make_shared<QpTicket>(&count.qps, per);
+}
+
+detail::Attachment Engine::Impl::attach(const std::string& device, Worker* preferred) {
+  const std::uint32_t d = device_index(device);
+  std::shared_ptr<void> ticket = take_qps();
   // A worker with room in its CQ there: the preferred one (a peer's own), else round robin.
   // A link this engine opens belongs to its peer's worker; one a peer opens, to any worker.
   const auto n = static_cast<std::uint32_t>(workers.size());
@@ -301,7 +310,7 @@ detail::Attachment Engine::Impl::attach(const std::string& device, Worker* prefe
     if (auto a = workers[(first + k) % n]->attach(d)) {
       a->qp_access = detail::kAllRemote;
       // The link holds its room in the CQ and its QP of the budget, each given back when it goes.
-      a->keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<QpTicket>>>(a->keep, ticket);
+      a->keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(a->keep, ticket);
       return *a;
     }
   }
@@ -469,6 +478,7 @@ std::uint32_t Engine::Impl::next_generation() {
 
 Buffer Engine::Impl::publish(std::unique_ptr<detail::BufferRec> rec) {
   for (const auto& r : rec->regions) rec->slices.push_back(r->local());
+  soft_slices(*rec);
   rec->numa_node = rec->gpu_pci.empty() ? detail::memory_numa_node(rec->handle.addr) : -1;
   for (const DeviceRank& r : detail::rank_devices(layer->devices(), rec->numa_node, rec->gpu_pci)) {
     rec->rank.push_back(static_cast<std::uint8_t>(r.rank));

@@ -12,6 +12,7 @@
 //   BatchState     shared by the Batch handle and the workers; each transfer's result is written
 //                  once, by the worker that ran it, before `remaining` is decremented (release).
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -34,6 +35,7 @@
 #include "engine/protocol.hpp"
 #include "engine/rails.hpp"
 #include "rdmakit/engine.hpp"
+#include "transport/soft/device.hpp"
 #include "verbs/device_layer.hpp"
 #include "verbs/handles.hpp"
 
@@ -71,11 +73,19 @@ struct RailState {
   std::atomic<std::uint64_t> bytes{0}, slices{0}, failures{0}, reposted{0};
 };
 
-/// A registered buffer: one region per device (index as in the device layer).
+/// A registered buffer: one region per RDMA device (index as in the device layer), and for the
+/// tcp and shm transports its bytes by address.
 struct BufferRec {
   Buffer handle;
   std::vector<std::optional<MemoryRegion>> regions;
-  std::vector<LocalSlice> slices;  // regions[d].local(), computed once (the post path reads it)
+  // The buffer as tcp and shm links reach it (no registration: lkey 0); the owner of the memory
+  // when the engine allocated it without an RDMA device. Empty where the CPU cannot reach the
+  // bytes (GPU memory): those links refuse transfers of it.
+  std::optional<MemoryRegion> soft;
+  MemoryKind kind = MemoryKind::host;
+  // By device index (Engine::Impl::device_count()): regions[d].local(), then soft's once per
+  // software transport; computed once (the post path reads it).
+  std::vector<LocalSlice> slices;
   int numa_node = -1;                // of its pages (locality.hpp); -1: unknown
   std::string gpu_pci;               // GPU memory: the GPU's sysfs path (locality.hpp)
   std::vector<std::uint8_t> rank;    // by device index: a peer's rails on the best ranked carry it
@@ -164,6 +174,7 @@ struct Peer {
   std::uint64_t up_epoch = 0;  // while up: the epoch its first link's IDENT said (what the store yields to)
   std::string last_error;
   std::uint64_t attempts = 0;
+  std::string transport, transport_reason;  // its first rail's last link's (PeerInfo)
 };
 
 /// An accepted link's notifications, as the application takes them (Engine::next_notification,
@@ -258,11 +269,13 @@ struct Link {
 /// Whether transfers can go on `l` now.
 inline bool ready(const Link* l) noexcept { return l != nullptr && l->state == Link::State::ready; }
 
-/// A worker's CQ on one device, shared by its links there.
+/// A worker's CQ on one device, shared by its links there (an RDMA device's, or a software
+/// transport's: `soft`, whose channel is its own descriptor).
 struct DeviceCqs {
   std::shared_ptr<DeviceResources> dev;
   CompChannelPtr channel;
   CqPtr cq;
+  std::unique_ptr<soft::Cq> soft;
   CqRouter router;          // send and receive queues of every link on this CQ
   std::uint32_t links = 0;  // attached links (reserved at handshake), at most `capacity`
   std::uint32_t capacity = 0;
@@ -304,6 +317,7 @@ class Worker {
   void post(Command c);
   /// From a handshake thread: this worker's CQ on `device`, with a link's room reserved in it
   /// (given back when the returned keep goes). Nullopt when the CQ is full.
+  /// (Any device index of Engine::Impl::device_count(), a software transport's too.)
   std::optional<Attachment> attach(std::uint32_t device);
   /// Runs until `until` (or, with `forever`, until stop()); returns the transfers that ended.
   std::size_t run(Deadline until, bool forever) noexcept;
@@ -365,6 +379,8 @@ class Worker {
   /// The long way for transfer x: checks it, chains it or queues it, and sets `r` for the next.
   [[gnu::noinline]] void admit(Xfer& x, Route& r);
   [[gnu::noinline]] void refused(Link& l, Xfer& x, PostStatus st);
+  /// x's buffer is memory the CPU cannot reach, and `l` is a tcp or shm link: it ends invalid.
+  [[gnu::noinline, gnu::cold]] void unreachable(Link& l, Xfer& x);
   /// Longer than one request may be (max_msg_sz): the data path splits it, and it is posted alone.
   static bool too_long(const Link& l, const Transfer& t) noexcept { return t.length > l.impl.dp.limits().max_msg_size; }
   /// A transfer the data path splits (longer than max_msg_sz), posted alone.
@@ -551,8 +567,32 @@ struct Engine::Impl {
   std::uint32_t threads = 0;  // worker threads (cfg.workers resolved; 0: the caller drives progress)
   std::string name;
   std::uint64_t epoch = 0;
-  std::shared_ptr<detail::DeviceLayer> layer;
+  std::shared_ptr<detail::DeviceLayer> layer;  // empty (no device) on a host without RDMA
   std::vector<std::shared_ptr<detail::DeviceResources>> pds;  // by device index
+  // Transports (transports.cpp): what this engine offers its peers' links, best first, and why
+  // a listed one is not offered; the software devices of tcp and shm, whose device indexes
+  // follow the RDMA devices' (rdma_count + 0, + 1); this process's host and pid (shm); the data
+  // streams that arrive at the listener for a link in its handshake.
+  std::vector<wire::LinkTransport> offer;
+  std::string offer_note;
+  std::uint32_t rdma_count = 0;
+  std::array<std::unique_ptr<detail::soft::Device>, 2> soft;
+  wire::TransportBlock self;
+  std::shared_ptr<detail::StreamRegistry> streams;
+  /// Resolves cfg.transports into `offer` (constructor; after the device layer).
+  void choose_transports();
+  [[nodiscard]] std::uint32_t device_count() const noexcept { return rdma_count + 2; }
+  [[nodiscard]] bool is_soft(std::uint32_t d) const noexcept { return d >= rdma_count; }
+  [[nodiscard]] std::uint32_t soft_index(wire::LinkTransport k) const noexcept {
+    return rdma_count + (k == wire::LinkTransport::tcp ? 0u : 1u);
+  }
+  /// The name of device index `d` ("mlx5_0", "tcp", "shm").
+  [[nodiscard]] std::string device_name(std::uint32_t d) const;
+  /// The PD windows are allocated in on device `d`, and `buf`'s MR there (null on a software one).
+  [[nodiscard]] ibv_pd* pd_of(std::uint32_t d) const noexcept;
+  /// `rec`'s slices for the software transports (its bytes as the CPU reaches them; none for GPU
+  /// memory), after its RDMA regions' (publish()).
+  void soft_slices(detail::BufferRec& rec) const;
   bool windows = false;
   std::string no_windows_device;  // the first device without type-2 windows (when !windows)
   std::string access_model;
@@ -675,6 +715,11 @@ struct Engine::Impl {
   /// The attach hook of every link: a worker's CQ on that device with room, and a QP of the
   /// budget. Throws a "busy" Error when there is neither.
   detail::Attachment attach(const std::string& device, detail::Worker* preferred);
+  /// The same for a link of the tcp or shm transport: a worker's CQ on that software device.
+  detail::Attachment attach_soft(wire::LinkTransport kind, detail::Worker* preferred);
+  /// A QP of the budget (max_qps: a tcp or shm link counts as one), held until the returned
+  /// ticket goes; evicts idle links while it waits. Throws a "busy" Error at its deadline.
+  std::shared_ptr<void> take_qps();
   void connect_loop() noexcept;
   /// This engine's ports that can carry rails, each with the endpoint where a peer opens one
   /// (none while there is no listener, or where the listener is bound to another address).

@@ -219,7 +219,7 @@ md::EngineRecord MetadataPlane::self_record() const {
       break;
     }
     const BufferRec* b = e_.buffer(s.buffer);
-    r.segments.push_back({name, s.length, b != nullptr ? to_string(b->regions[0]->kind()) : "host"});
+    r.segments.push_back({name, s.length, b != nullptr ? to_string(b->kind) : "host"});
   }
   return r;
 }

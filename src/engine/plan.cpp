@@ -250,6 +250,7 @@ PlanState::Built* Worker::built_for(PlanState::Run& run, const BufferRec& buf, L
   bt.every = kSignalEvery;
   while (bt.every > dp.signal_interval()) bt.every /= 2;
   const LocalSlice& s = buf.slices[l.device];
+  if (s.length() == 0) return nullptr;  // the long way says why (a tcp or shm link, GPU memory)
   const auto base = reinterpret_cast<std::uint64_t>(s.addr());
   const std::uint64_t threshold = e_.cfg.rails.slice_threshold;
   for (std::uint32_t i = 0; i < run.n; ++i) {

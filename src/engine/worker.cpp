@@ -72,6 +72,15 @@ Worker::Worker(Engine::Impl& e, std::uint32_t index) : e_(e), index_(index) {
     add_fd(epoll_.get(), devices[d]->async_fd(), kAsync + d);
     cqs_.push_back(std::move(q));
   }
+  // The software transports' CQs (tcp, shm): their links are bounded by the QP budget alone.
+  for (std::uint32_t d = e.rdma_count; d < e.device_count(); ++d) {
+    auto q = std::make_unique<DeviceCqs>();
+    q->capacity = e.cfg.max_qps;
+    q->soft = std::make_unique<soft::Cq>(*e.soft[d - e.rdma_count], q->capacity * depth);
+    q->router.init(q->soft->cq(), 2 * q->capacity);
+    add_fd(epoll_.get(), q->soft->fd(), kChannel + d);
+    cqs_.push_back(std::move(q));
+  }
 }
 
 Worker::~Worker() { stop(); }
@@ -101,7 +110,11 @@ std::optional<Attachment> Worker::attach(std::uint32_t device) {
   }
   Attachment a;
   a.dev = q.dev;
-  a.send_cq = a.recv_cq = q.cq.get();
+  if (q.soft) {
+    a.soft_dev = e_.soft[device - e_.rdma_count].get();
+    a.soft_cq = q.soft.get();
+  }
+  a.send_cq = a.recv_cq = q.router.cq();
   a.owner = this;
   a.keep = std::shared_ptr<void>(this, [this, &q](Worker*) {
     std::lock_guard lock(cq_mu_);
@@ -273,7 +286,7 @@ void Worker::sleep(Deadline until) noexcept {
   const Deadline now = Clock::now();
   int ms = 0;
   if (until > now) {
-    for (auto& q : cqs_) (void)ibv_req_notify_cq(q->cq.get(), 0);
+    for (auto& q : cqs_) (void)ibv_req_notify_cq(q->router.cq(), 0);
     // A completion that arrived before arming raises no event: look once more.
     const int got = poll_cqs();
     if (got > 0 || !to_flush_.empty() || has_mail_.load(std::memory_order_acquire)) return;
@@ -291,6 +304,7 @@ void Worker::sleep(Deadline until) noexcept {
       (void)!::read(wake_.get(), &v, sizeof v);
     } else if (tag >= kChannel && tag < kAsync) {
       DeviceCqs& q = *cqs_[tag - kChannel];
+      if (q.soft) continue;  // level-triggered: the next poll takes what made it readable
       ibv_cq* cq = nullptr;
       void* ctx = nullptr;
       while (ibv_get_cq_event(q.channel.get(), &cq, &ctx) == 0) ibv_ack_cq_events(cq, 1);

@@ -28,6 +28,7 @@ void Worker::link_up(Command& c) {
   l.peer = c.peer;
   l.last_used = Clock::now();
   l.impl.dp.route_through(cqs_[l.device]->router, cqs_[l.device]->router);
+  if (l.impl.soft_qp) l.impl.soft_qp->start();  // its streams join this worker's CQ, on its thread
   l.impl.dp.context = &l;
   l.ended = l.impl.dp.lane(0).sq.next_seq();
   l.serial = ++link_serial_;
@@ -63,6 +64,8 @@ void Worker::link_up(Command& c) {
       std::lock_guard lock(p.m);
       l.rail->local = std::move(first);
       l.rail->state = "connecting";
+      p.transport = l.impl.info.transport;
+      p.transport_reason = l.impl.info.transport_reason;
     }
     p.connecting = false;
     p.device.store(static_cast<int>(l.device), std::memory_order_relaxed);
@@ -117,7 +120,7 @@ void Worker::bind_window(Link& l, const SegmentDef& def) {
       std::any_of(l.binds_waiting.begin(), l.binds_waiting.end(), [&](const SegmentDef& d) { return d.name == def.name; })) {
     return;
   }
-  if (!e_.windows) {
+  if (!e_.windows && !e_.is_soft(l.device)) {
     const BufferRec* buf = e_.buffer(def.buffer);
     if (buf == nullptr || !e_.psk) return;  // no key, no windows: nothing is offered (EngineInfo::access_model)
     const MemoryRegion& mr = *buf->regions[l.device];
@@ -138,13 +141,21 @@ bool Worker::post_bind(Link& l, const SegmentDef& def) {
   const BufferRec* buf = e_.buffer(def.buffer);
   if (buf == nullptr || buf->retired.load()) return true;  // unregistered since: nothing to bind
   if (l.impl.dp.mode() == DataPath::Mode::ready && l.impl.dp.lane(0).sq.free() == 0) return false;
-  const MemoryRegion& mr = *buf->regions[l.device];
-  const auto addr = reinterpret_cast<std::uint64_t>(mr.local().addr()) + def.offset;
+  // On a software transport, the window covers the bytes as the CPU reaches them (none for
+  // GPU memory: no window, and the peer's transfers to the segment end no_segment).
+  const bool on_soft = e_.is_soft(l.device);
+  if (on_soft && buf->slices[l.device].length() == 0) {
+    log(fmt::format("engine {}: segment '{}' is not offered to {} over {}: its memory is not the CPU's", e_.name,
+                    def.name, l.impl.info.peer_address, l.impl.info.transport));
+    return true;
+  }
+  const MemoryRegion* mr = on_soft ? nullptr : &*buf->regions[l.device];
+  const auto addr = reinterpret_cast<std::uint64_t>(buf->slices[l.device].addr()) + def.offset;
   auto w = std::make_unique<Window>();
   w->segment = def.name;
   w->buffer = def.buffer;
   w->link = &l;
-  w->mw.reset(ibv_alloc_mw(e_.pds[l.device]->pd.get(), IBV_MW_TYPE_2));
+  w->mw.reset(ibv_alloc_mw(e_.pd_of(l.device), IBV_MW_TYPE_2));
   if (!w->mw) {
     throw Error("ibv_alloc_mw", errno, fmt::format("a window on segment '{}' for {}", def.name, l.impl.info.peer_address),
                 "the device's memory windows (max_mw) are used up: fewer segments or peers");
@@ -152,7 +163,7 @@ bool Worker::post_bind(Link& l, const SegmentDef& def) {
   w->rkey = ibv_inc_rkey(w->mw->rkey);
   w->region = {addr, def.length, w->rkey, def.access};
   w->posted = Clock::now();
-  const PostResult r = l.impl.dp.post_bind(w->mw.get(), w->rkey, MemoryRegion::Impl::raw(mr), addr, def.length,
+  const PostResult r = l.impl.dp.post_bind(w->mw.get(), w->rkey, mr != nullptr ? MemoryRegion::Impl::raw(*mr) : nullptr, addr, def.length,
                                            qp_access_flags(def.access), reinterpret_cast<std::uint64_t>(w.get()) | 1);
   if (r.status == PostStatus::queue_full) return false;
   if (!r.ok()) {

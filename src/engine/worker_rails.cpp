@@ -137,6 +137,8 @@ std::vector<std::uint8_t> Worker::rails_message(const Link& l) const {
 
 void Worker::on_rails(Link& l, const ew::Message& m) {
   Peer& p = *l.peer;
+  // Rails are RDMA ports: a tcp or shm link spreads over its own streams instead.
+  if (e_.is_soft(l.device)) return;
   const RailConfig& rc = e_.cfg.rails;
   const std::vector<RailPort> local = local_rails(e_.layer->catalog(), e_.cfg.link.gid, rc.devices);
   const std::optional<std::size_t> first_peer =

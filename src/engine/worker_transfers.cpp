@@ -138,6 +138,7 @@ void Worker::admit(Xfer& x, Route& r) {
   const std::optional<RemoteRegion>* seg = t.remote.slot < l->by_slot.size() ? &l->by_slot[t.remote.slot] : nullptr;
   if (seg == nullptr || !seg->has_value()) return refused(*l, x, PostStatus::not_advertised);
   const LocalSlice& s = buf->slices[l->device];
+  if (s.length() == 0) [[unlikely]] return unreachable(*l, x);
   if (!chain(*l, x, reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset, s.lkey(), s.writable(), **seg)) return;
   // What the next transfers of the same buffer and segment reuse; valid while nothing but
   // chain() runs (which keeps the link as it is, or says it did not).
@@ -276,7 +277,18 @@ bool Worker::chain(Link& l, Xfer& x) {
     return false;
   }
   const LocalSlice& s = buffer_of(x).slices[l.device];
+  if (s.length() == 0) [[unlikely]] {
+    unreachable(l, x);
+    return false;
+  }
   return chain(l, x, reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset, s.lkey(), s.writable(), **seg);
+}
+
+void Worker::unreachable(Link& l, Xfer& x) {
+  end(x, TransferStatus::invalid,
+      fmt::format("peer '{}': buffer {} is memory the CPU cannot reach (GPU memory), and its link is {}, which moves "
+                  "bytes with the CPU",
+                  l.peer->name, x.t->local.id, l.impl.info.transport));
 }
 
 void Worker::refused(Link& l, Xfer& x, PostStatus st) {
@@ -302,6 +314,7 @@ void Worker::post_alone(Link& l, Xfer& x) {
   const Transfer& t = *x.t;
   const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
   if (seg == nullptr || !seg->has_value()) return refused(l, x, PostStatus::not_advertised);
+  if (buffer_of(x).slices[l.device].length() == 0) return unreachable(l, x);
   const LocalSlice s = buffer_of(x).slices[l.device].subslice(t.local_offset, t.length);
   const auto id = reinterpret_cast<std::uint64_t>(&x);
   PostResult r = t.op == TransferOp::read ? dp.post_one<Opcode::read>(s, **seg, t.remote_offset, 0, 0, 0, id)
@@ -532,7 +545,14 @@ void Worker::on_news(Link& l, const Completion& c, std::uint64_t seq, bool part)
       const bool rails_fault = c.status != IBV_WC_REM_ACCESS_ERR && c.status != IBV_WC_REM_INV_REQ_ERR &&
                                c.status != IBV_WC_LOC_PROT_ERR && c.status != IBV_WC_LOC_LEN_ERR &&
                                c.status != IBV_WC_LOC_ACCESS_ERR;
-      l.deferred.push_back({x, fmt::format("peer '{}': {}", l.peer->name, c.describe()), rails_fault});
+      // A tcp or shm link's queue pair says what failed in its own words (a NIC's likely
+      // causes, UDP ports and MTUs, are not its).
+      const bool soft = l.impl.soft_qp != nullptr && !l.impl.soft_qp->failure().empty();
+      l.deferred.push_back({x,
+                            soft ? fmt::format("peer '{}': {} ({}, {} link)", l.peer->name, l.impl.soft_qp->failure(),
+                                               c.status_name(), l.impl.info.transport)
+                                 : fmt::format("peer '{}': {}", l.peer->name, c.describe()),
+                            rails_fault});
     }
     ended = true;
     if (!l.backlog.empty()) queue_flush(l);

@@ -89,7 +89,7 @@ TEST(EngineEdges, WithdrawWhileABindIsInFlightKeepsTheTargetServing) {
   Target u("u", 64 * 1024);
   a.add_peer("u", at(u.engine));
   ASSERT_TRUE(a.connect("u", 10s));
-  const auto before = lab::rdma_resources();
+  const auto before = lab::soft_transport() ? std::map<std::string, long>{} : lab::rdma_resources();
   for (int i = 0; i < 20; ++i) {
     const Buffer b = t.engine.allocate_memory(4096);
     // The worker takes the three together: it binds a window for "x", withdraws it with the bind
@@ -122,7 +122,9 @@ TEST(EngineEdges, WithdrawWhileABindIsInFlightKeepsTheTargetServing) {
   EXPECT_TRUE(same(into.addr, t.buf.addr, t.buf.length));
   // Every buffer's region went: the count of MRs is back where it was (a window bound on one
   // would have kept it).
-  EXPECT_EQ(lab::rdma_resources().at("mr"), before.at("mr"));
+  if (!lab::soft_transport()) {
+    EXPECT_EQ(lab::rdma_resources().at("mr"), before.at("mr"));
+  }
   // The links that saw all of it are the ones they had: nothing broke.
   EXPECT_EQ(a.counters().connects, 2u);
 }

@@ -1,6 +1,7 @@
 #pragma once
 // What the engine's lab tests share.
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -11,12 +12,20 @@
 
 namespace lab {
 
+/// For the cases that are RDMA's own (a device's resources, a forged peer's QP through a plain
+/// Connection, region keys): skipped over tcp and shm, with why.
+#define RDMAKIT_RDMA_ONLY(why)                                                   \
+  do {                                                                         \
+    if (lab::soft_transport()) GTEST_SKIP() << "RDMA's own: " << (why);        \
+  } while (0)
+
 /// An engine `name` listening on loopback (over rdma_cm the VM's own address: here()), quiet.
 inline rdmakit::EngineConfig config(const std::string& name) {
   rdmakit::EngineConfig c;
   c.name = name;
   c.listen = here() + ":0";
   c.link = quiet();
+  c.transports = test_transports();
   return c;
 }
 

@@ -44,6 +44,7 @@ int main(int argc, char** argv) {
       ec.max_qps = 8;  // a small CQ each: the host runs many of them
       ec.link.log = [](std::string_view) {};
       ec.link.method = lab::test_method();
+      ec.transports = lab::test_transports();
       auto& e = *engines.emplace_back(std::make_unique<rdmakit::Engine>(ec));
       e.expose("kv", e.allocate_memory(4096), rdmakit::Access::remote_read | rdmakit::Access::remote_write);
       e.start_listening();
@@ -58,6 +59,7 @@ int main(int argc, char** argv) {
     ec.listen = ":" + std::string(argv[2]);
     ec.link.log = [](std::string_view) {};
     ec.link.method = lab::test_method();
+    ec.transports = lab::test_transports();
     if (const char* uri = std::getenv("RDMAKIT_PEER_METADATA")) {
       ec.metadata.uri = uri;
       ec.metadata.cluster = "t";

@@ -152,6 +152,7 @@ TEST(EngineIdentity, ATargetBindsANameToTheKeyThatFirstLinkedUnderIt) {
 // the link, saying why. The same IDENT signed for this session's binding is accepted (so the
 // refusals are the signature's, not the harness's).
 TEST(EngineIdentity, AnIdentSignedForAnotherSessionIsRefused) {
+  RDMAKIT_RDMA_ONLY("a plain Connection plays the peer that replays an IDENT");
   Target t("t", 4096, keyed("t"));
   const Identity id = Identity::generate();
   const auto pub = *rdmakit::detail::decode_public_key(id.public_key());

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "rdmakit/connection.hpp"
+#include "rdmakit/engine.hpp"
 #include "rdmakit/device.hpp"
 #include "rdmakit/error.hpp"
 #include "rdmakit/wire.hpp"
@@ -89,6 +90,18 @@ inline int soak(int ci, int full) {
 inline rdmakit::ConnectMethod test_method() {
   const char* m = std::getenv("RDMAKIT_TEST_METHOD");
   return m != nullptr && *m != '\0' ? rdmakit::parse_connect_method(m) : rdmakit::ConnectMethod::tcp;
+}
+
+/// The transport the engine tests run over: RDMAKIT_TEST_TRANSPORT (rdma, tcp or shm; rdma by
+/// default, in the lab). Over tcp and shm the same tests run on the host, without a VM.
+inline std::vector<rdmakit::Transport> test_transports() {
+  const char* t = std::getenv("RDMAKIT_TEST_TRANSPORT");
+  if (t == nullptr || *t == '\0') return {};
+  return {rdmakit::parse_transport(t)};
+}
+inline bool soft_transport() {
+  const auto t = test_transports();
+  return !t.empty() && t[0] != rdmakit::Transport::rdma;
 }
 
 /// The address a test connects to in its own VM: loopback over TCP; over rdma_cm the VM's own

@@ -63,8 +63,8 @@ TEST(Wire, RoundTrip) {
 
 TEST(Wire, FieldsAreBigEndianAtFixedOffsets) {
   const auto msg = encode_hello(sample());
-  // "RDKT", version 5, type HELLO, then the payload length.
-  const std::vector<std::uint8_t> header = {'R', 'D', 'K', 'T', 0, 5, 0, 1, 0, 0, 0, 90};
+  // "RDKT", version 6, type HELLO, then the payload length.
+  const std::vector<std::uint8_t> header = {'R', 'D', 'K', 'T', 0, 6, 0, 1, 0, 0, 0, 90};
   EXPECT_EQ(std::vector<std::uint8_t>(msg.begin(), msg.begin() + 12), header);
   const std::uint8_t* p = msg.data() + kHeaderSize;
   EXPECT_EQ((std::vector<std::uint8_t>{p, p + 8}),
@@ -89,6 +89,67 @@ TEST(Wire, RejectAndReady) {
   EXPECT_EQ(decode_header(encode_header(MessageType::ready, 0)).type, MessageType::ready);
 }
 
+// An engine link's HELLO: the transports offered (or chosen) after the regions, and the QP
+// fields meaningless (zero) when rdma is not among them.
+TEST(Wire, TransportBlockRoundTripsAndIsChecked) {
+  EndpointInfo in = sample();
+  TransportBlock& t = in.transport.emplace();
+  t.kinds = {LinkTransport::shm, LinkTransport::tcp, LinkTransport::rdma};
+  t.host.fill(7);
+  t.pid = 4242;
+  t.proof_addr = 0x7fff00001000;
+  t.proof.fill(9);
+  t.token.fill(3);
+  t.streams = 4;
+  auto msg = encode_hello(in);
+  ASSERT_EQ(msg.size(), kHeaderSize + kHelloFixedSize + 2 * kRegionSize + kTransportBlockSize + 3);
+  EndpointInfo out = decode_hello(payload_of(msg));
+  EXPECT_EQ(out.flags, kFlagAtomics | kFlagTransports);  // the block's presence is a flag on the wire
+  out.flags = in.flags;
+  EXPECT_EQ(out, in);
+  // Without rdma, a HELLO with no QP is a HELLO.
+  EndpointInfo soft;
+  soft.transport = TransportBlock{};
+  soft.transport->kinds = {LinkTransport::tcp};
+  msg = encode_hello(soft);
+  out = decode_hello(payload_of(msg));
+  EXPECT_EQ(out.qpn, 0u);
+  EXPECT_FALSE(out.carries_rdma());
+  // With rdma listed, QPN 0 is refused as ever.
+  auto bad = encode_hello(in);
+  for (std::size_t k = 0; k < 4; ++k) bad[kHeaderSize + k] = 0;
+  expect_error([&] { (void)decode_hello(payload_of(bad)); }, "QPN 0x0 out of range");
+  // The block's own checks: count, kinds, repeats, length.
+  const std::size_t block = kHeaderSize + kHelloFixedSize + 2 * kRegionSize;
+  bad = encode_hello(in);
+  bad[block] = 0;
+  expect_error([&] { (void)decode_hello(payload_of(bad)); }, "absurd transport count 0");
+  bad = encode_hello(in);
+  bad[block + 1] = 9;
+  expect_error([&] { (void)decode_hello(payload_of(bad)); }, "unknown transport 9");
+  bad = encode_hello(in);
+  bad[block + 2] = 3;
+  expect_error([&] { (void)decode_hello(payload_of(bad)); }, "listed twice");
+  bad = encode_hello(in);
+  bad.push_back(0);
+  expect_error([&] { (void)decode_hello(payload_of(bad)); }, "trailing bytes");
+  bad = encode_hello(in);
+  bad.pop_back();
+  expect_error([&] { (void)decode_hello(payload_of(bad)); }, "truncated HELLO");
+}
+
+TEST(Wire, StreamRoundTripsAndIsChecked) {
+  std::array<std::uint8_t, kTokenSize> token{};
+  for (std::size_t i = 0; i < token.size(); ++i) token[i] = static_cast<std::uint8_t>(i);
+  const auto msg = encode_stream(token, 3);
+  const Header h = decode_header(msg);
+  EXPECT_EQ(h.type, MessageType::stream);
+  const StreamHello s = decode_stream(payload_of(msg));
+  EXPECT_EQ(s.token, token);
+  EXPECT_EQ(s.index, 3u);
+  expect_error([&] { (void)decode_stream(std::span(msg).subspan(kHeaderSize, 10)); }, "STREAM of 10 bytes");
+}
+
 TEST(Wire, HeaderRejections) {
   auto msg = encode_hello(sample());
   expect_error([&] { (void)decode_header(std::span(msg).first(11)); }, "truncated header");
@@ -97,10 +158,10 @@ TEST(Wire, HeaderRejections) {
   expect_error([&] { (void)decode_header(bad); }, "bad magic");
   bad = msg;
   bad[5] = 1;
-  expect_error([&] { (void)decode_header(bad); }, "protocol version mismatch: peer speaks 1, this side speaks 5");
+  expect_error([&] { (void)decode_header(bad); }, "protocol version mismatch: peer speaks 1, this side speaks 6");
   bad = msg;
-  bad[7] = 10;
-  expect_error([&] { (void)decode_header(bad); }, "unknown message type 10");
+  bad[7] = 11;
+  expect_error([&] { (void)decode_header(bad); }, "unknown message type 11");
   bad = msg;
   bad[8] = 0xff;  // length 0xff00005a
   expect_error([&] { (void)decode_header(bad); }, "oversized HELLO message");
@@ -223,7 +284,7 @@ namespace {
 // The fuzzer's seed corpus is in the current format, so the fuzzer starts from messages that
 // decode rather than from ones the header check throws out.
 TEST(Wire, FuzzSeedCorpusDecodes) {
-  for (const char* name : {"hello", "hello-regions-qps", "ready", "reject", "auth-challenge"}) {
+  for (const char* name : {"hello", "hello-regions-qps", "hello-transports", "ready", "reject", "auth-challenge", "stream"}) {
     std::ifstream in(std::string(RDMAKIT_SOURCE_DIR) + "/fuzz/corpus/wire/" + name, std::ios::binary);
     ASSERT_TRUE(in) << name;
     const std::vector<std::uint8_t> msg{std::istreambuf_iterator<char>(in), {}};

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "metadata_options.hpp"
@@ -53,6 +54,8 @@ struct EngineNet {
   MetadataOptions metadata;
   bool allow_region_keys = false;
   std::string identity_file;
+  std::vector<std::string> transports;
+  unsigned tcp_streams = EngineConfig{}.tcp_streams;
 
   void add_to(CLI::App& app, bool publishing) {
     metadata.add_to(app, publishing);
@@ -70,6 +73,11 @@ struct EngineNet {
     app.add_option("--cm", method, "how links connect: tcp or rdma_cm (then ports are rdma_cm ports); every engine the same")
         ->check(CLI::IsMember({"tcp", "rdma_cm", "cm"}))
         ->capture_default_str();
+    app.add_option("--transport", transports,
+                   "a transport links may use, best first; repeatable: rdma (default), tcp (any peer, no RDMA needed), "
+                   "shm (a peer on this host). A link takes the first this engine lists that the peer lists too")
+        ->check(CLI::IsMember({"rdma", "tcp", "shm"}));
+    app.add_option("--tcp-streams", tcp_streams, "tcp: data streams per link")->check(CLI::Range(1u, 16u))->capture_default_str();
     app.add_option("--workers", workers, "progress threads (default: one per RDMA device)")->check(CLI::Range(1u, 64u));
     app.add_option("--max-qps", max_qps, "QP budget")->check(CLI::Range(1u, 1u << 20))->capture_default_str();
     app.add_option("--rails", rails, "most rails (NIC ports) per peer link; 0: every port that reaches the peer")
@@ -99,6 +107,8 @@ struct EngineNet {
     c.rails.slice_threshold = slice_threshold;
     c.metadata = metadata.config();
     c.allow_region_keys = allow_region_keys;
+    for (const std::string& t : transports) c.transports.push_back(parse_transport(t));
+    c.tcp_streams = tcp_streams;
     return c;
   }
 };
@@ -131,6 +141,16 @@ nlohmann::json counters_json(const EngineCounters& c) {
           {"reposted", c.reposted}};
 }
 
+// Each peer's link: its transport, and why that one.
+nlohmann::json links_json(const std::vector<PeerInfo>& peers) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const PeerInfo& p : peers) {
+    out.push_back({{"peer", p.name}, {"linked", p.linked}, {"device", p.device}, {"transport", p.transport},
+                   {"reason", p.transport_reason}});
+  }
+  return out;
+}
+
 // Each peer's rails: the port pairs, their state and what each carried.
 nlohmann::json rails_json(const std::vector<PeerInfo>& peers) {
   nlohmann::json out = nlohmann::json::array();
@@ -144,6 +164,9 @@ nlohmann::json rails_json(const std::vector<PeerInfo>& peers) {
 }
 
 void print_rails(const std::vector<PeerInfo>& peers, std::uint64_t total) {
+  for (const PeerInfo& p : peers) {
+    if (!p.transport.empty()) fmt::print("  link to {}: {} ({})\n", p.name, p.transport, p.transport_reason);
+  }
   for (const PeerInfo& p : peers) {
     for (const RailInfo& r : p.rails) {
       if (r.state == "unused") {
@@ -267,10 +290,13 @@ int run_serve(const ServeOptions& o) {
     fmt::print("{}\n", nlohmann::json{{"event", "serving"}, {"name", info.name}, {"epoch", fmt::format("{:#x}", info.epoch)},
                                       {"port", info.port}, {"segments", segj}, {"memory_windows", info.memory_windows},
                                       {"access_model", info.access_model}, {"metadata", info.metadata},
-                                      {"rails", info.rails}, {"public_key", info.public_key}}.dump());
+                                      {"rails", info.rails}, {"public_key", info.public_key},
+                                      {"transports", info.transports}, {"transports_note", info.transports_note}}.dump());
   } else {
     fmt::print("rdmakit serve: engine {} (epoch {:#x}) listening on port {}\n", info.name, info.epoch, info.port);
     for (const Exposed& s : segs) fmt::print("  segment {}: {} bytes of {} memory\n", s.name, s.size, to_string(s.spec.kind));
+    fmt::print("  transports: {}{}\n", fmt::join(info.transports, ", "),
+               info.transports_note.empty() ? "" : " (" + info.transports_note + ")");
     fmt::print("  access: {}\n", info.access_model);
     fmt::print("  identity: {}\n", info.public_key.empty() ? std::string("none (peers know this engine by its name and the "
                                                                         "cluster key alone)")
@@ -513,7 +539,8 @@ int run_engine_bench(const BenchOpts& o) {
                      {"validated", o.validate},
                      {"mismatches", mismatches.load()},
                      {"counters", counters_json(engine.counters())},
-                     {"rails", rails_json(engine.peers())}};
+                     {"rails", rails_json(engine.peers())},
+                     {"links", links_json(engine.peers())}};
     fmt::print("{}\n", j.dump());
   } else {
     fmt::print("engine-bench {} block {} B, batch {}, {} thread(s), {} peer(s), {:.2f} s\n", o.op, o.block, o.batch,

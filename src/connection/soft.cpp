@@ -1,0 +1,251 @@
+// An engine link of the tcp or shm transport: the server's choice among the transports the
+// client offers, the data streams a link's handshake waits for, and the link's software queue
+// pair (src/transport/soft/) with the data path on it.
+#include <sys/random.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <fstream>
+
+#include <sodium.h>
+
+#include <fmt/format.h>
+
+#include "connection/impl.hpp"
+#include "rdmakit/error.hpp"
+#include "transport/soft/device.hpp"
+
+namespace rdmakit {
+
+namespace detail {
+
+void StreamRegistry::expect(const Token& token, std::uint32_t n) {
+  std::lock_guard lock(mu_);
+  Pending& p = pending_[token];
+  p.fds.clear();
+  p.fds.resize(n);
+  p.got = 0;
+}
+
+bool StreamRegistry::deliver(const wire::StreamHello& hello, Fd& fd) {
+  {
+    std::lock_guard lock(mu_);
+    const auto it = pending_.find(hello.token);
+    if (it == pending_.end() || hello.index >= it->second.fds.size() || it->second.fds[hello.index]) return false;
+    it->second.fds[hello.index] = std::move(fd);
+    ++it->second.got;
+  }
+  cv_.notify_all();
+  return true;
+}
+
+std::vector<Fd> StreamRegistry::wait(const Token& token, Deadline deadline, const std::string& peer) {
+  std::unique_lock lock(mu_);
+  const auto it = pending_.find(token);
+  if (it == pending_.end()) throw Error("data streams", EINVAL, "no handshake waits for them");
+  const bool all = cv_.wait_until(lock, deadline, [&] { return it->second.got == it->second.fds.size(); });
+  const std::size_t want = it->second.fds.size(), got = it->second.got;
+  std::vector<Fd> fds = std::move(it->second.fds);
+  pending_.erase(it);
+  if (!all) {
+    throw Error("data streams", ETIMEDOUT,
+                fmt::format("{} of the {} data streams {} was to open came by the handshake deadline", got, want, peer),
+                "a firewall between the hosts that lets the control connection through but not more "
+                "connections to the same port, or the peer is overloaded");
+  }
+  return fds;
+}
+
+void StreamRegistry::forget(const Token& token) noexcept {
+  std::lock_guard lock(mu_);
+  pending_.erase(token);
+}
+
+wire::TransportBlock this_host() {
+  wire::TransportBlock t;
+  t.pid = static_cast<std::uint32_t>(::getpid());
+  // The kernel's boot id: a uuid, new at every boot, the same in every container of the host.
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string text;
+  std::getline(in, text);
+  std::size_t k = 0;
+  for (std::size_t i = 0; i + 1 < text.size() && k < t.host.size(); ++i) {
+    if (text[i] == '-') continue;
+    t.host[k++] = static_cast<std::uint8_t>(std::stoi(text.substr(i, 2), nullptr, 16));
+    ++i;
+  }
+  return t;
+}
+
+}  // namespace detail
+
+std::optional<wire::LinkTransport> Connection::Impl::choose_transport(const detail::HandshakeHooks& hooks,
+                                                                      const wire::TransportBlock& offer,
+                                                                      const detail::Session* session, std::string& why) {
+  // The first the client prefers that this side offers and can use: the client's order wins.
+  std::string passed;
+  for (const wire::LinkTransport k : offer.kinds) {
+    const char* name = wire::to_string(k);
+    std::string no;
+    if (std::find(hooks.transports.begin(), hooks.transports.end(), k) == hooks.transports.end()) {
+      no = "this engine does not offer it";
+    } else if (k == wire::LinkTransport::shm && !same_host(hooks.self, offer, session)) {
+      no = "not on this host, or its memory cannot be reached from here (another PID namespace, ptrace restricted)";
+    }
+    if (no.empty()) {
+      why = passed.empty() ? fmt::format("{}: the initiator's first choice, offered here too", name)
+                           : fmt::format("{}: the initiator's first choice this engine can take ({})", name, passed);
+      return k;
+    }
+    passed += fmt::format("{}{} not: {}", passed.empty() ? "" : "; ", name, no);
+  }
+  why = passed;
+  return std::nullopt;
+}
+
+namespace {
+
+// With a key, the proof is the session's own (a keyed hash of its binding): a value no process
+// but the one holding this session can have in its memory, so a client cannot point the server's
+// cross-memory copies at another process. Without one, a random secret whose hash the HELLO
+// carries (no more than keyless mode gives anyway: anyone who reaches the port is served).
+std::array<std::uint8_t, 32> session_proof(const detail::Session& s) {
+  static constexpr char kLabel[] = "rdmakit shm proof";
+  std::array<std::uint8_t, 32> out{};
+  crypto_generichash(out.data(), out.size(), reinterpret_cast<const unsigned char*>(kLabel), sizeof kLabel - 1,
+                     s.binding().data(), s.binding().size());
+  return out;
+}
+
+std::array<std::uint8_t, 32> hash_of(std::span<const std::uint8_t> bytes) {
+  std::array<std::uint8_t, 32> out{};
+  crypto_generichash(out.data(), out.size(), bytes.data(), bytes.size(), nullptr, 0);
+  return out;
+}
+
+}  // namespace
+
+void Connection::Impl::prove_host(wire::TransportBlock& t) {
+  if (session) {
+    shm_proof = session_proof(*session);
+    t.proof = {};
+  } else {
+    randombytes_buf(shm_proof.data(), shm_proof.size());
+    t.proof = hash_of(shm_proof);
+  }
+  t.proof_addr = reinterpret_cast<std::uint64_t>(shm_proof.data());
+}
+
+bool Connection::Impl::same_host(const wire::TransportBlock& mine, const wire::TransportBlock& t,
+                                 const detail::Session* session) noexcept {
+  if (t.host != mine.host || t.pid == 0 || t.proof_addr == 0 || t.pid > static_cast<std::uint32_t>(INT32_MAX)) return false;
+  std::array<std::uint8_t, 32> got{};
+  iovec local{got.data(), got.size()};
+  iovec remote{reinterpret_cast<void*>(t.proof_addr), got.size()};
+  if (::process_vm_readv(static_cast<pid_t>(t.pid), &local, 1, &remote, 1, 0) != static_cast<ssize_t>(got.size())) {
+    return false;
+  }
+  const std::array<std::uint8_t, 32> want = session != nullptr ? session_proof(*session) : t.proof;
+  const std::array<std::uint8_t, 32> seen = session != nullptr ? got : hash_of(got);
+  return sodium_memcmp(want.data(), seen.data(), want.size()) == 0;
+}
+
+void Connection::Impl::open_soft(wire::LinkTransport kind, std::vector<detail::Fd> streams, int peer_pid) {
+  if (!hooks.attach_soft) throw Error("link", EINVAL, "a tcp or shm link outside an engine");
+  // QPs built in case the choice was rdma go (with their room in the worker's CQ).
+  if (!qps.empty()) {
+    dp.forget_qps();
+    qps.clear();
+    if (dev) dev->device->unsubscribe(this);
+    for (MemoryRegion& r : regions) MemoryRegion::Impl::deregister(r);
+    regions.clear();
+  }
+  if (attached.soft_cq == nullptr) attached = hooks.attach_soft(kind);
+  dev.reset();
+  detail::soft::QpConfig qc;
+  qc.send_depth = cfg.send_depth;
+  std::uint32_t qpn = 0;
+  if (::getrandom(&qpn, sizeof qpn, GRND_NONBLOCK) != sizeof qpn) qpn = 0;
+  qc.qp_num = (qpn & 0xffffffu) | 1u;  // a name for messages only
+  qc.peer_pid = peer_pid;
+  // As an RC QP gives up on a peer that stops answering: its ACK timeout times its retries.
+  qc.stall_timeout = std::max(std::chrono::milliseconds{500}, timeouts.ack_timeout * (timeouts.retry_count + 1));
+  // What fails the queue pair on its own (a stream that broke, garbage) breaks the link, as a
+  // device event does on RDMA: recorded here, acted on by the link's own thread (pump_async).
+  qc.on_fault = [this](const std::string& why) {
+    std::lock_guard lock(device_mu);
+    if (device_failure.empty()) device_failure = fmt::format("its {} data stream failed: {}", info.transport, why);
+    device_failed.store(true, std::memory_order_release);
+  };
+  const std::string name = wire::to_string(kind);
+  soft_qp = std::make_unique<detail::soft::Qp>(*attached.soft_dev, *attached.soft_cq, std::move(qc), std::move(streams));
+  info.transport = name;
+  info.device = name;
+  info.port = 1;
+  info.max_msg_size = 1u << 30;
+  info.max_inline = 0;
+  info.max_sge = 1;
+  info.send_depth = cfg.send_depth;
+  info.recv_depth = cfg.recv_depth;
+  info.qps = 1;
+  info.path_mtu = info.local_mtu = info.remote_mtu = 0;
+  info.atomics = true;  // the target's CPU does them
+  ibv_qp* raw = soft_qp->qp();
+  dp.init({cfg.send_depth, cfg.recv_depth, 1, 0, info.max_msg_size, cfg.stripe_min}, {&raw, 1}, attached.soft_cq->cq(),
+          attached.soft_cq->cq(), attached.soft_cq->channel(), detail::soft::Device::ops());
+  dp.observe(cfg.trace, info.peer_address);
+  dp.set_remote({}, true);
+}
+
+}  // namespace rdmakit
+
+namespace rdmakit {
+
+wire::LinkTransport Connection::Impl::chosen_transport(const wire::EndpointInfo& remote) {
+  const auto& offered = hooks.transports;
+  if (!remote.transport || remote.transport->kinds.size() != 1 ||
+      std::find(offered.begin(), offered.end(), remote.transport->kinds[0]) == offered.end()) {
+    throw Error("bootstrap handshake", EPROTO,
+                remote.transport ? "the peer chose a transport this side did not offer"
+                                 : "the peer's HELLO names no transport: it is not an rdmakit engine of this version",
+                "run the same rdmakit version on both engines");
+  }
+  const wire::LinkTransport k = remote.transport->kinds[0];
+  std::string before;
+  for (const wire::LinkTransport o : offered) {
+    if (o == k) break;
+    before += fmt::format("{}{}", before.empty() ? "" : ", ", wire::to_string(o));
+  }
+  info.transport = wire::to_string(k);
+  info.transport_reason = before.empty() ? fmt::format("{}: this engine's first choice, taken by the peer", info.transport)
+                                         : fmt::format("{}: the peer took none of {} (offered first: it lacks them, or "
+                                                       "does not offer them)",
+                                                       info.transport, before);
+  return k;
+}
+
+void Connection::Impl::open_streams(const detail::HostPort& to, wire::EndpointInfo remote, wire::LinkTransport chosen,
+                                    detail::Deadline deadline) {
+  const wire::TransportBlock& t = *remote.transport;
+  if (t.streams == 0 || t.streams > 16) {
+    throw Error("bootstrap handshake", EPROTO, fmt::format("the peer asks for {} data streams (1..16)", t.streams));
+  }
+  if (cfg.method != ConnectMethod::tcp) {
+    throw Error("data streams", EPROTONOSUPPORT, "a tcp or shm link bootstraps over TCP (link.method tcp)");
+  }
+  std::vector<detail::Fd> fds;
+  for (std::uint16_t k = 0; k < t.streams; ++k) {
+    detail::Fd fd = detail::tcp_connect(to, deadline, false);
+    detail::send_all(fd.get(), wire::encode_stream(t.token, k), deadline);
+    fds.push_back(std::move(fd));
+  }
+  info.remote = std::move(remote);
+  const std::string reason = std::move(info.transport_reason);
+  open_soft(chosen, std::move(fds), chosen == wire::LinkTransport::shm ? static_cast<int>(info.remote.transport->pid) : 0);
+  info.transport_reason = reason;
+}
+
+}  // namespace rdmakit

@@ -1,0 +1,137 @@
+// The engine's transports (docs/engine.md, "Transports"): which it offers its peers' links, the
+// software devices of tcp and shm and a worker's CQ on them, and its buffers as those links
+// reach them. The choice per link is made in the handshake (src/connection/soft.cpp); the links
+// then run the one data path whatever their transport.
+#include <algorithm>
+#include <cerrno>
+#include <optional>
+
+#include <fmt/format.h>
+
+#include "bootstrap/auth.hpp"
+#include "engine/impl.hpp"
+#include "rdmakit/error.hpp"
+#include "verbs/memory_impl.hpp"
+
+namespace rdmakit {
+
+const char* to_string(Transport t) noexcept {
+  switch (t) {
+    case Transport::rdma: return "rdma";
+    case Transport::tcp: return "tcp";
+    case Transport::shm: return "shm";
+  }
+  return "?";
+}
+
+Transport parse_transport(std::string_view text) {
+  if (text == "rdma") return Transport::rdma;
+  if (text == "tcp") return Transport::tcp;
+  if (text == "shm") return Transport::shm;
+  throw Error("transport", EINVAL, fmt::format("'{}': rdma, tcp or shm", text));
+}
+
+namespace {
+
+wire::LinkTransport on_wire(Transport t) {
+  switch (t) {
+    case Transport::rdma: return wire::LinkTransport::rdma;
+    case Transport::tcp: return wire::LinkTransport::tcp;
+    default: return wire::LinkTransport::shm;
+  }
+}
+
+}  // namespace
+
+void Engine::Impl::choose_transports() {
+  const std::vector<Transport> want = cfg.transports.empty() ? std::vector<Transport>{Transport::rdma} : cfg.transports;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    if (std::count(want.begin(), want.end(), want[i]) > 1) {
+      throw Error("engine config", EINVAL, fmt::format("transports: {} is listed twice", to_string(want[i])));
+    }
+  }
+  if (cfg.tcp_streams == 0 || cfg.tcp_streams > 16) {
+    throw Error("engine config", EINVAL, fmt::format("tcp_streams {} (1..16)", cfg.tcp_streams));
+  }
+  const bool rdma = std::find(want.begin(), want.end(), Transport::rdma) != want.end();
+  // Why rdma cannot be offered, as the failing verb says it (an engine of rdma alone fails with it).
+  std::optional<Error> no_device;
+  try {
+    layer = detail::DeviceLayer::acquire();
+    if (layer->devices().empty()) no_device.emplace("ibv_get_device_list", ENODEV, "this host has no RDMA device");
+  } catch (const Error& e) {
+    // No RDMA subsystem at all (no ib_uverbs): an engine of other transports runs without it.
+    layer = std::make_shared<detail::DeviceLayer>();
+    no_device = e;
+  }
+  rdma_count = static_cast<std::uint32_t>(layer->devices().size());
+  if (rdma && no_device && want.size() == 1) {
+    throw Error(no_device->op(), no_device->sys_errno(), fmt::format("no RDMA device for the engine: {}", no_device->detail()),
+                fmt::format("{}; {}", no_device->hint().empty() ? "rdmakit doctor says why" : no_device->hint(),
+                            cfg.transports.empty()
+                                ? "or run it without RDMA: EngineConfig::transports {tcp} (rdmakit serve --transport tcp, "
+                                  "Python transports=[\"tcp\"])"
+                                : "or list another transport too (EngineConfig::transports, --transport tcp)"));
+  }
+  const std::string no_rdma = no_device ? no_device->what() : std::string{};
+  for (const Transport t : want) {
+    std::string no;
+    if (t == Transport::rdma && rdma_count == 0) {
+      no = no_rdma;
+    } else if (t != Transport::rdma && cfg.link.method != ConnectMethod::tcp) {
+      no = "its links bootstrap over TCP, and link.method is rdma_cm";
+    }
+    if (no.empty()) {
+      offer.push_back(on_wire(t));
+    } else {
+      offer_note += fmt::format("{}{} not offered: {}", offer_note.empty() ? "" : "; ", to_string(t), no);
+    }
+  }
+  if (offer.empty()) throw Error("engine", ENODEV, fmt::format("no transport to offer: {}", offer_note));
+  if (!offer_note.empty()) cfg.link.log(fmt::format("engine {}: {}", name, offer_note));
+  soft[0] = std::make_unique<detail::soft::Device>("tcp");
+  soft[1] = std::make_unique<detail::soft::Device>("shm");
+  self = detail::this_host();
+  streams = std::make_shared<detail::StreamRegistry>();
+}
+
+std::string Engine::Impl::device_name(std::uint32_t d) const {
+  if (d < rdma_count) return layer->devices()[d]->name();
+  return d == soft_index(wire::LinkTransport::tcp) ? "tcp" : "shm";
+}
+
+ibv_pd* Engine::Impl::pd_of(std::uint32_t d) const noexcept {
+  return d < rdma_count ? pds[d]->pd.get() : soft[d - rdma_count]->pd();
+}
+
+void Engine::Impl::soft_slices(detail::BufferRec& rec) const {
+  if (!rec.soft) {
+    // The CPU's view of the bytes: none for GPU memory (those links then refuse its transfers).
+    void* cpu = rec.regions.empty() ? rec.handle.addr : rec.regions[0]->data();
+    auto impl = std::make_unique<MemoryRegion::Impl>();
+    impl->addr = cpu;
+    impl->cpu = cpu;
+    impl->length = cpu != nullptr ? rec.handle.length : 0;
+    impl->kind = rec.kind;
+    impl->access = Access::local_write;
+    rec.soft.emplace(MemoryRegion::Impl::wrap(std::move(impl)));
+  }
+  for (std::size_t k = 0; k < soft.size(); ++k) rec.slices.push_back(rec.soft->local());
+}
+
+detail::Attachment Engine::Impl::attach_soft(wire::LinkTransport kind, detail::Worker* preferred) {
+  const std::uint32_t d = soft_index(kind);
+  std::shared_ptr<void> ticket = take_qps();
+  const auto n = static_cast<std::uint32_t>(workers.size());
+  const std::uint32_t first = preferred != nullptr ? preferred->index() : next_worker.fetch_add(1) % n;
+  for (std::uint32_t k = 0; k < (preferred != nullptr ? 1u : n); ++k) {
+    if (auto a = workers[(first + k) % n]->attach(d)) {
+      a->keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(a->keep, ticket);
+      return *a;
+    }
+  }
+  throw Error("engine", EBUSY, fmt::format("{}every worker holds all the {} links it can", detail::kBusyReason, wire::to_string(kind)),
+              "raise EngineConfig::max_qps, or add workers");
+}
+
+}  // namespace rdmakit

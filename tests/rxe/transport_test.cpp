@@ -1,0 +1,231 @@
+// Transports per link (issue 33): which one a link takes and why, never one that was not listed,
+// an engine without RDMA that says how to run anyway, and a peer that dies or stops mid-batch
+// over tcp and shm as over rdma. These run on the host (RDMAKIT_TEST_TRANSPORT=tcp or shm): the
+// choice between tcp and shm needs no RDMA device, and the lab's suites run the rest over rdma.
+#include <signal.h>
+#include <sys/socket.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "bootstrap/socket.hpp"
+#include "engine_helpers.hpp"
+#include "rdmakit/engine.hpp"
+#include "rdmakit/error.hpp"
+#include "rdmakit/wire.hpp"
+
+using namespace std::chrono_literals;
+using namespace lab;
+using rdmakit::Batch;
+using rdmakit::Buffer;
+using rdmakit::Engine;
+using rdmakit::EngineConfig;
+using rdmakit::Transfer;
+using rdmakit::TransferOp;
+using rdmakit::TransferStatus;
+using rdmakit::Transport;
+
+namespace {
+
+EngineConfig over(const std::string& name, std::vector<Transport> t) {
+  EngineConfig c = config(name);
+  c.transports = std::move(t);
+  return c;
+}
+
+rdmakit::PeerInfo peer_info(const Engine& e, const std::string& name) {
+  for (const auto& p : e.peers()) {
+    if (p.name == name) return p;
+  }
+  return {};
+}
+
+#define HOST_ONLY()                                                                              \
+  do {                                                                                           \
+    if (!lab::soft_transport()) GTEST_SKIP() << "runs on the host (RDMAKIT_TEST_TRANSPORT=tcp or shm)"; \
+  } while (0)
+
+}  // namespace
+
+// The initiator's order wins among what both list; shm only when both are proven on one host.
+TEST(EngineTransports, TheInitiatorsFirstChoiceThatBothOfferIsTaken) {
+  HOST_ONLY();
+  Target t("t", 1 << 16, over("t", {Transport::tcp, Transport::shm}));
+  const auto link = [&](std::vector<Transport> mine) {
+    Engine a(over("a", std::move(mine)));
+    a.add_peer("t", at(t.engine));
+    std::string why;
+    EXPECT_TRUE(a.connect("t", 10s, &why)) << why;
+    const Buffer src = a.allocate_memory(4096);
+    fill(src.addr, src.length, 3);
+    const Transfer w = xfer(TransferOp::write, src, 0, 4096, a.segment("t", "kv"), 0);
+    Batch b = a.submit({&w, 1});
+    EXPECT_TRUE(b.wait(10s));
+    EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
+    EXPECT_TRUE(same(t.buf.addr, src.addr, 4096));
+    return peer_info(a, "t");
+  };
+  rdmakit::PeerInfo p = link({Transport::shm, Transport::tcp});
+  EXPECT_EQ(p.transport, "shm");
+  EXPECT_EQ(p.device, "shm");
+  EXPECT_NE(p.transport_reason.find("first choice"), std::string::npos) << p.transport_reason;
+  p = link({Transport::tcp, Transport::shm});
+  EXPECT_EQ(p.transport, "tcp");
+  // The target does not list shm: tcp, and the link says which was passed over.
+  Target u("u", 1 << 16, over("u", {Transport::tcp}));
+  Engine a(over("a", {Transport::shm, Transport::tcp}));
+  a.add_peer("u", at(u.engine));
+  std::string why;
+  ASSERT_TRUE(a.connect("u", 10s, &why)) << why;
+  p = peer_info(a, "u");
+  EXPECT_EQ(p.transport, "tcp");
+  EXPECT_NE(p.transport_reason.find("shm"), std::string::npos) << p.transport_reason;
+}
+
+// Nothing in common: the transfer ends connect_failed saying what each side offers; tcp is
+// never taken by an engine that does not list it.
+TEST(EngineTransports, NoTransportInCommonFailsSayingWhat) {
+  HOST_ONLY();
+  Target t("t", 4096, over("t", {Transport::shm}));
+  Engine a(over("a", {Transport::tcp}));
+  a.add_peer("t", at(t.engine));
+  const Buffer src = a.allocate_memory(64);
+  const Transfer w = xfer(TransferOp::write, src, 0, 64, a.segment("t", "kv"), 0);
+  Batch b = a.submit({&w, 1});
+  ASSERT_TRUE(b.wait(20s));
+  EXPECT_EQ(b.result(0).status, TransferStatus::connect_failed);
+  EXPECT_NE(b.result(0).reason.find("no transport both engines offer"), std::string::npos) << b.result(0).reason;
+  EXPECT_NE(b.result(0).reason.find("tcp not: this engine does not offer it"), std::string::npos) << b.result(0).reason;
+}
+
+// A host without an RDMA device: an engine with no transports listed is refused, naming the
+// setting that runs it anyway; one that lists rdma and tcp runs over tcp, and says why.
+TEST(EngineTransports, AnEngineWithoutRdmaSaysHowToRunAnyway) {
+  bool devices = true;
+  try {
+    devices = !rdmakit::list_devices().empty();
+  } catch (const rdmakit::Error&) {
+    devices = false;
+  }
+  if (devices) GTEST_SKIP() << "this host has an RDMA device";
+  EngineConfig c = config("a");
+  c.transports = {};
+  try {
+    Engine e(c);
+    ADD_FAILURE() << "an engine without transports was built on a host without RDMA";
+  } catch (const rdmakit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--transport tcp"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("EngineConfig::transports"), std::string::npos) << e.what();
+  }
+  c.transports = {Transport::rdma, Transport::tcp};
+  Engine e(c);
+  ASSERT_EQ(e.info().transports, std::vector<std::string>{"tcp"});
+  EXPECT_NE(e.info().transports_note.find("rdma not offered"), std::string::npos) << e.info().transports_note;
+}
+
+// A peer killed mid-batch: what was in flight ends peer_lost (or failed) within seconds, with
+// the peer named; the client goes on with another peer.
+TEST(EngineTransports, APeerKilledMidBatchEndsItAndTheOthersGoOn) {
+  HOST_ONLY();
+  lab::Child peer("engine", "7910", "p");
+  ASSERT_TRUE(peer.ok() && peer.await("ready")) << "FAULT_PEER is the peer program";
+  Target other("o", 1 << 20);
+  Engine a(config("a"));
+  a.add_peer("p", "127.0.0.1:7910");
+  a.add_peer("o", at(other.engine));
+  std::string why;
+  ASSERT_TRUE(a.connect("p", 10s, &why)) << why;
+  const Buffer src = a.allocate_memory(1 << 20);
+  std::vector<Transfer> t;
+  for (int k = 0; k < 2000; ++k) t.push_back(xfer(TransferOp::write, src, 0, 1 << 20, a.segment("p", "kv"), 0));
+  Batch b = a.submit(t);
+  std::this_thread::sleep_for(50ms);
+  const auto t0 = std::chrono::steady_clock::now();
+  peer.kill();
+  ASSERT_TRUE(b.wait(10s)) << "a batch to a killed peer never ended";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_GT(b.failed(), 0u);
+  for (std::uint32_t i = 0; i < t.size(); ++i) {
+    const auto r = b.result(i);
+    if (r.status == TransferStatus::ok) continue;
+    EXPECT_TRUE(r.status == TransferStatus::peer_lost || r.status == TransferStatus::failed ||
+                r.status == TransferStatus::connect_failed)
+        << rdmakit::to_string(r.status) << ": " << r.reason;
+    EXPECT_NE(r.reason.find("'p'"), std::string::npos) << r.reason;
+    break;
+  }
+  const Transfer w = xfer(TransferOp::write, src, 0, 4096, a.segment("o", "kv"), 0);
+  Batch ok = a.submit({&w, 1});
+  ASSERT_TRUE(ok.wait(10s));
+  EXPECT_EQ(ok.failed(), 0u) << ok.describe_failures();
+}
+
+// A peer stopped (SIGSTOP) with transfers in flight: they end within the link's stall bound
+// (ack_timeout x (retry_count + 1), as an RC QP's retries), not never.
+TEST(EngineTransports, AStoppedPeersTransfersEndAtTheStallBound) {
+  HOST_ONLY();
+  lab::Child peer("engine", "7911", "p");
+  ASSERT_TRUE(peer.ok() && peer.await("ready")) << "FAULT_PEER is the peer program";
+  EngineConfig c = config("a");
+  c.link.ack_timeout = 100ms;
+  c.link.retry_count = 2;  // 300 ms, raised to the floor of 500 ms
+  Engine a(c);
+  a.add_peer("p", "127.0.0.1:7911");
+  std::string why;
+  ASSERT_TRUE(a.connect("p", 10s, &why)) << why;
+  const Buffer src = a.allocate_memory(1 << 20);
+  std::vector<Transfer> t;
+  for (int k = 0; k < 200; ++k) t.push_back(xfer(TransferOp::write, src, 0, 1 << 20, a.segment("p", "kv"), 0));
+  ::kill(peer.pid, SIGSTOP);
+  const auto t0 = std::chrono::steady_clock::now();
+  Batch b = a.submit(t);
+  const bool ended = b.wait(10s);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  ::kill(peer.pid, SIGCONT);
+  ASSERT_TRUE(ended) << "transfers to a stopped peer never ended";
+  EXPECT_GE(took, 400ms);
+  EXPECT_LT(took, 5s);
+  EXPECT_GT(b.failed(), 0u);
+  bool named = false;
+  for (std::uint32_t i = 0; i < t.size() && !named; ++i) {
+    named = b.result(i).reason.find("brought nothing for 500 ms") != std::string::npos &&
+            b.result(i).reason.find("tcp link") + b.result(i).reason.find("shm link") != 2 * std::string::npos;
+  }
+  EXPECT_TRUE(named) << b.describe_failures();
+}
+
+// Data streams with a token no handshake waits for, and garbage where a stream's first message
+// belongs: refused, and the engine serves its links as before.
+TEST(EngineTransports, ForgedAndGarbageStreamsAreRefusedAndTheLinksServed) {
+  HOST_ONLY();
+  Target t("t", 1 << 16);
+  Engine a(config("a"));
+  a.add_peer("t", at(t.engine));
+  std::string why;
+  ASSERT_TRUE(a.connect("t", 10s, &why)) << why;
+  const auto to = rdmakit::detail::parse_host_port(at(t.engine), 0);
+  for (int k = 0; k < 3; ++k) {
+    rdmakit::detail::Fd fd = rdmakit::detail::tcp_connect(to, rdmakit::detail::deadline_in(2s));
+    std::array<std::uint8_t, rdmakit::wire::kTokenSize> token{};
+    token.fill(static_cast<std::uint8_t>(k));
+    const auto msg = k < 2 ? rdmakit::wire::encode_stream(token, static_cast<std::uint16_t>(k))
+                           : std::vector<std::uint8_t>(100, 0x5a);
+    rdmakit::detail::send_all(fd.get(), msg, rdmakit::detail::deadline_in(2s));
+    char c = 0;
+    // The listener answers (a REJECT) and closes: it never holds the stream.
+    while (::recv(fd.get(), &c, 1, 0) > 0) {
+    }
+  }
+  const Buffer src = a.allocate_memory(4096);
+  const Transfer w = xfer(TransferOp::write, src, 0, 4096, a.segment("t", "kv"), 0);
+  Batch b = a.submit({&w, 1});
+  ASSERT_TRUE(b.wait(10s));
+  EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
+  EXPECT_EQ(a.counters().reconnects, 0u);
+}
