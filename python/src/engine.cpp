@@ -273,8 +273,11 @@ void bind_engine(py::module_& m) {
                        std::string metadata, std::string cluster, double lease, std::uint32_t rails,
                        std::vector<std::string> rail_devices, std::uint64_t slice_size,
                        std::uint64_t slice_threshold, const std::string& method, std::uint32_t notification_queue,
-                       bool allow_region_keys, const py::object& identity, std::vector<std::string> allowed_peers) {
+                       bool allow_region_keys, const py::object& identity, std::vector<std::string> allowed_peers,
+                       const std::vector<std::string>& transports, std::uint32_t tcp_streams) {
              EngineConfig c;
+             for (const std::string& t : transports) c.transports.push_back(parse_transport(t));
+             c.tcp_streams = tcp_streams;
              c.identity = identity_from(identity);
              c.allowed_peers = std::move(allowed_peers);
              c.link.method = parse_connect_method(method);
@@ -308,6 +311,7 @@ void bind_engine(py::module_& m) {
            py::arg("method") = "tcp", py::arg("notification_queue") = EngineConfig{}.notification_queue,
            py::arg("allow_region_keys") = false, py::arg("identity") = py::none(),
            py::arg("allowed_peers") = std::vector<std::string>{},
+           py::arg("transports") = std::vector<std::string>{}, py::arg("tcp_streams") = EngineConfig{}.tcp_streams,
            "name: as peers know it (default host:pid). listen: \"[host]:port\" (port 0: any; "
            "empty: no listener). workers: progress threads (default one per device). psk: the "
            "pre-shared key, bytes or a key file's path (both ends of a link hold the same). "
@@ -322,7 +326,10 @@ void bind_engine(py::module_& m) {
            "the buffer's own key (access per buffer, no per-peer revocation); otherwise expose() refuses. "
            "identity: an identity file's path (rdmakit keygen --identity, or generate_identity()) or a "
            "32-byte seed: every link proves it (needs psk); info()['public_key'] is what peers pin. "
-           "allowed_peers: who may link here (names, public keys, or NAME=KEY; empty: any holder of psk).")
+           "allowed_peers: who may link here (names, public keys, or NAME=KEY; empty: any holder of psk). "
+           "transports: what links may use, best first: \"rdma\", \"tcp\" (any peer, no RDMA device needed), "
+           "\"shm\" (a peer on this host); a link takes the first this engine lists that the peer lists too "
+           "(default [\"rdma\"]; peers()[i]['transport'] says which, and why). tcp_streams: tcp's data streams per link.")
       .def("close", &close_engine,
            "Closes every link (what is in flight ends) and releases the registered objects.")
       .def("__enter__", [](py::object self) { return self; })
@@ -345,6 +352,8 @@ void bind_engine(py::module_& m) {
              d["memory_windows"] = i.memory_windows;
              d["access_model"] = i.access_model;
              d["public_key"] = i.public_key;
+             d["transports"] = i.transports;
+             d["transports_note"] = i.transports_note;
              d["metadata"] = i.metadata;
              return d;
            })
@@ -436,6 +445,8 @@ void bind_engine(py::module_& m) {
                d["device"] = p.device;
                d["linked"] = p.linked;
                d["public_key"] = p.public_key;
+               d["transport"] = p.transport;
+               d["transport_reason"] = p.transport_reason;
                d["key_source"] = p.key_source;
                py::list rails;
                for (const RailInfo& r : p.rails) {

@@ -277,3 +277,94 @@ TEST(EngineVms, AnImpostorOnTheTargetsAddressIsRefused) {
   EXPECT_GE(same_name, kTries);
   EXPECT_GE(other_name, kTries);
 }
+
+// Three VMs, VM 2 without an RDMA device (its rxe link deleted first, added back at the end):
+// engines that list rdma then tcp reach it over tcp and each other over rdma, each link saying
+// which and why; an engine that lists rdma alone (the default) cannot reach it, and its transfer
+// ends connect_failed saying why. Each VM stays until the others have written to it (a
+// notification from each, after its writes).
+TEST(EngineVms, AVmWithoutRdmaIsReachedOverTcpWhereListed) {
+  const auto ips = lab_ips();
+  ASSERT_EQ(ips.size(), 3u) << "run in a lab of three VMs";
+  const auto me = static_cast<std::size_t>(std::atoi(std::getenv("RDMAKIT_LAB_INDEX")));
+  const std::string dev = std::getenv("RDMAKIT_LAB_DEVICE") != nullptr ? std::getenv("RDMAKIT_LAB_DEVICE") : "rxe0";
+  if (me == 2) {
+    ASSERT_EQ(std::system(("rdma link delete " + dev).c_str()), 0);
+  }
+  struct Restore {
+    bool on;
+    std::string dev;
+    ~Restore() {
+      if (on) (void)std::system(("rdma link add " + dev + " type rxe netdev eth0").c_str());
+    }
+  } restore{me == 2, dev};
+  rdmakit::EngineConfig c;
+  c.name = "vm" + std::to_string(me);
+  c.listen = ":7640";
+  c.link = lab::quiet();
+  c.transports = {rdmakit::Transport::rdma, rdmakit::Transport::tcp};
+  Engine e(c);
+  if (me == 2) {
+    EXPECT_EQ(e.info().transports, std::vector<std::string>{"tcp"});
+    EXPECT_NE(e.info().transports_note.find("rdma not offered"), std::string::npos) << e.info().transports_note;
+  }
+  const Buffer seg = e.allocate_memory(3 * kRegion);
+  e.expose("kv", seg, Access::remote_read | Access::remote_write);
+  const Buffer src = e.allocate_memory(kRegion);
+  for (std::uint64_t i = 0; i < kRegion; ++i) static_cast<std::uint8_t*>(src.addr)[i] = pattern(me, 9, i);
+  for (std::size_t v = 0; v < 3; ++v) {
+    if (v == me) continue;
+    const std::string peer = "vm" + std::to_string(v);
+    e.add_peer(peer, ips[v] + ":7640");
+    const Transfer w{TransferOp::write, src, 0, kRegion, e.segment(peer, "kv"), me * kRegion};
+    rdmakit::SubmitOptions o;
+    o.notify = {static_cast<std::uint8_t>(me)};
+    Batch b = e.submit({&w, 1}, std::move(o));
+    ASSERT_TRUE(b.wait(60s)) << peer;
+    ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
+    for (const auto& p : e.peers()) {
+      if (p.name != peer) continue;
+      const bool tcp = me == 2 || v == 2;
+      EXPECT_EQ(p.transport, tcp ? "tcp" : "rdma") << peer << ": " << p.transport_reason;
+      if (tcp && me != 2) {
+        EXPECT_NE(p.transport_reason.find("rdma"), std::string::npos) << p.transport_reason;
+      }
+    }
+  }
+  if (me == 0) {
+    // rdma alone: no way to VM 2.
+    rdmakit::EngineConfig sc = c;
+    sc.name = "strict";
+    sc.listen = "";
+    sc.transports = {};
+    Engine strict(sc);
+    strict.add_peer("vm2", ips[2] + ":7640");
+    const Buffer one = strict.allocate_memory(64);
+    const Transfer w{TransferOp::write, one, 0, 64, strict.segment("vm2", "kv"), 0};
+    Batch b = strict.submit({&w, 1});
+    ASSERT_TRUE(b.wait(30s));
+    EXPECT_EQ(b.result(0).status, rdmakit::TransferStatus::connect_failed);
+    EXPECT_NE(b.result(0).reason.find("no transport both engines offer"), std::string::npos) << b.result(0).reason;
+  }
+  // Every other VM wrote its region here, then said so.
+  std::vector<bool> told(3, false);
+  told[me] = true;
+  for (const auto until = std::chrono::steady_clock::now() + 60s;
+       std::count(told.begin(), told.end(), true) < 3 && std::chrono::steady_clock::now() < until;) {
+    while (auto n = e.next_notification()) {
+      if (!n->message.empty() && n->message[0] < 3) told[n->message[0]] = true;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_EQ(std::count(told.begin(), told.end(), true), 3) << "notifications from every other VM";
+  for (std::size_t v = 0; v < 3; ++v) {
+    if (v == me) continue;
+    const auto* got = static_cast<const std::uint8_t*>(seg.addr) + v * kRegion;
+    std::uint64_t bad = 0;
+    for (std::uint64_t i = 0; i < kRegion; ++i) bad += got[i] != pattern(v, 9, i);
+    EXPECT_EQ(bad, 0u) << "bytes from vm" << v;
+  }
+  // The others may still be reading what they need from here: a moment before this engine goes.
+  std::this_thread::sleep_for(2s);
+}
+

@@ -88,6 +88,32 @@ TEST(EngineTransports, TheInitiatorsFirstChoiceThatBothOfferIsTaken) {
   EXPECT_NE(p.transport_reason.find("shm"), std::string::npos) << p.transport_reason;
 }
 
+// In a lab VM (an RDMA device here): two engines that both list shm take it, proven on one host;
+// the same pair with shm not listed by the initiator takes rdma. Every byte checked.
+TEST(EngineTransports, InOneVmShmIsTakenUnlessUnlisted) {
+  bool devices = false;
+  try {
+    devices = !rdmakit::list_devices().empty();
+  } catch (const rdmakit::Error&) {
+  }
+  if (!devices || lab::soft_transport()) GTEST_SKIP() << "needs an RDMA device (a lab VM)";
+  Target t("t", 1 << 16, over("t", {Transport::shm, Transport::rdma}));
+  for (const auto& [mine, want] : {std::pair{std::vector<Transport>{Transport::shm, Transport::rdma}, "shm"},
+                                   std::pair{std::vector<Transport>{Transport::rdma}, "rdma"}}) {
+    Engine a(over("a", mine));
+    a.add_peer("t", at(t.engine));
+    const Buffer src = a.allocate_memory(1 << 16);
+    fill(src.addr, src.length, want[0] == 's' ? 5 : 6);
+    const Transfer w = xfer(TransferOp::write, src, 0, 1 << 16, a.segment("t", "kv"), 0);
+    Batch b = a.submit({&w, 1});
+    ASSERT_TRUE(b.wait(10s));
+    EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
+    EXPECT_TRUE(same(t.buf.addr, src.addr, 1 << 16));
+    const rdmakit::PeerInfo p = peer_info(a, "t");
+    EXPECT_EQ(p.transport, want) << p.transport_reason;
+  }
+}
+
 // Nothing in common: the transfer ends connect_failed saying what each side offers; tcp is
 // never taken by an engine that does not list it.
 TEST(EngineTransports, NoTransportInCommonFailsSayingWhat) {
