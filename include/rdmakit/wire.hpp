@@ -10,7 +10,8 @@
 //            qpn u32, psn u32 (each 8 bytes) | regions: addr u64, length u64, rkey u32,
 //            access u32 (each 24 bytes) | with flag bit 1, a transport block: count u8 (1..8) |
 //            transports u8 [count] (1 rdma, 2 tcp, 3 shm) | host [16] | pid u32 |
-//            proof address u64 | proof [32] | token [32] | streams u8
+//            proof address u64 | proof [32] | token [32] | streams u8 | socket length u8
+//            (0..100) | socket name
 // Version 6 adds the transport block (engine links: the client's HELLO lists the transports it
 // offers, best first, the server's names the one it chose; when rdma is not among them the
 // HELLO's QP fields are zero and not read) and STREAM, the first message on a data stream of a
@@ -59,11 +60,13 @@ inline constexpr std::size_t kMaxRegions = 1024;
 /// Most transports a HELLO may list.
 inline constexpr std::size_t kMaxTransports = 8;
 inline constexpr std::size_t kTokenSize = 32;
-inline constexpr std::size_t kTransportBlockSize = 1 + 16 + 4 + 8 + 32 + kTokenSize + 1;  // and one byte per transport
+inline constexpr std::size_t kMaxSocketName = 100;
+// Without the transports (a byte each) and the socket's name.
+inline constexpr std::size_t kTransportBlockSize = 1 + 16 + 4 + 8 + 32 + kTokenSize + 1 + 1;
 inline constexpr std::size_t kStreamSize = kTokenSize + 2;
 /// Largest payload accepted; checked from the header before any payload is read.
 inline constexpr std::size_t kMaxPayload = kHelloFixedSize + (kMaxQps - 1) * kQpSize + kMaxRegions * kRegionSize +
-                                           kTransportBlockSize + kMaxTransports;
+                                           kTransportBlockSize + kMaxTransports + kMaxSocketName;
 /// A SEALED frame carries a whole message (header and payload) and a 16-byte tag.
 inline constexpr std::size_t kMaxSealedPayload = kHeaderSize + kMaxPayload + 16;
 
@@ -107,16 +110,20 @@ enum class LinkTransport : std::uint8_t { rdma = 1, tcp = 2, shm = 3 };
 struct TransportBlock {
   /// The client's: what it offers, best first; the server's: the one it chose.
   std::vector<LinkTransport> kinds;
-  /// shm: the sender's host (its kernel's boot id) and process.
+  /// shm, the client's: where it runs (a hash of its kernel's boot id, network and PID
+  /// namespaces and user: equal only where a local socket reaches and a pid means the same
+  /// process), and its pid (a claim: the server takes the kernel's word, the local socket's).
   std::array<std::uint8_t, 16> host{};
   std::uint32_t pid = 0;
   /// shm, the client's: 32 bytes at this address of its memory hash to `proof` (the server
   /// proves it shares the host, and may copy from this process, by reading them).
   std::uint64_t proof_addr = 0;
   std::array<std::uint8_t, 32> proof{};
-  /// The server's, for tcp and shm: what each data stream presents, and how many the client opens.
+  /// The server's, for tcp and shm: what each data stream presents, and how many the client opens;
+  /// for shm, the local socket (abstract namespace) its stream connects to.
   std::array<std::uint8_t, kTokenSize> token{};
   std::uint8_t streams = 0;
+  std::string socket;
   [[nodiscard]] bool has(LinkTransport t) const noexcept {
     for (LinkTransport k : kinds) {
       if (k == t) return true;

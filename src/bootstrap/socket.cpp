@@ -7,10 +7,13 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <charconv>
+#include <cstddef>
+#include <cstring>
 
 #include <fmt/format.h>
 
@@ -190,6 +193,61 @@ Fd connect_once(const HostPort& to, Deadline deadline, int& last_errno) {
 }
 
 }  // namespace
+
+namespace {
+
+sockaddr_un abstract(const std::string& name, socklen_t& len) {
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  if (name.empty() || name.size() + 1 > sizeof a.sun_path) {
+    throw Error("socket", EINVAL, fmt::format("abstract socket name of {} bytes", name.size()));
+  }
+  a.sun_path[0] = '\0';  // the abstract namespace
+  std::memcpy(a.sun_path + 1, name.data(), name.size());
+  len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return a;
+}
+
+}  // namespace
+
+Fd unix_listen(const std::string& name, int backlog) {
+  socklen_t len = 0;
+  const sockaddr_un a = abstract(name, len);
+  Fd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd) throw Error("socket", errno, "a local listening socket");
+  if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&a), len) != 0) {
+    throw Error("bind", errno, fmt::format("local socket @{}", name));
+  }
+  if (::listen(fd.get(), backlog) != 0) throw Error("listen", errno, fmt::format("local socket @{}", name));
+  return fd;
+}
+
+Fd unix_connect(const std::string& name, Deadline deadline) {
+  socklen_t len = 0;
+  const sockaddr_un a = abstract(name, len);
+  for (;;) {
+    Fd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd) throw Error("socket", errno, "a local socket");
+    if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&a), len) == 0) return fd;
+    // A full backlog answers EAGAIN: the listener takes it in a moment.
+    if (errno != EAGAIN || Clock::now() >= deadline) {
+      throw Error("connect", errno, fmt::format("to local socket @{}", name),
+                  errno == ECONNREFUSED || errno == ENOENT
+                      ? "the engine is not in this network namespace (a container of its own), or it has gone"
+                      : "");
+    }
+    ::poll(nullptr, 0, 5);
+  }
+}
+
+Fd unix_accept(int listen_fd) { return Fd(::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK)); }
+
+int peer_pid(int fd) noexcept {
+  ucred c{};
+  socklen_t len = sizeof c;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &c, &len) != 0 || len != sizeof c) return 0;
+  return c.pid;
+}
 
 Fd tcp_listen(const HostPort& at, int backlog) {
   addrinfo hints{};

@@ -52,6 +52,16 @@ Fd tcp_listen(const HostPort& at, int backlog);
 /// Accepts one connection if one is waiting within `timeout`, else returns an empty Fd.
 Fd tcp_accept(int listen_fd, std::chrono::milliseconds timeout, std::string* peer);
 std::uint16_t local_port(int fd);
+/// A local stream socket in the abstract namespace (`name` without the leading NUL: no file, gone
+/// with the process), listening, non-blocking. One network namespace reaches it.
+Fd unix_listen(const std::string& name, int backlog);
+/// Connects to it by the deadline, or throws Error.
+Fd unix_connect(const std::string& name, Deadline deadline);
+/// Accepts one waiting connection without blocking (empty when none).
+Fd unix_accept(int listen_fd);
+/// The pid of the process at the other end of a local socket, as the kernel knows it (in this
+/// process's PID namespace; 0 when it is not a local socket or has no pid here).
+int peer_pid(int fd) noexcept;
 /// The socket's own IP address, without port ("10.0.0.1", "fe80::1"); empty if unknown.
 std::string local_address(int fd);
 std::string peer_address(int fd);

@@ -118,13 +118,15 @@ std::vector<std::uint8_t> encode_hello(const EndpointInfo& info) {
     throw Error("bootstrap encode", E2BIG,
                 fmt::format("{} regions advertised; at most {}", info.regions.size(), kMaxRegions));
   }
-  if (info.transport && (info.transport->kinds.empty() || info.transport->kinds.size() > kMaxTransports)) {
+  if (info.transport && (info.transport->kinds.empty() || info.transport->kinds.size() > kMaxTransports ||
+                         info.transport->socket.size() > kMaxSocketName)) {
     throw Error("bootstrap encode", EINVAL,
-                fmt::format("{} transports listed (1..{})", info.transport->kinds.size(), kMaxTransports));
+                fmt::format("{} transports listed (1..{}), a socket name of {} bytes (at most {})",
+                            info.transport->kinds.size(), kMaxTransports, info.transport->socket.size(), kMaxSocketName));
   }
   const auto payload = static_cast<std::uint32_t>(
       kHelloFixedSize + info.extra_qps.size() * kQpSize + info.regions.size() * kRegionSize +
-      (info.transport ? kTransportBlockSize + info.transport->kinds.size() : 0));
+      (info.transport ? kTransportBlockSize + info.transport->kinds.size() + info.transport->socket.size() : 0));
   Writer w(kHeaderSize + payload);
   w.bytes(encode_header(MessageType::hello, payload));
   w.u32(info.qpn);
@@ -160,6 +162,8 @@ std::vector<std::uint8_t> encode_hello(const EndpointInfo& info) {
     w.bytes(t.proof);
     w.bytes(t.token);
     w.u8(t.streams);
+    w.u8(static_cast<std::uint8_t>(t.socket.size()));
+    w.bytes({reinterpret_cast<const std::uint8_t*>(t.socket.data()), t.socket.size()});
   }
   return w.take();
 }
@@ -272,12 +276,16 @@ EndpointInfo decode_hello(std::span<const std::uint8_t> payload) {
   }
   const bool block = (info.flags & kFlagTransports) != 0;
   std::size_t want = kHelloFixedSize + (qps - 1u) * kQpSize + std::size_t{count} * kRegionSize;
-  std::size_t kinds = 0;
+  std::size_t kinds = 0, socket = 0;
   if (block) {
     if (payload.size() <= want) reject("truncated HELLO: its transport block is missing");
     kinds = payload[want];
     if (kinds == 0 || kinds > kMaxTransports) reject(fmt::format("absurd transport count {} (1..{})", kinds, kMaxTransports));
     want += kTransportBlockSize + kinds;
+    if (payload.size() < want) reject(fmt::format("truncated HELLO: its transport block needs {} bytes, got {}", want, payload.size()));
+    socket = payload[want - 1];
+    if (socket > kMaxSocketName) reject(fmt::format("absurd socket name length {} (at most {})", socket, kMaxSocketName));
+    want += socket;
   }
   if (payload.size() < want) {
     reject(fmt::format("truncated HELLO: QP count {} and region count {} need {} bytes, got {}", qps, count,
@@ -324,6 +332,12 @@ EndpointInfo decode_hello(std::span<const std::uint8_t> payload) {
     r.bytes(t.proof);
     r.bytes(t.token);
     t.streams = r.u8();
+    (void)r.u8();
+    t.socket.resize(socket);
+    for (char& c : t.socket) {
+      c = static_cast<char>(r.u8());
+      if (c < 0x21 || c > 0x7e) reject("a socket name that is not printable ASCII");
+    }
   }
   if (!info.carries_rdma()) {
     // No QP: the fields are zero, whatever the peer put there.

@@ -38,7 +38,8 @@ std::optional<Connection> Connection::Impl::accept(std::unique_ptr<detail::Chann
       auto* tcp = dynamic_cast<detail::TcpChannel*>(&ch);
       if (!hooks.streams || tcp == nullptr) throw Error("bootstrap", EPROTO, "a data stream to a listener that is not an engine's");
       detail::Fd fd = tcp->take();
-      if (!hooks.streams->deliver(wire::decode_stream(first.payload), fd)) {
+      const int pid = detail::peer_pid(fd.get());  // a local socket's (shm): the kernel's word
+      if (!hooks.streams->deliver(wire::decode_stream(first.payload), fd, pid)) {
         throw Error("data stream", EACCES, "its token is no link's in its handshake here (stale, repeated or forged)");
       }
       return std::nullopt;
@@ -115,7 +116,7 @@ std::optional<Connection> Connection::Impl::accept(std::unique_ptr<detail::Chann
   m.control = std::move(channel);
   m.session = std::move(session);
   if (m.info.remote.transport) {  // an engine link over rdma: the server's HELLO says so
-    m.info.local.transport = hooks.self;
+    m.info.local.transport.emplace();
     m.info.local.transport->kinds = {wire::LinkTransport::rdma};
     m.info.transport_reason = why;
   }
@@ -156,14 +157,14 @@ Connection Connection::Impl::accept_soft(std::unique_ptr<detail::Channel> channe
     detail::send_reject(*m.control, m.session.get(), "the server could not draw a stream token");
     throw Error("getrandom", err, "a data stream token");
   }
-  const auto streams = static_cast<std::uint8_t>(kind == wire::LinkTransport::tcp ? hooks.tcp_streams : 1);
+  const bool shm = kind == wire::LinkTransport::shm;
+  const auto streams = static_cast<std::uint8_t>(shm ? 1 : hooks.tcp_streams);
   wire::EndpointInfo& mine = m.info.local;
-  mine.transport = hooks.self;
+  mine.transport.emplace();  // nothing of this process: the choice, and where the streams go
   mine.transport->kinds = {kind};
-  mine.transport->proof_addr = 0;
-  mine.transport->proof = {};
   mine.transport->token = token;
   mine.transport->streams = streams;
+  if (shm) mine.transport->socket = hooks.shm_socket;
   const char* step = "link";
   try {
     // Its room in a worker's CQ and a QP of the budget first: a busy engine says so before the
@@ -177,10 +178,14 @@ Connection Connection::Impl::accept_soft(std::unique_ptr<detail::Channel> channe
     m.send_control(wire::MessageType::hello, std::span(hello).subspan(wire::kHeaderSize), deadline);
     m.trace_hello("hello_sent", mine);
     step = "data streams";
-    std::vector<detail::Fd> fds = hooks.streams->wait(token, deadline, peer);
+    int pid = 0;
+    std::vector<detail::Fd> fds = hooks.streams->wait(token, deadline, peer, &pid);
     step = "link";
     m.info.remote = std::move(remote);
-    m.open_soft(kind, std::move(fds), kind == wire::LinkTransport::shm ? static_cast<int>(m.info.remote.transport->pid) : 0);
+    // shm: the process the kernel names at the local socket's other end, proven to hold this
+    // session, is the one this side copies from and to (never the pid the HELLO claims).
+    if (shm) verify_host(*m.info.remote.transport, pid, m.session.get());
+    m.open_soft(kind, std::move(fds), shm ? pid : 0, false);
     m.info.transport_reason = why;
     // The link is whole here: READY tells the client (which waits for it, not the other way
     // round as on RDMA, where the client's QP is the last to be ready).

@@ -78,9 +78,14 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
         step = "HELLO exchange";
         if (engine_link) {
           // An engine link: the transports this side offers, best first; the server chooses.
-          m.info.local.transport = hooks.self;
+          m.info.local.transport.emplace();
           m.info.local.transport->kinds = hooks.transports;
-          if (m.info.local.transport->has(wire::LinkTransport::shm)) m.prove_host(*m.info.local.transport);
+          // Where this process runs and its proof, only for a server that may take shm.
+          if (m.info.local.transport->has(wire::LinkTransport::shm)) {
+            m.info.local.transport->host = hooks.self.host;
+            m.info.local.transport->pid = hooks.self.pid;
+            m.prove_host(*m.info.local.transport);
+          }
         }
         const auto hello = wire::encode_hello(m.info.local);
         m.send_control(wire::MessageType::hello, std::span(hello).subspan(wire::kHeaderSize), deadline);

@@ -88,16 +88,18 @@ class StreamRegistry {
   using Token = std::array<std::uint8_t, wire::kTokenSize>;
   /// The server's handshake expects `n` streams presenting `token` (a fresh random one).
   void expect(const Token& token, std::uint32_t n);
-  /// A stream arrived: taken (true) when a handshake expects it and has no stream of that index.
-  bool deliver(const wire::StreamHello& hello, Fd& fd);
+  /// A stream arrived (from process `pid`, as a local socket's kernel says; 0 over TCP): taken
+  /// (true) when a handshake expects it and has no stream of that index.
+  bool deliver(const wire::StreamHello& hello, Fd& fd, int pid);
   /// The streams, in index order, once all `n` came; throws Error at the deadline. Forgets the
-  /// token either way.
-  std::vector<Fd> wait(const Token& token, Deadline deadline, const std::string& peer);
+  /// token either way. `pid`: the first stream's peer process (0: not a local socket).
+  std::vector<Fd> wait(const Token& token, Deadline deadline, const std::string& peer, int* pid = nullptr);
   void forget(const Token& token) noexcept;
 
  private:
   struct Pending {
     std::vector<Fd> fds;
+    std::vector<int> pids;
     std::uint32_t got = 0;
   };
   std::mutex mu_;
@@ -105,7 +107,8 @@ class StreamRegistry {
   std::map<Token, Pending> pending_;
 };
 
-/// This process for shm: its host (the kernel's boot id) and pid, in a transport block.
+/// This process for shm: where it runs (a hash of the kernel's boot id, its network and PID
+/// namespaces and its user) and its pid, in a transport block.
 wire::TransportBlock this_host();
 
 /// The library's own hooks into a handshake, for the doctor (which explains a failed connection
@@ -124,9 +127,12 @@ struct HandshakeHooks {
   /// Why each transport this side does not offer is not (for the server's refusal, the client's log).
   std::string transports_note;
   std::uint8_t tcp_streams = 2;
-  /// This process, for shm: its host's boot id and its pid (this_host()).
+  /// This process, for shm: where it runs and its pid (this_host()).
   wire::TransportBlock self;
   std::shared_ptr<StreamRegistry> streams;
+  /// A server that offers shm: the local socket (abstract namespace) its shm streams connect to,
+  /// so the kernel names the client's process (SO_PEERCRED) rather than the client itself.
+  std::string shm_socket;
   /// What a tcp or shm link's queue pair is built on: the engine's device and a worker's CQ.
   std::function<Attachment(wire::LinkTransport)> attach_soft;
 };
@@ -236,7 +242,7 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   /// An engine link of the tcp or shm transport (soft.cpp): its queue pair over `streams` on
   /// the engine's software device, and the data path on it. `peer_pid`: shm, the process whose
   /// memory this side copies from and to. Drops RDMA QPs built before the choice was known.
-  void open_soft(wire::LinkTransport kind, std::vector<detail::Fd> streams, int peer_pid);
+  void open_soft(wire::LinkTransport kind, std::vector<detail::Fd> streams, int peer_pid, bool cma);
   /// The client of an engine link: the transport the server's HELLO names (one this side
   /// offered, else Error), with why it is that one.
   wire::LinkTransport chosen_transport(const wire::EndpointInfo& remote);
@@ -253,10 +259,10 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   /// memory, and with no key its hash); with a key, the proof is derived from the session, so
   /// no other process's memory can hold it.
   void prove_host(wire::TransportBlock& t);
-  /// shm, the server: whether the client that sent `t` on `session` shares this host and lets
-  /// this process copy from and to its memory: its proof, read there by cross-memory attach.
-  [[nodiscard]] static bool same_host(const wire::TransportBlock& mine, const wire::TransportBlock& t,
-                                      const detail::Session* session) noexcept;
+  /// shm, the server: that process `pid` (the kernel's word, from the local socket its stream
+  /// came on) holds this link's session: its proof, read by cross-memory attach where the HELLO
+  /// `t` says it lies. Throws Error saying why not.
+  static void verify_host(const wire::TransportBlock& t, int pid, const detail::Session* session);
   void connected() noexcept;
   /// Counts `bytes` about to be pinned against the listener's handshake budget (Setup only).
   void charge(std::uint64_t bytes);

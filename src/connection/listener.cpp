@@ -118,6 +118,7 @@ struct Listener::Impl {
   std::shared_ptr<PeerCounts> established = std::make_shared<PeerCounts>();
   Connection::Setup setup;
   detail::Fd fd;                          // TCP: the listening socket
+  detail::Fd local;                       // an engine's shm streams: its local socket (HandshakeHooks::shm_socket)
   std::unique_ptr<detail::CmListener> cm;  // rdma_cm: the listening id
   std::uint16_t port = 0;
   std::mutex mu;
@@ -244,14 +245,14 @@ void Listener::Impl::accept_loop() noexcept {
     std::shared_ptr<Arrival> client;
     try {
       // No timeout: an idle listener does not wake (a client, a finished handshake or stop do).
-      pollfd p[2] = {{cm ? cm->fd() : fd.get(), POLLIN, 0}, {wake.get(), POLLIN, 0}};
-      if (::poll(p, 2, -1) < 0 && errno != EINTR) throw Error("poll", errno, "the listener's socket");
+      pollfd p[3] = {{cm ? cm->fd() : fd.get(), POLLIN, 0}, {wake.get(), POLLIN, 0}, {local ? local.get() : -1, POLLIN, 0}};
+      if (::poll(p, 3, -1) < 0 && errno != EINTR) throw Error("poll", errno, "the listener's socket");
       if ((p[1].revents & POLLIN) != 0) {
         std::uint64_t n = 0;
         (void)!::read(wake.get(), &n, sizeof n);
       }
       reap(false);
-      if ((p[0].revents & POLLIN) == 0) continue;
+      if ((p[0].revents & POLLIN) == 0 && (p[2].revents & POLLIN) == 0) continue;
       for (auto& a : arrivals()) {
         client = std::move(a);
         if (client->cm && !client->cm->invalid().empty()) {
@@ -291,6 +292,15 @@ std::vector<std::shared_ptr<Arrival>> Listener::Impl::arrivals() {
   auto a = std::make_shared<Arrival>();
   a->tcp = detail::tcp_accept(fd.get(), std::chrono::milliseconds{0}, &a->peer);
   if (a->tcp) out.push_back(std::move(a));
+  if (local) {
+    // A stream of a shm link: its handshake reads one STREAM message, as over TCP.
+    auto u = std::make_shared<Arrival>();
+    u->tcp = detail::unix_accept(local.get());
+    if (u->tcp) {
+      u->peer = fmt::format("local process {}", detail::peer_pid(u->tcp.get()));
+      out.push_back(std::move(u));
+    }
+  }
   return out;
 }
 
@@ -340,6 +350,7 @@ Listener::Listener(std::unique_ptr<Impl> impl, const std::string& address, Liste
     impl_->fd = detail::tcp_listen(detail::parse_host_port(address, 0), 128);
     impl_->port = detail::local_port(impl_->fd.get());
   }
+  if (!impl_->hooks.shm_socket.empty()) impl_->local = detail::unix_listen(impl_->hooks.shm_socket, 128);
   try {
     impl_->devices = detail::DeviceLayer::acquire();
   } catch (const std::exception&) {

@@ -2,6 +2,7 @@
 // client offers, the data streams a link's handshake waits for, and the link's software queue
 // pair (src/transport/soft/) with the data path on it.
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -27,28 +28,31 @@ void StreamRegistry::expect(const Token& token, std::uint32_t n) {
   Pending& p = pending_[token];
   p.fds.clear();
   p.fds.resize(n);
+  p.pids.assign(n, 0);
   p.got = 0;
 }
 
-bool StreamRegistry::deliver(const wire::StreamHello& hello, Fd& fd) {
+bool StreamRegistry::deliver(const wire::StreamHello& hello, Fd& fd, int pid) {
   {
     std::lock_guard lock(mu_);
     const auto it = pending_.find(hello.token);
     if (it == pending_.end() || hello.index >= it->second.fds.size() || it->second.fds[hello.index]) return false;
     it->second.fds[hello.index] = std::move(fd);
+    it->second.pids[hello.index] = pid;
     ++it->second.got;
   }
   cv_.notify_all();
   return true;
 }
 
-std::vector<Fd> StreamRegistry::wait(const Token& token, Deadline deadline, const std::string& peer) {
+std::vector<Fd> StreamRegistry::wait(const Token& token, Deadline deadline, const std::string& peer, int* pid) {
   std::unique_lock lock(mu_);
   const auto it = pending_.find(token);
   if (it == pending_.end()) throw Error("data streams", EINVAL, "no handshake waits for them");
   const bool all = cv_.wait_until(lock, deadline, [&] { return it->second.got == it->second.fds.size(); });
   const std::size_t want = it->second.fds.size(), got = it->second.got;
   std::vector<Fd> fds = std::move(it->second.fds);
+  if (pid != nullptr) *pid = it->second.pids.empty() ? 0 : it->second.pids[0];
   pending_.erase(it);
   if (!all) {
     throw Error("data streams", ETIMEDOUT,
@@ -67,16 +71,18 @@ void StreamRegistry::forget(const Token& token) noexcept {
 wire::TransportBlock this_host() {
   wire::TransportBlock t;
   t.pid = static_cast<std::uint32_t>(::getpid());
-  // The kernel's boot id: a uuid, new at every boot, the same in every container of the host.
+  // Equal for two processes only on one kernel (its boot id), in one network namespace (a local
+  // socket reaches), one PID namespace (a pid names the same process) and as one user (one may
+  // copy from the other): a hash, so nothing of it is readable from the HELLO.
+  std::string what;
   std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string text;
-  std::getline(in, text);
-  std::size_t k = 0;
-  for (std::size_t i = 0; i + 1 < text.size() && k < t.host.size(); ++i) {
-    if (text[i] == '-') continue;
-    t.host[k++] = static_cast<std::uint8_t>(std::stoi(text.substr(i, 2), nullptr, 16));
-    ++i;
+  std::getline(in, what);
+  struct stat st{};
+  for (const char* ns : {"/proc/self/ns/net", "/proc/self/ns/pid"}) {
+    what += ::stat(ns, &st) == 0 ? fmt::format("|{}:{}", st.st_dev, st.st_ino) : std::string("|?");
   }
+  what += fmt::format("|uid {}", ::geteuid());
+  crypto_generichash(t.host.data(), t.host.size(), reinterpret_cast<const unsigned char*>(what.data()), what.size(), nullptr, 0);
   return t;
 }
 
@@ -85,6 +91,7 @@ wire::TransportBlock this_host() {
 std::optional<wire::LinkTransport> Connection::Impl::choose_transport(const detail::HandshakeHooks& hooks,
                                                                       const wire::TransportBlock& offer,
                                                                       const detail::Session* session, std::string& why) {
+  (void)session;
   // The first the client prefers that this side offers and can use: the client's order wins.
   std::string passed;
   for (const wire::LinkTransport k : offer.kinds) {
@@ -92,8 +99,8 @@ std::optional<wire::LinkTransport> Connection::Impl::choose_transport(const deta
     std::string no;
     if (std::find(hooks.transports.begin(), hooks.transports.end(), k) == hooks.transports.end()) {
       no = "this engine does not offer it";
-    } else if (k == wire::LinkTransport::shm && !same_host(hooks.self, offer, session)) {
-      no = "not on this host, or its memory cannot be reached from here (another PID namespace, ptrace restricted)";
+    } else if (k == wire::LinkTransport::shm && (offer.host != hooks.self.host || hooks.shm_socket.empty())) {
+      no = "not on this host as this engine sees it (another host, container, PID or network namespace, or user)";
     }
     if (no.empty()) {
       why = passed.empty() ? fmt::format("{}: the initiator's first choice, offered here too", name)
@@ -139,21 +146,27 @@ void Connection::Impl::prove_host(wire::TransportBlock& t) {
   t.proof_addr = reinterpret_cast<std::uint64_t>(shm_proof.data());
 }
 
-bool Connection::Impl::same_host(const wire::TransportBlock& mine, const wire::TransportBlock& t,
-                                 const detail::Session* session) noexcept {
-  if (t.host != mine.host || t.pid == 0 || t.proof_addr == 0 || t.pid > static_cast<std::uint32_t>(INT32_MAX)) return false;
+void Connection::Impl::verify_host(const wire::TransportBlock& t, int pid, const detail::Session* session) {
+  if (pid <= 0) {
+    throw Error("shm", EACCES, "the link's stream did not come over this engine's local socket, so no process is known to "
+                               "copy from");
+  }
   std::array<std::uint8_t, 32> got{};
   iovec local{got.data(), got.size()};
   iovec remote{reinterpret_cast<void*>(t.proof_addr), got.size()};
-  if (::process_vm_readv(static_cast<pid_t>(t.pid), &local, 1, &remote, 1, 0) != static_cast<ssize_t>(got.size())) {
-    return false;
+  if (::process_vm_readv(pid, &local, 1, &remote, 1, 0) != static_cast<ssize_t>(got.size())) {
+    const int err = errno;
+    throw Error("process_vm_readv", err, fmt::format("reading the shm proof of process {}", pid),
+                err == EPERM ? "this process may not read the peer's memory (another user, or Yama's ptrace_scope)" : "");
   }
   const std::array<std::uint8_t, 32> want = session != nullptr ? session_proof(*session) : t.proof;
   const std::array<std::uint8_t, 32> seen = session != nullptr ? got : hash_of(got);
-  return sodium_memcmp(want.data(), seen.data(), want.size()) == 0;
+  if (sodium_memcmp(want.data(), seen.data(), want.size()) != 0) {
+    throw Error("shm", EACCES, fmt::format("process {} (at the local socket's other end) does not hold this link's session", pid));
+  }
 }
 
-void Connection::Impl::open_soft(wire::LinkTransport kind, std::vector<detail::Fd> streams, int peer_pid) {
+void Connection::Impl::open_soft(wire::LinkTransport kind, std::vector<detail::Fd> streams, int peer_pid, bool cma) {
   if (!hooks.attach_soft) throw Error("link", EINVAL, "a tcp or shm link outside an engine");
   // QPs built in case the choice was rdma go (with their room in the worker's CQ).
   if (!qps.empty()) {
@@ -163,7 +176,10 @@ void Connection::Impl::open_soft(wire::LinkTransport kind, std::vector<detail::F
     for (MemoryRegion& r : regions) MemoryRegion::Impl::deregister(r);
     regions.clear();
   }
-  if (attached.soft_cq == nullptr) attached = hooks.attach_soft(kind);
+  if (attached.soft_cq == nullptr) {
+    attached = detail::Attachment{};  // the RDMA attachment's CQ room and QP of the budget go first
+    attached = hooks.attach_soft(kind);
+  }
   dev.reset();
   detail::soft::QpConfig qc;
   qc.send_depth = cfg.send_depth;
@@ -171,6 +187,7 @@ void Connection::Impl::open_soft(wire::LinkTransport kind, std::vector<detail::F
   if (::getrandom(&qpn, sizeof qpn, GRND_NONBLOCK) != sizeof qpn) qpn = 0;
   qc.qp_num = (qpn & 0xffffffu) | 1u;  // a name for messages only
   qc.peer_pid = peer_pid;
+  qc.cma = cma;
   // As an RC QP gives up on a peer that stops answering: its ACK timeout times its retries.
   qc.stall_timeout = std::max(std::chrono::milliseconds{500}, timeouts.ack_timeout * (timeouts.retry_count + 1));
   // What fails the queue pair on its own (a stream that broke, garbage) breaks the link, as a
@@ -236,15 +253,21 @@ void Connection::Impl::open_streams(const detail::HostPort& to, wire::EndpointIn
   if (cfg.method != ConnectMethod::tcp) {
     throw Error("data streams", EPROTONOSUPPORT, "a tcp or shm link bootstraps over TCP (link.method tcp)");
   }
+  const bool shm = chosen == wire::LinkTransport::shm;
+  if (shm && (t.streams != 1 || t.socket.empty())) {
+    throw Error("bootstrap handshake", EPROTO, "the peer chose shm without naming its local socket");
+  }
   std::vector<detail::Fd> fds;
   for (std::uint16_t k = 0; k < t.streams; ++k) {
-    detail::Fd fd = detail::tcp_connect(to, deadline, false);
+    // shm's stream is a local socket, so the server learns this process from the kernel.
+    detail::Fd fd = shm ? detail::unix_connect(t.socket, deadline) : detail::tcp_connect(to, deadline, false);
     detail::send_all(fd.get(), wire::encode_stream(t.token, k), deadline);
     fds.push_back(std::move(fd));
   }
   info.remote = std::move(remote);
   const std::string reason = std::move(info.transport_reason);
-  open_soft(chosen, std::move(fds), chosen == wire::LinkTransport::shm ? static_cast<int>(info.remote.transport->pid) : 0);
+  // This side only asks (its frames carry its addresses); it never copies for the peer.
+  open_soft(chosen, std::move(fds), 0, shm);
   info.transport_reason = reason;
 }
 

@@ -148,6 +148,9 @@ void Engine::Impl::start_listening() {
   if (listener || cfg.listen.empty()) return;
   ListenerConfig lc(cfg.link);
   lc.max_pending = std::max<std::uint32_t>(lc.max_pending, 256);
+  // A tcp link's data streams are handshakes of their own (one message each): room for a few
+  // links of one host being set up at once.
+  lc.max_handshakes_per_peer = std::max<std::uint32_t>(lc.max_handshakes_per_peer, 4 * (cfg.tcp_streams + 1));
   listener = detail::listen_with_hooks(cfg.listen, std::move(lc), hooks(nullptr),
                                       [this](Connection c) noexcept { adopt(std::move(c)); });
   listen_port.store(listener->port(), std::memory_order_release);
@@ -259,6 +262,7 @@ detail::HandshakeHooks Engine::Impl::hooks(Worker* preferred) {
   h.tcp_streams = static_cast<std::uint8_t>(cfg.tcp_streams);
   h.self = self;
   h.streams = streams;
+  h.shm_socket = shm_socket;
   h.attach_soft = [this, preferred](wire::LinkTransport k) { return attach_soft(k, preferred); };
   return h;
 }

@@ -579,6 +579,7 @@ struct Engine::Impl {
   std::array<std::unique_ptr<detail::soft::Device>, 2> soft;
   wire::TransportBlock self;
   std::shared_ptr<detail::StreamRegistry> streams;
+  std::string shm_socket;  // offering shm: the local socket its links' streams come to
   /// Resolves cfg.transports into `offer` (constructor; after the device layer).
   void choose_transports();
   [[nodiscard]] std::uint32_t device_count() const noexcept { return rdma_count + 2; }

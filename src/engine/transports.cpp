@@ -2,8 +2,12 @@
 // software devices of tcp and shm and a worker's CQ on them, and its buffers as those links
 // reach them. The choice per link is made in the handshake (src/connection/soft.cpp); the links
 // then run the one data path whatever their transport.
+#include <sys/uio.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
+#include <fstream>
 #include <optional>
 
 #include <fmt/format.h>
@@ -32,6 +36,14 @@ Transport parse_transport(std::string_view text) {
 }
 
 namespace {
+
+// /proc/sys/kernel/yama/ptrace_scope (0 without Yama): at 1 and above, cross-memory attach
+// reaches only a process's descendants.
+int yama_scope() {
+  std::ifstream in("/proc/sys/kernel/yama/ptrace_scope");
+  int v = 0;
+  return in >> v ? v : 0;
+}
 
 wire::LinkTransport on_wire(Transport t) {
   switch (t) {
@@ -80,6 +92,9 @@ void Engine::Impl::choose_transports() {
       no = no_rdma;
     } else if (t != Transport::rdma && cfg.link.method != ConnectMethod::tcp) {
       no = "its links bootstrap over TCP, and link.method is rdma_cm";
+    } else if (t == Transport::shm && yama_scope() > 0) {
+      no = fmt::format("Yama's ptrace_scope is {}: no process may copy from another here (but its descendants)",
+                       yama_scope());
     }
     if (no.empty()) {
       offer.push_back(on_wire(t));
@@ -88,6 +103,15 @@ void Engine::Impl::choose_transports() {
     }
   }
   if (offer.empty()) throw Error("engine", ENODEV, fmt::format("no transport to offer: {}", offer_note));
+  if (std::find(offer.begin(), offer.end(), wire::LinkTransport::rdma) == offer.end() && rdma_count > 0) {
+    // Not offered: no PD, no registration, no worker's CQ on the NICs (memory is not pinned on
+    // every NIC for transports that never use one).
+    layer = std::make_shared<detail::DeviceLayer>();
+    rdma_count = 0;
+  }
+  if (std::find(offer.begin(), offer.end(), wire::LinkTransport::shm) != offer.end()) {
+    shm_socket = fmt::format("rdmakit-shm-{:016x}", epoch);
+  }
   if (!offer_note.empty()) cfg.link.log(fmt::format("engine {}: {}", name, offer_note));
   soft[0] = std::make_unique<detail::soft::Device>("tcp");
   soft[1] = std::make_unique<detail::soft::Device>("shm");
@@ -104,10 +128,29 @@ ibv_pd* Engine::Impl::pd_of(std::uint32_t d) const noexcept {
   return d < rdma_count ? pds[d]->pd.get() : soft[d - rdma_count]->pd();
 }
 
+namespace {
+
+// Whether the CPU reaches [addr, +len): a GPU pointer registered by address (cudaMalloc memory
+// where nvidia-peermem lets a NIC take it) is no CPU address, and copying it would fault. The
+// kernel says so without a fault: a copy of its first and last byte into this process.
+bool cpu_reaches(const void* addr, std::size_t len) {
+  if (addr == nullptr || len == 0) return false;
+  char probe[2];
+  for (std::size_t at : {std::size_t{0}, len - 1}) {
+    iovec local{probe, 1};
+    iovec remote{const_cast<char*>(static_cast<const char*>(addr)) + at, 1};
+    if (::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0) != 1) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 void Engine::Impl::soft_slices(detail::BufferRec& rec) const {
   if (!rec.soft) {
     // The CPU's view of the bytes: none for GPU memory (those links then refuse its transfers).
     void* cpu = rec.regions.empty() ? rec.handle.addr : rec.regions[0]->data();
+    if (!cpu_reaches(cpu, rec.handle.length)) cpu = nullptr;
     auto impl = std::make_unique<MemoryRegion::Impl>();
     impl->addr = cpu;
     impl->cpu = cpu;

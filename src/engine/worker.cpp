@@ -72,10 +72,16 @@ Worker::Worker(Engine::Impl& e, std::uint32_t index) : e_(e), index_(index) {
     add_fd(epoll_.get(), devices[d]->async_fd(), kAsync + d);
     cqs_.push_back(std::move(q));
   }
-  // The software transports' CQs (tcp, shm): their links are bounded by the QP budget alone.
+  // The software transports' CQs (tcp, shm), for those offered (none where the engine is RDMA's
+  // alone): their links are bounded by the QP budget and the router's tags.
   for (std::uint32_t d = e.rdma_count; d < e.device_count(); ++d) {
+    const auto kind = d == e.soft_index(wire::LinkTransport::tcp) ? wire::LinkTransport::tcp : wire::LinkTransport::shm;
+    if (std::find(e.offer.begin(), e.offer.end(), kind) == e.offer.end()) {
+      cqs_.push_back(nullptr);
+      continue;
+    }
     auto q = std::make_unique<DeviceCqs>();
-    q->capacity = e.cfg.max_qps;
+    q->capacity = std::min<std::uint32_t>(e.cfg.max_qps, kMaxTags / 2);
     q->soft = std::make_unique<soft::Cq>(*e.soft[d - e.rdma_count], q->capacity * depth);
     q->router.init(q->soft->cq(), 2 * q->capacity);
     add_fd(epoll_.get(), q->soft->fd(), kChannel + d);
@@ -102,7 +108,8 @@ void Worker::post(Command c) {
 }
 
 std::optional<Attachment> Worker::attach(std::uint32_t device) {
-  DeviceCqs& q = *cqs_.at(device);
+  if (cqs_.at(device) == nullptr) return std::nullopt;  // a transport this engine does not offer
+  DeviceCqs& q = *cqs_[device];
   {
     std::lock_guard lock(cq_mu_);
     if (q.links >= q.capacity) return std::nullopt;
@@ -239,7 +246,9 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
 
 int Worker::poll_cqs() noexcept {
   int got = 0;
-  for (auto& q : cqs_) got += q->router.poll([this](DataPath& dp, const Completion& c) { on_completion(dp, c); });
+  for (auto& q : cqs_) {
+    if (q) got += q->router.poll([this](DataPath& dp, const Completion& c) { on_completion(dp, c); });
+  }
   // The links' transfers that completed, each link walked once for all of this poll's
   // completions (on_completion).
   const auto report_every = e_.cfg.idle_after / 4;
@@ -286,7 +295,9 @@ void Worker::sleep(Deadline until) noexcept {
   const Deadline now = Clock::now();
   int ms = 0;
   if (until > now) {
-    for (auto& q : cqs_) (void)ibv_req_notify_cq(q->router.cq(), 0);
+    for (auto& q : cqs_) {
+      if (q) (void)ibv_req_notify_cq(q->router.cq(), 0);
+    }
     // A completion that arrived before arming raises no event: look once more.
     const int got = poll_cqs();
     if (got > 0 || !to_flush_.empty() || has_mail_.load(std::memory_order_acquire)) return;

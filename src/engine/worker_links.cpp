@@ -219,6 +219,9 @@ void Worker::withdraw(const std::string& name) {
       }
       if (!w.bound && w.mw) {
         w.segment.clear();  // its bind completes first; then it goes
+        // A software transport's bind took effect when posted: its key dies now, not when the
+        // completion is taken (its peer's requests are served before that).
+        if (e_.is_soft(l->device)) w.mw.reset();
         ++it;
         continue;
       }

@@ -3,6 +3,7 @@
 // over tcp and shm as over rdma. These run on the host (RDMAKIT_TEST_TRANSPORT=tcp or shm): the
 // choice between tcp and shm needs no RDMA device, and the lab's suites run the rest over rdma.
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 
 #include <chrono>
@@ -153,6 +154,34 @@ TEST(EngineTransports, AnEngineWithoutRdmaSaysHowToRunAnyway) {
   Engine e(c);
   ASSERT_EQ(e.info().transports, std::vector<std::string>{"tcp"});
   EXPECT_NE(e.info().transports_note.find("rdma not offered"), std::string::npos) << e.info().transports_note;
+}
+
+// Memory the CPU cannot reach (a GPU pointer registered by address; a PROT_NONE mapping stands in
+// for it on a host without a GPU) is not moved by tcp or shm, which copy with the CPU: a transfer
+// of it ends invalid, saying why, and a segment of it is offered to no such peer; the process
+// lives on.
+TEST(EngineTransports, MemoryTheCpuCannotReachIsRefusedNotTouched) {
+  HOST_ONLY();
+  void* far = ::mmap(nullptr, 1 << 16, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(far, MAP_FAILED);
+  {
+    EngineConfig tc = config("t");
+    Engine t(tc);
+    t.expose("kv", t.allocate_memory(1 << 16), rdmakit::Access::remote_read | rdmakit::Access::remote_write);
+    t.expose("far", t.register_memory(far, 1 << 16), rdmakit::Access::remote_read | rdmakit::Access::remote_write);
+    Engine a(config("a"));
+    a.add_peer("t", at(t));
+    const Buffer mine = a.register_memory(far, 1 << 16);
+    const Buffer ok = a.allocate_memory(64);
+    const Transfer w[] = {xfer(TransferOp::write, mine, 0, 64, a.segment("t", "kv"), 0),
+                          xfer(TransferOp::write, ok, 0, 64, a.segment("t", "far"), 0)};
+    Batch b = a.submit(w);
+    ASSERT_TRUE(b.wait(10s));
+    EXPECT_EQ(b.result(0).status, TransferStatus::invalid) << b.result(0).reason;
+    EXPECT_NE(b.result(0).reason.find("CPU cannot reach"), std::string::npos) << b.result(0).reason;
+    EXPECT_EQ(b.result(1).status, TransferStatus::no_segment) << b.result(1).reason;
+  }
+  ::munmap(far, 1 << 16);
 }
 
 // A peer killed mid-batch: what was in flight ends peer_lost (or failed) within seconds, with

@@ -56,6 +56,7 @@ struct Pair {
     ca.send_depth = 64;
     ca.qp_num = 1;
     ca.peer_pid = shm ? ::getpid() : 0;
+    ca.cma = shm;
     ca.stall_timeout = stall;
     ca.on_fault = [this](const std::string& why) { a_fault = why; };
     soft::QpConfig cb = ca;
@@ -277,6 +278,25 @@ TEST_P(SoftTransport, APeerThatStopsAnsweringFailsTheLinkAtTheStallTimeout) {
   EXPECT_GE(took, 190ms);
   EXPECT_LT(took, 1500ms);
   EXPECT_NE(p.a_fault.find("brought nothing for 200 ms"), std::string::npos) << p.a_fault;
+}
+
+// shm: a requester that gave up on a stopped peer (its stall timeout) reports its READ failed, and
+// its buffer may be another's from then on: the peer, woken later, must not copy into it. As on
+// RC, nothing touches a failed queue pair's memory.
+TEST_P(SoftTransport, APeerWokenAfterTheRequesterGaveUpDoesNotTouchItsMemory) {
+  Pair p(1, GetParam(), 200ms);
+  const RemoteRegion seg = p.bind(0, 8192, Access::remote_read);
+  std::memset(p.b_mem.data(), 0xab, 8192);
+  p.dpa.set_remote({seg}, false);
+  std::memset(p.a_mem.data(), 0, 64);
+  const LocalSlice all = p.a_region->local();
+  ASSERT_TRUE((p.dpa.post_one<Opcode::read>(all.subslice(0, 64), seg, 0, 0, 0, 0, 1).ok()));
+  Completion c;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - t0 < 3s && p.dpa.poll({&c, 1}) == 0) p.cqa.progress();  // B stopped
+  EXPECT_EQ(c.status, IBV_WC_RETRY_EXC_ERR) << c.describe();
+  p.progress_for(200ms);  // B wakes and reads what was sent before A gave up
+  EXPECT_EQ(p.a_mem[0], 0) << "the peer wrote into the requester's memory after it reported the READ failed";
 }
 
 TEST_P(SoftTransport, GarbageOnOneLinksStreamFailsThatLinkOnlyAndTheOthersAreServed) {

@@ -2,6 +2,7 @@
 #include "transport/soft/qp.hpp"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -85,6 +86,7 @@ class Stream final : public Watched {
   std::uint32_t left = 0;
   FrameStatus verdict = FrameStatus::ok;  // a WRITE being received: its answer
   bool held = false;     // a request waits for room to answer it: not reading meanwhile
+  bool closed = false;   // draining (fail(), shm): the peer closed its side
   bool watch_out = false;  // watched for room to send
   bool watch_in = true;
   Deadline last_in = Clock::now();
@@ -140,63 +142,60 @@ Qp::~Qp() {
 
 // --- the requester ---------------------------------------------------------------------------------
 
-int Qp::post_send(ibv_send_wr* wr, ibv_send_wr** bad) noexcept {
-  for (ibv_send_wr* w = wr; w != nullptr; w = w->next) {
-    if (tail_ - head_ == reqs_.size()) {
-      *bad = w;
-      return ENOMEM;
-    }
-    Req r;
-    r.wr_id = w->wr_id;
-    r.signaled = (w->send_flags & IBV_SEND_SIGNALED) != 0;
-    const bool one_sge = w->num_sge == 1 && w->sg_list != nullptr;
-    if (w->num_sge > 1 || (w->num_sge == 1 && w->sg_list == nullptr)) {
-      *bad = w;
-      return EINVAL;  // one SGE per request (the data path is told max_sge 1)
-    }
-    r.laddr = one_sge ? w->sg_list->addr : 0;
-    r.length = one_sge ? w->sg_list->length : 0;
-    switch (w->opcode) {
-      case IBV_WR_RDMA_WRITE:
-      case IBV_WR_RDMA_READ:
-        r.op = w->opcode == IBV_WR_RDMA_WRITE ? (cfg_.peer_pid != 0 ? FrameOp::write_cma : FrameOp::write)
-                                              : (cfg_.peer_pid != 0 ? FrameOp::read_cma : FrameOp::read);
-        r.opcode = w->opcode == IBV_WR_RDMA_WRITE ? IBV_WC_RDMA_WRITE : IBV_WC_RDMA_READ;
-        r.raddr = w->wr.rdma.remote_addr;
-        r.rkey = w->wr.rdma.rkey;
-        break;
-      case IBV_WR_ATOMIC_FETCH_AND_ADD:
-      case IBV_WR_ATOMIC_CMP_AND_SWP:
-        if (r.length != 8 && !error_) {
-          *bad = w;
-          return EINVAL;
-        }
-        r.op = w->opcode == IBV_WR_ATOMIC_FETCH_AND_ADD ? FrameOp::fetch_add : FrameOp::compare_swap;
-        r.opcode = w->opcode == IBV_WR_ATOMIC_FETCH_AND_ADD ? IBV_WC_FETCH_ADD : IBV_WC_COMP_SWAP;
-        r.raddr = w->wr.atomic.remote_addr;
-        r.rkey = w->wr.atomic.rkey;
-        r.arg0 = w->wr.atomic.compare_add;
-        r.arg1 = w->wr.atomic.swap;
-        break;
-      case IBV_WR_BIND_MW:
-        r.opcode = IBV_WC_BIND_MW;
-        r.issued = r.done = true;
-        if (!error_ && !bind(*w)) r.status = IBV_WC_MW_BIND_ERR;
-        break;
-      default:
-        // SEND and WRITE_WITH_IMM have no receiver here; on a queue pair in error anything is
-        // taken (and flushed), as the drain routine's markers are.
-        if (!error_) {
-          *bad = w;
-          return EOPNOTSUPP;
-        }
-        r.opcode = IBV_WC_SEND;
-    }
-    if (error_) {
+int Qp::take(const ibv_send_wr& w) noexcept {
+  if (tail_ - head_ == reqs_.size()) return ENOMEM;
+  Req r;
+  r.wr_id = w.wr_id;
+  r.signaled = (w.send_flags & IBV_SEND_SIGNALED) != 0;
+  const bool one_sge = w.num_sge == 1 && w.sg_list != nullptr;
+  if (w.num_sge > 1 || (w.num_sge == 1 && w.sg_list == nullptr)) return EINVAL;  // one SGE (max_sge 1)
+  r.laddr = one_sge ? w.sg_list->addr : 0;
+  r.length = one_sge ? w.sg_list->length : 0;
+  switch (w.opcode) {
+    case IBV_WR_RDMA_WRITE:
+    case IBV_WR_RDMA_READ:
+      r.op = w.opcode == IBV_WR_RDMA_WRITE ? (cfg_.cma ? FrameOp::write_cma : FrameOp::write)
+                                           : (cfg_.cma ? FrameOp::read_cma : FrameOp::read);
+      r.opcode = w.opcode == IBV_WR_RDMA_WRITE ? IBV_WC_RDMA_WRITE : IBV_WC_RDMA_READ;
+      r.raddr = w.wr.rdma.remote_addr;
+      r.rkey = w.wr.rdma.rkey;
+      break;
+    case IBV_WR_ATOMIC_FETCH_AND_ADD:
+    case IBV_WR_ATOMIC_CMP_AND_SWP:
+      if (r.length != 8 && !error_) return EINVAL;
+      r.op = w.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD ? FrameOp::fetch_add : FrameOp::compare_swap;
+      r.opcode = w.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD ? IBV_WC_FETCH_ADD : IBV_WC_COMP_SWAP;
+      r.raddr = w.wr.atomic.remote_addr;
+      r.rkey = w.wr.atomic.rkey;
+      r.arg0 = w.wr.atomic.compare_add;
+      r.arg1 = w.wr.atomic.swap;
+      break;
+    case IBV_WR_BIND_MW:
+      r.opcode = IBV_WC_BIND_MW;
       r.issued = r.done = true;
-      r.status = IBV_WC_WR_FLUSH_ERR;
+      if (!error_ && !bind(w)) r.status = IBV_WC_MW_BIND_ERR;
+      break;
+    default:
+      // SEND and WRITE_WITH_IMM have no receiver here; on a queue pair in error anything is
+      // taken (and flushed), as the drain routine's markers are.
+      if (!error_) return EOPNOTSUPP;
+      r.opcode = IBV_WC_SEND;
+  }
+  if (error_) {
+    r.issued = r.done = true;
+    r.status = IBV_WC_WR_FLUSH_ERR;
+  }
+  req(tail_++) = r;
+  return 0;
+}
+
+int Qp::post_send(ibv_send_wr* wr, ibv_send_wr** bad) noexcept {
+  int rc = 0;
+  for (ibv_send_wr* w = wr; w != nullptr; w = w->next) {
+    if ((rc = take(*w)) != 0) {
+      *bad = w;  // those before it were taken, and go now
+      break;
     }
-    req(tail_++) = r;
   }
   issue();
   for (auto& s : streams_) {
@@ -207,7 +206,7 @@ int Qp::post_send(ibv_send_wr* wr, ibv_send_wr** bad) noexcept {
     }
   }
   complete_ready();
-  return 0;
+  return rc;
 }
 
 int Qp::post_recv(ibv_recv_wr* wr, ibv_recv_wr** bad) noexcept {
@@ -280,9 +279,17 @@ void Qp::issue() noexcept {
       issue_off_ = 0;
       continue;
     }
-    // The next stream in turn with room for a frame and its answer.
+    // The next stream in turn with room for a frame and its answer; atomics all on the first,
+    // so they stay in the order they were posted, as on one RC QP (WRITEs and READs of several
+    // frames are spread, as a transfer is over rails: docs/engine.md).
     Stream* s = nullptr;
-    for (std::size_t k = 0; k < streams_.size(); ++k) {
+    const bool atomic = r.op == FrameOp::fetch_add || r.op == FrameOp::compare_swap;
+    if (atomic) {
+      Stream& c = *streams_[0];
+      if (c.out_full() || c.owed() >= kRequestFrames) return;
+      s = &c;
+    }
+    for (std::size_t k = 0; k < streams_.size() && s == nullptr; ++k) {
       Stream& c = *streams_[(next_stream_ + k) % streams_.size()];
       if (!c.out_full() && c.owed() < kRequestFrames) {
         s = &c;
@@ -318,7 +325,32 @@ void Qp::issue() noexcept {
   }
 }
 
+void Qp::drain(Stream& s) noexcept {
+  for (;;) {
+    const ssize_t n = ::recv(s.fd.get(), s.stage.data(), s.stage.size(), MSG_DONTWAIT);
+    if (n > 0) continue;
+    if (n < 0 && errno == EINTR) continue;
+    if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+      s.closed = true;  // the peer closed its side: it serves nothing more
+      cq_.unwatch(s.fd.get());
+    }
+    break;
+  }
+  if (std::all_of(streams_.begin(), streams_.end(), [](const auto& o) { return o->closed; })) end_drain();
+}
+
+void Qp::end_drain() noexcept {
+  if (!draining_) return;
+  draining_ = false;
+  for (auto& o : streams_) {
+    (void)::shutdown(o->fd.get(), SHUT_RDWR);
+    if (!o->closed) cq_.unwatch(o->fd.get());
+  }
+  complete_ready();
+}
+
 void Qp::complete_ready() noexcept {
+  if (draining_) return;  // fail(): not before the peer can no longer copy
   while (head_ < tail_) {
     Req& r = req(head_);
     if (!r.done) break;
@@ -368,11 +400,24 @@ void Qp::fail(std::string why, Req* first, bool fault) noexcept {
     cq_.push(wc);
     recvs_.pop_front();
   }
-  // As on RC, the peer's side fails too: it reads the end of each stream.
+  // As on RC, the peer's side fails too: it reads the end of each stream. With shm, requests
+  // the peer has not answered may still be served by it, and they copy into and out of this
+  // process: their completions wait until the peer has closed every stream (it saw the end:
+  // it serves nothing after that), or a second has passed (a peer that sleeps that long sees
+  // the end before anything else when it wakes: responder(), below).
+  const bool answers_owed = std::any_of(streams_.begin(), streams_.end(), [](const auto& o) { return o->owed() > 0; });
+  draining_ = cfg_.cma && started_ && answers_owed;
+  if (draining_) drain_until_ = Clock::now() + std::chrono::milliseconds{1000};
   for (auto& s : streams_) {
+    s->exp_head = s->exp_tail;
+    if (draining_) {
+      (void)::shutdown(s->fd.get(), SHUT_WR);
+      s->held = false;
+      cq_.rewatch(s->fd.get(), s.get(), true, false);
+      continue;
+    }
     (void)::shutdown(s->fd.get(), SHUT_RDWR);
     if (started_) cq_.unwatch(s->fd.get());
-    s->exp_head = s->exp_tail;
   }
   complete_ready();
   if (fault && cfg_.on_fault) {
@@ -467,7 +512,8 @@ bool Qp::serve(Stream& s, const Frame& f) noexcept {
     case FrameOp::write_cma:
     case FrameOp::read_cma: {
       a.status = check(f, op == FrameOp::write_cma ? IBV_ACCESS_REMOTE_WRITE : IBV_ACCESS_REMOTE_READ);
-      if (cfg_.peer_pid == 0) a.status = FrameStatus::invalid;  // not a same-host link
+      if (cfg_.peer_pid <= 0) a.status = FrameStatus::invalid;  // not a side that copies for its peer
+      if (a.status == FrameStatus::ok && f.length != 0 && gave_up(s)) a.status = FrameStatus::remote_op;
       if (a.status == FrameStatus::ok && f.length != 0) {
         iovec mine{at, f.length};
         iovec theirs{reinterpret_cast<void*>(f.arg0), f.length};
@@ -487,6 +533,14 @@ bool Qp::serve(Stream& s, const Frame& f) noexcept {
   o.rkey = f.rkey;
   ++s.answers_queued;
   return true;
+}
+
+bool Qp::gave_up(const Stream& s) const noexcept {
+  // The requester shut its side (it failed, and reported what was outstanding, or is about to):
+  // its memory may be another buffer's by now. The end is seen here before the frames before it
+  // are all read.
+  pollfd p{s.fd.get(), POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
 // --- the streams -----------------------------------------------------------------------------------
@@ -518,7 +572,10 @@ ssize_t Qp::read(Stream& s, void* into, std::size_t want, bool& eof) noexcept {
 }
 
 bool Qp::pump_once(Stream& s) noexcept {
-  if (error_) return false;
+  if (error_) {
+    if (draining_) drain(s);
+    return false;
+  }
   // Reading: headers from the stage; payloads straight into their memory.
   std::size_t taken = 0;
   bool eof = false;
@@ -627,7 +684,7 @@ bool Qp::pump_once(Stream& s) noexcept {
   issue();
   // What issue() queued on the other streams goes now too (they may have nothing to read).
   for (auto& o : streams_) {
-    if (o.get() != &s && !o->out_empty() && !o->watch_out && !error_) (void)send(*o);
+    if (o.get() != &s && !o->out_empty() && !o->watch_out && !error_ && send(*o)) cq_.again(o.get());
   }
   if (error_) return false;
   const bool resume = send(s);
@@ -635,14 +692,16 @@ bool Qp::pump_once(Stream& s) noexcept {
   return resume;
 }
 
-void Qp::peer_closed(Stream& s) noexcept {
-  Req* first = nullptr;
+Qp::Req* Qp::oldest_owed() noexcept {
+  std::uint64_t oldest = tail_;
   for (auto& o : streams_) {
-    if (o->owed() > 0) {
-      first = &req(o->expect[o->exp_head % o->expect.size()].req);
-      break;
-    }
+    if (o->owed() > 0) oldest = std::min(oldest, o->expect[o->exp_head % o->expect.size()].req);
   }
+  return oldest < tail_ ? &req(oldest) : nullptr;
+}
+
+void Qp::peer_closed(Stream& s) noexcept {
+  Req* first = oldest_owed();
   if (first != nullptr && first->status == IBV_WC_SUCCESS) first->status = IBV_WC_RETRY_EXC_ERR;
   fail(fmt::format("the peer closed data stream {} (its process ended, or it closed the link)", s.index), first, true);
 }
@@ -708,12 +767,13 @@ bool Qp::send(Stream& s) noexcept {
 }
 
 void Qp::check_stalls(Deadline now) noexcept {
+  if (draining_ && now >= drain_until_) end_drain();
   if (error_ || now < next_stall_check_) return;
   next_stall_check_ = now + std::chrono::milliseconds{10};
   for (auto& s : streams_) {
     if (s->owed() == 0 || now - s->last_in < cfg_.stall_timeout) continue;
-    Req* first = &req(s->expect[s->exp_head % s->expect.size()].req);
-    if (first->status == IBV_WC_SUCCESS) first->status = IBV_WC_RETRY_EXC_ERR;
+    Req* first = oldest_owed();
+    if (first != nullptr && first->status == IBV_WC_SUCCESS) first->status = IBV_WC_RETRY_EXC_ERR;
     return fail(fmt::format("data stream {} brought nothing for {} ms while {} answers were owed (the peer is stopped, "
                             "hung or unreachable; this side: {} frames to send, {} bytes of the first sent, {})",
                             s->index, cfg_.stall_timeout.count(), s->owed(), s->out_tail - s->out_head, s->out_sent,

@@ -45,8 +45,11 @@ namespace rdmakit::detail::soft {
 struct QpConfig {
   std::uint32_t send_depth = 64;
   std::uint32_t qp_num = 1;
-  /// shm: the peer's process, whose memory the data is copied from and to by cross-memory
-  /// attach (the frames carry addresses, not data). 0: the data travels in the streams.
+  /// shm, the requester: its WRITEs and READs carry this process's addresses, not data (the
+  /// responder copies them by cross-memory attach).
+  bool cma = false;
+  /// shm, the responder: the requester's process, which it copies from and to; 0: it serves no
+  /// such request (tcp, or a side that only asks).
   int peer_pid = 0;
   /// An answer owed for this long on a stream that delivered nothing meanwhile: the peer is
   /// gone (as an RC QP's retries run out).
@@ -104,6 +107,10 @@ class Qp {
     ibv_wc_status status = IBV_WC_SUCCESS;
   };
   Req& req(std::uint64_t seq) noexcept { return reqs_[seq & mask_]; }
+  /// One posted work request into the send queue; an errno when it is refused.
+  int take(const ibv_send_wr& w) noexcept;
+  /// The oldest request an answer is owed for (null: none).
+  Req* oldest_owed() noexcept;
   bool bind(const ibv_send_wr& w) noexcept;
   /// Cuts the posted requests into frames on the streams, as far as they have room.
   void issue() noexcept;
@@ -124,6 +131,11 @@ class Qp {
   /// to answer it may be read now.
   bool send(Stream& s) noexcept;
   void peer_closed(Stream& s) noexcept;
+  /// Failed with shm answers owed: reads `s` to its end (the peer's close), then ends the drain.
+  void drain(Stream& s) noexcept;
+  void end_drain() noexcept;
+  /// The requester at the other end of `s` shut its side (it gave up on what it asked).
+  [[nodiscard]] bool gave_up(const Stream& s) const noexcept;
   /// recv() on `s`: the bytes taken; 0 when there are none now, or the peer closed (`eof`), or
   /// the stream failed (the queue pair did); -1 when interrupted.
   ssize_t read(Stream& s, void* into, std::size_t want, bool& eof) noexcept;
@@ -142,6 +154,8 @@ class Qp {
   std::unordered_map<std::uint32_t, Mw*> windows_;  // by rkey: the windows bound here
   bool error_ = false;
   bool started_ = false;
+  bool draining_ = false;  // failed with shm answers owed: completions wait (fail())
+  Deadline drain_until_{};
   std::string failure_;
   Deadline next_stall_check_{};
 };
