@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <numeric>
@@ -128,6 +129,25 @@ struct Pair {
   std::optional<MemoryRegion> a_region;
   rdmakit::detail::MwPtr mw;
   std::string a_fault, b_fault;
+};
+
+// A queue pair on B's CQ whose peer is the test itself, writing raw bytes (`raw`).
+struct Outsider {
+  explicit Outsider(Pair& p) {
+    int sv[2];
+    EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    raw = Fd(sv[0]);
+    std::vector<Fd> fc;
+    fc.emplace_back(sv[1]);
+    soft::QpConfig cc;
+    cc.qp_num = 3;
+    cc.on_fault = [this](const std::string& why) { fault = why; };
+    qp = std::make_unique<soft::Qp>(p.dev, p.cqb, cc, std::move(fc));
+    qp->start();
+  }
+  Fd raw;
+  std::string fault;
+  std::unique_ptr<soft::Qp> qp;
 };
 
 class SoftTransport : public ::testing::TestWithParam<bool> {};
@@ -303,18 +323,10 @@ TEST_P(SoftTransport, GarbageOnOneLinksStreamFailsThatLinkOnlyAndTheOthersAreSer
   Pair p(1, GetParam());
   const RemoteRegion seg = p.bind(0, 8192, Access::remote_write);
   p.dpa.set_remote({seg}, false);
-  // A third queue pair on B's CQ, whose peer is not an engine.
-  int sv[2];
-  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
-  Fd raw(sv[0]);
-  std::vector<Fd> fc;
-  fc.emplace_back(sv[1]);
-  std::string c_fault;
-  soft::QpConfig cc;
-  cc.qp_num = 3;
-  cc.on_fault = [&](const std::string& why) { c_fault = why; };
-  soft::Qp qc(p.dev, p.cqb, cc, std::move(fc));
-  qc.start();
+  Outsider o(p);  // a third queue pair on B's CQ, whose peer is not an engine
+  soft::Qp& qc = *o.qp;
+  Fd& raw = o.raw;
+  const std::string& c_fault = o.fault;
   std::vector<std::uint8_t> junk(soft::kFrameSize + 7, 0x5a);
   ASSERT_EQ(::write(raw.get(), junk.data(), junk.size()), static_cast<ssize_t>(junk.size()));
   const LocalSlice all = p.a_region->local();
@@ -325,6 +337,33 @@ TEST_P(SoftTransport, GarbageOnOneLinksStreamFailsThatLinkOnlyAndTheOthersAreSer
   EXPECT_NE(c_fault.find("not one"), std::string::npos) << c_fault;
   EXPECT_FALSE(p.qb->in_error());
   EXPECT_EQ(std::memcmp(p.b_mem.data(), p.a_mem.data(), 64), 0);
+}
+
+// Half a header, then the end: the link fails saying the peer closed its stream (nothing waits
+// for the rest of a frame that will never come), and the other links on the CQ are served.
+TEST_P(SoftTransport, ATruncatedFrameThenTheEndFailsThatLinkOnly) {
+  Pair p(1, GetParam());
+  const RemoteRegion seg = p.bind(0, 8192, Access::remote_write);
+  p.dpa.set_remote({seg}, false);
+  Outsider o(p);
+  soft::Qp& qc = *o.qp;
+  Fd& raw = o.raw;
+  const std::string& c_fault = o.fault;
+  std::array<std::uint8_t, soft::kFrameSize> head{};
+  soft::Frame f;
+  f.op = static_cast<std::uint8_t>(soft::FrameOp::write);
+  f.length = 4096;
+  soft::encode(f, head);
+  ASSERT_EQ(::write(raw.get(), head.data(), 20), 20);
+  p.progress_for(20ms);
+  EXPECT_FALSE(qc.in_error()) << "half a header is not yet anything";
+  raw.reset();
+  const LocalSlice all = p.a_region->local();
+  ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(0, 64), seg, 0, 0, 0, 0, 1).ok()));
+  const Completion c = p.next(p.dpa);
+  EXPECT_TRUE(c.ok()) << c.describe();
+  EXPECT_TRUE(qc.in_error());
+  EXPECT_NE(c_fault.find("closed data stream"), std::string::npos) << c_fault;
 }
 
 INSTANTIATE_TEST_SUITE_P(TcpAndShm, SoftTransport, ::testing::Values(false, true),
