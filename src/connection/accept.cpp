@@ -61,7 +61,7 @@ std::optional<Connection> Connection::Impl::accept(std::unique_ptr<detail::Chann
       if (hooks.transports.empty()) {
         throw Error("bootstrap handshake", EPROTO, "the peer offers transports (an engine's link) to a listener that is not an engine's");
       }
-      const auto k = choose_transport(hooks, *remote.transport, session.get(), why);
+      const auto k = choose_transport(hooks, *remote.transport, why);
       if (!k) {
         throw Error("transport", EPROTONOSUPPORT, fmt::format("no transport both engines offer and can use: {}", why),
                     hooks.transports_note);

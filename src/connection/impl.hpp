@@ -253,7 +253,6 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   /// by `hooks`.
   [[nodiscard]] static std::optional<wire::LinkTransport> choose_transport(const detail::HandshakeHooks& hooks,
                                                                          const wire::TransportBlock& offer,
-                                                                         const detail::Session* session,
                                                                          std::string& why);
   /// shm, the client: what its HELLO says of its proof (`t`: where it lies in this process's
   /// memory, and with no key its hash); with a key, the proof is derived from the session, so

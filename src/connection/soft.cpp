@@ -89,9 +89,7 @@ wire::TransportBlock this_host() {
 }  // namespace detail
 
 std::optional<wire::LinkTransport> Connection::Impl::choose_transport(const detail::HandshakeHooks& hooks,
-                                                                      const wire::TransportBlock& offer,
-                                                                      const detail::Session* session, std::string& why) {
-  (void)session;
+                                                                      const wire::TransportBlock& offer, std::string& why) {
   // The first the client prefers that this side offers and can use: the client's order wins.
   std::string passed;
   for (const wire::LinkTransport k : offer.kinds) {
@@ -119,17 +117,17 @@ namespace {
 // but the one holding this session can have in its memory, so a client cannot point the server's
 // cross-memory copies at another process. Without one, a random secret whose hash the HELLO
 // carries (no more than keyless mode gives anyway: anyone who reaches the port is served).
+std::array<std::uint8_t, 32> hash_of(std::span<const std::uint8_t> bytes) {
+  std::array<std::uint8_t, 32> out{};
+  crypto_generichash(out.data(), out.size(), bytes.data(), bytes.size(), nullptr, 0);
+  return out;
+}
+
 std::array<std::uint8_t, 32> session_proof(const detail::Session& s) {
   static constexpr char kLabel[] = "rdmakit shm proof";
   std::array<std::uint8_t, 32> out{};
   crypto_generichash(out.data(), out.size(), reinterpret_cast<const unsigned char*>(kLabel), sizeof kLabel - 1,
                      s.binding().data(), s.binding().size());
-  return out;
-}
-
-std::array<std::uint8_t, 32> hash_of(std::span<const std::uint8_t> bytes) {
-  std::array<std::uint8_t, 32> out{};
-  crypto_generichash(out.data(), out.size(), bytes.data(), bytes.size(), nullptr, 0);
   return out;
 }
 

@@ -300,27 +300,33 @@ std::shared_ptr<void> Engine::Impl::take_qps() {
   return std::make_shared<QpTicket>(&count.qps, per);
 }
 
-detail::Attachment Engine::Impl::attach(const std::string& device, Worker* preferred) {
-  const std::uint32_t d = device_index(device);
+std::optional<detail::Attachment> Engine::Impl::attach_to(std::uint32_t d, Worker* preferred, std::uint32_t first_choice) {
   std::shared_ptr<void> ticket = take_qps();
-  // A worker with room in its CQ there: the preferred one (a peer's own), else round robin.
-  // A link this engine opens belongs to its peer's worker; one a peer opens, to any worker.
+  // A worker with room in its CQ there: the preferred one (a peer's own), else from
+  // `first_choice` round. A link this engine opens belongs to its peer's worker; one a peer
+  // opens, to any worker.
   const auto n = static_cast<std::uint32_t>(workers.size());
-  // With one worker per device, a link a peer opens goes to its device's worker first.
-  const std::uint32_t first = preferred != nullptr          ? preferred->index()
-                              : !cfg.workers.has_value() ? d % n
-                                                          : next_worker.fetch_add(1) % n;
+  const std::uint32_t first = preferred != nullptr ? preferred->index() : first_choice % n;
   for (std::uint32_t k = 0; k < (preferred != nullptr ? 1u : n); ++k) {
     if (auto a = workers[(first + k) % n]->attach(d)) {
-      a->qp_access = detail::kAllRemote;
       // The link holds its room in the CQ and its QP of the budget, each given back when it goes.
       a->keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(a->keep, ticket);
-      return *a;
+      return a;
     }
   }
-  throw Error("engine", EBUSY,
-              fmt::format("{}every worker's CQ on {} is full of links", detail::kBusyReason, device),
-              "add workers, or lower EngineConfig::link.send_depth");
+  return std::nullopt;
+}
+
+detail::Attachment Engine::Impl::attach(const std::string& device, Worker* preferred) {
+  const std::uint32_t d = device_index(device);
+  // With one worker per device, a link a peer opens goes to its device's worker first.
+  auto a = attach_to(d, preferred, preferred != nullptr || !cfg.workers.has_value() ? d : next_worker.fetch_add(1));
+  if (!a) {
+    throw Error("engine", EBUSY, fmt::format("{}every worker's CQ on {} is full of links", detail::kBusyReason, device),
+                "add workers, or lower EngineConfig::link.send_depth");
+  }
+  a->qp_access = detail::kAllRemote;
+  return *a;
 }
 
 void Engine::Impl::request_connect(Peer* p, detail::RailState* rail) {

@@ -718,6 +718,9 @@ struct Engine::Impl {
   detail::Attachment attach(const std::string& device, detail::Worker* preferred);
   /// The same for a link of the tcp or shm transport: a worker's CQ on that software device.
   detail::Attachment attach_soft(wire::LinkTransport kind, detail::Worker* preferred);
+  /// What both take: a QP of the budget, and room in the CQ on device index `d` of `preferred`
+  /// (only), or of the first worker with room from `first_choice` (modulo the workers) on.
+  std::optional<detail::Attachment> attach_to(std::uint32_t d, detail::Worker* preferred, std::uint32_t first_choice);
   /// A QP of the budget (max_qps: a tcp or shm link counts as one), held until the returned
   /// ticket goes; evicts idle links while it waits. Throws a "busy" Error at its deadline.
   std::shared_ptr<void> take_qps();

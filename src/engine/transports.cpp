@@ -163,18 +163,13 @@ void Engine::Impl::soft_slices(detail::BufferRec& rec) const {
 }
 
 detail::Attachment Engine::Impl::attach_soft(wire::LinkTransport kind, detail::Worker* preferred) {
-  const std::uint32_t d = soft_index(kind);
-  std::shared_ptr<void> ticket = take_qps();
-  const auto n = static_cast<std::uint32_t>(workers.size());
-  const std::uint32_t first = preferred != nullptr ? preferred->index() : next_worker.fetch_add(1) % n;
-  for (std::uint32_t k = 0; k < (preferred != nullptr ? 1u : n); ++k) {
-    if (auto a = workers[(first + k) % n]->attach(d)) {
-      a->keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(a->keep, ticket);
-      return *a;
-    }
+  auto a = attach_to(soft_index(kind), preferred, preferred != nullptr ? 0 : next_worker.fetch_add(1));
+  if (!a) {
+    throw Error("engine", EBUSY,
+                fmt::format("{}every worker holds all the {} links it can", detail::kBusyReason, wire::to_string(kind)),
+                "raise EngineConfig::max_qps, or add workers");
   }
-  throw Error("engine", EBUSY, fmt::format("{}every worker holds all the {} links it can", detail::kBusyReason, wire::to_string(kind)),
-              "raise EngineConfig::max_qps, or add workers");
+  return *a;
 }
 
 }  // namespace rdmakit

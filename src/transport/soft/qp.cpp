@@ -701,9 +701,14 @@ Qp::Req* Qp::oldest_owed() noexcept {
 }
 
 void Qp::peer_closed(Stream& s) noexcept {
+  lost_peer(fmt::format("the peer closed data stream {} (its process ended, or it closed the link)", s.index));
+}
+
+void Qp::lost_peer(std::string why) noexcept {
+  // As an RC QP whose retries ran out: the oldest request owed an answer fails with that.
   Req* first = oldest_owed();
   if (first != nullptr && first->status == IBV_WC_SUCCESS) first->status = IBV_WC_RETRY_EXC_ERR;
-  fail(fmt::format("the peer closed data stream {} (its process ended, or it closed the link)", s.index), first, true);
+  fail(std::move(why), first, true);
 }
 
 bool Qp::send(Stream& s) noexcept {
@@ -772,13 +777,11 @@ void Qp::check_stalls(Deadline now) noexcept {
   next_stall_check_ = now + std::chrono::milliseconds{10};
   for (auto& s : streams_) {
     if (s->owed() == 0 || now - s->last_in < cfg_.stall_timeout) continue;
-    Req* first = oldest_owed();
-    if (first != nullptr && first->status == IBV_WC_SUCCESS) first->status = IBV_WC_RETRY_EXC_ERR;
-    return fail(fmt::format("data stream {} brought nothing for {} ms while {} answers were owed (the peer is stopped, "
-                            "hung or unreachable; this side: {} frames to send, {} bytes of the first sent, {})",
-                            s->index, cfg_.stall_timeout.count(), s->owed(), s->out_tail - s->out_head, s->out_sent,
-                            s->watch_out ? "waiting for room" : "nothing waits for room"),
-                first, true);
+    return lost_peer(fmt::format("data stream {} brought nothing for {} ms while {} answers were owed (the peer is "
+                                 "stopped, hung or unreachable; this side: {} frames to send, {} bytes of the first "
+                                 "sent, {})",
+                                 s->index, cfg_.stall_timeout.count(), s->owed(), s->out_tail - s->out_head, s->out_sent,
+                                 s->watch_out ? "waiting for room" : "nothing waits for room"));
   }
 }
 

@@ -131,6 +131,9 @@ class Qp {
   /// to answer it may be read now.
   bool send(Stream& s) noexcept;
   void peer_closed(Stream& s) noexcept;
+  /// The peer is gone (a stream ended, or answered nothing for stall_timeout): the error state,
+  /// the oldest request owed an answer failing as a retry-exhausted one.
+  void lost_peer(std::string why) noexcept;
   /// Failed with shm answers owed: reads `s` to its end (the peer's close), then ends the drain.
   void drain(Stream& s) noexcept;
   void end_drain() noexcept;
