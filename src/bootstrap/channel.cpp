@@ -22,7 +22,7 @@ int whole_seconds(std::chrono::milliseconds d) {
 }  // namespace
 
 void TcpChannel::send_all(std::span<const std::uint8_t> bytes, Deadline deadline) {
-  detail::send_all(fd_.get(), bytes, deadline);
+  detail::send_all(fd_.get(), bytes, deadline, stop_.get());
 }
 
 long TcpChannel::send_some(std::span<const std::uint8_t> bytes, int* error) noexcept {
@@ -30,7 +30,7 @@ long TcpChannel::send_some(std::span<const std::uint8_t> bytes, int* error) noex
 }
 
 void TcpChannel::recv_exact(std::span<std::uint8_t> bytes, Deadline deadline) {
-  detail::recv_exact(fd_.get(), bytes, deadline);
+  detail::recv_exact(fd_.get(), bytes, deadline, stop_.get());
 }
 
 long TcpChannel::recv_nonblocking(std::span<std::uint8_t> buf, int* error) noexcept {

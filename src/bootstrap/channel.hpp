@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 
@@ -46,6 +47,13 @@ class Channel {
   /// The RDMA device the channel resolved the peer to (rdma_cm), or empty (TCP: the caller
   /// picks the device by local_address()).
   [[nodiscard]] virtual std::string device() const { return {}; }
+  /// While set, send_all() and recv_exact() also end (ECANCELED) when `stop` is requested: a
+  /// handshake's waits, so an engine or listener shutting down does not wait out its deadline.
+  /// Cleared (nullptr) once the connection is handed over.
+  void set_stop(std::shared_ptr<const Stop> stop) noexcept { stop_ = std::move(stop); }
+
+ protected:
+  std::shared_ptr<const Stop> stop_;
 };
 
 /// The bootstrap socket as a channel.

@@ -27,17 +27,30 @@ int remaining_ms(Deadline deadline) {
   return left.count() <= 0 ? 0 : static_cast<int>(std::min<long long>(left.count(), 1 << 30));
 }
 
-// Waits for `events` on fd until the deadline; throws ETIMEDOUT naming `what` when it passes.
-void wait_for(int fd, short events, Deadline deadline, const char* what) {
+// Polls fd for `events` (a negative fd: nothing, a sleep) until the deadline or a requested
+// stop: true when fd is ready, false when the deadline passed; a stop throws ECANCELED.
+bool poll_until(int fd, short events, Deadline deadline, const Stop* stop, const char* what) {
   for (;;) {
-    pollfd p{fd, events, 0};
-    const int rc = ::poll(&p, 1, remaining_ms(deadline));
-    if (rc > 0) return;
-    if (rc == 0) {
-      throw Error(what, ETIMEDOUT, "the deadline passed",
-                  "the peer is unreachable, too slow, or not speaking the rdmakit protocol");
+    if (stop != nullptr && stop->requested()) throw stopped_error(what);
+    pollfd p[2] = {{fd, events, 0}, {stop != nullptr ? stop->fd() : -1, POLLIN, 0}};
+    int ms = remaining_ms(deadline);
+    if (stop != nullptr && stop->fd() < 0) ms = std::min(ms, 100);  // no eventfd: check in slices
+    const int rc = ::poll(p, 2, ms);
+    if (rc < 0) {
+      if (errno == EINTR) continue;
+      throw Error("poll", errno, what);
     }
-    if (errno != EINTR) throw Error("poll", errno, what);
+    if (p[1].revents != 0) throw stopped_error(what);
+    if (p[0].revents != 0) return true;
+    if (Clock::now() >= deadline) return false;
+  }
+}
+
+// Waits for `events` on fd until the deadline; throws ETIMEDOUT naming `what` when it passes.
+void wait_for(int fd, short events, Deadline deadline, const char* what, const Stop* stop) {
+  if (!poll_until(fd, events, deadline, stop, what)) {
+    throw Error(what, ETIMEDOUT, "the deadline passed",
+                "the peer is unreachable, too slow, or not speaking the rdmakit protocol");
   }
 }
 
@@ -123,17 +136,17 @@ HostPort parse_host_port(const std::string& text, std::uint16_t default_port) {
 }
 
 namespace {
-Fd connect_once(const HostPort& to, Deadline deadline, int& last_errno);
+Fd connect_once(const HostPort& to, Deadline deadline, const Stop* stop, int& last_errno);
 }  // namespace
 
-Fd tcp_connect(const HostPort& to, Deadline deadline, bool retry_refused) {
+Fd tcp_connect(const HostPort& to, Deadline deadline, bool retry_refused, const Stop* stop) {
   int last_errno = 0;
   for (;;) {
-    if (Fd fd = connect_once(to, deadline, last_errno)) return fd;
+    if (Fd fd = connect_once(to, deadline, stop, last_errno)) return fd;
     if (!retry_refused || last_errno != ECONNREFUSED || Clock::now() + std::chrono::milliseconds{100} >= deadline) {
       break;
     }
-    ::poll(nullptr, 0, 100);
+    (void)poll_until(-1, 0, deadline_in(std::chrono::milliseconds{100}), stop, "connect");
   }
   const char* hint = last_errno == ECONNREFUSED ? "is the server running and listening on that port?"
                      : last_errno == ETIMEDOUT  ? "is the host reachable (routing, firewall)?"
@@ -143,7 +156,7 @@ Fd tcp_connect(const HostPort& to, Deadline deadline, bool retry_refused) {
 
 namespace {
 
-Fd connect_once(const HostPort& to, Deadline deadline, int& last_errno) {
+Fd connect_once(const HostPort& to, Deadline deadline, const Stop* stop, int& last_errno) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -169,11 +182,7 @@ Fd connect_once(const HostPort& to, Deadline deadline, int& last_errno) {
         last_errno = errno;
         continue;
       }
-      pollfd p{fd.get(), POLLOUT, 0};
-      int rc;
-      while ((rc = ::poll(&p, 1, remaining_ms(deadline))) < 0 && errno == EINTR) {
-      }
-      if (rc == 0) {
+      if (!poll_until(fd.get(), POLLOUT, deadline, stop, "connect")) {
         last_errno = ETIMEDOUT;
         continue;
       }
@@ -344,13 +353,13 @@ std::string peer_address(int fd) {
   return sockaddr_text(reinterpret_cast<sockaddr*>(&ss));
 }
 
-void send_all(int fd, std::span<const std::uint8_t> bytes, Deadline deadline) {
+void send_all(int fd, std::span<const std::uint8_t> bytes, Deadline deadline, const Stop* stop) {
   while (!bytes.empty()) {
     const ssize_t n = ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
     if (n > 0) {
       bytes = bytes.subspan(static_cast<size_t>(n));
     } else if (errno == EAGAIN || errno == EINTR) {
-      wait_for(fd, POLLOUT, deadline, "bootstrap send");
+      wait_for(fd, POLLOUT, deadline, "bootstrap send", stop);
     } else {
       // errno first: peer_address() calls getpeername(), which fails (ENOTCONN) on a reset socket.
       const int err = errno;
@@ -360,7 +369,7 @@ void send_all(int fd, std::span<const std::uint8_t> bytes, Deadline deadline) {
   }
 }
 
-void recv_exact(int fd, std::span<std::uint8_t> bytes, Deadline deadline) {
+void recv_exact(int fd, std::span<std::uint8_t> bytes, Deadline deadline, const Stop* stop) {
   const size_t want = bytes.size();
   while (!bytes.empty()) {
     const ssize_t n = ::recv(fd, bytes.data(), bytes.size(), 0);
@@ -381,7 +390,7 @@ void recv_exact(int fd, std::span<std::uint8_t> bytes, Deadline deadline) {
                     "a stalled or truncated message (a slow client, or not an rdmakit peer)");
       }
       try {
-        wait_for(fd, POLLIN, deadline, "bootstrap receive");
+        wait_for(fd, POLLIN, deadline, "bootstrap receive", stop);
       } catch (const Error& e) {
         if (e.sys_errno() != ETIMEDOUT) throw;
       }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/clock.hpp"
+#include "common/stop.hpp"
 #include "rdmakit/wire.hpp"
 
 namespace rdmakit::detail {
@@ -45,8 +46,9 @@ struct HostPort {
 HostPort parse_host_port(const std::string& text, std::uint16_t default_port);
 
 /// Connects to any address of `to` (IPv4 or IPv6), each attempt bounded by the deadline. With
-/// `retry_refused`, a refused connection is retried every 100 ms until the deadline.
-Fd tcp_connect(const HostPort& to, Deadline deadline, bool retry_refused = false);
+/// `retry_refused`, a refused connection is retried every 100 ms until the deadline. A requested
+/// `stop` ends it at once (Error with ECANCELED).
+Fd tcp_connect(const HostPort& to, Deadline deadline, bool retry_refused = false, const Stop* stop = nullptr);
 /// Listens on `at` (an empty host listens on all IPv6 and IPv4 addresses). Non-blocking fd.
 Fd tcp_listen(const HostPort& at, int backlog);
 /// Accepts one connection if one is waiting within `timeout`, else returns an empty Fd.
@@ -74,8 +76,9 @@ std::string sockaddr_text(const sockaddr* sa, bool with_port = true);
 /// sending anything; empty for a name or when there is no route.
 std::string route_source(const HostPort& to);
 
-void send_all(int fd, std::span<const std::uint8_t> bytes, Deadline deadline);
-void recv_exact(int fd, std::span<std::uint8_t> bytes, Deadline deadline);
+/// Both end at the deadline (ETIMEDOUT) or, while they wait, at a requested `stop` (ECANCELED).
+void send_all(int fd, std::span<const std::uint8_t> bytes, Deadline deadline, const Stop* stop = nullptr);
+void recv_exact(int fd, std::span<std::uint8_t> bytes, Deadline deadline, const Stop* stop = nullptr);
 
 /// One framed message (recv_message in channel.hpp reads one).
 struct Message {

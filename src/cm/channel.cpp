@@ -371,6 +371,7 @@ void CmChannel::send_all(std::span<const std::uint8_t> bytes, Deadline deadline)
     const long n = bytes.empty() ? 0 : post_chunk(bytes, &rc);
     if (n < 0) throw Error("ibv_post_send", rc, fmt::format("the rdma_cm control channel to {}", peer_));
     if (n == 0) {
+      if (stop_ && stop_->requested()) throw stopped_error("rdma_cm send");
       if (!wait(deadline)) stalled(bytes.empty() ? "the last chunk was not acknowledged" : "no send slot came free");
       continue;
     }
@@ -412,6 +413,8 @@ void CmChannel::recv_exact(std::span<std::uint8_t> bytes, Deadline deadline) {
       throw Error("rdma_cm receive", err == 0 ? ECONNRESET : err,
                   fmt::format("{} closed the connection after {} of {} bytes", peer_, want - bytes.size(), want),
                   "the peer exited or rejected this connection; see its log");
+    } else if (stop_ && stop_->requested()) {
+      throw stopped_error("rdma_cm receive");
     } else if (!wait(deadline)) {
       throw Error("rdma_cm receive", ETIMEDOUT,
                   fmt::format("{}: {} of {} bytes arrived before the handshake deadline", peer_,

@@ -179,7 +179,7 @@ Connection Connection::Impl::accept_soft(std::unique_ptr<detail::Channel> channe
     m.trace_hello("hello_sent", mine);
     step = "data streams";
     int pid = 0;
-    std::vector<detail::Fd> fds = hooks.streams->wait(token, deadline, peer, &pid);
+    std::vector<detail::Fd> fds = hooks.streams->wait(token, deadline, peer, &pid, hooks.stop.get());
     step = "link";
     m.info.remote = std::move(remote);
     // shm: the process the kernel names at the local socket's other end, proven to hold this

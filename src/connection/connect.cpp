@@ -60,8 +60,9 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
           m.control = detail::cm_connect(to, {config.ack_timeout, config.retry_count, config.rnr_timer}, deadline, config.retry_refused);
         } else {
           step = "TCP connect";
-          m.control = std::make_unique<detail::TcpChannel>(detail::tcp_connect(to, deadline, config.retry_refused));
+          m.control = std::make_unique<detail::TcpChannel>(detail::tcp_connect(to, deadline, config.retry_refused, hooks.stop.get()));
         }
+        m.control->set_stop(hooks.stop);  // cleared once connected
         m.set_keepalive();
         m.session.reset();
         if (m.psk) {

@@ -311,6 +311,9 @@ void Connection::Impl::finish(wire::EndpointInfo remote) {
 
 void Connection::Impl::connected() noexcept {
   state = State::connected;
+  // The stop is for the handshake's waits: a connection's own sends (a BYE at close) have
+  // their own deadlines, and its owner's shutdown must not cut them.
+  if (control) control->set_stop(nullptr);
   // Handed out: what it pinned is its owner's now, not the listener's handshakes'.
   release_budget();
   dp.start();

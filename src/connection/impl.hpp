@@ -92,8 +92,10 @@ class StreamRegistry {
   /// (true) when a handshake expects it and has no stream of that index.
   bool deliver(const wire::StreamHello& hello, Fd& fd, int pid);
   /// The streams, in index order, once all `n` came; throws Error at the deadline. Forgets the
-  /// token either way. `pid`: the first stream's peer process (0: not a local socket).
-  std::vector<Fd> wait(const Token& token, Deadline deadline, const std::string& peer, int* pid = nullptr);
+  /// token either way. `pid`: the first stream's peer process (0: not a local socket). A
+  /// requested `stop` ends it within 100 ms (ECANCELED).
+  std::vector<Fd> wait(const Token& token, Deadline deadline, const std::string& peer, int* pid = nullptr,
+                       const Stop* stop = nullptr);
   void forget(const Token& token) noexcept;
 
  private:
@@ -135,6 +137,9 @@ struct HandshakeHooks {
   std::string shm_socket;
   /// What a tcp or shm link's queue pair is built on: the engine's device and a worker's CQ.
   std::function<Attachment(wire::LinkTransport)> attach_soft;
+  /// Requested when the engine shuts down: a handshake still waiting (a connect retried, a
+  /// silent peer, streams that do not come) ends at once instead of at its deadline.
+  std::shared_ptr<const Stop> stop;
 };
 
 /// A Listener whose handshakes use `hooks` (the engine's), set before any client can arrive,

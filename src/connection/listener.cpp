@@ -125,6 +125,9 @@ struct Listener::Impl {
   std::condition_variable ready_cv;
   std::deque<Connection> ready;  // bounded by cfg.max_pending (with the handshakes running)
   std::atomic<bool> stop{false};
+  // Requested at destruction: a handshake waiting for a silent client ends at once, so the
+  // destructor does not wait out handshake_timeout.
+  std::shared_ptr<detail::Stop> stopping = std::make_shared<detail::Stop>();
   // Wakes the accept loop (which otherwise sleeps until a client comes): to stop, and when a
   // handshake thread ends, so it is joined at once.
   detail::Fd wake{::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)};
@@ -173,17 +176,21 @@ void Listener::Impl::refuse(Arrival& client, const std::string& why) noexcept {
 void Listener::Impl::serve(const std::shared_ptr<Arrival>& client, std::list<Handshake>& running) {
   const std::string& peer = client->peer;
   const std::string host = peer_group(peer, cfg.ipv6_peer_prefix);
+  // A handshake whose thread has ended (its connection is in `ready`) but is not joined yet
+  // counts no more: the acceptor joins it at its next wake.
+  const auto live = [](const Handshake& x) { return !x.done->load(); };
   const auto from_host = static_cast<std::uint32_t>(
-      std::count_if(running.begin(), running.end(), [&](const Handshake& x) { return x.host == host; }));
+      std::count_if(running.begin(), running.end(), [&](const Handshake& x) { return live(x) && x.host == host; }));
+  const auto in_progress = static_cast<std::size_t>(std::count_if(running.begin(), running.end(), live));
   std::string busy;
-  if (running.size() >= cfg.max_handshakes) {
-    busy = fmt::format("{}{} handshakes in progress", detail::kBusyReason, running.size());
+  if (in_progress >= cfg.max_handshakes) {
+    busy = fmt::format("{}{} handshakes in progress", detail::kBusyReason, in_progress);
   } else if (from_host >= cfg.max_handshakes_per_peer) {
     busy = fmt::format("{}{} handshakes in progress from {}", detail::kBusyReason, from_host, host);
-  } else if (const std::size_t waiting = pending(); waiting + running.size() >= cfg.max_pending) {
+  } else if (const std::size_t waiting = pending(); waiting + in_progress >= cfg.max_pending) {
     busy = fmt::format("{}{} connections wait to be accepted and {} handshakes are in progress (at most "
                        "{} in all)",
-                       detail::kBusyReason, waiting, running.size(), cfg.max_pending);
+                       detail::kBusyReason, waiting, in_progress, cfg.max_pending);
   } else if (cfg.max_connections_per_peer != 0 && established->of(host) >= cfg.max_connections_per_peer) {
     busy = fmt::format("too many connections from {} (at most {})", host, cfg.max_connections_per_peer);
   }
@@ -197,8 +204,10 @@ void Listener::Impl::serve(const std::shared_ptr<Arrival>& client, std::list<Han
     // to refuse.
     h.thread = std::thread([this, client, peer, done = h.done, slot = std::move(slot)]() mutable {
       try {
+        std::unique_ptr<detail::Channel> ch = client->open(cfg.connection);
+        ch->set_stop(stopping);  // cleared once connected
         std::optional<Connection> got =
-            Connection::Impl::accept(client->open(cfg.connection), peer, cfg.connection, psk, setup, std::move(slot), budget, hooks);
+            Connection::Impl::accept(std::move(ch), peer, cfg.connection, psk, setup, std::move(slot), budget, hooks);
         if (!got) {
           // A data stream, handed to the link whose handshake waits for it.
         } else if (deliver) {
@@ -274,7 +283,7 @@ void Listener::Impl::accept_loop() noexcept {
       if (client) refuse(*client, fmt::format("{}the server cannot take it now", detail::kBusyReason));
     }
   }
-  // Every handshake has a deadline, so this join is bounded by handshake_timeout.
+  // Every handshake has a deadline, and the destructor's stop ends their waits: this join is quick.
   reap(true);
 }
 
@@ -368,6 +377,7 @@ Listener::Listener(std::unique_ptr<Impl> impl, const std::string& address, Liste
 
 Listener::~Listener() {
   impl_->stop.store(true);
+  impl_->stopping->request();
   impl_->poke();
   impl_->acceptor.join();
 }

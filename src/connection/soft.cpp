@@ -45,11 +45,21 @@ bool StreamRegistry::deliver(const wire::StreamHello& hello, Fd& fd, int pid) {
   return true;
 }
 
-std::vector<Fd> StreamRegistry::wait(const Token& token, Deadline deadline, const std::string& peer, int* pid) {
+std::vector<Fd> StreamRegistry::wait(const Token& token, Deadline deadline, const std::string& peer, int* pid,
+                                      const Stop* stop) {
   std::unique_lock lock(mu_);
   const auto it = pending_.find(token);
   if (it == pending_.end()) throw Error("data streams", EINVAL, "no handshake waits for them");
-  const bool all = cv_.wait_until(lock, deadline, [&] { return it->second.got == it->second.fds.size(); });
+  const auto whole = [&] { return it->second.got == it->second.fds.size(); };
+  // In slices of 100 ms when a stop may end it (nothing notifies this condition of a stop).
+  bool all = whole();
+  while (!all && Clock::now() < deadline && (stop == nullptr || !stop->requested())) {
+    all = cv_.wait_until(lock, stop == nullptr ? deadline : std::min(deadline, deadline_in(std::chrono::milliseconds{100})), whole);
+  }
+  if (!all && stop != nullptr && stop->requested()) {
+    pending_.erase(it);
+    throw stopped_error("data streams");
+  }
   const std::size_t want = it->second.fds.size(), got = it->second.got;
   std::vector<Fd> fds = std::move(it->second.fds);
   if (pid != nullptr) *pid = it->second.pids.empty() ? 0 : it->second.pids[0];
@@ -258,8 +268,8 @@ void Connection::Impl::open_streams(const detail::HostPort& to, wire::EndpointIn
   std::vector<detail::Fd> fds;
   for (std::uint16_t k = 0; k < t.streams; ++k) {
     // shm's stream is a local socket, so the server learns this process from the kernel.
-    detail::Fd fd = shm ? detail::unix_connect(t.socket, deadline) : detail::tcp_connect(to, deadline, false);
-    detail::send_all(fd.get(), wire::encode_stream(t.token, k), deadline);
+    detail::Fd fd = shm ? detail::unix_connect(t.socket, deadline) : detail::tcp_connect(to, deadline, false, hooks.stop.get());
+    detail::send_all(fd.get(), wire::encode_stream(t.token, k), deadline, hooks.stop.get());
     fds.push_back(std::move(fd));
   }
   info.remote = std::move(remote);

@@ -192,6 +192,7 @@ void Engine::Impl::shut_down() noexcept {
     stopping.store(true);
     connecting.swap(connectors);
   }
+  stop_handshakes->request();
   connect_cv.notify_all();
   {
     std::lock_guard lock(listen_mu);
@@ -264,6 +265,7 @@ detail::HandshakeHooks Engine::Impl::hooks(Worker* preferred) {
   h.streams = streams;
   h.shm_socket = shm_socket;
   h.attach_soft = [this, preferred](wire::LinkTransport k) { return attach_soft(k, preferred); };
+  h.stop = stop_handshakes;
   return h;
 }
 

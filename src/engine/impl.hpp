@@ -663,6 +663,9 @@ struct Engine::Impl {
   std::condition_variable connect_cv;
   std::deque<std::pair<detail::Peer*, detail::RailState*>> to_connect;  // rail null: the first
   std::atomic<bool> stopping{false};
+  // Requested by shut_down() with `stopping`: the handshakes in progress (this side's connects,
+  // the listener's) end at once rather than at their deadline (a peer down or silent).
+  std::shared_ptr<detail::Stop> stop_handshakes = std::make_shared<detail::Stop>();
   std::vector<std::thread> connectors;  // under connect_mu
   std::size_t idle_connectors = 0;      // under connect_mu
 
