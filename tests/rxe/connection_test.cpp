@@ -510,12 +510,12 @@ TEST(Connection, CompletionEventsSleepInsteadOfSpinning) {
   EXPECT_GE(std::chrono::steady_clock::now() - t0, 300ms);
 }
 
-// Connect, write, verify, close, again and again (200 times in CI, 1,000 with
+// Connect, write, verify, close, again and again (100 times in CI, 1,000 with
 // RDMAKIT_TEST_LONG=1): nothing is left behind.
 TEST(Connection, CyclesLeaveNothingBehind) {
   const auto before = rdma_resources();
   const int fds_before = open_fds();
-  const int cycles = lab::soak(200, 1000);
+  const int cycles = lab::soak(100, 1000);
   const auto t0 = std::chrono::steady_clock::now();
   {
     Listener listener(any_port(), quiet(), server_setup());

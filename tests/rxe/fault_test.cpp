@@ -381,7 +381,7 @@ TEST(Fault, MemlockLimitIsExplainedAndNothingLeaks) {
 
 // Peers that connect and are killed: every time the survivor sees peer_lost, and at the end its
 // QP, MR, CQ and fd counts are back at the baseline. 100 cycles (1,000 with RDMAKIT_TEST_LONG=1),
-// or FAULT_CHURN (scripts/test runs 10 under ASan), by either connection method.
+// or FAULT_CHURN (scripts/test runs 5 under ASan), by either connection method.
 TEST(Fault, ChurnOfKilledPeersLeaksNothing) {
   const char* count = std::getenv("FAULT_CHURN");
   const int cycles = count != nullptr ? std::atoi(count) : lab::soak(100, 1000);
