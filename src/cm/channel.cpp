@@ -33,7 +33,7 @@ int errno_of(ibv_wc_status s) noexcept {
 
 }  // namespace
 
-bool next_event(rdma_event_channel* events, Deadline deadline, CmEvent& out) {
+bool next_event(rdma_event_channel* events, Deadline deadline, CmEvent& out, const Stop* stop) {
   for (;;) {
     rdma_cm_event* e = nullptr;
     if (rdma_get_cm_event(events, &e) == 0) {
@@ -50,8 +50,9 @@ bool next_event(rdma_event_channel* events, Deadline deadline, CmEvent& out) {
     if (errno != EAGAIN && errno != EINTR) throw Error("rdma_get_cm_event", errno, "the CM's event channel");
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) return false;
-    pollfd p{events->fd, POLLIN, 0};
-    (void)::poll(&p, 1, static_cast<int>(std::min<long long>(left.count() + 1, 1000)));
+    if (stop != nullptr && stop->requested()) throw stopped_error("rdma_cm");
+    pollfd p[2] = {{events->fd, POLLIN, 0}, {stop != nullptr ? stop->fd() : -1, POLLIN, 0}};
+    (void)::poll(p, 2, static_cast<int>(std::min<long long>(left.count() + 1, stop != nullptr && stop->fd() < 0 ? 100 : 1000)));
   }
 }
 
@@ -153,7 +154,7 @@ void CmChannel::connect(Deadline deadline) {
   if (rdma_connect(id_.get(), &p) != 0) throw Error("rdma_connect", errno, peer_);
   CmEvent e;
   for (;;) {
-    if (!next_event(events_.get(), deadline, e)) {
+    if (!next_event(events_.get(), deadline, e, stop_.get())) {
       throw Error("rdma_cm connect", ETIMEDOUT,
                   fmt::format("{} did not answer the connect request before the deadline", peer_),
                   "nothing answers rdma_cm at that address (a host without RDMA, a firewall, a "
@@ -180,7 +181,7 @@ void CmChannel::accept(Deadline deadline) {
   established_ = true;  // from here a DREQ on the way out is due
   CmEvent e;
   for (;;) {
-    if (!next_event(events_.get(), deadline, e)) {
+    if (!next_event(events_.get(), deadline, e, stop_.get())) {
       throw Error("rdma_cm accept", ETIMEDOUT,
                   fmt::format("{} did not complete the connection (no RTU) before the deadline", peer_),
                   "the client gave up or was partitioned away");
@@ -371,7 +372,9 @@ void CmChannel::send_all(std::span<const std::uint8_t> bytes, Deadline deadline)
     const long n = bytes.empty() ? 0 : post_chunk(bytes, &rc);
     if (n < 0) throw Error("ibv_post_send", rc, fmt::format("the rdma_cm control channel to {}", peer_));
     if (n == 0) {
-      if (stop_ && stop_->requested()) throw stopped_error("rdma_cm send");
+      // Not while only the last chunk's acknowledgement is awaited: that may carry a REJECT's
+      // reason, which send_reject bounds itself.
+      if (!bytes.empty() && stop_ && stop_->requested()) throw stopped_error("rdma_cm send");
       if (!wait(deadline)) stalled(bytes.empty() ? "the last chunk was not acknowledged" : "no send slot came free");
       continue;
     }

@@ -119,6 +119,7 @@ struct CmEvent {
   rdma_cm_id* id = nullptr;  // a connect request's new id (ours to destroy)
   std::vector<std::uint8_t> data;  // the private data
 };
-bool next_event(rdma_event_channel* events, Deadline deadline, CmEvent& out);
+/// The next CM event by `deadline` (false: none came); a requested `stop` throws ECANCELED.
+bool next_event(rdma_event_channel* events, Deadline deadline, CmEvent& out, const Stop* stop = nullptr);
 
 }  // namespace rdmakit::detail

@@ -56,9 +56,10 @@ struct CmEvent;
 
 /// Resolves `to` (a numeric address or a name) and connects a control channel to an rdmakit
 /// listener on rdma_cm port `to.port`, all by `deadline`. With `retry_refused`, a peer where
-/// nothing listens yet is retried until the deadline. Throws Error naming the CM step.
+/// nothing listens yet is retried until the deadline. Throws Error naming the CM step; ECANCELED
+/// when `stop` is requested (the channel keeps it: cleared once connected).
 std::unique_ptr<Channel> cm_connect(const HostPort& to, const CmOptions& options, Deadline deadline,
-                                    bool retry_refused);
+                                    bool retry_refused, const std::shared_ptr<const Stop>& stop = {});
 
 /// A client's connect request, taken off a CmListener: refuse it, or accept it on a channel.
 class CmRequest {
@@ -71,8 +72,9 @@ class CmRequest {
   /// Rejects it with `why` (as much as the CM's REJ private data holds). Never throws.
   void refuse(const std::string& why) noexcept;
   /// Builds the control QP on the device the request came in on, accepts, and waits for the
-  /// client's RTU by `deadline`. Throws Error (the client is then rejected).
-  std::unique_ptr<Channel> accept(const CmOptions& options, Deadline deadline);
+  /// client's RTU by `deadline`. Throws Error (the client is then rejected); ECANCELED when
+  /// `stop` is requested (the channel keeps it: cleared once connected).
+  std::unique_ptr<Channel> accept(const CmOptions& options, Deadline deadline, const std::shared_ptr<const Stop>& stop = {});
 
  private:
   CmIdPtr id_;

@@ -3,10 +3,12 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <poll.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <memory>
 #include <thread>
 
 #include <fmt/format.h>
@@ -82,7 +84,7 @@ std::unique_ptr<addrinfo, AddrInfoDeleter> lookup(const std::string& host, std::
 
 // Address and route resolution for a fresh id, each step bounded by the deadline.
 void resolve(rdma_cm_id* id, rdma_event_channel* events, const sockaddr* to, const std::string& peer,
-             Deadline deadline) {
+             Deadline deadline, const Stop* stop) {
   if (rdma_resolve_addr(id, nullptr, const_cast<sockaddr*>(to), static_cast<int>(left_of(deadline).count())) != 0) {
     throw Error("rdma_resolve_addr", errno, peer,
                 errno == ENETUNREACH || errno == EHOSTUNREACH || errno == EADDRNOTAVAIL || errno == ENODEV
@@ -93,7 +95,7 @@ void resolve(rdma_cm_id* id, rdma_event_channel* events, const sockaddr* to, con
   CmEvent e;
   for (auto [want, step] : {std::pair{RDMA_CM_EVENT_ADDR_RESOLVED, "rdma_cm address resolution"},
                             std::pair{RDMA_CM_EVENT_ROUTE_RESOLVED, "rdma_cm route resolution"}}) {
-    if (!next_event(events, deadline, e)) {
+    if (!next_event(events, deadline, e, stop)) {
       throw Error(step, ETIMEDOUT, fmt::format("{}: no answer before the deadline", peer),
                   "no neighbour (ARP/ND) reply, or no path record: is the peer up, and on a network "
                   "this host reaches through an RDMA device?");
@@ -162,7 +164,7 @@ Error cm_event_error(const char* step, const CmEvent& e, const std::string& peer
 }
 
 std::unique_ptr<Channel> cm_connect(const HostPort& to, const CmOptions& options, Deadline deadline,
-                                    bool retry_refused) {
+                                    bool retry_refused, const std::shared_ptr<const Stop>& stop) {
   const std::string peer = to.to_string();
   // A retried refusal says more than the deadline cutting the last attempt short.
   std::optional<Error> refusal;
@@ -174,11 +176,13 @@ std::unique_ptr<Channel> cm_connect(const HostPort& to, const CmOptions& options
         EventChannelPtr events = new_event_channel();
         CmIdPtr id = new_id(events.get());
         const std::string at = sockaddr_text(a->ai_addr);
-        resolve(id.get(), events.get(), a->ai_addr, at, deadline);
+        resolve(id.get(), events.get(), a->ai_addr, at, deadline, stop.get());
         auto ch = std::make_unique<CmChannel>(std::move(events), std::move(id), at, options);
+        ch->set_stop(stop);
         ch->connect(deadline);
         return ch;
       } catch (const Error& e) {
+        if (e.sys_errno() == ECANCELED) throw;
         last = e;
       }
     }
@@ -191,7 +195,13 @@ std::unique_ptr<Channel> cm_connect(const HostPort& to, const CmOptions& options
       if (last) throw *last;
       throw Error("rdma_cm connect", EHOSTUNREACH, fmt::format("{}: no address", peer));
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds{100});
+    if (stop != nullptr) {
+      if (stop->requested()) throw stopped_error("rdma_cm connect");
+      pollfd p{stop->fd(), POLLIN, 0};
+      (void)::poll(&p, 1, 100);
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds{100});
+    }
   }
 }
 
@@ -204,13 +214,15 @@ void CmRequest::refuse(const std::string& why) noexcept {
   id_.reset();
 }
 
-std::unique_ptr<Channel> CmRequest::accept(const CmOptions& options, Deadline deadline) {
+std::unique_ptr<Channel> CmRequest::accept(const CmOptions& options, Deadline deadline,
+                                           const std::shared_ptr<const Stop>& stop) {
   // The request's id moves to an event channel of its own: the listener's sees no more of it.
   EventChannelPtr events = new_event_channel();
   if (rdma_migrate_id(id_.get(), events.get()) != 0) throw Error("rdma_migrate_id", errno, peer_);
   // If building the QP fails, the id dies with the half-built channel: the client sees its
   // request rejected by the CM at once rather than waiting for a REP.
   auto ch = std::make_unique<CmChannel>(std::move(events), std::move(id_), peer_, options);
+  ch->set_stop(stop);
   ch->accept(deadline);
   return ch;
 }
@@ -268,7 +280,7 @@ RouteInfo cm_resolve(const std::string& host, Deadline deadline) {
   CmIdPtr id = new_id(events.get());
   RouteInfo r;
   r.address = sockaddr_text(addrs->ai_addr, false);
-  resolve(id.get(), events.get(), addrs->ai_addr, r.address, deadline);
+  resolve(id.get(), events.get(), addrs->ai_addr, r.address, deadline, nullptr);
   r.device = ibv_get_device_name(id->verbs->device);
   r.port = id->port_num;
   r.source = sockaddr_text(rdma_get_local_addr(id.get()), false);

@@ -57,7 +57,7 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
       try {
         if (config.method == ConnectMethod::rdma_cm) {
           step = "rdma_cm connect";
-          m.control = detail::cm_connect(to, {config.ack_timeout, config.retry_count, config.rnr_timer}, deadline, config.retry_refused);
+          m.control = detail::cm_connect(to, {config.ack_timeout, config.retry_count, config.rnr_timer}, deadline, config.retry_refused, hooks.stop);
         } else {
           step = "TCP connect";
           m.control = std::make_unique<detail::TcpChannel>(detail::tcp_connect(to, deadline, config.retry_refused, hooks.stop.get()));

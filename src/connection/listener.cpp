@@ -88,9 +88,14 @@ struct Arrival {
     } catch (...) {
     }
   }
-  std::unique_ptr<detail::Channel> open(const ConnectionConfig& c) {
-    if (!cm) return std::make_unique<detail::TcpChannel>(std::move(tcp));
-    return cm->accept({c.ack_timeout, c.retry_count, c.rnr_timer}, detail::deadline_in(c.handshake_timeout));
+  /// The channel, its handshake's waits ended by `stop` (cleared once connected).
+  std::unique_ptr<detail::Channel> open(const ConnectionConfig& c, const std::shared_ptr<const detail::Stop>& stop) {
+    if (!cm) {
+      auto ch = std::make_unique<detail::TcpChannel>(std::move(tcp));
+      ch->set_stop(stop);
+      return ch;
+    }
+    return cm->accept({c.ack_timeout, c.retry_count, c.rnr_timer}, detail::deadline_in(c.handshake_timeout), stop);
   }
 };
 
@@ -204,10 +209,8 @@ void Listener::Impl::serve(const std::shared_ptr<Arrival>& client, std::list<Han
     // to refuse.
     h.thread = std::thread([this, client, peer, done = h.done, slot = std::move(slot)]() mutable {
       try {
-        std::unique_ptr<detail::Channel> ch = client->open(cfg.connection);
-        ch->set_stop(stopping);  // cleared once connected
         std::optional<Connection> got =
-            Connection::Impl::accept(std::move(ch), peer, cfg.connection, psk, setup, std::move(slot), budget, hooks);
+            Connection::Impl::accept(client->open(cfg.connection, stopping), peer, cfg.connection, psk, setup, std::move(slot), budget, hooks);
         if (!got) {
           // A data stream, handed to the link whose handshake waits for it.
         } else if (deliver) {

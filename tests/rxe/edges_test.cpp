@@ -1,9 +1,12 @@
 // Runs inside the lab: the edges a review found (issue "Correct at every edge"), each against a
 // real kernel RDMA stack. One VM for most; the keepalive case needs two (rxe.library.two_vms runs
 // it, with netem silencing one of them).
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -400,6 +403,29 @@ TEST(Edges, ConnectionsNobodyAcceptsAreBounded) {
     clients.push_back(Connection::connect(target(listener), once, buffer()));
   }
   EXPECT_EQ(lab::rdma_resources(), before);
+}
+
+// A listener destroyed while clients are in their handshakes (connected, never a HELLO) ends
+// them at once: its destructor waited out handshake_timeout (30 s here) for each.
+TEST(Edges, DestroyingAListenerEndsItsHandshakesAtOnce) {
+  ConnectionConfig c = quiet();
+  c.handshake_timeout = 30s;
+  auto listener = std::make_unique<Listener>("127.0.0.1:0", ListenerConfig(c), buffer());
+  std::vector<int> mute;
+  for (int i = 0; i < 3; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = htons(listener->port());
+    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof to), 0) << std::strerror(errno);
+    mute.push_back(fd);
+  }
+  std::this_thread::sleep_for(500ms);  // their handshakes wait for a HELLO
+  const auto t0 = Clock::now();
+  listener.reset();
+  EXPECT_LT(Clock::now() - t0, 5s) << "the destructor waited for the handshakes' deadline";
+  for (const int fd : mute) ::close(fd);
 }
 
 // A cgroup whose pids.max stops this process from starting threads (root is not exempt from the
