@@ -59,6 +59,10 @@ struct PublishedEngine {
   /// Its Identity::public_key() (empty: it has none). A peer found through the store must
   /// prove it on every link.
   std::string public_key;
+  /// The transports it offers, best first ("rdma", "tcp", "shm": EngineConfig::transports as
+  /// it resolved them at its start). Empty in a record of an rdmakit from before transports:
+  /// that engine offers rdma only.
+  std::vector<std::string> transports;
   friend bool operator==(const PublishedEngine&, const PublishedEngine&) = default;
 };
 

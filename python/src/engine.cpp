@@ -425,7 +425,8 @@ void bind_engine(py::module_& m) {
                }
                out.append(py::dict(py::arg("name") = p.name, py::arg("epoch") = p.epoch,
                                    py::arg("endpoints") = p.endpoints, py::arg("rails") = rails,
-                                   py::arg("segments") = segs, py::arg("public_key") = p.public_key));
+                                   py::arg("segments") = segs, py::arg("public_key") = p.public_key,
+                                   py::arg("transports") = p.transports.empty() ? std::vector<std::string>{"rdma"} : p.transports));
              }
              return out;
            },

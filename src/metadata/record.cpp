@@ -86,6 +86,8 @@ std::string encode(const EngineRecord& r) {
   // Its public key as "identity" (a memory key is never in a record; this names the engine). Absent
   // without one; readers of before ignore it either way.
   if (!r.public_key.empty()) j["identity"] = r.public_key;
+  // What it offers, best first; absent without a list (readers of before ignore it either way).
+  if (!r.transports.empty()) j["transports"] = r.transports;
   return j.dump();
 }
 
@@ -106,6 +108,16 @@ EngineRecord decode(std::string_view input, const std::string& where,
   if (j.contains("identity")) {
     r.public_key = text(j, "identity", where);
     if (!detail::decode_public_key(r.public_key)) bad(where, "its \"identity\" is not a public key (\"ed25519:\" and 43 characters)");
+  }
+  if (j.contains("transports")) {
+    for (const json& t : list(j, "transports", where, 8)) {
+      // Names this version does not know (a newer engine's) are kept: a reader shows them and
+      // a link never offers them.
+      if (!t.is_string() || t.get_ref<const std::string&>().empty() || t.get_ref<const std::string&>().size() > 16) {
+        bad(where, "a transport is not a name of 1 to 16 characters");
+      }
+      r.transports.push_back(t.get<std::string>());
+    }
   }
   for (const json& e : list(j, "endpoints", where)) {
     if (!e.is_string() || e.get<std::string>().size() > max_text) bad(where, "an endpoint is not a short string");

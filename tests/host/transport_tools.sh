@@ -36,3 +36,20 @@ if timeout 30 "$bin" engine-bench --peer t=127.0.0.1:$port --transport rdma --du
 fi
 grep -Eq "no transport both engines offer|no RDMA device" "$dir/none.out" || fail "no reason: $(cat "$dir/none.out")"
 echo "ok: no transport in common is refused, saying why"
+
+# What a published engine offers is in its record: `rdmakit peers` lists it, best first.
+kill $serve_pid; wait $serve_pid 2>/dev/null || true; serve_pid=
+rport=$((port + 1))
+redis-server --port $rport --bind 127.0.0.1 --save '' --appendonly no --dir "$dir" > "$dir/redis.log" 2>&1 &
+redis_pid=$!
+trap '[ -z "$serve_pid" ] || kill $serve_pid 2>/dev/null; kill $redis_pid 2>/dev/null; rm -rf "$dir"' EXIT
+u=redis://127.0.0.1:$rport
+for _ in $(seq 100); do "$bin" peers --metadata $u --cluster host > /dev/null 2>&1 && break; sleep 0.1; done
+"$bin" serve --name t --listen 127.0.0.1:$port --transport shm --transport tcp --expose kv:1M --metadata $u --cluster host \
+  > "$dir/serve.out" 2>&1 &
+serve_pid=$!
+for _ in $(seq 100); do "$bin" peers --metadata $u --cluster host --json 2>/dev/null | grep -q '"name":"t"' && break; sleep 0.1; done
+"$bin" peers --metadata $u --cluster host --json > "$dir/peers.json" || fail "peers --json"
+grep -q '"transports":\["shm","tcp"\]' "$dir/peers.json" || fail "peers --json does not list shm, tcp: $(cat "$dir/peers.json")"
+"$bin" peers --metadata $u --cluster host | grep -q "transports shm, tcp (best first)" || fail "peers does not list the transports"
+echo "ok: rdmakit peers lists what a published engine offers"

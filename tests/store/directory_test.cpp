@@ -21,6 +21,7 @@ using Kind = DirectoryChange::Kind;
 EngineRecord engine(const std::string& name, std::uint64_t epoch) {
   return {name, epoch, {"10.0.0.1:7600"}, {{"rxe0", 1, "ethernet", "::ffff:10.0.0.1", "10.0.0.0/24"}},
           {{"kv", 4096, "host"}},
+          {},
           {}};
 }
 

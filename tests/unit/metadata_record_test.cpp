@@ -1,4 +1,7 @@
 // The engine record's format: it round-trips, and anything else from a store is refused clearly.
+#include <string>
+#include <string_view>
+
 #include <gtest/gtest.h>
 
 #include "metadata/record.hpp"
@@ -15,6 +18,7 @@ EngineRecord sample() {
           {{"rxe0", 1, "ethernet", "::ffff:198.18.0.1", "198.18.0.0/24"},
            {"rxe1", 1, "ethernet", "::ffff:198.18.1.1", "198.18.1.0/24"}},
           {{"kv", 1 << 30, "host"}, {"weights", 4096, "cuda"}},
+          {},
           {}};
 }
 
@@ -39,6 +43,24 @@ TEST(EngineRecord, AnIdentityRoundTripsAndABadOneIsRefused) {
     ADD_FAILURE() << "a record with a bad identity was read";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("\"identity\" is not a public key"), std::string::npos) << e.what();
+  }
+}
+
+// The transports an engine offers round-trip, best first; a record without them (an rdmakit of
+// before) reads as none listed; a name this version does not know is kept; a bad list is refused.
+TEST(EngineRecord, TransportsRoundTripAndABadListIsRefused) {
+  EngineRecord r = sample();
+  EXPECT_EQ(encode(r).find("transports"), std::string::npos);
+  r.transports = {"shm", "rdma", "tcp"};
+  EXPECT_EQ(decode(encode(r), "test", "kv-server"), r);
+  EXPECT_NE(encode(r).find(R"("transports":["shm","rdma","tcp"])"), std::string::npos) << encode(r);
+  std::string text = encode(r);
+  text.replace(text.find("\"tcp\""), 5, "\"quic\"");
+  EXPECT_EQ(decode(text, "test", "kv-server").transports.back(), "quic");
+  for (const char* bad : {R"("transports":["shm","rdma",7])", R"("transports":"rdma")", R"("transports":["shm","rdma",""])"}) {
+    std::string t = encode(r);
+    t.replace(t.find(R"("transports":["shm","rdma","tcp"])"), std::string_view(R"("transports":["shm","rdma","tcp"])").size(), bad);
+    EXPECT_THROW((void)decode(t, "test", "kv-server"), Error) << t;
   }
 }
 

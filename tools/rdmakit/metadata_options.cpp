@@ -67,7 +67,8 @@ int run_peers(const PeersOptions& o) {
         segs.push_back({{"name", s.name}, {"length", s.length}, {"memory", s.memory}});
       }
       list.push_back({{"name", e.name}, {"epoch", fmt::format("{:#x}", e.epoch)}, {"endpoints", e.endpoints},
-                      {"rails", rails}, {"segments", segs}, {"public_key", e.public_key}});
+                      {"rails", rails}, {"segments", segs}, {"public_key", e.public_key},
+                      {"transports", e.transports.empty() ? std::vector<std::string>{"rdma"} : e.transports}});
     }
     fmt::print("{}\n", nlohmann::json{{"metadata", c.shown_uri()},
                                       {"cluster", o.md.cluster}, {"engines", list}, {"skipped", skipped}}
@@ -78,6 +79,11 @@ int run_peers(const PeersOptions& o) {
   for (const PublishedEngine& e : engines) {
     fmt::print("  {}  epoch {:#x}  endpoints {}\n", e.name, e.epoch, fmt::join(e.endpoints, ", "));
     if (!e.public_key.empty()) fmt::print("    identity {}\n", e.public_key);
+    if (e.transports.empty()) {
+      fmt::print("    transports rdma (a record of before transports)\n");
+    } else {
+      fmt::print("    transports {} (best first)\n", fmt::join(e.transports, ", "));
+    }
     for (const PublishedRail& r : e.rails) {
       fmt::print("    rail {} port {}: {}, GID {}, subnet {}\n", r.device, r.port, r.link_layer, r.gid,
                  r.subnet.empty() ? "unknown" : r.subnet);
