@@ -446,7 +446,8 @@ class Listener {
   Listener(const std::string& address, ListenerConfig config, Connection::Setup setup = {});
   Listener(const Listener&) = delete;
   Listener& operator=(const Listener&) = delete;
-  /// Stops accepting; waits for running handshakes (each bounded by its deadline).
+  /// Stops accepting and ends the handshakes in progress at once (their waits, not their
+  /// deadline: a silent client does not hold it), then joins their threads.
   ~Listener();
 
   [[nodiscard]] std::uint16_t port() const noexcept;

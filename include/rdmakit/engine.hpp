@@ -399,6 +399,9 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
   /// Closes every link (what is in flight ends: completed or flushed) and stops the workers.
+  /// Handshakes in progress (connects to a peer that is down or silent, clients of its
+  /// listener) end at once, their transfers `connect_failed` saying the engine is shutting
+  /// down; it does not wait out their handshake deadline.
   ~Engine();
 
   [[nodiscard]] EngineInfo info() const;
