@@ -28,8 +28,16 @@ int remaining_ms(Deadline deadline) {
   return left.count() <= 0 ? 0 : static_cast<int>(std::min<long long>(left.count(), 1 << 30));
 }
 
-// Polls fd for `events` (a negative fd: nothing, a sleep) until the deadline or a requested
-// stop: true when fd is ready, false when the deadline passed; a stop throws ECANCELED.
+// Waits for `events` on fd until the deadline; throws ETIMEDOUT naming `what` when it passes.
+void wait_for(int fd, short events, Deadline deadline, const char* what, const Stop* stop) {
+  if (!poll_until(fd, events, deadline, stop, what)) {
+    throw Error(what, ETIMEDOUT, "the deadline passed",
+                "the peer is unreachable, too slow, or not speaking the rdmakit protocol");
+  }
+}
+
+}  // namespace
+
 bool poll_until(int fd, short events, Deadline deadline, const Stop* stop, const char* what) {
   for (;;) {
     if (stop != nullptr && stop->requested()) throw stopped_error(what);
@@ -46,16 +54,6 @@ bool poll_until(int fd, short events, Deadline deadline, const Stop* stop, const
     if (Clock::now() >= deadline) return false;
   }
 }
-
-// Waits for `events` on fd until the deadline; throws ETIMEDOUT naming `what` when it passes.
-void wait_for(int fd, short events, Deadline deadline, const char* what, const Stop* stop) {
-  if (!poll_until(fd, events, deadline, stop, what)) {
-    throw Error(what, ETIMEDOUT, "the deadline passed",
-                "the peer is unreachable, too slow, or not speaking the rdmakit protocol");
-  }
-}
-
-}  // namespace
 
 void set_nonblocking(int fd, const char* what) {
   const int flags = ::fcntl(fd, F_GETFL);

@@ -76,6 +76,10 @@ std::string sockaddr_text(const sockaddr* sa, bool with_port = true);
 /// sending anything; empty for a name or when there is no route.
 std::string route_source(const HostPort& to);
 
+/// Polls fd for `events` (a negative fd: nothing, a sleep) until the deadline or a requested
+/// `stop`: true when fd is ready, false when the deadline passed; a stop throws ECANCELED naming
+/// `what`. The one stop-aware wait that the bootstrap's and rdma_cm's waits share.
+bool poll_until(int fd, short events, Deadline deadline, const Stop* stop, const char* what);
 /// Both end at the deadline (ETIMEDOUT) or, while they wait, at a requested `stop` (ECANCELED).
 void send_all(int fd, std::span<const std::uint8_t> bytes, Deadline deadline, const Stop* stop = nullptr);
 void recv_exact(int fd, std::span<std::uint8_t> bytes, Deadline deadline, const Stop* stop = nullptr);

@@ -50,9 +50,7 @@ bool next_event(rdma_event_channel* events, Deadline deadline, CmEvent& out, con
     if (errno != EAGAIN && errno != EINTR) throw Error("rdma_get_cm_event", errno, "the CM's event channel");
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) return false;
-    if (stop != nullptr && stop->requested()) throw stopped_error("rdma_cm");
-    pollfd p[2] = {{events->fd, POLLIN, 0}, {stop != nullptr ? stop->fd() : -1, POLLIN, 0}};
-    (void)::poll(p, 2, static_cast<int>(std::min<long long>(left.count() + 1, stop != nullptr && stop->fd() < 0 ? 100 : 1000)));
+    (void)poll_until(events->fd, POLLIN, std::min(deadline, deadline_in(std::chrono::milliseconds{1000})), stop, "rdma_cm");
   }
 }
 

@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
-#include <poll.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -195,13 +194,7 @@ std::unique_ptr<Channel> cm_connect(const HostPort& to, const CmOptions& options
       if (last) throw *last;
       throw Error("rdma_cm connect", EHOSTUNREACH, fmt::format("{}: no address", peer));
     }
-    if (stop != nullptr) {
-      if (stop->requested()) throw stopped_error("rdma_cm connect");
-      pollfd p{stop->fd(), POLLIN, 0};
-      (void)::poll(&p, 1, 100);
-    } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds{100});
-    }
+    (void)poll_until(-1, 0, deadline_in(std::chrono::milliseconds{100}), stop.get(), "rdma_cm connect");
   }
 }
 
