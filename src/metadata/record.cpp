@@ -109,14 +109,20 @@ EngineRecord decode(std::string_view input, const std::string& where,
     r.public_key = text(j, "identity", where);
     if (!detail::decode_public_key(r.public_key)) bad(where, "its \"identity\" is not a public key (\"ed25519:\" and 43 characters)");
   }
-  if (j.contains("transports")) {
-    for (const json& t : list(j, "transports", where, 8)) {
-      // Names this version does not know (a newer engine's) are kept: a reader shows them and
-      // a link never offers them.
-      if (!t.is_string() || t.get_ref<const std::string&>().empty() || t.get_ref<const std::string&>().size() > 16) {
-        bad(where, "a transport is not a name of 1 to 16 characters");
-      }
-      r.transports.push_back(t.get<std::string>());
+  // An optional hint (a link chooses in its handshake): what is not a transport's name is
+  // dropped rather than the record, so an engine is still found by name whatever a newer
+  // version or a careless writer put here. Names this version does not know (a newer engine's)
+  // are kept: a reader shows them and a link never offers them. At most 8, each once, each 1..16
+  // of [a-z0-9_-] (nothing a terminal would take for a control sequence).
+  if (const auto it = j.find("transports"); it != j.end() && it->is_array()) {
+    for (const json& t : *it) {
+      if (r.transports.size() == 8) break;
+      if (!t.is_string()) continue;
+      const auto& name = t.get_ref<const std::string&>();
+      const bool word = !name.empty() && name.size() <= 16 && std::all_of(name.begin(), name.end(), [](char c) {
+        return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
+      });
+      if (word && std::find(r.transports.begin(), r.transports.end(), name) == r.transports.end()) r.transports.push_back(name);
     }
   }
   for (const json& e : list(j, "endpoints", where)) {
