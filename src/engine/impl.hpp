@@ -524,6 +524,7 @@ class Worker {
   std::mutex mu_;
   std::vector<Command> inbox_;
   std::vector<Command> mail_;  // the worker's: the inbox as taken, handled one by one
+  static constexpr std::size_t kMailKept = 1024;  // commands' storage kept between bursts
   std::atomic<bool> has_mail_{false};
   std::atomic<bool> stop_{false};
   bool threaded_ = false;  // set by start(), before any other thread can post
@@ -580,6 +581,7 @@ struct Engine::Impl {
   wire::TransportBlock self;
   std::shared_ptr<detail::StreamRegistry> streams;
   std::string shm_socket;  // offering shm: the local socket its links' streams come to
+  std::string shm_ring_why;  // offering shm: why the links it opens copy through a ring (empty: they attach)
   /// Resolves cfg.transports into `offer` (constructor; after the device layer).
   void choose_transports();
   [[nodiscard]] std::uint32_t device_count() const noexcept { return rdma_count + 2; }

@@ -214,6 +214,9 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
         }
       }
       mail_.clear();
+      // A burst (thousands of commands posted faster than handled) leaves its storage behind:
+      // given back past the size steady work needs, so memory follows the backlog down again.
+      if (mail_.capacity() > kMailKept) std::vector<Command>().swap(mail_);
     }
     const int got = poll_cqs();
     flush_queued_links();
