@@ -42,11 +42,27 @@ struct RailConfig {
 enum class Transport : std::uint8_t {
   rdma,  ///< RDMA on a NIC: one-sided, the NIC checks every access
   tcp,   ///< any peer: TCP streams, the target's worker serves and checks each request in software
-  shm,   ///< a peer on the same host (proven, not guessed): the target copies process to process
+  shm,   ///< a peer on the same host (proven, not guessed): memory to memory, no network (ShmCopy)
 };
 [[nodiscard]] const char* to_string(Transport t) noexcept;
 /// "rdma", "tcp", "shm"; throws Error (EINVAL) for anything else.
 [[nodiscard]] Transport parse_transport(std::string_view text);
+
+/// How an shm link's data crosses between the two processes (EngineConfig::shm_copy).
+enum class ShmCopy : std::uint8_t {
+  /// Cross-memory attach where this kernel lets a process copy from another, the ring where it
+  /// does not (Yama's ptrace_scope of 1 or more, Ubuntu's default).
+  automatic,
+  /// Cross-memory attach only (process_vm_readv/writev): one copy, by the target. Where the
+  /// kernel forbids it, shm is not offered.
+  attach,
+  /// A ring of shared memory both processes map: two copies (the initiator's in, the target's
+  /// out), each on its own process's CPU at once; no proof of the peer process needed.
+  ring,
+};
+[[nodiscard]] const char* to_string(ShmCopy c) noexcept;
+/// "auto", "attach", "ring"; throws Error (EINVAL) for anything else.
+[[nodiscard]] ShmCopy parse_shm_copy(std::string_view text);
 
 /// Everything an Engine is built from, passed by value.
 struct EngineConfig {
@@ -71,6 +87,11 @@ struct EngineConfig {
   /// tcp: data streams per link (1..16); transfers are cut into frames of at most 256 KiB
   /// spread over them.
   std::uint32_t tcp_streams = 2;
+  /// shm: how the links this engine opens move their data (as a target it serves either, where
+  /// it offers shm: with `attach` on a kernel that forbids it, it offers none). The ring
+  /// costs a second copy and a 4 MiB shared mapping per link, and needs no permission to read
+  /// another process's memory; docs/engine.md compares them.
+  ShmCopy shm_copy = ShmCopy::automatic;
   /// Settings of every peer link: device, timeouts, keepalive, queue depths, the pre-shared key
   /// (psk: both ends of a link must hold the same). One QP per link and rail (the engine spreads
   /// over peers and NICs, not over QPs of one port). A link's depth is its send_depth.

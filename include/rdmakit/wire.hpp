@@ -116,7 +116,8 @@ struct TransportBlock {
   std::array<std::uint8_t, 16> host{};
   std::uint32_t pid = 0;
   /// shm, the client's: 32 bytes at this address of its memory hash to `proof` (the server
-  /// proves it shares the host, and may copy from this process, by reading them).
+  /// proves it shares the host, and may copy from this process, by reading them). 0: no proof,
+  /// the client's data goes through a shared ring it sends after its stream's STREAM message.
   std::uint64_t proof_addr = 0;
   std::array<std::uint8_t, 32> proof{};
   /// The server's, for tcp and shm: what each data stream presents, and how many the client opens;

@@ -274,10 +274,12 @@ void bind_engine(py::module_& m) {
                        std::vector<std::string> rail_devices, std::uint64_t slice_size,
                        std::uint64_t slice_threshold, const std::string& method, std::uint32_t notification_queue,
                        bool allow_region_keys, const py::object& identity, std::vector<std::string> allowed_peers,
-                       const std::vector<std::string>& transports, std::uint32_t tcp_streams) {
+                       const std::vector<std::string>& transports, std::uint32_t tcp_streams,
+                       const std::string& shm_copy) {
              EngineConfig c;
              for (const std::string& t : transports) c.transports.push_back(parse_transport(t));
              c.tcp_streams = tcp_streams;
+             c.shm_copy = parse_shm_copy(shm_copy);
              c.identity = identity_from(identity);
              c.allowed_peers = std::move(allowed_peers);
              c.link.method = parse_connect_method(method);
@@ -312,6 +314,7 @@ void bind_engine(py::module_& m) {
            py::arg("allow_region_keys") = false, py::arg("identity") = py::none(),
            py::arg("allowed_peers") = std::vector<std::string>{},
            py::arg("transports") = std::vector<std::string>{}, py::arg("tcp_streams") = EngineConfig{}.tcp_streams,
+           py::arg("shm_copy") = "auto",
            "name: as peers know it (default host:pid). listen: \"[host]:port\" (port 0: any; "
            "empty: no listener). workers: progress threads (default one per device). psk: the "
            "pre-shared key, bytes or a key file's path (both ends of a link hold the same). "
@@ -329,7 +332,9 @@ void bind_engine(py::module_& m) {
            "allowed_peers: who may link here (names, public keys, or NAME=KEY; empty: any holder of psk). "
            "transports: what links may use, best first: \"rdma\", \"tcp\" (any peer, no RDMA device needed), "
            "\"shm\" (a peer on this host); a link takes the first this engine lists that the peer lists too "
-           "(default [\"rdma\"]; peers()[i]['transport'] says which, and why). tcp_streams: tcp's data streams per link.")
+           "(default [\"rdma\"]; peers()[i]['transport'] says which, and why). tcp_streams: tcp's data streams per link. shm_copy: how shm links this engine opens copy: \"attach\" "
+           "(cross-memory attach: one copy, by the target), \"ring\" (a shared ring: two copies, needs no permission "
+           "to read another process), \"auto\" (attach where the kernel allows it, else the ring).")
       .def("close", &close_engine,
            "Closes every link (what is in flight ends) and releases the registered objects.")
       .def("__enter__", [](py::object self) { return self; })

@@ -250,10 +250,11 @@ Fd unix_connect(const std::string& name, Deadline deadline) {
 
 Fd unix_accept(int listen_fd) { return Fd(::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK)); }
 
-int peer_pid(int fd) noexcept {
+int peer_pid(int fd, uid_t* uid) noexcept {
   ucred c{};
   socklen_t len = sizeof c;
   if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &c, &len) != 0 || len != sizeof c) return 0;
+  if (uid != nullptr) *uid = c.uid;
   return c.pid;
 }
 

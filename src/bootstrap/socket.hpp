@@ -3,6 +3,7 @@
 // block past it, whatever the peer does (stalls, trickles bytes, never answers).
 
 #include <sys/socket.h>
+#include <sys/types.h>
 
 #include <chrono>
 #include <cstdint>
@@ -62,8 +63,9 @@ Fd unix_connect(const std::string& name, Deadline deadline);
 /// Accepts one waiting connection without blocking (empty when none).
 Fd unix_accept(int listen_fd);
 /// The pid of the process at the other end of a local socket, as the kernel knows it (in this
-/// process's PID namespace; 0 when it is not a local socket or has no pid here).
-int peer_pid(int fd) noexcept;
+/// process's PID namespace; 0 when it is not a local socket or has no pid here), and its user
+/// in `uid` when given.
+int peer_pid(int fd, uid_t* uid = nullptr) noexcept;
 /// The socket's own IP address, without port ("10.0.0.1", "fe80::1"); empty if unknown.
 std::string local_address(int fd);
 std::string peer_address(int fd);

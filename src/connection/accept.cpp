@@ -3,6 +3,7 @@
 // Each side is in RTS before the other may post to it, and a malformed HELLO is refused before
 // the server spends any device resource on it.
 #include <sys/random.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -13,6 +14,7 @@
 #include "connection/handshake.hpp"
 #include "connection/impl.hpp"
 #include "rdmakit/error.hpp"
+#include "transport/shm/ring.hpp"
 
 namespace rdmakit {
 
@@ -183,10 +185,31 @@ Connection Connection::Impl::accept_soft(std::unique_ptr<detail::Channel> channe
     step = "link";
     m.info.remote = std::move(remote);
     // shm: the process the kernel names at the local socket's other end, proven to hold this
-    // session, is the one this side copies from and to (never the pid the HELLO claims).
-    if (shm) verify_host(*m.info.remote.transport, pid, m.session.get());
-    m.open_soft(kind, std::move(fds), shm ? pid : 0, false);
+    // session, is the one this side copies from and to (never the pid the HELLO claims). A
+    // client that offers no proof (its address 0) sends its ring instead, after its STREAM
+    // message: this side then copies only between that ring and its windows.
+    std::shared_ptr<detail::shm::Ring> ring;
+    const bool by_ring = shm && m.info.remote.transport->proof_addr == 0;
+    if (by_ring) {
+      // No proof is read, so the kernel's word on the local socket stands for it: a process of
+      // this user at the other end (an abstract socket has no permissions of its own).
+      uid_t uid = 0;
+      if (pid <= 0 || detail::peer_pid(fds[0].get(), &uid) <= 0 || uid != ::geteuid()) {
+        throw Error("shm", EACCES, pid <= 0 ? "the link's stream did not come over this engine's local socket"
+                                            : fmt::format("the process at the local socket's other end runs as user {}, "
+                                                          "this engine as {}: shm links only one user's processes",
+                                                          uid, ::geteuid()));
+      }
+      ring = detail::shm::Ring::receive(fds[0].get(), deadline, hooks.stop.get());
+    } else if (shm) {
+      verify_host(*m.info.remote.transport, pid, m.session.get());
+    }
+    m.open_soft(kind, std::move(fds), shm && !by_ring ? pid : 0, false, std::move(ring));
     m.info.transport_reason = why;
+    if (shm) {
+      m.info.transport_reason += by_ring ? "; through the initiator's shared ring (two copies)"
+                                         : "; this side copies by cross-memory attach (one copy)";
+    }
     // The link is whole here: READY tells the client (which waits for it, not the other way
     // round as on RDMA, where the client's QP is the last to be ready).
     step = "READY";

@@ -81,11 +81,12 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
           // An engine link: the transports this side offers, best first; the server chooses.
           m.info.local.transport.emplace();
           m.info.local.transport->kinds = hooks.transports;
-          // Where this process runs and its proof, only for a server that may take shm.
+          // Where this process runs and its proof, only for a server that may take shm (none
+          // when its data goes through a ring: the proof's address 0 says so).
           if (m.info.local.transport->has(wire::LinkTransport::shm)) {
             m.info.local.transport->host = hooks.self.host;
             m.info.local.transport->pid = hooks.self.pid;
-            m.prove_host(*m.info.local.transport);
+            if (!hooks.shm_ring) m.prove_host(*m.info.local.transport);
           }
         }
         const auto hello = wire::encode_hello(m.info.local);

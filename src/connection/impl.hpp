@@ -135,6 +135,10 @@ struct HandshakeHooks {
   /// A server that offers shm: the local socket (abstract namespace) its shm streams connect to,
   /// so the kernel names the client's process (SO_PEERCRED) rather than the client itself.
   std::string shm_socket;
+  /// shm, a client: its links' data goes through a shared ring (two copies) instead of the
+  /// server's cross-memory attach (one), and why (EngineConfig::shm_copy, Yama's ptrace_scope).
+  bool shm_ring = false;
+  std::string shm_ring_why;
   /// What a tcp or shm link's queue pair is built on: the engine's device and a worker's CQ.
   std::function<Attachment(wire::LinkTransport)> attach_soft;
   /// Requested when the engine shuts down: a handshake still waiting (a connect retried, a
@@ -247,7 +251,9 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   /// An engine link of the tcp or shm transport (soft.cpp): its queue pair over `streams` on
   /// the engine's software device, and the data path on it. `peer_pid`: shm, the process whose
   /// memory this side copies from and to. Drops RDMA QPs built before the choice was known.
-  void open_soft(wire::LinkTransport kind, std::vector<detail::Fd> streams, int peer_pid, bool cma);
+  /// `ring`: shm without cross-memory attach, the client's shared ring (src/transport/shm/).
+  void open_soft(wire::LinkTransport kind, std::vector<detail::Fd> streams, int peer_pid, bool cma,
+                 std::shared_ptr<detail::shm::Ring> ring);
   /// The client of an engine link: the transport the server's HELLO names (one this side
   /// offered, else Error), with why it is that one.
   wire::LinkTransport chosen_transport(const wire::EndpointInfo& remote);

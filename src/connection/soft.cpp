@@ -17,6 +17,7 @@
 
 #include "connection/impl.hpp"
 #include "rdmakit/error.hpp"
+#include "transport/shm/ring.hpp"
 #include "transport/soft/device.hpp"
 
 namespace rdmakit {
@@ -174,7 +175,8 @@ void Connection::Impl::verify_host(const wire::TransportBlock& t, int pid, const
   }
 }
 
-void Connection::Impl::open_soft(wire::LinkTransport kind, std::vector<detail::Fd> streams, int peer_pid, bool cma) {
+void Connection::Impl::open_soft(wire::LinkTransport kind, std::vector<detail::Fd> streams, int peer_pid, bool cma,
+                                 std::shared_ptr<detail::shm::Ring> ring) {
   if (!hooks.attach_soft) throw Error("link", EINVAL, "a tcp or shm link outside an engine");
   // QPs built in case the choice was rdma go (with their room in the worker's CQ).
   if (!qps.empty()) {
@@ -196,6 +198,7 @@ void Connection::Impl::open_soft(wire::LinkTransport kind, std::vector<detail::F
   qc.qp_num = (qpn & 0xffffffu) | 1u;  // a name for messages only
   qc.peer_pid = peer_pid;
   qc.cma = cma;
+  qc.ring = std::move(ring);
   // As an RC QP gives up on a peer that stops answering: its ACK timeout times its retries.
   qc.stall_timeout = std::max(std::chrono::milliseconds{500}, timeouts.ack_timeout * (timeouts.retry_count + 1));
   // What fails the queue pair on its own (a stream that broke, garbage) breaks the link, as a
@@ -266,16 +269,26 @@ void Connection::Impl::open_streams(const detail::HostPort& to, wire::EndpointIn
     throw Error("bootstrap handshake", EPROTO, "the peer chose shm without naming its local socket");
   }
   std::vector<detail::Fd> fds;
+  // shm without cross-memory attach: the ring this side's data goes through, handed to the
+  // server right after the stream's STREAM message (it reads one, then the other).
+  std::shared_ptr<detail::shm::Ring> ring;
+  if (shm && hooks.shm_ring) ring = detail::shm::Ring::create();
   for (std::uint16_t k = 0; k < t.streams; ++k) {
     // shm's stream is a local socket, so the server learns this process from the kernel.
     detail::Fd fd = shm ? detail::unix_connect(t.socket, deadline) : detail::tcp_connect(to, deadline, false, hooks.stop.get());
     detail::send_all(fd.get(), wire::encode_stream(t.token, k), deadline, hooks.stop.get());
+    if (ring) ring->send(fd.get(), deadline, hooks.stop.get());
     fds.push_back(std::move(fd));
   }
   info.remote = std::move(remote);
-  const std::string reason = std::move(info.transport_reason);
-  // This side only asks (its frames carry its addresses); it never copies for the peer.
-  open_soft(chosen, std::move(fds), 0, shm);
+  std::string reason = std::move(info.transport_reason);
+  if (shm) {
+    reason += ring ? fmt::format("; through a shared ring (two copies): {}", hooks.shm_ring_why)
+                   : std::string("; the peer copies by cross-memory attach (one copy)");
+  }
+  // This side only asks (its frames carry its addresses, or its ring's offsets); it never
+  // copies for the peer.
+  open_soft(chosen, std::move(fds), 0, shm, std::move(ring));
   info.transport_reason = reason;
 }
 

@@ -35,6 +35,22 @@ Transport parse_transport(std::string_view text) {
   throw Error("transport", EINVAL, fmt::format("'{}': rdma, tcp or shm", text));
 }
 
+const char* to_string(ShmCopy c) noexcept {
+  switch (c) {
+    case ShmCopy::automatic: return "auto";
+    case ShmCopy::attach: return "attach";
+    case ShmCopy::ring: return "ring";
+  }
+  return "?";
+}
+
+ShmCopy parse_shm_copy(std::string_view text) {
+  if (text == "auto") return ShmCopy::automatic;
+  if (text == "attach") return ShmCopy::attach;
+  if (text == "ring") return ShmCopy::ring;
+  throw Error("shm copy", EINVAL, fmt::format("'{}': auto, attach or ring", text));
+}
+
 namespace {
 
 // /proc/sys/kernel/yama/ptrace_scope (0 without Yama): at 1 and above, cross-memory attach
@@ -43,6 +59,21 @@ int yama_scope() {
   std::ifstream in("/proc/sys/kernel/yama/ptrace_scope");
   int v = 0;
   return in >> v ? v : 0;
+}
+
+// Why this process cannot copy from another by cross-memory attach, as far as it can tell alone
+// (empty: it may). Yama's scope; or the call itself refused even on this process's own memory (a
+// seccomp filter, Docker's default profile, blocks it).
+std::string no_attach() {
+  if (const int scope = yama_scope(); scope > 0) {
+    return fmt::format("Yama's ptrace_scope is {}, so no process may copy from another here", scope);
+  }
+  char from = 1, to = 0;
+  iovec local{&to, 1}, remote{&from, 1};
+  if (::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0) != 1) {
+    return fmt::format("process_vm_readv is refused here ({}: a seccomp filter, as a container's)", errno_name(errno));
+  }
+  return {};
 }
 
 wire::LinkTransport on_wire(Transport t) {
@@ -92,9 +123,10 @@ void Engine::Impl::choose_transports() {
       no = no_rdma;
     } else if (t != Transport::rdma && cfg.link.method != ConnectMethod::tcp) {
       no = "its links bootstrap over TCP, and link.method is rdma_cm";
-    } else if (t == Transport::shm && yama_scope() > 0) {
-      no = fmt::format("Yama's ptrace_scope is {}: no process may copy from another here (but its descendants)",
-                       yama_scope());
+    } else if (t == Transport::shm && cfg.shm_copy == ShmCopy::attach) {
+      if (const std::string why = no_attach(); !why.empty()) {
+        no = fmt::format("{}, and shm_copy is attach (the ring needs no such permission)", why);
+      }
     }
     if (no.empty()) {
       offer.push_back(on_wire(t));
@@ -111,6 +143,12 @@ void Engine::Impl::choose_transports() {
   }
   if (std::find(offer.begin(), offer.end(), wire::LinkTransport::shm) != offer.end()) {
     shm_socket = fmt::format("rdmakit-shm-{:016x}", epoch);
+    // How the links this engine opens copy: its choice, or what the kernel allows.
+    if (cfg.shm_copy == ShmCopy::ring) {
+      shm_ring_why = "shm_copy is ring";
+    } else if (cfg.shm_copy == ShmCopy::automatic) {
+      shm_ring_why = no_attach();
+    }
   }
   if (!offer_note.empty()) cfg.link.log(fmt::format("engine {}: {}", name, offer_note));
   soft[0] = std::make_unique<detail::soft::Device>("tcp");

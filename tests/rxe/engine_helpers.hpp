@@ -26,6 +26,7 @@ inline rdmakit::EngineConfig config(const std::string& name) {
   c.listen = here() + ":0";
   c.link = quiet();
   c.transports = test_transports();
+  c.shm_copy = test_shm_copy();
   return c;
 }
 

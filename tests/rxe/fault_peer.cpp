@@ -45,6 +45,7 @@ int main(int argc, char** argv) {
       ec.link.log = [](std::string_view) {};
       ec.link.method = lab::test_method();
       ec.transports = lab::test_transports();
+      ec.shm_copy = lab::test_shm_copy();
       auto& e = *engines.emplace_back(std::make_unique<rdmakit::Engine>(ec));
       e.expose("kv", e.allocate_memory(4096), rdmakit::Access::remote_read | rdmakit::Access::remote_write);
       e.start_listening();
@@ -60,6 +61,7 @@ int main(int argc, char** argv) {
     ec.link.log = [](std::string_view) {};
     ec.link.method = lab::test_method();
     ec.transports = lab::test_transports();
+    ec.shm_copy = lab::test_shm_copy();
     if (const char* uri = std::getenv("RDMAKIT_PEER_METADATA")) {
       ec.metadata.uri = uri;
       ec.metadata.cluster = "t";

@@ -99,6 +99,12 @@ inline std::vector<rdmakit::Transport> test_transports() {
   if (t == nullptr || *t == '\0') return {};
   return {rdmakit::parse_transport(t)};
 }
+/// How shm links copy in these tests: RDMAKIT_TEST_SHM_COPY (auto, attach or ring; auto by
+/// default). The same shm cases run once by cross-memory attach and once through the ring.
+inline rdmakit::ShmCopy test_shm_copy() {
+  const char* c = std::getenv("RDMAKIT_TEST_SHM_COPY");
+  return c == nullptr || *c == '\0' ? rdmakit::ShmCopy::automatic : rdmakit::parse_shm_copy(c);
+}
 inline bool soft_transport() {
   const auto t = test_transports();
   return !t.empty() && t[0] != rdmakit::Transport::rdma;

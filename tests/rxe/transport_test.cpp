@@ -6,8 +6,12 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdint>
+#include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -113,6 +117,54 @@ TEST(EngineTransports, InOneVmShmIsTakenUnlessUnlisted) {
     const rdmakit::PeerInfo p = peer_info(a, "t");
     EXPECT_EQ(p.transport, want) << p.transport_reason;
   }
+}
+
+// Where the kernel lets no process copy from another (Yama's ptrace_scope 1, Ubuntu's default),
+// shm links go through the shared ring by themselves, and an engine that allows only cross-memory
+// attach does not offer shm, saying why. Needs Yama and root (a lab VM); the scope is put back.
+TEST(EngineTransports, WhereTheKernelForbidsAttachShmGoesThroughTheRing) {
+  const char* const scope_file = "/proc/sys/kernel/yama/ptrace_scope";
+  std::string before;
+  {
+    std::ifstream in(scope_file);
+    if (!(in >> before) || ::access(scope_file, W_OK) != 0) GTEST_SKIP() << "needs Yama and root (a lab VM)";
+  }
+  const auto set_scope = [&](const std::string& v) {
+    std::ofstream out(scope_file);
+    out << v << "\n";
+    return static_cast<bool>(out.flush());
+  };
+  ASSERT_TRUE(set_scope("1"));
+  struct Restore {
+    std::function<void()> f;
+    ~Restore() { f(); }
+  } restore{[&] { (void)set_scope(before); }};
+  Target t("t", 1 << 20, over("t", {Transport::shm, Transport::tcp}));
+  Engine a(over("a", {Transport::shm}));
+  a.add_peer("t", at(t.engine));
+  const Buffer src = a.allocate_memory(1 << 20);
+  const Buffer dst = a.allocate_memory(1 << 20);
+  fill(src.addr, src.length, 9);
+  const Transfer w = xfer(TransferOp::write, src, 0, 1 << 20, a.segment("t", "kv"), 0);
+  Batch b = a.submit({&w, 1});
+  ASSERT_TRUE(b.wait(10s));
+  EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
+  EXPECT_TRUE(same(t.buf.addr, src.addr, 1 << 20));
+  const Transfer r = xfer(TransferOp::read, dst, 0, 1 << 20, a.segment("t", "kv"), 0);
+  Batch rb = a.submit({&r, 1});
+  ASSERT_TRUE(rb.wait(10s));
+  EXPECT_EQ(rb.failed(), 0u) << rb.describe_failures();
+  EXPECT_TRUE(same(dst.addr, src.addr, 1 << 20));
+  const rdmakit::PeerInfo p = peer_info(a, "t");
+  EXPECT_EQ(p.transport, "shm");
+  EXPECT_NE(p.transport_reason.find("shared ring"), std::string::npos) << p.transport_reason;
+  EXPECT_NE(p.transport_reason.find("ptrace_scope is 1"), std::string::npos) << p.transport_reason;
+  // Cross-memory attach only: shm is not offered here, and the engine says why.
+  EngineConfig only = over("b", {Transport::shm, Transport::tcp});
+  only.shm_copy = rdmakit::ShmCopy::attach;
+  Engine e(only);
+  EXPECT_NE(e.info().transports_note.find("shm_copy is attach"), std::string::npos) << e.info().transports_note;
+  EXPECT_EQ(e.info().transports, std::vector<std::string>{"tcp"});
 }
 
 // Nothing in common: the transfer ends connect_failed saying what each side offers; tcp is

@@ -2,6 +2,8 @@
 // data path itself over real sockets: what the engine's links do with them, without a VM. A
 // socketpair per stream (tcp's streams are TCP sockets; the frames are the same), and for shm the
 // same process on both ends, so cross-memory attach reads and writes this very process.
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -19,6 +21,7 @@
 #include "transport/soft/device.hpp"
 #include "transport/soft/frame.hpp"
 #include "transport/soft/qp.hpp"
+#include "transport/shm/ring.hpp"
 #include "verbs/memory_impl.hpp"
 
 namespace {
@@ -33,6 +36,7 @@ using rdmakit::RemoteRegion;
 using rdmakit::detail::DataPath;
 using rdmakit::detail::Fd;
 namespace soft = rdmakit::detail::soft;
+namespace shm = rdmakit::detail::shm;
 
 MemoryRegion unregistered(void* addr, std::size_t length) {
   auto impl = std::make_unique<MemoryRegion::Impl>();
@@ -42,10 +46,16 @@ MemoryRegion unregistered(void* addr, std::size_t length) {
   return MemoryRegion::Impl::wrap(std::move(impl));
 }
 
+// How the pair's data moves: tcp's frames, shm's cross-memory attach, or shm's ring.
+enum class Mode { tcp, shm, ring };
+
 // Two queue pairs joined by `streams` socketpairs, each with its data path; B serves a window.
+// With the ring, one stream (what a ring takes), and the ring handed from A to B over it as the
+// engine's link does.
 struct Pair {
-  explicit Pair(std::uint32_t streams = 2, bool shm = false, std::chrono::milliseconds stall = 4000ms)
-      : dev(shm ? "shm" : "tcp"), cqa(dev, 1024), cqb(dev, 1024), a_mem(8 << 20), b_mem(4 << 20) {
+  explicit Pair(std::uint32_t streams = 2, Mode mode = Mode::tcp, std::chrono::milliseconds stall = 4000ms)
+      : dev(mode == Mode::tcp ? "tcp" : "shm"), cqa(dev, 1024), cqb(dev, 1024), a_mem(8 << 20), b_mem(4 << 20) {
+    if (mode == Mode::ring) streams = 1;
     std::vector<Fd> fa, fb;
     for (std::uint32_t k = 0; k < streams; ++k) {
       int sv[2];
@@ -56,13 +66,20 @@ struct Pair {
     soft::QpConfig ca;
     ca.send_depth = 64;
     ca.qp_num = 1;
-    ca.peer_pid = shm ? ::getpid() : 0;
-    ca.cma = shm;
+    ca.peer_pid = mode == Mode::shm ? ::getpid() : 0;
+    ca.cma = mode != Mode::tcp;
     ca.stall_timeout = stall;
     ca.on_fault = [this](const std::string& why) { a_fault = why; };
     soft::QpConfig cb = ca;
     cb.qp_num = 2;
     cb.on_fault = [this](const std::string& why) { b_fault = why; };
+    if (mode == Mode::ring) {
+      const auto deadline = rdmakit::detail::deadline_in(2s);
+      ca.ring = shm::Ring::create();
+      ca.ring->send(fa[0].get(), deadline, nullptr);
+      cb.ring = shm::Ring::receive(fb[0].get(), deadline, nullptr);
+      cb.cma = false;  // it serves A's ring; its own requests (none here) would carry their data
+    }
     qa = std::make_unique<soft::Qp>(dev, cqa, ca, std::move(fa));
     qb = std::make_unique<soft::Qp>(dev, cqb, cb, std::move(fb));
     qa->start();
@@ -131,9 +148,11 @@ struct Pair {
   std::string a_fault, b_fault;
 };
 
-// A queue pair on B's CQ whose peer is the test itself, writing raw bytes (`raw`).
+// A queue pair on B's CQ whose peer is the test itself, writing raw bytes (`raw`). With a ring:
+// the test's side created it and handed it over, as an initiator does, and the queue pair serves
+// it (and has a data path of its own, to bind windows with).
 struct Outsider {
-  explicit Outsider(Pair& p) {
+  explicit Outsider(Pair& p, bool with_ring = false) {
     int sv[2];
     EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
     raw = Fd(sv[0]);
@@ -142,15 +161,60 @@ struct Outsider {
     soft::QpConfig cc;
     cc.qp_num = 3;
     cc.on_fault = [this](const std::string& why) { fault = why; };
+    if (with_ring) {
+      const auto deadline = rdmakit::detail::deadline_in(2s);
+      ring = shm::Ring::create();
+      ring->send(raw.get(), deadline, nullptr);
+      cc.ring = shm::Ring::receive(fc[0].get(), deadline, nullptr);
+    }
     qp = std::make_unique<soft::Qp>(p.dev, p.cqb, cc, std::move(fc));
     qp->start();
+    ibv_qp* q = qp->qp();
+    dp.init({64, 4, 1, 0, 1u << 30, 1u << 30}, {&q, 1}, p.cqb.cq(), p.cqb.cq(), p.cqb.channel(), soft::Device::ops());
+    dp.start();
+  }
+  ~Outsider() {
+    mw.reset();
+    dp.forget_qps();
+  }
+  // A window on [addr, +length) of B's memory, bound on this queue pair.
+  RemoteRegion bind(Pair& p, std::uint8_t* addr, std::size_t length) {
+    mw.reset(ibv_alloc_mw(p.dev.pd(), IBV_MW_TYPE_2));
+    const std::uint32_t rkey = ibv_inc_rkey(mw->rkey);
+    const auto at = reinterpret_cast<std::uint64_t>(addr);
+    EXPECT_TRUE(dp.post_bind(mw.get(), rkey, nullptr, at, length, IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE, 78).ok());
+    const Completion c = p.next(dp);
+    EXPECT_TRUE(c.ok()) << c.describe();
+    return {at, length, rkey, Access::remote_read | Access::remote_write};
+  }
+  // Sends a request frame and returns its answer's status (nullopt: no answer within 1 s).
+  std::optional<soft::FrameStatus> ask(Pair& p, const soft::Frame& f) {
+    std::array<std::uint8_t, soft::kFrameSize> head{};
+    soft::encode(f, head);
+    EXPECT_EQ(::write(raw.get(), head.data(), head.size()), static_cast<ssize_t>(head.size()));
+    const auto until = std::chrono::steady_clock::now() + 1s;
+    std::array<std::uint8_t, soft::kFrameSize> answer{};
+    while (std::chrono::steady_clock::now() < until) {
+      p.cqa.progress();
+      p.cqb.progress();
+      if (::recv(raw.get(), answer.data(), answer.size(), MSG_DONTWAIT | MSG_PEEK) == static_cast<ssize_t>(answer.size())) {
+        EXPECT_EQ(::recv(raw.get(), answer.data(), answer.size(), 0), static_cast<ssize_t>(answer.size()));
+        const auto a = soft::decode(answer);
+        if (!a) return std::nullopt;
+        return a->status;
+      }
+    }
+    return std::nullopt;
   }
   Fd raw;
   std::string fault;
+  std::shared_ptr<shm::Ring> ring;
   std::unique_ptr<soft::Qp> qp;
+  DataPath dp;
+  rdmakit::detail::MwPtr mw;
 };
 
-class SoftTransport : public ::testing::TestWithParam<bool> {};
+class SoftTransport : public ::testing::TestWithParam<Mode> {};
 
 TEST_P(SoftTransport, WritesReadsAndAtomicsLandWhereTheWindowSays) {
   Pair p(2, GetParam());
@@ -366,7 +430,209 @@ TEST_P(SoftTransport, ATruncatedFrameThenTheEndFailsThatLinkOnly) {
   EXPECT_NE(c_fault.find("closed data stream"), std::string::npos) << c_fault;
 }
 
-INSTANTIATE_TEST_SUITE_P(TcpAndShm, SoftTransport, ::testing::Values(false, true),
-                         [](const auto& param_info) { return param_info.param ? "shm" : "tcp"; });
+INSTANTIATE_TEST_SUITE_P(TcpAndShm, SoftTransport, ::testing::Values(Mode::tcp, Mode::shm, Mode::ring),
+                         [](const auto& param_info) {
+                           return param_info.param == Mode::tcp ? "tcp" : param_info.param == Mode::shm ? "shm" : "shm_ring";
+                         });
+
+// --- the ring: what a target takes from a peer that lies ----------------------------------------
+
+struct RingPair {
+  RingPair() {
+    int sv[2];
+    EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    mine = Fd(sv[0]);
+    theirs = Fd(sv[1]);
+  }
+  // Sends one byte with `fd` (or none), as a lying initiator would.
+  void send_fd(int fd, char tag = 'R') const {
+    shm::send_with_descriptor(mine.get(), tag, fd, rdmakit::detail::deadline_in(1s), nullptr);
+  }
+  std::string refusal() const {
+    try {
+      (void)shm::Ring::receive(theirs.get(), rdmakit::detail::deadline_in(300ms), nullptr);
+    } catch (const rdmakit::Error& e) {
+      return e.what();
+    }
+    return "";
+  }
+  Fd mine, theirs;
+};
+
+TEST(ShmRing, ATargetTakesOnlyASealedMemfdOfASizeItAccepts) {
+  {
+    RingPair p;
+    auto ring = shm::Ring::create();
+    ring->send(p.mine.get(), rdmakit::detail::deadline_in(1s), nullptr);
+    auto got = shm::Ring::receive(p.theirs.get(), rdmakit::detail::deadline_in(1s), nullptr);
+    ASSERT_EQ(got->size(), ring->size());
+    ring->data()[12345] = 0x5c;  // one memory, two mappings
+    EXPECT_EQ(got->data()[12345], 0x5c);
+  }
+  {
+    RingPair p;  // not sealed: the initiator could shrink it under the target, which would fault
+    Fd fd(::memfd_create("plain", MFD_CLOEXEC));
+    ASSERT_EQ(::ftruncate(fd.get(), 4 << 20), 0);
+    p.send_fd(fd.get());
+    EXPECT_NE(p.refusal().find("not a memfd sealed"), std::string::npos) << p.refusal();
+  }
+  {
+    RingPair p;  // a pipe is no ring
+    int pipes[2];
+    ASSERT_EQ(::pipe(pipes), 0);
+    Fd r(pipes[0]), w(pipes[1]);
+    p.send_fd(r.get());
+    EXPECT_NE(p.refusal().find("not a memfd sealed"), std::string::npos);
+  }
+  {
+    RingPair p;  // sealed, but larger than a target maps
+    Fd fd(::memfd_create("huge", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    ASSERT_EQ(::ftruncate(fd.get(), static_cast<off_t>(shm::kRingMax) + 4096), 0);
+    ASSERT_EQ(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
+    p.send_fd(fd.get());
+    EXPECT_NE(p.refusal().find("bytes"), std::string::npos) << p.refusal();
+  }
+  {
+    RingPair p;  // sealed, but smaller than one frame's chunk
+    Fd fd(::memfd_create("small", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    ASSERT_EQ(::ftruncate(fd.get(), 4096), 0);
+    ASSERT_EQ(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
+    p.send_fd(fd.get());
+    EXPECT_NE(p.refusal().find("4096 bytes"), std::string::npos) << p.refusal();
+  }
+  {
+    RingPair p;  // sealed against writes too: it cannot be mapped to write, and says so
+    Fd fd(::memfd_create("ro", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    ASSERT_EQ(::ftruncate(fd.get(), 4 << 20), 0);
+    ASSERT_EQ(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_WRITE), 0);
+    p.send_fd(fd.get());
+    EXPECT_NE(p.refusal().find("mmap"), std::string::npos) << p.refusal();
+  }
+  {
+    RingPair p;  // the byte without a descriptor, then nothing (the deadline is the handshake's)
+    p.send_fd(-1);
+    EXPECT_NE(p.refusal().find("did not start with its shm ring"), std::string::npos);
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_NE(p.refusal().find("did not come by the handshake's deadline"), std::string::npos);
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
+  }
+}
+
+// A ring frame that points outside the ring, or comes to a side that serves no ring, is refused
+// as a malformed request and touches nothing; one inside it copies between ring and window.
+TEST(ShmRing, AFrameOutsideTheRingIsRefusedAndTouchesNothing) {
+  Pair p(1, Mode::tcp);
+  Outsider o(p, true);
+  std::vector<std::uint8_t> b(1 << 20, 0);
+  const RemoteRegion seg = o.bind(p, b.data(), b.size());
+  soft::Frame f;
+  f.op = static_cast<std::uint8_t>(soft::FrameOp::write_ring);
+  f.raddr = seg.addr;
+  f.rkey = seg.rkey;
+  const std::size_t size = o.ring->size();
+  // Inside: the ring's bytes land in the window.
+  std::memset(o.ring->data() + 4096, 0x3c, 4096);
+  f.id = 1;
+  f.length = 4096;
+  f.arg0 = 4096;
+  EXPECT_EQ(o.ask(p, f), soft::FrameStatus::ok);
+  EXPECT_EQ(b[0], 0x3c);
+  EXPECT_EQ(b[4095], 0x3c);
+  // Past the ring's end, by one byte and by far (an offset whose sum with the length wraps): the
+  // ring's bytes there are a pattern, and not one lands in the window.
+  std::memset(b.data(), 0, 8192);
+  std::memset(o.ring->data() + size - 8192, 0x77, 8192);
+  f.id = 2;
+  f.arg0 = size - 4095;
+  EXPECT_EQ(o.ask(p, f), soft::FrameStatus::invalid);
+  EXPECT_EQ(b[0], 0);
+  EXPECT_EQ(b[4094], 0);
+  f.id = 3;
+  f.arg0 = ~std::uint64_t{0} - 100;
+  EXPECT_EQ(o.ask(p, f), soft::FrameStatus::invalid);
+  EXPECT_EQ(b[0], 0);
+  // A READ_RING the same: nothing of the window is copied past the ring's end (the window's
+  // bytes are a pattern, the ring's last page another, which stays).
+  std::memset(b.data(), 0x11, 8192);
+  f.op = static_cast<std::uint8_t>(soft::FrameOp::read_ring);
+  f.id = 4;
+  f.arg0 = size - 100;
+  EXPECT_EQ(o.ask(p, f), soft::FrameStatus::invalid);
+  EXPECT_EQ(o.ring->data()[size - 1], 0x77);
+  // Inside, it is copied: the window's pattern into the ring.
+  f.id = 5;
+  f.arg0 = 0;
+  EXPECT_EQ(o.ask(p, f), soft::FrameStatus::ok);
+  EXPECT_EQ(o.ring->data()[4095], 0x11);
+  EXPECT_TRUE(o.fault.empty()) << o.fault;
+  // A side with no ring (a tcp link's) refuses ring frames whatever their offset.
+  Outsider plain(p);
+  const RemoteRegion seg2 = plain.bind(p, b.data(), b.size());
+  std::memset(b.data(), 0, 8192);
+  f.op = static_cast<std::uint8_t>(soft::FrameOp::write_ring);
+  f.rkey = seg2.rkey;
+  f.id = 1;
+  f.arg0 = 0;
+  EXPECT_EQ(plain.ask(p, f), soft::FrameStatus::invalid);
+  EXPECT_EQ(b[0], 0);
+}
+
+// The ring's bookkeeping over many laps: 1-byte writes put its tail off any chunk boundary, then
+// writes and reads of every size (frames skip the ring's end where they do not fit, and wait for
+// room when it is full), atomics between them on the same stream; every byte checked.
+TEST(ShmRing, ManyLapsOfMixedSizesAndAtomicsLandIntact) {
+  Pair p(1, Mode::ring);
+  const RemoteRegion seg = p.bind(0, 4 << 20, Access::remote_read | Access::remote_write | Access::remote_atomic);
+  p.dpa.set_remote({seg}, true);
+  const LocalSlice all = p.a_region->local();
+  std::uint64_t id = 1;
+  const auto done = [&](std::uint64_t want) {
+    const Completion c = p.next(p.dpa);
+    ASSERT_TRUE(c.ok()) << c.describe() << " " << p.a_fault << p.b_fault;
+    EXPECT_EQ(c.wr_id, want);
+  };
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(static_cast<std::size_t>(k), 1), seg, 3 << 20, 0, 0, 0, id).ok()));
+    done(id++);
+  }
+  std::uint64_t word = 0;
+  std::memcpy(p.b_mem.data() + (4 << 20) - 8, &word, 8);
+  std::size_t moved = 0;
+  for (std::uint32_t len : {1000000u, 3u << 20, 262144u, 262145u, 77777u, 2u << 20, 4096u}) {
+    // A write of `len` from a moving place, an atomic, then the bytes read back elsewhere.
+    const std::size_t from = (moved * 7) % (1 << 20);
+    ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(from, len), seg, 0, 0, 0, 0, id).ok()));
+    const std::uint64_t w = id++;
+    const auto posted = p.dpa.post_one<Opcode::fetch_add>(all.subslice(7 << 20, 8), seg, (4 << 20) - 8, 0, 1, 0, id);
+    ASSERT_TRUE(posted.ok()) << posted.describe();
+    const std::uint64_t a = id++;
+    done(w);
+    done(a);
+    EXPECT_EQ(std::memcmp(p.b_mem.data(), p.a_mem.data() + from, len), 0) << "write of " << len;
+    std::memset(p.a_mem.data() + (4 << 20), 0, len);
+    ASSERT_TRUE((p.dpa.post_one<Opcode::read>(all.subslice(4 << 20, len), seg, 0, 0, 0, 0, id).ok()));
+    done(id++);
+    EXPECT_EQ(std::memcmp(p.a_mem.data() + (4 << 20), p.b_mem.data(), len), 0) << "read of " << len;
+    moved += len;
+  }
+  std::memcpy(&word, p.b_mem.data() + (4 << 20) - 8, 8);
+  EXPECT_EQ(word, 7u);  // every atomic once
+  EXPECT_GT(2 * moved, 3 * shm::kRingBytes) << "the ring went round three times (writes and reads both cross it)";
+}
+
+// Through the ring, a requester that gave up on a stopped peer has its completion at the stall
+// bound: no wait for the peer to close (it reaches none of this process's buffers).
+TEST(ShmRing, ARequesterThatGaveUpCompletesAtTheStallBound) {
+  Pair p(1, Mode::ring, 200ms);
+  const RemoteRegion seg = p.bind(0, 8192, Access::remote_read);
+  p.dpa.set_remote({seg}, false);
+  const LocalSlice all = p.a_region->local();
+  ASSERT_TRUE((p.dpa.post_one<Opcode::read>(all.subslice(0, 64), seg, 0, 0, 0, 0, 1).ok()));
+  const auto t0 = std::chrono::steady_clock::now();
+  Completion c;
+  while (std::chrono::steady_clock::now() - t0 < 3s && p.dpa.poll({&c, 1}) == 0) p.cqa.progress();  // B stopped
+  EXPECT_EQ(c.status, IBV_WC_RETRY_EXC_ERR) << c.describe();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 800ms);
+}
 
 }  // namespace

@@ -56,6 +56,7 @@ struct EngineNet {
   std::string identity_file;
   std::vector<std::string> transports;
   unsigned tcp_streams = EngineConfig{}.tcp_streams;
+  std::string shm_copy = "auto";
 
   void add_to(CLI::App& app, bool publishing) {
     metadata.add_to(app, publishing);
@@ -78,6 +79,12 @@ struct EngineNet {
                    "shm (a peer on this host). A link takes the first this engine lists that the peer lists too")
         ->check(CLI::IsMember({"rdma", "tcp", "shm"}));
     app.add_option("--tcp-streams", tcp_streams, "tcp: data streams per link")->check(CLI::Range(1u, 16u))->capture_default_str();
+    app.add_option("--shm-copy", shm_copy,
+                   "shm: how the links this engine opens copy: attach (cross-memory attach, one copy), ring (shared "
+                   "memory, two copies, no permission to read another process needed), auto (attach where the kernel "
+                   "allows it)")
+        ->check(CLI::IsMember({"auto", "attach", "ring"}))
+        ->capture_default_str();
     app.add_option("--workers", workers, "progress threads (default: one per RDMA device)")->check(CLI::Range(1u, 64u));
     app.add_option("--max-qps", max_qps, "QP budget")->check(CLI::Range(1u, 1u << 20))->capture_default_str();
     app.add_option("--rails", rails, "most rails (NIC ports) per peer link; 0: every port that reaches the peer")
@@ -109,6 +116,7 @@ struct EngineNet {
     c.allow_region_keys = allow_region_keys;
     for (const std::string& t : transports) c.transports.push_back(parse_transport(t));
     c.tcp_streams = tcp_streams;
+    c.shm_copy = parse_shm_copy(shm_copy);
     return c;
   }
 };

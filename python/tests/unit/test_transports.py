@@ -24,13 +24,13 @@ TARGET = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_a_transfer_between_two_processes_without_rdma(transport):
+@pytest.mark.parametrize("transport,shm_copy", [("tcp", "auto"), ("shm", "auto"), ("shm", "ring")])
+def test_a_transfer_between_two_processes_without_rdma(transport, shm_copy):
     target = subprocess.Popen([sys.executable, "-c", TARGET, transport], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
         port = int(target.stdout.readline())
-        e = rdmakit.Engine(name="client", listen="", transports=[transport])
+        e = rdmakit.Engine(name="client", listen="", transports=[transport], shm_copy=shm_copy)
         e.add_peer("kv", f"127.0.0.1:{port}")
         seg = e.segment("kv", "pool")
         src = np.arange(4096, dtype=np.uint8)
@@ -45,6 +45,8 @@ def test_a_transfer_between_two_processes_without_rdma(transport):
         assert np.array_equal(dst, src)
         peer = e.peers()[0]
         assert peer["transport"] == transport and "first choice" in peer["transport_reason"]
+        if transport == "shm":
+            assert ("shared ring" in peer["transport_reason"]) == (shm_copy == "ring"), peer["transport_reason"]
         assert e.info()["transports"] == [transport]
         e.close()
     finally:

@@ -38,7 +38,7 @@ std::optional<Frame> decode(std::span<const std::uint8_t, kFrameSize> in) noexce
   Frame f;
   f.op = p[1];
   const auto op = static_cast<std::uint8_t>(f.op & ~kResponse);
-  if (op < static_cast<std::uint8_t>(FrameOp::write) || op > static_cast<std::uint8_t>(FrameOp::read_cma)) return std::nullopt;
+  if (op < static_cast<std::uint8_t>(FrameOp::write) || op > static_cast<std::uint8_t>(FrameOp::read_ring)) return std::nullopt;
   if (p[2] > static_cast<std::uint8_t>(FrameStatus::remote_op)) return std::nullopt;
   f.status = static_cast<FrameStatus>(p[2]);
   if (!f.response() && f.status != FrameStatus::ok) return std::nullopt;

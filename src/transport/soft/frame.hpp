@@ -14,6 +14,9 @@
 //   WRITE_CMA, READ_CMA  as WRITE and READ, but the data does not travel in the stream: the
 //              responder copies it from (or to) the requester's address arg0 with cross-memory
 //              attach (process_vm_readv/writev), both processes on one host (the shm transport).
+//   WRITE_RING, READ_RING  as WRITE and READ, but the data is in the requester's shared ring
+//              (src/transport/shm/ring.hpp) at offset arg0: the responder copies it from (or
+//              to) there; shm where cross-memory attach is not used.
 //   RESPONSE   op | 0x80: the request's status (0 ok), the id it answers, an atomic's old value
 //              in arg0, and a READ's data (`length` bytes, 0 on a refusal).
 //
@@ -41,6 +44,8 @@ enum class FrameOp : std::uint8_t {
   compare_swap = 4,
   write_cma = 5,
   read_cma = 6,
+  write_ring = 7,
+  read_ring = 8,
 };
 inline constexpr std::uint8_t kResponse = 0x80;
 

@@ -24,6 +24,11 @@ namespace rdmakit::detail::soft {
 
 Qp::Qp(Device& dev, Cq& cq, QpConfig cfg, std::vector<Fd> streams) : dev_(dev), cq_(cq), cfg_(std::move(cfg)) {
   if (streams.empty()) throw Error("soft QP", EINVAL, "no data stream");
+  // A requester's ring holds two chunks at least: a frame that does not fit before the ring's
+  // end always fits after it once the frames before it are answered.
+  if (cfg_.ring && (streams.size() != 1 || cfg_.ring->size() < (cfg_.cma ? 2 : 1) * std::size_t{kMaxChunk})) {
+    throw Error("soft QP", EINVAL, "an shm ring takes one stream and at least two frames' chunks");
+  }
   std::size_t n = 1;
   while (n < 2 * std::max<std::uint32_t>(cfg_.send_depth, 1)) n *= 2;
   reqs_.resize(n);
@@ -79,8 +84,8 @@ int Qp::take(const ibv_send_wr& w) noexcept {
   switch (w.opcode) {
     case IBV_WR_RDMA_WRITE:
     case IBV_WR_RDMA_READ:
-      r.op = w.opcode == IBV_WR_RDMA_WRITE ? (cfg_.cma ? FrameOp::write_cma : FrameOp::write)
-                                           : (cfg_.cma ? FrameOp::read_cma : FrameOp::read);
+      r.op = w.opcode == IBV_WR_RDMA_WRITE ? (!cfg_.cma ? FrameOp::write : cfg_.ring ? FrameOp::write_ring : FrameOp::write_cma)
+                                           : (!cfg_.cma ? FrameOp::read : cfg_.ring ? FrameOp::read_ring : FrameOp::read_cma);
       r.opcode = w.opcode == IBV_WR_RDMA_WRITE ? IBV_WC_RDMA_WRITE : IBV_WC_RDMA_READ;
       r.raddr = w.wr.rdma.remote_addr;
       r.rkey = w.wr.rdma.rkey;
@@ -224,21 +229,40 @@ void Qp::issue() noexcept {
     }
     if (s == nullptr) return;  // an answer or a send makes room
     const std::uint32_t len = std::min(kMaxChunk, r.length - issue_off_);
+    // A ring frame's room in the ring: contiguous (the end's remainder skipped when it is short),
+    // freed as its answer comes.
+    const bool ring = r.op == FrameOp::write_ring || r.op == FrameOp::read_ring;
+    std::uint64_t ring_at = ring_tail_;
+    std::size_t ring_off = 0;
+    if (ring && len > 0) {
+      const std::size_t size = cfg_.ring->size();
+      ring_off = static_cast<std::size_t>(ring_at % size);
+      if (ring_off + len > size) {
+        ring_at += size - ring_off;
+        ring_off = 0;
+      }
+      if (ring_at + len - ring_head_ > size) return;  // answers free room
+      ring_at += len;
+    }
     Frame f;
     f.op = static_cast<std::uint8_t>(r.op);
     f.length = len;
     f.id = s->next_id++;
     f.raddr = r.raddr + issue_off_;
     f.rkey = r.rkey;
-    f.arg0 = r.op == FrameOp::write_cma || r.op == FrameOp::read_cma ? r.laddr + issue_off_ : r.arg0;
+    f.arg0 = r.op == FrameOp::write_cma || r.op == FrameOp::read_cma ? r.laddr + issue_off_ : ring ? ring_off : r.arg0;
     f.arg1 = r.arg1;
+    if (r.op == FrameOp::write_ring && len > 0) {
+      std::memcpy(cfg_.ring->data() + ring_off, reinterpret_cast<const void*>(r.laddr + issue_off_), len);
+    }
+    ring_tail_ = ring_at;
     Out& o = s->push_out();
     encode(f, o.head);
     o.answer = false;
     o.copy.reset();
     o.data = r.op == FrameOp::write ? reinterpret_cast<const std::uint8_t*>(r.laddr + issue_off_) : nullptr;
     o.len = r.op == FrameOp::write ? len : 0;
-    s->expect[s->exp_tail++ % s->expect.size()] = {issue_, f.id, issue_off_, len, r.op};
+    s->expect[s->exp_tail++ % s->expect.size()] = {issue_, f.id, issue_off_, len, r.op, static_cast<std::uint32_t>(ring_off), ring_at};
     if (s->owed() == 1) s->last_in = Clock::now();  // the answer's clock starts now
     ++r.pending;
     issue_off_ += len;
@@ -247,6 +271,9 @@ void Qp::issue() noexcept {
       ++issue_;
       issue_off_ = 0;
     }
+    // A large ring frame goes at once: the peer copies it out while this side copies the next
+    // in (the two copies of the ring overlap, each on its own process's CPU).
+    if (ring && len >= kRingEager && !s->watch_out && send(*s)) cq_.again(s);
   }
 }
 
@@ -329,9 +356,10 @@ void Qp::fail(std::string why, Req* first, bool fault) noexcept {
   // the peer has not answered may still be served by it, and they copy into and out of this
   // process: their completions wait until the peer has closed every stream (it saw the end:
   // it serves nothing after that), or a second has passed (a peer that sleeps that long sees
-  // the end before anything else when it wakes: responder(), below).
+  // the end before anything else when it wakes: Qp::serve() and gave_up() in streams.cpp).
   const bool answers_owed = std::any_of(streams_.begin(), streams_.end(), [](const auto& o) { return o->owed() > 0; });
-  draining_ = cfg_.cma && started_ && answers_owed;
+  // (Through a ring the peer reaches none of this process's buffers: nothing to wait for.)
+  draining_ = cfg_.cma && !cfg_.ring && started_ && answers_owed;
   if (draining_) drain_until_ = Clock::now() + std::chrono::milliseconds{1000};
   for (auto& s : streams_) {
     s->exp_head = s->exp_tail;
@@ -364,6 +392,8 @@ bool Qp::answer(Stream& s, const Frame& f) noexcept {
     if (r.status == IBV_WC_SUCCESS) r.status = wc_status(f.status);
   } else if (data) {
     s.dst = reinterpret_cast<std::uint8_t*>(r.laddr + e.offset);
+  } else if (f.request_op() == FrameOp::read_ring && e.len > 0) {
+    std::memcpy(reinterpret_cast<void*>(r.laddr + e.offset), cfg_.ring->data() + e.ring_off, e.len);
   } else if (f.request_op() == FrameOp::fetch_add || f.request_op() == FrameOp::compare_swap) {
     std::memcpy(reinterpret_cast<void*>(r.laddr), &f.arg0, sizeof f.arg0);
   }
@@ -373,6 +403,7 @@ bool Qp::answer(Stream& s, const Frame& f) noexcept {
 void Qp::answered(Stream& s) noexcept {
   const Expect e = s.expect[s.exp_head++ % s.expect.size()];
   s.last_in = Clock::now();
+  ring_head_ = std::max(ring_head_, e.ring_end);
   Req& r = req(e.req);
   --r.pending;
   if (r.status != IBV_WC_SUCCESS) {

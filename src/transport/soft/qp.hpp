@@ -39,6 +39,7 @@
 #include "common/fifo.hpp"
 #include "transport/soft/device.hpp"
 #include "transport/soft/frame.hpp"
+#include "transport/shm/ring.hpp"
 
 namespace rdmakit::detail::soft {
 
@@ -51,6 +52,11 @@ struct QpConfig {
   /// shm, the responder: the requester's process, which it copies from and to; 0: it serves no
   /// such request (tcp, or a side that only asks).
   int peer_pid = 0;
+  /// shm without cross-memory attach (src/transport/shm/ring.hpp): the requester's shared ring.
+  /// With `cma`, this side's WRITEs and READs stage their data in it (WRITE_RING, READ_RING);
+  /// without, this side serves the peer's through it. Only on one stream (its answers, in
+  /// order, free it in order).
+  std::shared_ptr<shm::Ring> ring;
   /// An answer owed for this long on a stream that delivered nothing meanwhile: the peer is
   /// gone (as an RC QP's retries run out).
   std::chrono::milliseconds stall_timeout{4000};
@@ -153,6 +159,9 @@ class Qp {
   std::uint64_t head_ = 0, issue_ = 0, tail_ = 0;  // completed up to head_, framed up to issue_
   std::uint32_t issue_off_ = 0;  // bytes of req(issue_) framed so far
   std::size_t next_stream_ = 0;
+  // The ring (cfg_.ring, a requester's): bytes handed out up to ring_tail_, freed up to
+  // ring_head_ (counts that only grow; a position is count % size).
+  std::uint64_t ring_head_ = 0, ring_tail_ = 0;
   Fifo<std::uint64_t> recvs_;  // posted receives (nothing is ever sent to them: flushed at the end)
   std::unordered_map<std::uint32_t, Mw*> windows_;  // by rkey: the windows bound here
   bool error_ = false;

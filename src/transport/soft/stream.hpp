@@ -22,6 +22,9 @@ inline constexpr std::uint32_t kAnswerFrames = 192;   // answers queued, per str
 inline constexpr std::size_t kStage = 4096;
 inline constexpr std::size_t kDirect = 512;
 inline constexpr int kIov = 64;
+// A ring frame this long is sent (requester) or answered (responder) at once rather than with
+// the others of its turn: the two sides' copies overlap.
+inline constexpr std::uint32_t kRingEager = 64u << 10;
 // What one turn takes of a stream before the others get theirs.
 inline constexpr std::size_t kTurnBytes = 8u << 20;
 
@@ -48,6 +51,8 @@ struct Expect {
   std::uint64_t id = 0;
   std::uint32_t offset = 0, len = 0;
   FrameOp op = FrameOp::write;
+  std::uint32_t ring_off = 0;  // a ring frame's data in the ring (shm without cross-memory attach)
+  std::uint64_t ring_end = 0;  // the ring's tail once this frame had its room: freed to here
 };
 
 class Stream final : public Watched {

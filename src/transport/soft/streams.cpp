@@ -88,6 +88,23 @@ bool Qp::serve(Stream& s, const Frame& f) noexcept {
       }
       break;
     }
+    case FrameOp::write_ring:
+    case FrameOp::read_ring: {
+      // Between the window and the requester's ring, which this side maps: never its memory.
+      const bool write = op == FrameOp::write_ring;
+      a.status = check(f, write ? IBV_ACCESS_REMOTE_WRITE : IBV_ACCESS_REMOTE_READ);
+      const std::size_t size = cfg_.ring && !cfg_.cma ? cfg_.ring->size() : 0;
+      if (size == 0 || f.arg0 > size || f.length > size - f.arg0) a.status = FrameStatus::invalid;
+      if (a.status == FrameStatus::ok && f.length != 0) {
+        std::uint8_t* in_ring = cfg_.ring->data() + f.arg0;
+        if (write) {
+          std::memcpy(at, in_ring, f.length);
+        } else {
+          std::memcpy(in_ring, at, f.length);
+        }
+      }
+      break;
+    }
   }
   Out& o = s.push_out();
   encode(a, o.head);
@@ -97,6 +114,10 @@ bool Qp::serve(Stream& s, const Frame& f) noexcept {
   o.len = data != nullptr ? a.length : 0;
   o.rkey = f.rkey;
   ++s.answers_queued;
+  // A large ring frame's answer goes at once: the requester frees its room and copies the next.
+  if ((op == FrameOp::write_ring || op == FrameOp::read_ring) && f.length >= kRingEager && !s.watch_out && send(s)) {
+    cq_.again(&s);
+  }
   return true;
 }
 
