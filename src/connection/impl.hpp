@@ -139,6 +139,9 @@ struct HandshakeHooks {
   /// server's cross-memory attach (one), and why (EngineConfig::shm_copy, Yama's ptrace_scope).
   bool shm_ring = false;
   std::string shm_ring_why;
+  /// shm, a server: why this process cannot copy from another by cross-memory attach (empty: it
+  /// can). It then takes shm only from a client that sends a ring.
+  std::string shm_no_attach;
   /// What a tcp or shm link's queue pair is built on: the engine's device and a worker's CQ.
   std::function<Attachment(wire::LinkTransport)> attach_soft;
   /// Requested when the engine shuts down: a handshake still waiting (a connect retried, a

@@ -110,6 +110,8 @@ std::optional<wire::LinkTransport> Connection::Impl::choose_transport(const deta
       no = "this engine does not offer it";
     } else if (k == wire::LinkTransport::shm && (offer.host != hooks.self.host || hooks.shm_socket.empty())) {
       no = "not on this host as this engine sees it (another host, container, PID or network namespace, or user)";
+    } else if (k == wire::LinkTransport::shm && offer.proof_addr != 0 && !hooks.shm_no_attach.empty()) {
+      no = fmt::format("the initiator asks for cross-memory attach (its shm_copy), and here {}", hooks.shm_no_attach);
     }
     if (no.empty()) {
       why = passed.empty() ? fmt::format("{}: the initiator's first choice, offered here too", name)
@@ -277,7 +279,17 @@ void Connection::Impl::open_streams(const detail::HostPort& to, wire::EndpointIn
     // shm's stream is a local socket, so the server learns this process from the kernel.
     detail::Fd fd = shm ? detail::unix_connect(t.socket, deadline) : detail::tcp_connect(to, deadline, false, hooks.stop.get());
     detail::send_all(fd.get(), wire::encode_stream(t.token, k), deadline, hooks.stop.get());
-    if (ring) ring->send(fd.get(), deadline, hooks.stop.get());
+    if (ring) {
+      // Whatever listens at the abstract name gets every byte this link moves: a process of this
+      // user, as the kernel names it, or nothing.
+      uid_t uid = 0;
+      if (detail::peer_pid(fd.get(), &uid) <= 0 || uid != ::geteuid()) {
+        throw Error("shm", EACCES, fmt::format("the process at the peer's local socket runs as user {}, this engine as {}: "
+                                               "its shm ring goes to no other user",
+                                               uid, ::geteuid()));
+      }
+      ring->send(fd.get(), deadline, hooks.stop.get());
+    }
     fds.push_back(std::move(fd));
   }
   info.remote = std::move(remote);

@@ -266,6 +266,7 @@ detail::HandshakeHooks Engine::Impl::hooks(Worker* preferred) {
   h.shm_socket = shm_socket;
   h.shm_ring = !shm_ring_why.empty();
   h.shm_ring_why = shm_ring_why;
+  h.shm_no_attach = shm_no_attach;
   h.attach_soft = [this, preferred](wire::LinkTransport k) { return attach_soft(k, preferred); };
   h.stop = stop_handshakes;
   return h;

@@ -582,6 +582,7 @@ struct Engine::Impl {
   std::shared_ptr<detail::StreamRegistry> streams;
   std::string shm_socket;  // offering shm: the local socket its links' streams come to
   std::string shm_ring_why;  // offering shm: why the links it opens copy through a ring (empty: they attach)
+  std::string shm_no_attach;  // offering shm: why this process cannot copy by attach (empty: it can)
   /// Resolves cfg.transports into `offer` (constructor; after the device layer).
   void choose_transports();
   [[nodiscard]] std::uint32_t device_count() const noexcept { return rdma_count + 2; }

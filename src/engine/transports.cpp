@@ -143,11 +143,12 @@ void Engine::Impl::choose_transports() {
   }
   if (std::find(offer.begin(), offer.end(), wire::LinkTransport::shm) != offer.end()) {
     shm_socket = fmt::format("rdmakit-shm-{:016x}", epoch);
+    shm_no_attach = no_attach();
     // How the links this engine opens copy: its choice, or what the kernel allows.
     if (cfg.shm_copy == ShmCopy::ring) {
       shm_ring_why = "shm_copy is ring";
     } else if (cfg.shm_copy == ShmCopy::automatic) {
-      shm_ring_why = no_attach();
+      shm_ring_why = shm_no_attach;
     }
   }
   if (!offer_note.empty()) cfg.link.log(fmt::format("engine {}: {}", name, offer_note));

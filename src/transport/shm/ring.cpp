@@ -41,8 +41,10 @@ std::shared_ptr<Ring> Ring::map(int fd, std::size_t size, const char* whose) {
 std::shared_ptr<Ring> Ring::create(std::size_t bytes) {
   Fd fd(::memfd_create("rdmakit-shm-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd) throw Error("memfd_create", errno, "the shm ring");
-  if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) {
-    throw Error("ftruncate", errno, fmt::format("sizing the shm ring to {} bytes", bytes));
+  // Its pages allocated now: a host short of memory fails the handshake here, rather than
+  // either process faulting on a page the kernel cannot give later.
+  if (const int err = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes)); err != 0) {
+    throw Error("fallocate", err, fmt::format("the shm ring's {} bytes", bytes), "the host is short of memory (or of /dev/shm)");
   }
   // Sealed before anyone else has it: its size is fixed for both sides' mappings.
   if (::fcntl(fd.get(), F_ADD_SEALS, kSeals) != 0) throw Error("fcntl(F_ADD_SEALS)", errno, "sealing the shm ring");

@@ -26,8 +26,9 @@ Qp::Qp(Device& dev, Cq& cq, QpConfig cfg, std::vector<Fd> streams) : dev_(dev), 
   if (streams.empty()) throw Error("soft QP", EINVAL, "no data stream");
   // A requester's ring holds two chunks at least: a frame that does not fit before the ring's
   // end always fits after it once the frames before it are answered.
-  if (cfg_.ring && (streams.size() != 1 || cfg_.ring->size() < (cfg_.cma ? 2 : 1) * std::size_t{kMaxChunk})) {
-    throw Error("soft QP", EINVAL, "an shm ring takes one stream and at least two frames' chunks");
+  if (cfg_.ring && (streams.size() != 1 || cfg_.ring->size() < (cfg_.cma ? 2 : 1) * std::size_t{kMaxChunk} ||
+                    cfg_.ring->size() > shm::kRingMax)) {
+    throw Error("soft QP", EINVAL, "an shm ring takes one stream, and two frames' chunks to 64 MiB");
   }
   std::size_t n = 1;
   while (n < 2 * std::max<std::uint32_t>(cfg_.send_depth, 1)) n *= 2;

@@ -115,9 +115,8 @@ bool Qp::serve(Stream& s, const Frame& f) noexcept {
   o.rkey = f.rkey;
   ++s.answers_queued;
   // A large ring frame's answer goes at once: the requester frees its room and copies the next.
-  if ((op == FrameOp::write_ring || op == FrameOp::read_ring) && f.length >= kRingEager && !s.watch_out && send(s)) {
-    cq_.again(&s);
-  }
+  // (send() resumes nothing here: serve() runs only while the stream is not held.)
+  if ((op == FrameOp::write_ring || op == FrameOp::read_ring) && f.length >= kRingEager && !s.watch_out) (void)send(s);
   return true;
 }
 
