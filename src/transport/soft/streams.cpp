@@ -244,6 +244,10 @@ bool Qp::pump_once(Stream& s) noexcept {
         break;
       }
       s.st_pos += kFrameSize;
+      // What a request moves counts toward the turn, not only its 48 bytes: a link of cross-memory
+      // or ring copies (or of READs) cannot keep the worker from its commands (a revocation) and
+      // its other links. (A WRITE's data is counted as it is read.)
+      if (f->request_op() != FrameOp::write) taken += f->length;
       continue;
     }
     // More of a header.
