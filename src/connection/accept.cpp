@@ -3,7 +3,6 @@
 // Each side is in RTS before the other may post to it, and a malformed HELLO is refused before
 // the server spends any device resource on it.
 #include <sys/random.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -193,13 +192,7 @@ Connection Connection::Impl::accept_soft(std::unique_ptr<detail::Channel> channe
     if (by_ring) {
       // No proof is read, so the kernel's word on the local socket stands for it: a process of
       // this user at the other end (an abstract socket has no permissions of its own).
-      uid_t uid = 0;
-      if (pid <= 0 || detail::peer_pid(fds[0].get(), &uid) <= 0 || uid != ::geteuid()) {
-        throw Error("shm", EACCES, pid <= 0 ? "the link's stream did not come over this engine's local socket"
-                                            : fmt::format("the process at the local socket's other end runs as user {}, "
-                                                          "this engine as {}: shm links only one user's processes",
-                                                          uid, ::geteuid()));
-      }
+      detail::shm::require_own_user(fds[0].get(), "shm links only one user's processes");
       ring = detail::shm::Ring::receive(fds[0].get(), deadline, hooks.stop.get());
     } else if (shm) {
       verify_host(*m.info.remote.transport, pid, m.session.get());

@@ -280,14 +280,8 @@ void Connection::Impl::open_streams(const detail::HostPort& to, wire::EndpointIn
     detail::Fd fd = shm ? detail::unix_connect(t.socket, deadline) : detail::tcp_connect(to, deadline, false, hooks.stop.get());
     detail::send_all(fd.get(), wire::encode_stream(t.token, k), deadline, hooks.stop.get());
     if (ring) {
-      // Whatever listens at the abstract name gets every byte this link moves: a process of this
-      // user, as the kernel names it, or nothing.
-      uid_t uid = 0;
-      if (detail::peer_pid(fd.get(), &uid) <= 0 || uid != ::geteuid()) {
-        throw Error("shm", EACCES, fmt::format("the process at the peer's local socket runs as user {}, this engine as {}: "
-                                               "its shm ring goes to no other user",
-                                               uid, ::geteuid()));
-      }
+      // Whatever listens at the abstract name gets every byte this link moves.
+      detail::shm::require_own_user(fd.get(), "this engine's shm ring goes to no other user");
       ring->send(fd.get(), deadline, hooks.stop.get());
     }
     fds.push_back(std::move(fd));

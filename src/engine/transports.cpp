@@ -123,9 +123,11 @@ void Engine::Impl::choose_transports() {
       no = no_rdma;
     } else if (t != Transport::rdma && cfg.link.method != ConnectMethod::tcp) {
       no = "its links bootstrap over TCP, and link.method is rdma_cm";
-    } else if (t == Transport::shm && cfg.shm_copy == ShmCopy::attach) {
-      if (const std::string why = no_attach(); !why.empty()) {
-        no = fmt::format("{}, and shm_copy is attach (the ring needs no such permission)", why);
+    } else if (t == Transport::shm) {
+      // Asked once: the links' choice of copy below depends on it too.
+      shm_no_attach = no_attach();
+      if (cfg.shm_copy == ShmCopy::attach && !shm_no_attach.empty()) {
+        no = fmt::format("{}, and shm_copy is attach (the ring needs no such permission)", shm_no_attach);
       }
     }
     if (no.empty()) {
@@ -143,7 +145,6 @@ void Engine::Impl::choose_transports() {
   }
   if (std::find(offer.begin(), offer.end(), wire::LinkTransport::shm) != offer.end()) {
     shm_socket = fmt::format("rdmakit-shm-{:016x}", epoch);
-    shm_no_attach = no_attach();
     // How the links this engine opens copy: its choice, or what the kernel allows.
     if (cfg.shm_copy == ShmCopy::ring) {
       shm_ring_why = "shm_copy is ring";

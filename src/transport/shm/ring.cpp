@@ -57,6 +57,17 @@ Ring::~Ring() {
   if (base_ != nullptr) ::munmap(base_, size_);
 }
 
+void require_own_user(int sock, const char* what) {
+  uid_t uid = 0;
+  if (peer_pid(sock, &uid) <= 0) {
+    throw Error("shm", EACCES, fmt::format("{}: the link's stream is not a local socket with a process at its other end", what));
+  }
+  if (uid != ::geteuid()) {
+    throw Error("shm", EACCES, fmt::format("{}: the process at the local socket's other end runs as user {}, this engine as {}",
+                                           what, uid, ::geteuid()));
+  }
+}
+
 void send_with_descriptor(int sock, char tag, int fd, Deadline deadline, const Stop* stop) {
   iovec iov{&tag, 1};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};

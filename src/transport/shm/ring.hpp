@@ -30,6 +30,11 @@ inline constexpr std::size_t kRingBytes = 4u << 20;
 inline constexpr std::size_t kRingMin = 256u << 10;
 inline constexpr std::size_t kRingMax = 64u << 20;
 
+/// That the process at the other end of the local socket `sock` runs as this process's user, as
+/// the kernel names it (SO_PEERCRED): whoever is there gets, or gives, a link's ring. Throws Error
+/// (EACCES) saying `what` would have been given otherwise.
+void require_own_user(int sock, const char* what);
+
 /// One byte `tag` with descriptor `fd` (none when negative) over the local socket `sock`, by the
 /// deadline: how a ring travels.
 void send_with_descriptor(int sock, char tag, int fd, Deadline deadline, const Stop* stop);
