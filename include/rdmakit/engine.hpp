@@ -102,6 +102,14 @@ struct EngineConfig {
   /// and sleeps on the completion channel when idle. Unset: one per RDMA device. 0: the caller
   /// drives progress() (then nothing moves between calls).
   std::optional<std::uint32_t> workers{};
+  /// How long Batch::wait() polls on the calling thread before it sleeps (latency against CPU).
+  /// While the batch's worker thread is asleep, the waiter polls that worker's completions
+  /// itself, so a small transfer costs the wire's round trip and no thread's wake-up. The spin
+  /// adapts: up to four times what waits on this engine took of late, within this; none while
+  /// they take longer than this (bulk batches: the waiter sleeps at once). 0: wait() sleeps at
+  /// once, and the worker thread ends the batch and wakes it. At most 1 s. docs/engine.md
+  /// (Threads) says which thread does what.
+  std::chrono::microseconds wait_spin{2000};
   /// Most QPs this engine holds at once (links it initiated and links peers opened to it). When
   /// a new link would pass it, an idle link is closed (an eviction, which its peer's next
   /// transfer undoes by reconnecting): first a link this engine opened with nothing in flight or
@@ -241,7 +249,9 @@ class Batch {
   /// Every transfer has ended (O(1)).
   [[nodiscard]] bool done() const noexcept;
   /// Waits until every transfer has ended and the on_done callback (if any) has returned, or
-  /// until `timeout`; true when it has.
+  /// until `timeout`; true when it has. Polls on the calling thread first (for up to
+  /// EngineConfig::wait_spin, running the batch's worker while that worker's thread sleeps),
+  /// then sleeps.
   bool wait(std::chrono::milliseconds timeout) const;
   [[nodiscard]] std::size_t size() const noexcept;
   /// Transfers that ended in a status other than ok (when done()).
@@ -291,8 +301,10 @@ struct SubmitOptions {
   /// completed successfully (so the data is in its memory when the message arrives); at most
   /// Engine::max_notification bytes. Empty: none.
   std::vector<std::uint8_t> notify{};
-  /// Called once when the batch is done, on a worker thread (or in progress()): keep it short,
-  /// and do not wait on batches in it.
+  /// Called once when the batch is done, on the thread that ends it: a worker thread, or one
+  /// running a worker while that worker's thread sleeps (inside submit() or Batch::wait(), of
+  /// this batch or another; or progress()). Keep it short, do not wait on batches in it, and do
+  /// not take in it a lock held around submit() or wait().
   std::function<void(const Batch&)> on_done{};
 };
 
@@ -336,6 +348,11 @@ struct EngineCounters {
   /// Times a run of a plan had its requests built for a link: once per link, and again when the
   /// peer's segment changed under it.
   std::uint64_t plan_builds = 0;
+  /// Batches started on the submitting thread, their worker's thread being asleep (no hand-off
+  /// to it): the latency path (EngineConfig::wait_spin).
+  std::uint64_t submits_inline = 0;
+  /// Batch::wait() calls that saw their batch end while they polled (no sleep, no wake-up).
+  std::uint64_t waits_spun = 0;
 };
 
 /// What the engine is built on.

@@ -248,6 +248,10 @@ py::dict to_dict(const EngineCounters& c) {
   d["rail_failures"] = c.rail_failures;
   d["slices"] = c.slices;
   d["reposted"] = c.reposted;
+  d["plan_posted"] = c.plan_posted;
+  d["plan_builds"] = c.plan_builds;
+  d["submits_inline"] = c.submits_inline;
+  d["waits_spun"] = c.waits_spun;
   return d;
 }
 
@@ -275,8 +279,12 @@ void bind_engine(py::module_& m) {
                        std::uint64_t slice_threshold, const std::string& method, std::uint32_t notification_queue,
                        bool allow_region_keys, const py::object& identity, std::vector<std::string> allowed_peers,
                        const std::vector<std::string>& transports, std::uint32_t tcp_streams,
-                       const std::string& shm_copy) {
+                       const std::string& shm_copy, double wait_spin) {
              EngineConfig c;
+             if (!(wait_spin >= 0 && wait_spin <= 1)) {
+               throw py::value_error(fmt::format("wait_spin={}: seconds, from 0 to 1", wait_spin));
+             }
+             c.wait_spin = std::chrono::microseconds{static_cast<std::int64_t>(wait_spin * 1e6 + 0.5)};
              for (const std::string& t : transports) c.transports.push_back(parse_transport(t));
              c.tcp_streams = tcp_streams;
              c.shm_copy = parse_shm_copy(shm_copy);
@@ -315,6 +323,7 @@ void bind_engine(py::module_& m) {
            py::arg("allowed_peers") = std::vector<std::string>{},
            py::arg("transports") = std::vector<std::string>{}, py::arg("tcp_streams") = EngineConfig{}.tcp_streams,
            py::arg("shm_copy") = "auto",
+           py::arg("wait_spin") = std::chrono::duration<double>(EngineConfig{}.wait_spin).count(),
            "name: as peers know it (default host:pid). listen: \"[host]:port\" (port 0: any; "
            "empty: no listener). workers: progress threads (default one per device). psk: the "
            "pre-shared key, bytes or a key file's path (both ends of a link hold the same). "
@@ -334,7 +343,9 @@ void bind_engine(py::module_& m) {
            "\"shm\" (a peer on this host); a link takes the first this engine lists that the peer lists too "
            "(default [\"rdma\"]; peers()[i]['transport'] says which, and why). tcp_streams: tcp's data streams per link. shm_copy: how shm links this engine opens copy: \"attach\" "
            "(cross-memory attach: one copy, by the target), \"ring\" (a shared ring: two copies, needs no permission "
-           "to read another process), \"auto\" (attach where the kernel allows it, else the ring).")
+           "to read another process), \"auto\" (attach where the kernel allows it, else the ring). wait_spin: seconds "
+           "Batch.wait() polls on its own thread before it sleeps (adapting to what waits take, within it; 0: it "
+           "sleeps at once): latency against CPU.")
       .def("close", &close_engine,
            "Closes every link (what is in flight ends) and releases the registered objects.")
       .def("__enter__", [](py::object self) { return self; })

@@ -2,14 +2,17 @@
 // caller's Batch handle.
 #include <sys/eventfd.h>
 #include <sys/random.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <thread>
 
 #include <fmt/format.h>
 
 #include "bootstrap/auth.hpp"
+#include "common/cpu.hpp"
 #include "engine/impl.hpp"
 #include "engine/locality.hpp"
 #include "memory/cuda.hpp"
@@ -30,15 +33,30 @@ detail::BatchState::BatchState(Engine::Impl* e, std::span<const Transfer> t)
   // One allocation: the entries, then the copy of the transfers they point at. One loop (not a
   // memcpy, whose `rep movsb` callgrind would count byte by byte).
   static_assert(alignof(Transfer) <= alignof(Xfer));
+  // A batch of one (a flag, a lease, a small block: what waits for the wire's latency) keeps
+  // them in the state itself.
+  static_assert(sizeof(Xfer) % alignof(Transfer) == 0);
   const std::size_t n = std::max<std::size_t>(t.size(), 1);
-  x = static_cast<Xfer*>(::operator new(n * (sizeof(Xfer) + sizeof(Transfer))));
+  x_inline = n == 1;
+  x = x_inline ? reinterpret_cast<Xfer*>(one_) : static_cast<Xfer*>(::operator new(n * (sizeof(Xfer) + sizeof(Transfer))));
   owned = reinterpret_cast<Transfer*>(x + n);
   for (std::uint32_t i = 0; i < size; ++i) {
     new (x + i) Xfer(*new (owned + i) Transfer(t[i]), this, i);
     atomics |= t[i].op >= TransferOp::fetch_add;
   }
   remaining.store(size, std::memory_order_relaxed);
-  if (e->workers.size() > 1) more = std::make_unique<WorkerShare[]>(e->workers.size() - 1);
+  gate = e->gate;
+}
+
+void detail::BatchState::set_home(std::uint32_t w, std::size_t workers) {
+  home = w;
+  if (w == kSeveralWorkers) more = std::make_unique<WorkerShare[]>(workers);
+}
+
+void detail::DriveGate::close() noexcept {
+  users_.fetch_or(kClosed, std::memory_order_acq_rel);
+  // Whoever is inside sees it closing within one turn of its spin, and leaves.
+  while ((users_.load(std::memory_order_acquire) & ~kClosed) != 0) std::this_thread::yield();
 }
 
 detail::BatchState::~BatchState() {
@@ -85,12 +103,68 @@ void detail::BatchState::last_ended() noexcept {
       // A callback that throws must not take the worker down.
     }
   }
-  {
-    std::lock_guard lock(mu);  // a waiter between its check and its sleep would miss the notify
-    callback_ran = true;
-  }
-  cv.notify_all();
+  ended();
   engine->signal();
+}
+
+void detail::BatchState::ended() noexcept {
+  callback_ran.store(true, std::memory_order_seq_cst);
+  // A waiter counts itself asleep before it checks callback_ran (both seq_cst): it saw the
+  // batch end, or it is counted here. Taking the lock it holds until it sleeps then means the
+  // notify cannot fall between its check and its sleep.
+  if (sleepers.load(std::memory_order_seq_cst) != 0) {
+    { std::lock_guard lock(mu); }
+    cv.notify_all();
+  }
+}
+
+bool detail::BatchState::spin(Deadline start, Deadline until) noexcept {
+  // The engine is alive while we are inside its gate, not a moment longer.
+  if (!gate->enter()) return callback_ran.load(std::memory_order_acquire);
+  const std::chrono::nanoseconds spin = engine->spin_for();
+  bool done = false;
+  // A batch on several workers is ended by their threads; this one only watches.
+  Worker* w = home != kSeveralWorkers ? engine->drivable(home) : nullptr;
+  if (spin.count() > 0) {
+    until = std::min(until, start + spin);
+    if (w != nullptr) w->enter_drive();
+    for (std::uint32_t turn = 0;; ++turn) {
+      if (callback_ran.load(std::memory_order_acquire)) {
+        done = true;
+        break;
+      }
+      if (w != nullptr) (void)w->try_drive();
+      cpu_relax();  // and room for the worker's thread to take its lock back between two looks
+      // The clock every few turns (a turn that polled an empty CQ is shorter than a clock
+      // read), and whether the engine is closing (its destructor waits for this loop to end).
+      if ((turn & 7) == 7 && (Clock::now() >= until || gate->closing())) break;
+      // Now and then the CPU to whatever else is ready on it: a software device's protocol
+      // work (rxe's, in the kernel's softirq thread) that this very transfer waits for.
+      if ((turn & 31) == 31) sched_yield();
+    }
+    if (w != nullptr) w->leave_drive(done);
+  }
+  if (!done && !callback_ran.load(std::memory_order_acquire)) {
+    // About to sleep: its worker's CQs armed, so that its completion wakes that worker's thread
+    // (which ends it and wakes this one). Every worker's for a batch on several.
+    if (w != nullptr) {
+      w->request_arm();
+    } else if (home == kSeveralWorkers) {
+      for (std::uint32_t i = 0; engine->drivable(i) != nullptr; ++i) engine->drivable(i)->request_arm();
+    }
+  }
+  if (done) {
+    engine->waited(Clock::now() - start);
+    engine->count.waits_spun.fetch_add(1, std::memory_order_relaxed);
+  }
+  gate->leave();
+  return done;
+}
+
+void detail::BatchState::slept(std::chrono::nanoseconds took) noexcept {
+  if (!gate->enter()) return;
+  engine->waited(took);
+  gate->leave();
 }
 
 Batch::Batch(std::shared_ptr<detail::BatchState> state) noexcept : state_(std::move(state)) {}
@@ -104,8 +178,24 @@ bool Batch::done() const noexcept {
 
 bool Batch::wait(std::chrono::milliseconds timeout) const {
   if (!state_) return true;
-  std::unique_lock lock(state_->mu);
-  return state_->cv.wait_for(lock, timeout, [this] { return state_->callback_ran; });
+  detail::BatchState& b = *state_;
+  if (b.callback_ran.load(std::memory_order_acquire)) return true;
+  const detail::Deadline start = detail::Clock::now();
+  // Saturated: a timeout of milliseconds::max() waits for ever, not for a negative time.
+  const detail::Deadline until =
+      timeout >= std::chrono::duration_cast<std::chrono::milliseconds>(detail::Deadline::max() - start)
+          ? detail::Deadline::max()
+          : start + timeout;
+  // First a spin on this thread (EngineConfig::wait_spin: as long as such waits took of late,
+  // within it): the wire's latency, and no thread's wake-up on top.
+  if (b.spin(start, until)) return true;
+  std::unique_lock lock(b.mu);
+  b.sleepers.fetch_add(1, std::memory_order_seq_cst);
+  const bool done = b.cv.wait_until(lock, until, [&] { return b.callback_ran.load(std::memory_order_seq_cst); });
+  b.sleepers.fetch_sub(1, std::memory_order_relaxed);
+  lock.unlock();
+  if (done) b.slept(detail::Clock::now() - start);
+  return done;
 }
 
 std::size_t Batch::size() const noexcept { return state_ ? state_->size : 0; }

@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/clock.hpp"
 #include "datapath/ring.hpp"
 #include "rdmakit/connection.hpp"
 #include "rdmakit/engine.hpp"
@@ -140,6 +141,31 @@ struct WorkerShare {
   std::map<std::pair<std::uint32_t, std::uint32_t>, std::uint32_t> writes_left;
 };
 
+/// Whether a thread other than a worker's may run an engine's workers (Batch::wait polling its
+/// batch's worker): shared by the engine and its batches, so that a waiter finds it closed,
+/// never freed, once the engine shuts down. Closed before the workers stop; close() waits for
+/// the threads inside to leave (each is inside for one bounded spin).
+class DriveGate {
+ public:
+  /// False once closed; else the caller is inside until leave().
+  bool enter() noexcept {
+    if ((users_.fetch_add(1, std::memory_order_acquire) & kClosed) == 0) return true;
+    users_.fetch_sub(1, std::memory_order_release);
+    return false;
+  }
+  void leave() noexcept { users_.fetch_sub(1, std::memory_order_release); }
+  /// Being closed: whoever is inside leaves at its next look.
+  [[nodiscard]] bool closing() const noexcept { return (users_.load(std::memory_order_relaxed) & kClosed) != 0; }
+  void close() noexcept;
+
+ private:
+  static constexpr std::uint32_t kClosed = 1u << 31;
+  std::atomic<std::uint32_t> users_{0};
+};
+
+/// BatchState::home of a batch whose transfers are on several workers.
+inline constexpr std::uint32_t kSeveralWorkers = ~0u;
+
 struct BatchState : std::enable_shared_from_this<BatchState> {
   BatchState(Engine::Impl* e, std::span<const Transfer> t);
   /// A batch of `plan` (which it keeps), its entries in `*entries` (the batch's own allocation:
@@ -151,14 +177,28 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   std::uint32_t size = 0;
   Xfer* x = nullptr;  // size entries
   Transfer* owned = nullptr;  // submit(span): the batch's copy of its transfers (one allocation with x)
-  bool x_inline = false;  // x lies in the batch's own allocation (a plan's batch)
+  bool x_inline = false;  // x lies in the batch's own allocation (a plan's batch, a batch of one)
+  // A batch of one transfer: its entry and its copy, here (no allocation of their own).
+  alignas(Xfer) unsigned char one_[sizeof(Xfer) + sizeof(Transfer)];
   std::atomic<std::uint32_t> remaining{0};
   std::atomic<std::uint32_t> failed{0};
   std::atomic<bool> sliced{false};  // a transfer of it was cut into slices (Worker::slice)
   bool atomics = false;  // it has atomic transfers (Worker::walk counts their bytes apart)
-  mutable std::mutex mu;  // reasons, and wait()
+  mutable std::mutex mu;  // reasons, and a wait() that sleeps
   mutable std::condition_variable cv;
-  bool callback_ran = false;  // under mu: the batch ended and its callback (if any) returned
+  /// The batch ended and its callback (if any) returned: what wait() waits for. Stored once
+  /// (ended()); a waiter that sleeps counts itself in `sleepers` first, so that the common end
+  /// (nobody asleep) takes no lock and makes no call to wake anyone.
+  std::atomic<bool> callback_ran{false};
+  std::atomic<std::uint32_t> sleepers{0};
+  void ended() noexcept;
+  /// Batch::wait's spin (from `start`, until `until` at the latest): polls for the batch's end
+  /// on the calling thread, running its worker's completions here while that worker's thread
+  /// is not (Worker::try_drive); true once ended. Through the engine's gate: false at once
+  /// (unless ended) when the engine is shutting down.
+  bool spin(Deadline start, Deadline until) noexcept;
+  /// A wait that slept ended after `took` (the spin's measure of what waits take).
+  void slept(std::chrono::nanoseconds took) noexcept;
   std::map<std::uint32_t, std::string> reasons;  // under mu: why each failed transfer failed
   std::vector<std::string> notify_failures;      // under mu: each notification not sent, why
   std::atomic<std::uint32_t> notify_failed{0};
@@ -168,10 +208,16 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   std::function<void(const Batch&)> on_done;
   Engine::Impl* engine = nullptr;
   std::shared_ptr<PlanState> plan;  // a batch of a plan: posted from its requests
-  /// Worker `w`'s share (the worker's alone): no lookup, and no allocation with one worker.
-  WorkerShare& share(std::uint32_t w) noexcept { return w == 0 ? share0 : more[w - 1]; }
+  /// The worker all its transfers went to, or kSeveralWorkers (set before any is sent).
+  std::uint32_t home = 0;
+  /// Sends the batch to worker `w` alone, or (kSeveralWorkers) to several: their shares.
+  void set_home(std::uint32_t w, std::size_t workers);
+  /// Worker `w`'s share (the worker's alone): no lookup, and no allocation for a batch on one
+  /// worker.
+  WorkerShare& share(std::uint32_t w) noexcept { return w == home ? share0 : more[w]; }
   WorkerShare share0;
-  std::unique_ptr<WorkerShare[]> more;  // workers 1.. of an engine with several
+  std::unique_ptr<WorkerShare[]> more;  // by worker index, of a batch on several
+  std::shared_ptr<DriveGate> gate;  // the engine's
   /// Records a transfer's end with its reason (a failure, or any end when the batch notifies).
   void finish(Xfer& t, TransferStatus s, std::string reason) noexcept;
   /// `n` transfers ended ok (their status stored already): one count for all of them.

@@ -107,6 +107,8 @@ EngineCounters Engine::counters() const noexcept {
   o.window_bind_ns = c.window_bind_ns.load();
   o.plan_posted = c.plan_posted.load();
   o.plan_builds = c.plan_builds.load();
+  o.submits_inline = c.submits_inline.load();
+  o.waits_spun = c.waits_spun.load();
   return o;
 }
 
@@ -480,20 +482,31 @@ Batch Engine::submit(std::span<const Transfer> transfers, SubmitOptions options)
   // The workers check each transfer (and end a bad one at once); here they are only sent to
   // their peers' workers: with one worker, without looking at them.
   const std::size_t workers = impl_->workers.size();
-  if (workers == 1) {
+  // An unknown peer goes to worker 0, which says so; the worker checks the handle (this is
+  // only where to send it, read without touching a peer record that may be going).
+  auto worker_of = [&](const Transfer& t) {
+    const std::uint32_t id = t.remote.peer;
+    const std::uint32_t w = id != 0 && id <= Impl::kMaxPeers ? impl_->peer_worker[id - 1].load(std::memory_order_relaxed) : 0;
+    return w < workers ? w : 0;
+  };
+  std::uint32_t home = 0;
+  if (workers > 1) {
+    home = worker_of(transfers[0]);
+    for (std::size_t i = 1; i < transfers.size() && home != detail::kSeveralWorkers; ++i) {
+      if (worker_of(transfers[i]) != home) home = detail::kSeveralWorkers;
+    }
+  }
+  state->set_home(home, workers);
+  if (home != detail::kSeveralWorkers) {
+    // All of it one worker's: started here when that worker's thread sleeps, else handed to it.
+    if (impl_->workers[home]->try_submit(state)) return batch;
     detail::Command c(detail::Command::Kind::submit);
     c.batch = std::move(state);
-    impl_->workers[0]->post(std::move(c));
+    impl_->workers[home]->post(std::move(c));
     return batch;
   }
   std::vector<std::vector<std::uint32_t>> per_worker(workers);
-  for (std::uint32_t i = 0; i < transfers.size(); ++i) {
-    // An unknown peer goes to worker 0, which says so; the worker checks the handle (this is
-    // only where to send it, read without touching a peer record that may be going).
-    const std::uint32_t id = transfers[i].remote.peer;
-    const std::uint32_t w = id != 0 && id <= Impl::kMaxPeers ? impl_->peer_worker[id - 1].load(std::memory_order_relaxed) : 0;
-    per_worker[w < workers ? w : 0].push_back(i);
-  }
+  for (std::uint32_t i = 0; i < transfers.size(); ++i) per_worker[worker_of(transfers[i])].push_back(i);
   for (std::size_t w = 0; w < workers; ++w) {
     if (per_worker[w].empty()) continue;
     detail::Command c(detail::Command::Kind::submit);

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <utility>
 #include <cerrno>
 
@@ -66,6 +67,11 @@ Engine::Impl::Impl(EngineConfig c)
     cfg.link.log(fmt::format("engine {}: allowed_peers without a pre-shared key: a peer's name is whatever it says, "
                              "and anyone who reaches the port can say it (give link.psk, and identities)", name));
   }
+  if (cfg.wait_spin < std::chrono::microseconds{0} || cfg.wait_spin > std::chrono::seconds{1}) {
+    throw Error("engine config", EINVAL, fmt::format("wait_spin {} us (0 to 1000000)", cfg.wait_spin.count()));
+  }
+  // Waits spin their whole wait_spin until the engine has seen what they take.
+  wait_avg_ns.store(std::chrono::nanoseconds(cfg.wait_spin).count() / 4, std::memory_order_relaxed);
   if (cfg.idle_after < std::chrono::milliseconds{100}) {
     throw Error("engine config", EINVAL, fmt::format("idle_after {} ms (at least 100)", cfg.idle_after.count()));
   }
@@ -184,7 +190,24 @@ Engine::Impl::~Impl() {
   detail::wipe(cfg.link.psk);
 }
 
+std::chrono::nanoseconds Engine::Impl::spin_for() const noexcept {
+  if (threads == 0) return {};  // progress() moves transfers: a wait has nothing to poll
+  const std::chrono::nanoseconds most = cfg.wait_spin;
+  const std::chrono::nanoseconds avg{wait_avg_ns.load(std::memory_order_relaxed)};
+  // Waits that take longer than the whole spin (bulk batches) would only burn it: they sleep.
+  if (avg > most) return {};
+  // Enough for a wait somewhat slower than the average (the wire's tail), no more.
+  return std::clamp(4 * avg, std::min(most, std::chrono::nanoseconds{std::chrono::microseconds{20}}), most);
+}
+
+void Engine::Impl::waited(std::chrono::nanoseconds took) noexcept {
+  // Racing waiters may lose each other's updates: it is a hint, kept without a lock.
+  const std::int64_t avg = wait_avg_ns.load(std::memory_order_relaxed);
+  wait_avg_ns.store(avg + (took.count() - avg) / 8, std::memory_order_relaxed);
+}
+
 void Engine::Impl::shut_down() noexcept {
+  gate->close();  // no waiter polls a worker from here on (they sleep until stop() ends theirs)
   meta.reset();  // its entry goes first (a clean shutdown), and its thread stops posting
   std::vector<std::thread> connecting;
   {
@@ -227,10 +250,7 @@ bool Engine::Impl::start(BatchState& b, SubmitOptions&& options) {
     } catch (...) {
     }
   }
-  {
-    std::lock_guard lock(b.mu);
-    b.callback_ran = true;
-  }
+  b.ended();
   signal();
   return false;
 }

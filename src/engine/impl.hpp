@@ -321,10 +321,32 @@ class Worker {
   std::optional<Attachment> attach(std::uint32_t device);
   /// Runs until `until` (or, with `forever`, until stop()); returns the transfers that ended.
   std::size_t run(Deadline until, bool forever) noexcept;
+  /// From a submitting thread (Engine::submit): starts batch b, whose transfers are all this
+  /// worker's, on the calling thread, when the worker's thread is not running its loop (it
+  /// sleeps: the latency case): no hand-off, no wake-up. What was posted to it before goes
+  /// first. False, having done nothing, when the loop runs (post() it then), when this thread
+  /// is already running it (a callback that submits), or without a worker thread.
+  bool try_submit(const std::shared_ptr<BatchState>& b);
+  /// From a waiter (BatchState::spin): polls this worker's completions once on the calling
+  /// thread, and ends what completed, when the worker's thread is not running its loop; false
+  /// when it is (it ends them), or when this thread already runs it.
+  bool try_drive() noexcept;
+  /// A waiter starts (enter_drive) and ends (leave_drive) a spin on this worker: while any
+  /// does, its thread sleeps with its CQs unarmed; the last to leave arms them if transfers are
+  /// still in flight. From any thread.
+  void enter_drive() noexcept;
+  /// `ended`: the waiter's batch ended while it polled (its thread's next submit needs no
+  /// arming).
+  void leave_drive(bool ended) noexcept;
+  /// A wait about to sleep (or one that does not poll): the CQs armed if the worker sleeps
+  /// with them unarmed and transfers are in flight, now or by whoever holds its lock.
+  void request_arm() noexcept;
   [[nodiscard]] std::uint32_t index() const noexcept { return index_; }
 
  private:
   void handle(Command& c);
+  /// Handles what was posted (the inbox), in order.
+  void take_mail();
   void submit(const std::shared_ptr<BatchState>& b, const std::vector<std::uint32_t>& indexes);
   /// A batch of a plan: each run posted from its requests built for the link (built at its
   /// first post there), or the long way (route()) when anything they were built for changed.
@@ -521,6 +543,35 @@ class Worker {
   std::mutex cq_mu_;                              // DeviceCqs::links (handshake threads)
   Fd wake_;
   Fd epoll_;
+  // Whoever holds run_mu_ runs the worker, and everything below that is "the worker thread's
+  // own" is under it: its thread (from turn to turn; released while it sleeps in epoll_wait),
+  // or a submitter or waiter that found it asleep (try_submit, try_drive). driver_ is the
+  // thread that holds it, so that one already inside (a callback) queues instead.
+  std::mutex run_mu_;
+  std::atomic<std::thread::id> driver_{};
+  // Set while its thread is (about to be) in epoll_wait: only then does post() write wake_
+  // (seq_cst with has_mail_: the loop looks at the mail after setting it).
+  std::atomic<bool> asleep_{false};
+  // Set while its thread, woken, takes run_mu_ back: others (try_submit, try_drive) leave it be.
+  std::atomic<bool> wants_{false};
+  static constexpr std::uint32_t kTakeBackSpins = 4096;
+  // Waiters spinning on this worker now (enter_drive), and whether its thread went to sleep
+  // without arming its CQs for them (seq_cst, both: one of the two sides sees the other).
+  std::atomic<std::uint32_t> drivers_{0};
+  std::atomic<bool> unarmed_{false};
+  std::atomic<bool> driven_{false};  // a waiter polled it since its thread last slept
+  std::atomic<bool> arm_wanted_{false};  // request_arm() not served yet
+  std::atomic<std::thread::id> spinner_{};  // the last waiter whose batch ended as it polled
+  /// Arms every CQ for the next completion; arm_and_look() then polls once (under run_mu_).
+  void arm() noexcept;
+  void arm_and_look() noexcept;
+  /// Serves arm_wanted_ if run_mu_ is free (after its holder let go: try_submit, try_drive).
+  void serve_arm_requests() noexcept;
+  struct Driving;
+  /// How long its thread sleeps unarmed at most (what a submit no waiter polls for waits).
+  [[nodiscard]] std::chrono::milliseconds unarmed_nap() const noexcept;
+  /// The worker's thread, woken from epoll_wait, takes run_mu_ back (take_back()).
+  void take_back() noexcept;
   std::mutex mu_;
   std::vector<Command> inbox_;
   std::vector<Command> mail_;  // the worker's: the inbox as taken, handled one by one
@@ -643,7 +694,7 @@ struct Engine::Impl {
     std::atomic<std::uint64_t> qps{0}, links{0}, connects{0}, reconnects{0}, accepts{0}, evictions{0},
         restarts{0}, batches{0}, transfers{0}, transfers_failed{0}, bytes{0}, notifications_sent{0},
         notifications_received{0}, notifications_refused{0}, notifications_dropped{0}, notifications_lost{0}, windows_bound{0}, window_bind_ns{0}, rail_links{0}, rail_failures{0},
-        slices{0}, reposted{0}, plan_posted{0}, plan_builds{0};
+        slices{0}, reposted{0}, plan_posted{0}, plan_builds{0}, submits_inline{0}, waits_spun{0};
   } count;
 
   detail::Fd event_fd;  // readable when a batch ends or a notification arrives
@@ -657,6 +708,18 @@ struct Engine::Impl {
 
   std::vector<std::unique_ptr<detail::Worker>> workers;
   std::atomic<std::uint32_t> next_worker{0};
+  // Batch::wait's spin (EngineConfig::wait_spin): the gate its polling of a worker goes through
+  // (closed first at shut-down), and a running average of how long waits took, which sizes it.
+  std::shared_ptr<detail::DriveGate> gate = std::make_shared<detail::DriveGate>();
+  std::atomic<std::int64_t> wait_avg_ns{0};
+  /// How long a wait spins now (0: it sleeps at once).
+  [[nodiscard]] std::chrono::nanoseconds spin_for() const noexcept;
+  /// A wait ended after `took`: the average moves an eighth of the way.
+  void waited(std::chrono::nanoseconds took) noexcept;
+  /// Worker `w`, for a waiter to poll (null without worker threads: progress() moves them).
+  [[nodiscard]] detail::Worker* drivable(std::uint32_t w) const noexcept {
+    return threads != 0 && w < workers.size() ? workers[w].get() : nullptr;
+  }
 
   // Connecting: a queue of peers and the threads that run their handshakes. A connect waits for
   // its peer's answer (up to a handshake deadline), so one to a dead host must not hold the rest:

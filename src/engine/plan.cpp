@@ -66,7 +66,7 @@ detail::BatchState::BatchState(Engine::Impl* e, std::shared_ptr<PlanState> p, Xf
     at->batch = this;
   }
   x = to;
-  if (e->workers.size() > 1) more = std::make_unique<WorkerShare[]>(e->workers.size() - 1);
+  gate = e->gate;
   atomics = plan->atomics;
   remaining.store(size, std::memory_order_relaxed);
 }
@@ -121,7 +121,15 @@ Batch Engine::submit(const TransferPlan& plan, SubmitOptions options) {
                                                 plan.state_, &entries);
   Batch batch(state);
   if (!impl_->start(*state, std::move(options))) return batch;
-  for (std::size_t w = 0; w < impl_->workers.size(); ++w) {
+  const std::size_t workers = impl_->workers.size();
+  std::uint32_t home = detail::kSeveralWorkers;
+  std::size_t on = 0;  // workers with transfers of it
+  for (std::uint32_t w = 0; w < workers; ++w) {
+    if (plan.state_->transfers_of[w] != 0 && on++ == 0) home = w;
+  }
+  state->set_home(on == 1 ? home : detail::kSeveralWorkers, workers);
+  if (on == 1 && impl_->workers[home]->try_submit(state)) return batch;
+  for (std::size_t w = 0; w < workers; ++w) {
     if (plan.state_->transfers_of[w] == 0) continue;
     detail::Command c(detail::Command::Kind::submit);
     c.batch = state;

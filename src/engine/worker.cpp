@@ -9,10 +9,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <thread>
 
 #include <fmt/format.h>
 
+#include "common/cpu.hpp"
 #include "engine/impl.hpp"
 #include "engine/protocol.hpp"
 #include "rdmakit/error.hpp"
@@ -100,11 +102,208 @@ void Worker::post(Command c) {
   {
     std::lock_guard lock(mu_);
     inbox_.push_back(std::move(c));
-    has_mail_.store(true, std::memory_order_release);
+    has_mail_.store(true, std::memory_order_seq_cst);
   }
   if (!threaded_) return;  // progress() on the caller's thread finds it; there is no one to wake
+  // A loop that is running looks at has_mail_ before it sleeps (after setting asleep_): only
+  // one that may be asleep is woken, which saves the busy path a write and its wake-up a read.
+  if (!asleep_.load(std::memory_order_seq_cst)) return;
   const std::uint64_t one = 1;
   (void)!::write(wake_.get(), &one, sizeof one);
+}
+
+namespace {
+const std::vector<std::uint32_t> kWholeBatch;  // Worker::submit's indexes: every transfer
+}  // namespace
+
+// Another thread runs the worker while this lives (run_mu_ held): driver_ says who (a callback
+// that submits then queues), whatever leaves the scope.
+struct Worker::Driving {
+  Driving(Worker& w, std::thread::id me) noexcept : w_(w) { w_.driver_.store(me, std::memory_order_relaxed); }
+  ~Driving() { w_.driver_.store(std::thread::id{}, std::memory_order_relaxed); }
+  Driving(const Driving&) = delete;
+  Driving& operator=(const Driving&) = delete;
+
+ private:
+  Worker& w_;
+};
+
+bool Worker::try_submit(const std::shared_ptr<BatchState>& b) {
+  const std::thread::id me = std::this_thread::get_id();
+  if (!threaded_ || driver_.load(std::memory_order_relaxed) == me || wants_.load(std::memory_order_relaxed)) return false;
+  std::unique_lock lock(run_mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
+  if (stop_.load(std::memory_order_relaxed)) return false;  // stop() ends what is posted
+  bool wake = false;
+  {
+    Driving driving(*this, me);
+    e_.count.submits_inline.fetch_add(1, std::memory_order_relaxed);
+    now_ = Clock::now();
+    try {
+      take_mail();  // what this thread (or another) posted before goes first
+      submit(b, kWholeBatch);
+      flush_queued_links();
+    } catch (const std::exception& ex) {
+      try {
+        e_.cfg.link.log(fmt::format("engine {}: worker {}: {}", e_.name, index_, ex.what()));
+      } catch (...) {
+      }
+    }
+    // Asleep unarmed (waiters have been polling it), the worker sees this batch's completion
+    // only if someone polls for it: a thread that has just polled for its own (a loop of one
+    // transfer at a time) will again, and a waiter polling now will; a batch anyone else
+    // submits (its end seen by a callback, the engine's descriptor, done(), another thread's
+    // wait) has the CQs armed, so that its completion wakes the worker's thread.
+    if (unarmed_.load(std::memory_order_seq_cst) && in_flight_ != 0 && drivers_.load(std::memory_order_seq_cst) == 0 &&
+        (b->on_done || e_.fd_taken.load(std::memory_order_relaxed) != 0 ||
+         spinner_.load(std::memory_order_relaxed) != me)) {
+      arm_and_look();
+    }
+    // Only what the loop would do next without a completion (a backlog left to flush) needs
+    // the worker's thread woken.
+    wake = !to_flush_.empty();
+  }
+  lock.unlock();
+  serve_arm_requests();
+  if (wake) {
+    const std::uint64_t one = 1;
+    (void)!::write(wake_.get(), &one, sizeof one);
+  }
+  return true;
+}
+
+bool Worker::try_drive() noexcept {
+  const std::thread::id me = std::this_thread::get_id();
+  if (driver_.load(std::memory_order_relaxed) == me || wants_.load(std::memory_order_relaxed)) return false;
+  std::unique_lock lock(run_mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
+  {
+    Driving driving(*this, me);
+    // The mail too: a waiter that keeps taking the lock must not hold back what was posted (the
+    // link its batch waits for).
+    if (has_mail_.load(std::memory_order_acquire)) {
+      try {
+        take_mail();
+      } catch (...) {
+        // Out of memory in a command's handling: the worker's thread meets the rest.
+      }
+    }
+    if (in_flight_ != 0) {
+      now_ = Clock::now();
+      if (poll_cqs() > 0) {
+        flush_queued_links();
+        if (!retiring_.empty()) check_retiring();
+      }
+    }
+  }
+  lock.unlock();
+  serve_arm_requests();
+  return true;
+}
+
+void Worker::arm() noexcept {
+  unarmed_.store(false, std::memory_order_seq_cst);
+  arm_wanted_.store(false, std::memory_order_relaxed);
+  for (auto& q : cqs_) {
+    if (q) (void)ibv_req_notify_cq(q->router.cq(), 0);
+  }
+}
+
+void Worker::arm_and_look() noexcept {
+  arm();
+  now_ = Clock::now();
+  // A completion that arrived before arming raises no event: looked at once more, here.
+  if (poll_cqs() > 0) flush_queued_links();
+}
+
+std::chrono::milliseconds Worker::unarmed_nap() const noexcept {
+  const auto spin = std::chrono::duration_cast<std::chrono::milliseconds>(e_.cfg.wait_spin);
+  return std::clamp(8 * spin, std::chrono::milliseconds{5}, std::chrono::milliseconds{50});
+}
+
+void Worker::enter_drive() noexcept {
+  drivers_.fetch_add(1, std::memory_order_seq_cst);
+  // Its thread, next asleep, leaves the CQs to the waiters: also when it was awake for this
+  // waiter's whole spin (it woke at an armed completion, took the lock, ended the batch), or
+  // armed CQs would keep waking it at every transfer.
+  driven_.store(true, std::memory_order_relaxed);
+}
+
+void Worker::leave_drive(bool ended) noexcept {
+  // Whose submits need no arming (try_submit): a thread whose own wait just ended by polling.
+  spinner_.store(ended ? std::this_thread::get_id() : std::thread::id{}, std::memory_order_relaxed);
+  // The last to leave, the worker asleep unarmed: what is still in flight must wake it.
+  if (drivers_.fetch_sub(1, std::memory_order_seq_cst) == 1) request_arm();
+}
+
+void Worker::request_arm() noexcept {
+  // Armed: nothing to ask. Its thread goes to sleep unarmed only with nothing in flight (it
+  // polls while anything is), so a request that sees it armed misses nothing; what is posted
+  // after it sleeps goes through try_submit, which arms, or through a waiter that polls.
+  if (!unarmed_.load(std::memory_order_seq_cst)) return;
+  arm_wanted_.store(true, std::memory_order_seq_cst);
+  serve_arm_requests();
+}
+
+void Worker::serve_arm_requests() noexcept {
+  // Whoever holds the lock when a request comes serves it after letting go (here, again): the
+  // worker's thread as it next sleeps, a submitter or a waiter right after.
+  while (arm_wanted_.load(std::memory_order_seq_cst) && unarmed_.load(std::memory_order_seq_cst)) {
+    std::unique_lock lock(run_mu_, std::try_to_lock);
+    if (!lock.owns_lock()) return;  // its holder looks after it lets go
+    Driving driving(*this, std::this_thread::get_id());
+    if (!unarmed_.load(std::memory_order_relaxed)) break;
+    if (in_flight_ == 0 && drivers_.load(std::memory_order_seq_cst) == 0) {
+      // Nothing of it to complete: it arms as it next sleeps (or a submit does). A window bind
+      // posted meanwhile is seen at the end of its nap.
+      arm_wanted_.store(false, std::memory_order_relaxed);
+      break;
+    }
+    if (drivers_.load(std::memory_order_seq_cst) != 0) break;  // a waiter polls: its leaving asks again
+    arm_and_look();
+  }
+}
+
+void Worker::take_back() noexcept {
+  // Awake: mail posted from here on is seen by the loop (seq_cst with post()'s look).
+  asleep_.store(false, std::memory_order_seq_cst);
+  // Others hold the lock only for a post or a poll, and take it no more once they see wants_:
+  // a short spin gets it without a futex round trip (a waiter that keeps taking and releasing
+  // it would otherwise wake this thread at each release, and be slowed by each wake-up).
+  wants_.store(true, std::memory_order_seq_cst);
+  for (std::uint32_t i = 0; !run_mu_.try_lock(); ++i) {
+    if (i == kTakeBackSpins) {
+      run_mu_.lock();  // one that runs long (a callback, a big batch): wait for it asleep
+      break;
+    }
+    cpu_relax();
+  }
+  wants_.store(false, std::memory_order_relaxed);
+  driver_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+}
+
+void Worker::take_mail() {
+  if (!has_mail_.load(std::memory_order_seq_cst)) return;
+  {
+    // Swapped, not moved: both vectors keep their storage, so a post allocates nothing.
+    std::lock_guard lock(mu_);
+    mail_.swap(inbox_);
+    has_mail_.store(false, std::memory_order_relaxed);
+  }
+  for (Command& c : mail_) {
+    try {
+      handle(c);
+    } catch (const std::exception& ex) {
+      try {
+        e_.cfg.link.log(fmt::format("engine {}: worker {}: {}", e_.name, index_, ex.what()));
+      } catch (...) {
+      }
+    }
+  }
+  mail_.clear();
+  // A burst (thousands of commands posted faster than handled) leaves its storage behind:
+  // given back past the size steady work needs, so memory follows the backlog down again.
+  if (mail_.capacity() > kMailKept) std::vector<Command>().swap(mail_);
 }
 
 std::optional<Attachment> Worker::attach(std::uint32_t device) {
@@ -135,6 +334,10 @@ void Worker::stop() noexcept {
   const std::uint64_t one = 1;
   (void)!::write(wake_.get(), &one, sizeof one);
   if (thread_.joinable()) thread_.join();
+  // The thread has gone; the engine's gate is closed (no waiter polls) and no submit may race
+  // with the destructor. Held, so that a callback that submits queues (driver_).
+  std::lock_guard run_lock(run_mu_);
+  driver_.store(std::this_thread::get_id(), std::memory_order_relaxed);
   // What is queued still ends: commands are handled (transfers to links that are going fail).
   try {
     std::vector<Command> mail;
@@ -193,31 +396,17 @@ void Worker::stop() noexcept {
 // --- the loop ------------------------------------------------------------------------------------
 
 std::size_t Worker::run(Deadline until, bool forever) noexcept {
+  // Held while it runs, released only while it sleeps (sleep()). Already held by this thread
+  // (progress() -> a callback -> connect(), which drives progress itself): run inside it.
+  const std::thread::id me = std::this_thread::get_id();
+  const bool nested = driver_.load(std::memory_order_relaxed) == me;
+  std::unique_lock lock(run_mu_, std::defer_lock);
+  if (!nested) lock.lock();
+  driver_.store(me, std::memory_order_relaxed);
   ended_ = 0;
   for (;;) {
     if (stop_.load(std::memory_order_relaxed) && forever) break;
-    if (has_mail_.load(std::memory_order_acquire)) {
-      {
-        // Swapped, not moved: both vectors keep their storage, so a post allocates nothing.
-        std::lock_guard lock(mu_);
-        mail_.swap(inbox_);
-        has_mail_.store(false, std::memory_order_relaxed);
-      }
-      for (Command& c : mail_) {
-        try {
-          handle(c);
-        } catch (const std::exception& ex) {
-          try {
-            e_.cfg.link.log(fmt::format("engine {}: worker {}: {}", e_.name, index_, ex.what()));
-          } catch (...) {
-          }
-        }
-      }
-      mail_.clear();
-      // A burst (thousands of commands posted faster than handled) leaves its storage behind:
-      // given back past the size steady work needs, so memory follows the backlog down again.
-      if (mail_.capacity() > kMailKept) std::vector<Command>().swap(mail_);
-    }
+    take_mail();
     const int got = poll_cqs();
     flush_queued_links();
     if (!retiring_.empty() && got > 0) check_retiring();
@@ -244,6 +433,7 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
       if (!forever && Clock::now() >= until) break;
     }
   }
+  if (!nested) driver_.store(std::thread::id{}, std::memory_order_relaxed);
   return ended_;
 }
 
@@ -298,17 +488,41 @@ void Worker::sleep(Deadline until) noexcept {
   const Deadline now = Clock::now();
   int ms = 0;
   if (until > now) {
-    for (auto& q : cqs_) {
-      if (q) (void)ibv_req_notify_cq(q->router.cq(), 0);
+    // While waiters poll this worker (now, or since its thread last slept), the completions
+    // are theirs to find: the CQs stay unarmed, so that none wakes this thread (a wake-up per
+    // transfer costs the waiter more than the wire), and the nap is short. Whoever needs them
+    // armed asks (request_arm: the last waiter to leave, a wait about to sleep), and a submit
+    // that no waiter will poll for arms them itself (try_submit).
+    unarmed_.store(true, std::memory_order_seq_cst);
+    const bool driven = driven_.exchange(false, std::memory_order_relaxed);
+    if (arm_wanted_.load(std::memory_order_seq_cst) || (!driven && drivers_.load(std::memory_order_seq_cst) == 0)) {
+      arm();
+    } else {
+      until = std::min(until, now + unarmed_nap());
     }
-    // A completion that arrived before arming raises no event: look once more.
+    // A completion that arrived before arming raises no event: look once more. Mail posted
+    // from here on writes wake_ (asleep_ first, then the look at has_mail_).
+    asleep_.store(true, std::memory_order_seq_cst);
     const int got = poll_cqs();
-    if (got > 0 || !to_flush_.empty() || has_mail_.load(std::memory_order_acquire)) return;
+    if (got > 0 || !to_flush_.empty() || has_mail_.load(std::memory_order_seq_cst)) {
+      asleep_.store(false, std::memory_order_relaxed);
+      return;
+    }
     ms = static_cast<int>(std::min<long long>(
         std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count() + 1, 1000));
   }
   epoll_event events[64];
-  const int n = ::epoll_wait(epoll_.get(), events, 64, ms);
+  int n = 0;
+  if (ms > 0) {
+    // Asleep, the worker is anyone's to run: a submitter posts its batch itself and a waiter
+    // polls for its completions (try_submit, try_drive), with the CQs armed for this thread.
+    driver_.store(std::thread::id{}, std::memory_order_relaxed);
+    run_mu_.unlock();
+    n = ::epoll_wait(epoll_.get(), events, 64, ms);
+    take_back();
+  } else {
+    n = ::epoll_wait(epoll_.get(), events, 64, 0);
+  }
   const Deadline after = Clock::now();
   now_ = after;
   for (int i = 0; i < n; ++i) {

@@ -1,6 +1,7 @@
 #pragma once
 // What the engine's lab tests share.
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
@@ -31,6 +32,14 @@ inline rdmakit::EngineConfig config(const std::string& name) {
 }
 
 inline std::string at(const rdmakit::Engine& e) { return here(e.port()); }
+
+/// Adds `target` to `a` as peer `name` and connects to it now; empty, or why it did not.
+inline std::string link_to(rdmakit::Engine& a, const std::string& name, const rdmakit::Engine& target) {
+  a.add_peer(name, at(target));
+  std::string why;
+  if (!a.connect(name, std::chrono::seconds{10}, &why)) return why.empty() ? "connect failed" : why;
+  return {};
+}
 
 /// Bytes that differ with the seed and the position.
 inline void fill(void* p, std::size_t n, std::uint8_t seed) {

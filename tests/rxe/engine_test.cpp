@@ -369,9 +369,8 @@ TEST(Engine, AnIdleEngineUsesNoCpu) {
 TEST(Engine, UnregisterWaitsForTransfersInFlightThenReleasesTheRegions) {
   Target b("b", 8 << 20);
   Engine a(config("a"));
-  a.add_peer("b", at(b.engine));
+  ASSERT_EQ(lab::link_to(a, "b", b.engine), "");
   std::string why;
-  ASSERT_TRUE(a.connect("b", 10s, &why)) << why;
   std::vector<std::uint8_t> mem(8 << 20);
   fill(mem.data(), mem.size(), 9);
   const Buffer src = a.register_memory(mem.data(), mem.size());

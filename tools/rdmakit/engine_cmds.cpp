@@ -57,6 +57,7 @@ struct EngineNet {
   std::vector<std::string> transports;
   unsigned tcp_streams = EngineConfig{}.tcp_streams;
   std::string shm_copy = "auto";
+  unsigned wait_spin_us = static_cast<unsigned>(EngineConfig{}.wait_spin.count());
 
   void add_to(CLI::App& app, bool publishing) {
     metadata.add_to(app, publishing);
@@ -86,6 +87,11 @@ struct EngineNet {
         ->check(CLI::IsMember({"auto", "attach", "ring"}))
         ->capture_default_str();
     app.add_option("--workers", workers, "progress threads (default: one per RDMA device)")->check(CLI::Range(1u, 64u));
+    app.add_option("--wait-spin", wait_spin_us,
+                   "microseconds a wait for a batch polls on its own thread before it sleeps (adapts to what waits "
+                   "take, within this); 0: it sleeps at once")
+        ->check(CLI::Range(0u, 1000000u))
+        ->capture_default_str();
     app.add_option("--max-qps", max_qps, "QP budget")->check(CLI::Range(1u, 1u << 20))->capture_default_str();
     app.add_option("--rails", rails, "most rails (NIC ports) per peer link; 0: every port that reaches the peer")
         ->check(CLI::Range(0u, 16u))->capture_default_str();
@@ -107,6 +113,7 @@ struct EngineNet {
     if (!psk_file.empty()) c.link.psk = read_key_file(psk_file);
     if (!identity_file.empty()) c.identity = Identity::from_file(identity_file);
     if (workers != 0) c.workers = workers;
+    c.wait_spin = std::chrono::microseconds{wait_spin_us};
     c.max_qps = max_qps;
     c.rails.max = rails;
     c.rails.devices = rail_devices;
@@ -146,7 +153,11 @@ nlohmann::json counters_json(const EngineCounters& c) {
           {"rail_links", c.rail_links},
           {"rail_failures", c.rail_failures},
           {"slices", c.slices},
-          {"reposted", c.reposted}};
+          {"reposted", c.reposted},
+          {"plan_posted", c.plan_posted},
+          {"plan_builds", c.plan_builds},
+          {"submits_inline", c.submits_inline},
+          {"waits_spun", c.waits_spun}};
 }
 
 // Each peer's link: its transport, and why that one.
@@ -365,6 +376,7 @@ struct BenchOpts {
   double duration = 5;
   bool validate = false;
   bool json = false;
+  bool idle = false;
 };
 
 struct PeerArg {
@@ -424,6 +436,25 @@ int run_engine_bench(const BenchOpts& o) {
     connect_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - c0).count());
   }
   const double connect_avg = std::accumulate(connect_ms.begin(), connect_ms.end(), 0.0) / static_cast<double>(connect_ms.size());
+  if (o.idle) {
+    // Linked to every peer, nothing to do: what the engine's threads cost while it waits.
+    const double c0 = cpu_seconds();
+    const auto i0 = Clock::now();
+    while (g_stop == 0 && Clock::now() - i0 < std::chrono::duration<double>(o.duration)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds{50});
+    }
+    const double secs = std::chrono::duration<double>(Clock::now() - i0).count();
+    const double cores = (cpu_seconds() - c0) / secs;
+    const EngineCounters n = engine.counters();
+    if (o.json) {
+      fmt::print("{}\n", nlohmann::json{{"idle", true}, {"peers", peers.size()}, {"seconds", secs}, {"cpu_cores", cores},
+                                        {"links", n.links}, {"connect_ms", connect_avg}}.dump());
+    } else {
+      fmt::print("engine-bench idle: {} peer(s) linked ({} links), {:.2f} s: {:.3f}% of a core\n", peers.size(), n.links,
+                 secs, cores * 100);
+    }
+    return 0;
+  }
   const TransferOp op = o.op == "read" ? TransferOp::read : TransferOp::write;
   const std::uint64_t span = o.block * o.batch;  // one thread's remote range
   // The local buffers: one batch's worth per thread.
@@ -606,6 +637,9 @@ void add_engine_bench(CLI::App& app, std::function<int()>& run) {
   sub->add_option("--threads", o->threads, "submitting threads")->check(CLI::Range(1u, 256u))->capture_default_str();
   sub->add_option("--duration", o->duration, "seconds")->check(CLI::Range(0.01, 3600.0))->capture_default_str();
   sub->add_flag("--validate", o->validate, "check every byte (reads: against a pattern written first)");
+  sub->add_flag("--idle", o->idle,
+                "connect to every peer, then move nothing for --duration seconds: the CPU an engine with its links up "
+                "uses while idle");
   sub->add_flag("--json", o->json, "one JSON object");
   sub->callback([o, &run] { run = guarded("engine-bench", [o] { return run_engine_bench(*o); }); });
 }
