@@ -61,3 +61,27 @@ def test_an_engine_without_rdma_or_transports_says_how_to_run():
         pytest.skip("this host has an RDMA device")
     except rdmakit.Error as e:
         assert "--transport tcp" in str(e) and "transports" in str(e)
+
+
+@pytest.mark.parametrize("spin", [1.0, 0.0])
+def test_a_wait_polls_for_its_transfer_unless_wait_spin_is_zero(spin):
+    # Issue 34: Batch.wait() polls the worker itself (counters()["waits_spun"]); wait_spin=0
+    # sleeps at once and the worker ends the batch. The bytes are right either way.
+    with rdmakit.Engine(name="t", listen="127.0.0.1:0", transports=["tcp"]) as t, \
+            rdmakit.Engine(name="c", listen="", transports=["tcp"], wait_spin=spin) as c:
+        pool = np.zeros(4096, dtype=np.uint8)
+        t.expose("pool", t.register(pool), "rw")
+        c.add_peer("t", f"127.0.0.1:{t.port}")
+        seg = c.segment("t", "pool")
+        src = np.arange(64, dtype=np.uint8)
+        dst = np.zeros(64, dtype=np.uint8)
+        c.register(src)
+        c.register(dst)
+        for _ in range(50):
+            c.submit([rdmakit.write(src, seg)]).wait(10.0)
+            c.submit([rdmakit.read(dst, seg)]).wait(10.0)
+        assert np.array_equal(dst, src) and np.array_equal(pool[:64], src)
+        n = c.counters()
+        assert (n["waits_spun"] > 0) == (spin > 0), n
+    with pytest.raises(ValueError, match="wait_spin"):
+        rdmakit.Engine(name="x", listen="", transports=["tcp"], wait_spin=2.0)
