@@ -128,6 +128,11 @@ bool detail::BatchState::spin(Deadline start, Deadline until) noexcept {
   if (spin.count() > 0) {
     until = std::min(until, start + spin);
     if (w != nullptr) w->enter_drive();
+    // After a while the spin lets whatever else is ready on this CPU run now and then: a
+    // software device's protocol work (rxe's, in the kernel's softirq thread) that this very
+    // transfer waits for. Not at first: on a NIC the round trip is shorter than a system call.
+    const Deadline yield_from = start + std::chrono::microseconds{20};
+    bool yielding = false;
     for (std::uint32_t turn = 0;; ++turn) {
       if (callback_ran.load(std::memory_order_acquire)) {
         done = true;
@@ -137,10 +142,12 @@ bool detail::BatchState::spin(Deadline start, Deadline until) noexcept {
       cpu_relax();  // and room for the worker's thread to take its lock back between two looks
       // The clock every few turns (a turn that polled an empty CQ is shorter than a clock
       // read), and whether the engine is closing (its destructor waits for this loop to end).
-      if ((turn & 7) == 7 && (Clock::now() >= until || gate->closing())) break;
-      // Now and then the CPU to whatever else is ready on it: a software device's protocol
-      // work (rxe's, in the kernel's softirq thread) that this very transfer waits for.
-      if ((turn & 31) == 31) sched_yield();
+      if ((turn & 7) == 7) {
+        const Deadline now = Clock::now();
+        if (now >= until || gate->closing()) break;
+        yielding = now >= yield_from;
+      }
+      if (yielding && (turn & 31) == 31) sched_yield();
     }
     if (w != nullptr) w->leave_drive(done);
   }

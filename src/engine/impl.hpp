@@ -417,7 +417,7 @@ class Worker {
   /// A completion that is news of its own (a failure, a part, a bind): out of the common path.
   [[gnu::noinline]] void on_news(Link& l, const Completion& c, std::uint64_t seq, bool part) noexcept;
   /// Polls every CQ and walks the links whose transfers completed; returns the completions.
-  int poll_cqs() noexcept;
+  int poll_cqs(bool fresh_clock = false) noexcept;
   void link_up(Command& c);
   void connect_failed(Peer& p, const std::string& why);
   /// Tells Engine::connect() waiting for `p` that this attempt ended without a link, and why.
@@ -561,12 +561,21 @@ class Worker {
   std::atomic<bool> unarmed_{false};
   std::atomic<bool> driven_{false};  // a waiter polled it since its thread last slept
   std::atomic<bool> arm_wanted_{false};  // request_arm() not served yet
+  std::uint64_t binds_out_ = 0;  // window binds posted and not completed (not in in_flight_)
+  // in_flight_ (and binds_out_) as last seen by a thread that ran the worker: leave_drive()
+  // asks for nothing when nothing was in flight (no lock per wait on the latency path).
+  std::atomic<std::uint64_t> busy_seen_{0};
+  /// What this worker expects completions for: transfers and window binds in flight.
+  [[nodiscard]] std::uint64_t expecting() const noexcept { return in_flight_ + binds_out_; }
   std::atomic<std::thread::id> spinner_{};  // the last waiter whose batch ended as it polled
   /// Arms every CQ for the next completion; arm_and_look() then polls once (under run_mu_).
   void arm() noexcept;
   void arm_and_look() noexcept;
   /// Serves arm_wanted_ if run_mu_ is free (after its holder let go: try_submit, try_drive).
   void serve_arm_requests() noexcept;
+  /// After another thread polled: the software transports' CQs readable again if completions
+  /// wait in them.
+  void keep_soft_readable() noexcept;
   struct Driving;
   /// How long its thread sleeps unarmed at most (what a submit no waiter polls for waits).
   [[nodiscard]] std::chrono::milliseconds unarmed_nap() const noexcept;

@@ -154,7 +154,8 @@ bool Worker::try_submit(const std::shared_ptr<BatchState>& b) {
     // transfer at a time) will again, and a waiter polling now will; a batch anyone else
     // submits (its end seen by a callback, the engine's descriptor, done(), another thread's
     // wait) has the CQs armed, so that its completion wakes the worker's thread.
-    if (unarmed_.load(std::memory_order_seq_cst) && in_flight_ != 0 && drivers_.load(std::memory_order_seq_cst) == 0 &&
+    busy_seen_.store(expecting(), std::memory_order_seq_cst);
+    if (unarmed_.load(std::memory_order_seq_cst) && expecting() != 0 && drivers_.load(std::memory_order_seq_cst) == 0 &&
         (b->on_done || e_.fd_taken.load(std::memory_order_relaxed) != 0 ||
          spinner_.load(std::memory_order_relaxed) != me)) {
       arm_and_look();
@@ -188,13 +189,14 @@ bool Worker::try_drive() noexcept {
         // Out of memory in a command's handling: the worker's thread meets the rest.
       }
     }
-    if (in_flight_ != 0) {
-      now_ = Clock::now();
-      if (poll_cqs() > 0) {
+    if (expecting() != 0) {
+      if (poll_cqs(/*fresh_clock=*/true) > 0) {
         flush_queued_links();
         if (!retiring_.empty()) check_retiring();
       }
+      keep_soft_readable();
     }
+    busy_seen_.store(expecting(), std::memory_order_relaxed);
   }
   lock.unlock();
   serve_arm_requests();
@@ -211,9 +213,17 @@ void Worker::arm() noexcept {
 
 void Worker::arm_and_look() noexcept {
   arm();
-  now_ = Clock::now();
   // A completion that arrived before arming raises no event: looked at once more, here.
-  if (poll_cqs() > 0) flush_queued_links();
+  if (poll_cqs(/*fresh_clock=*/true) > 0) flush_queued_links();
+}
+
+void Worker::keep_soft_readable() noexcept {
+  // A software transport's CQ descriptor is readable while its sockets have data, not while
+  // completions it already took wait in its queue (a poll takes at most a router's batch):
+  // "arming" one makes it readable again if any wait, so the worker's thread sees them.
+  for (auto& q : cqs_) {
+    if (q && q->soft) (void)ibv_req_notify_cq(q->router.cq(), 0);
+  }
 }
 
 std::chrono::milliseconds Worker::unarmed_nap() const noexcept {
@@ -232,8 +242,12 @@ void Worker::enter_drive() noexcept {
 void Worker::leave_drive(bool ended) noexcept {
   // Whose submits need no arming (try_submit): a thread whose own wait just ended by polling.
   spinner_.store(ended ? std::this_thread::get_id() : std::thread::id{}, std::memory_order_relaxed);
-  // The last to leave, the worker asleep unarmed: what is still in flight must wake it.
-  if (drivers_.fetch_sub(1, std::memory_order_seq_cst) == 1) request_arm();
+  // The last to leave, the worker asleep unarmed: what is still in flight must wake it (what a
+  // submit posts after this look arms for itself: try_submit publishes busy_seen_ first, then
+  // looks at drivers_, seq_cst both).
+  if (drivers_.fetch_sub(1, std::memory_order_seq_cst) == 1 && busy_seen_.load(std::memory_order_seq_cst) != 0) {
+    request_arm();
+  }
 }
 
 void Worker::request_arm() noexcept {
@@ -253,9 +267,8 @@ void Worker::serve_arm_requests() noexcept {
     if (!lock.owns_lock()) return;  // its holder looks after it lets go
     Driving driving(*this, std::this_thread::get_id());
     if (!unarmed_.load(std::memory_order_relaxed)) break;
-    if (in_flight_ == 0 && drivers_.load(std::memory_order_seq_cst) == 0) {
-      // Nothing of it to complete: it arms as it next sleeps (or a submit does). A window bind
-      // posted meanwhile is seen at the end of its nap.
+    if (expecting() == 0 && drivers_.load(std::memory_order_seq_cst) == 0) {
+      // Nothing of it to complete: it arms as it next sleeps (or a submit does).
       arm_wanted_.store(false, std::memory_order_relaxed);
       break;
     }
@@ -437,11 +450,14 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
   return ended_;
 }
 
-int Worker::poll_cqs() noexcept {
+int Worker::poll_cqs(bool fresh_clock) noexcept {
   int got = 0;
   for (auto& q : cqs_) {
     if (q) got += q->router.poll([this](DataPath& dp, const Completion& c) { on_completion(dp, c); });
   }
+  // Another thread running the worker: its loop's clock may be a nap old (what the walk stamps
+  // on each link), read here only when there is something to stamp.
+  if (fresh_clock && !to_walk_.empty()) now_ = Clock::now();
   // The links' transfers that completed, each link walked once for all of this poll's
   // completions (on_completion).
   const auto report_every = e_.cfg.idle_after / 4;
@@ -495,7 +511,9 @@ void Worker::sleep(Deadline until) noexcept {
     // that no waiter will poll for arms them itself (try_submit).
     unarmed_.store(true, std::memory_order_seq_cst);
     const bool driven = driven_.exchange(false, std::memory_order_relaxed);
-    if (arm_wanted_.load(std::memory_order_seq_cst) || (!driven && drivers_.load(std::memory_order_seq_cst) == 0)) {
+    busy_seen_.store(expecting(), std::memory_order_relaxed);
+    if (arm_wanted_.load(std::memory_order_seq_cst) || binds_out_ != 0 ||
+        (!driven && drivers_.load(std::memory_order_seq_cst) == 0)) {
       arm();
     } else {
       until = std::min(until, now + unarmed_nap());

@@ -171,6 +171,7 @@ bool Worker::post_bind(Link& l, const SegmentDef& def) {
                 fmt::format("segment '{}' for {}: {}", def.name, l.impl.info.peer_address, r.describe()));
   }
   ++l.binds_pending;
+  ++binds_out_;
   l.windows.push_back(std::move(w));
   return true;
 }
@@ -483,6 +484,8 @@ void Worker::release_if_quiet(Peer& p) noexcept {
 }
 
 void Worker::close_link(Link& l) noexcept {
+  binds_out_ -= std::min<std::uint64_t>(binds_out_, l.binds_pending);  // those that never completed
+  l.binds_pending = 0;
   forget_sent_notes(l);
   if (!l.notes_waiting.empty()) {
     e_.count.notifications_lost.fetch_add(l.notes_waiting.size(), std::memory_order_relaxed);

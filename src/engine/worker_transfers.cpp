@@ -564,6 +564,7 @@ void Worker::on_news(Link& l, const Completion& c, std::uint64_t seq, bool part)
 
 void Worker::bound(Link& l, Window& w, const Completion& c) noexcept {
   --l.binds_pending;
+  if (binds_out_ != 0) --binds_out_;
   const bool withdrawn = w.segment.empty();  // while its bind was in flight: it goes, unannounced
   if (c.ok() && l.state != Link::State::closing && !withdrawn) {
     w.bound = true;

@@ -99,7 +99,11 @@ TEST(EngineLatency, ASmallTransferStartsOnTheSubmittingThreadAndEndsInItsWait) {
     std::printf("wait_spin %lld us: 400 transfers, %llu started on the submitting thread, %llu waits ended polling\n",
                 static_cast<long long>(spin.count()), static_cast<unsigned long long>(n.submits_inline),
                 static_cast<unsigned long long>(n.waits_spun));
-    EXPECT_GT(n.submits_inline, 0u) << "no batch started on the submitting thread";
+    // Over tcp and shm a completion makes the worker's descriptor readable whatever is armed,
+    // so its thread may be awake at every submit (and under a sanitizer often is).
+    if (!lab::soft_transport() && spin.count() > 0) {
+      EXPECT_GT(n.submits_inline, 0u) << "no batch started on the submitting thread";
+    }
     if (spin.count() > 0) {
       EXPECT_GT(n.waits_spun, 0u) << "no wait saw its batch end while polling";
     } else {
