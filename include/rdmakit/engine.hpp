@@ -479,7 +479,8 @@ class Engine {
   void expose(std::string name, const Buffer& buffer, Access access, std::vector<std::string> peers,
               std::uint64_t offset = 0, std::uint64_t length = 0);
   /// Withdraws a segment: every peer's key for it stops working (its window is invalidated),
-  /// and linked peers are told.
+  /// and linked peers are told. Returns once every worker has invalidated its windows (within
+  /// 5 s; with workers == 0, at the next progress(); called from a callback, without waiting).
   void withdraw(const std::string& name);
   /// Revokes `peer` (an engine name, a public key, or NAME=KEY), whether it was added or not:
   /// its windows on every segment are invalidated at once (what it has in flight to them fails),

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -293,7 +294,24 @@ void Engine::withdraw(const std::string& name) {
     std::lock_guard lock(impl_->mu);
     if (impl_->segments.erase(name) == 0) throw Error("withdraw", ENOENT, fmt::format("no segment '{}'", name));
   }
-  for (auto& w : impl_->workers) w->post(detail::Command(detail::Command::Kind::withdraw, nullptr, name));
+  // Each worker deallocates the segment's windows on its links (the keys die at once) and tells
+  // the peers. This returns once they all have: a transfer a peer posts after it cannot land,
+  // and the memory may be reused (a submit of this engine's own that races it is another matter).
+  // A thread that runs a worker (a callback) cannot wait for it: it only posts.
+  auto handled = std::make_shared<detail::Handled>(impl_->workers.size());
+  const std::thread::id me = std::this_thread::get_id();
+  bool can_wait = impl_->threads != 0;
+  for (auto& w : impl_->workers) {
+    can_wait = can_wait && !w->run_by(me);
+    detail::Command c(detail::Command::Kind::withdraw, nullptr, name);
+    c.handled = handled;
+    w->post(std::move(c));
+  }
+  if (can_wait && !handled->wait(detail::deadline_in(std::chrono::seconds{5}))) {
+    impl_->cfg.link.log(fmt::format("engine {}: withdraw '{}': not every worker had invalidated its windows "
+                                    "within 5 s (a worker busy in a long callback?); they will",
+                                    impl_->name, name));
+  }
   if (impl_->meta) impl_->meta->changed(/*wait=*/false);
 }
 

@@ -335,7 +335,9 @@ std::optional<detail::Attachment> Engine::Impl::attach_to(std::uint32_t d, Worke
   for (std::uint32_t k = 0; k < (preferred != nullptr ? 1u : n); ++k) {
     if (auto a = workers[(first + k) % n]->attach(d)) {
       // The link holds its room in the CQ and its QP of the budget, each given back when it goes.
-      a->keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(a->keep, ticket);
+      // The pair's second goes first: the CQ's room before the QP of the budget, so that a link
+      // waiting for that QP (take_qps) then finds the room too.
+      a->keep = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(ticket, a->keep);
       return a;
     }
   }

@@ -282,6 +282,26 @@ struct DeviceCqs {
 };
 
 /// What other threads ask a worker to do.
+/// Commands whose poster waits until every worker has handled its copy (Engine::withdraw).
+struct Handled {
+  explicit Handled(std::size_t n) : left(n) {}
+  std::mutex mu;
+  std::condition_variable cv;
+  std::size_t left;  // under mu
+  void one() noexcept {
+    {
+      std::lock_guard lock(mu);
+      if (left > 0) --left;
+    }
+    cv.notify_all();
+  }
+  /// True when all were handled by `until`.
+  bool wait(Deadline until) {
+    std::unique_lock lock(mu);
+    return cv.wait_until(lock, until, [this] { return left == 0; });
+  }
+};
+
 struct Command {
   enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick, restarted, gone, retire, reclaim, credit, revoke };
   explicit Command(Kind k, Peer* p = nullptr, std::string t = {}) : kind(k), peer(p), text(std::move(t)) {}
@@ -301,6 +321,7 @@ struct Command {
   // hold the record it looked up before the id went).
   std::shared_ptr<void> token;
   std::shared_ptr<NoteCredits> notes;  // credit: the link whose notifications were taken
+  std::shared_ptr<Handled> handled;     // withdraw: counted down once handled
 };
 
 class Worker {
@@ -342,6 +363,8 @@ class Worker {
   /// with them unarmed and transfers are in flight, now or by whoever holds its lock.
   void request_arm() noexcept;
   [[nodiscard]] std::uint32_t index() const noexcept { return index_; }
+  /// Whether thread `t` runs this worker now (its thread, or a submitter or waiter in it).
+  [[nodiscard]] bool run_by(std::thread::id t) const noexcept { return driver_.load(std::memory_order_relaxed) == t; }
 
  private:
   void handle(Command& c);

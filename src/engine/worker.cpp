@@ -598,7 +598,10 @@ void Worker::handle(Command& c) {
       }
       break;
     }
-    case Command::Kind::withdraw: withdraw(c.text); break;
+    case Command::Kind::withdraw:
+      withdraw(c.text);
+      if (c.handled) c.handled->one();
+      break;
     case Command::Kind::revoke: revoke(c.text); break;
     case Command::Kind::remove_peer: {
       Peer& p = *c.peer;
