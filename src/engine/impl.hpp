@@ -370,6 +370,8 @@ class Worker {
   void handle(Command& c);
   /// Handles what was posted (the inbox), in order.
   void take_mail();
+  /// A command's or a submit's failure, logged (it never takes the worker down).
+  void log_failure(const std::exception& ex) noexcept;
   void submit(const std::shared_ptr<BatchState>& b, const std::vector<std::uint32_t>& indexes);
   /// A batch of a plan: each run posted from its requests built for the link (built at its
   /// first post there), or the long way (route()) when anything they were built for changed.

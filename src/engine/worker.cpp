@@ -144,10 +144,7 @@ bool Worker::try_submit(const std::shared_ptr<BatchState>& b) {
       submit(b, kWholeBatch);
       flush_queued_links();
     } catch (const std::exception& ex) {
-      try {
-        e_.cfg.link.log(fmt::format("engine {}: worker {}: {}", e_.name, index_, ex.what()));
-      } catch (...) {
-      }
+      log_failure(ex);
     }
     // Asleep unarmed (waiters have been polling it), the worker sees this batch's completion
     // only if someone polls for it: a thread that has just polled for its own (a loop of one
@@ -295,6 +292,14 @@ void Worker::take_back() noexcept {
   driver_.store(std::this_thread::get_id(), std::memory_order_relaxed);
 }
 
+void Worker::log_failure(const std::exception& ex) noexcept {
+  try {
+    e_.cfg.link.log(fmt::format("engine {}: worker {}: {}", e_.name, index_, ex.what()));
+  } catch (...) {
+    // Out of memory for the line: the failure itself was handled.
+  }
+}
+
 void Worker::take_mail() {
   if (!has_mail_.load(std::memory_order_seq_cst)) return;
   {
@@ -307,10 +312,7 @@ void Worker::take_mail() {
     try {
       handle(c);
     } catch (const std::exception& ex) {
-      try {
-        e_.cfg.link.log(fmt::format("engine {}: worker {}: {}", e_.name, index_, ex.what()));
-      } catch (...) {
-      }
+      log_failure(ex);
     }
   }
   mail_.clear();

@@ -24,6 +24,18 @@ TARGET = textwrap.dedent("""
 """)
 
 
+def linked_buffers(e, peer, address, n):
+    """Peer `peer` at `address` added to engine e, its segment "pool", and two registered arrays
+    of n bytes: 0..n-1 to write from, zeros to read into."""
+    e.add_peer(peer, address)
+    seg = e.segment(peer, "pool")
+    src = np.arange(n, dtype=np.uint8)
+    dst = np.zeros(n, dtype=np.uint8)
+    e.register(src)
+    e.register(dst)
+    return seg, src, dst
+
+
 @pytest.mark.parametrize("transport,shm_copy", [("tcp", "auto"), ("shm", "auto"), ("shm", "ring")])
 def test_a_transfer_between_two_processes_without_rdma(transport, shm_copy):
     target = subprocess.Popen([sys.executable, "-c", TARGET, transport], stdin=subprocess.PIPE,
@@ -31,12 +43,7 @@ def test_a_transfer_between_two_processes_without_rdma(transport, shm_copy):
     try:
         port = int(target.stdout.readline())
         e = rdmakit.Engine(name="client", listen="", transports=[transport], shm_copy=shm_copy)
-        e.add_peer("kv", f"127.0.0.1:{port}")
-        seg = e.segment("kv", "pool")
-        src = np.arange(4096, dtype=np.uint8)
-        dst = np.zeros(4096, dtype=np.uint8)
-        e.register(src)
-        e.register(dst)
+        seg, src, dst = linked_buffers(e, "kv", f"127.0.0.1:{port}", 4096)
         e.submit([rdmakit.write(src, seg)]).wait(10.0)
         target.stdin.write("wrote\n")
         target.stdin.flush()
@@ -71,12 +78,7 @@ def test_a_wait_polls_for_its_transfer_unless_wait_spin_is_zero(spin):
             rdmakit.Engine(name="c", listen="", transports=["tcp"], wait_spin=spin) as c:
         pool = np.zeros(4096, dtype=np.uint8)
         t.expose("pool", t.register(pool), "rw")
-        c.add_peer("t", f"127.0.0.1:{t.port}")
-        seg = c.segment("t", "pool")
-        src = np.arange(64, dtype=np.uint8)
-        dst = np.zeros(64, dtype=np.uint8)
-        c.register(src)
-        c.register(dst)
+        seg, src, dst = linked_buffers(c, "t", f"127.0.0.1:{t.port}", 64)
         for _ in range(50):
             c.submit([rdmakit.write(src, seg)]).wait(10.0)
             c.submit([rdmakit.read(dst, seg)]).wait(10.0)
