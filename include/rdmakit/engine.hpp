@@ -110,6 +110,9 @@ struct EngineConfig {
   /// once, and the worker thread ends the batch and wakes it. At most 1 s. docs/engine.md
   /// (Threads) says which thread does what.
   std::chrono::microseconds wait_spin{2000};
+  /// Each batch records when it was submitted, posted and ended (Batch::telemetry()): a read of
+  /// the steady clock at each (tens of nanoseconds per batch). false: its times stay zero.
+  bool telemetry = true;
   /// Most QPs this engine holds at once (links it initiated and links peers opened to it). When
   /// a new link would pass it, an idle link is closed (an eviction, which its peer's next
   /// transfer undoes by reconnecting): first a link this engine opened with nothing in flight or
@@ -214,6 +217,7 @@ enum class TransferStatus : std::uint8_t {
   peer_lost,      ///< the link broke while the transfer was in flight (the peer died, closed,
                   ///< restarted, or was removed)
   failed,         ///< an error completion (remote access error, retries exceeded, ...)
+  cancelled,      ///< Batch::cancel() ended it before any of it was posted: nothing of it moved
 };
 [[nodiscard]] const char* to_string(TransferStatus status) noexcept;
 
@@ -222,11 +226,33 @@ struct TransferResult {
   std::string reason{};  ///< why, for every status but pending and ok
 };
 
-/// A message delivered to this engine after all the writes of the batch that carried it are
-/// visible in this engine's memory.
+/// A message delivered to this engine: by a batch (SubmitOptions::notify), after all of that
+/// batch's transfers with this engine completed (its writes are visible in this engine's
+/// memory, its reads have taken their bytes: the memory they read may be reused); or by
+/// Engine::notify, on its own.
 struct Notification {
   std::string peer{};  ///< the sending engine's name
   std::vector<std::uint8_t> message{};
+  std::string request_id{};  ///< the sender's SubmitOptions::request_id (empty: none)
+};
+
+/// When a batch's stages happened and what it moved (Batch::telemetry()), for tying transfers
+/// to requests (NIXL's transfer telemetry, per batch). The times cost a clock read at submit,
+/// one per worker holding transfers of it, and one at its end (EngineConfig::telemetry); the
+/// rest is counted when read. Readable in its on_done callback.
+struct BatchTelemetry {
+  std::string request_id{};  ///< SubmitOptions::request_id
+  std::chrono::steady_clock::time_point submitted{};  ///< submit() was called
+  /// The engine had posted its transfers (those waiting for a link: queued for it); the
+  /// latest of its workers' (a batch on several). Zero until then.
+  std::chrono::steady_clock::time_point posted{};
+  std::chrono::steady_clock::time_point ended{};  ///< its last transfer ended (zero until then)
+  std::uint64_t bytes = 0;     ///< moved by its reads and writes that ended ok
+  std::uint32_t transfers = 0; ///< its transfers (descriptors; 0 for Engine::notify's)
+  std::uint32_t failed = 0;    ///< of them, ended other than ok (when done())
+  /// Time from submit() to posted, and to the end (0 until then).
+  [[nodiscard]] std::chrono::nanoseconds post_time() const noexcept;
+  [[nodiscard]] std::chrono::nanoseconds total_time() const noexcept;
 };
 
 namespace detail {
@@ -266,6 +292,17 @@ class Batch {
   /// Every failed transfer's index, status and reason, one line each, and every notification
   /// not sent; empty when all succeeded.
   [[nodiscard]] std::string describe_failures() const;
+  /// Its timings and size so far (BatchTelemetry).
+  [[nodiscard]] BatchTelemetry telemetry() const;
+  /// Ends every transfer of it not yet posted (waiting for a link to connect, or queued behind
+  /// others for room on the send queue) as `cancelled`; those already posted run to their end
+  /// (and are not posted again on another rail if theirs fails), as does a transfer cut into
+  /// slices over rails. Returns once every worker holding transfers of it has done so (within
+  /// 5 s; with workers == 0, at the next progress(); from a callback, without waiting);
+  /// result(i) says which ended how. A peer with a cancelled transfer gets no notification.
+  /// Once done(), its local buffers may be unregistered at once. Idempotent; a no-op on a batch
+  /// that is done.
+  void cancel() const;
 
  private:
   friend class Engine;
@@ -297,15 +334,19 @@ class TransferPlan {
 
 /// Options of one submit().
 struct SubmitOptions {
-  /// Sent to every peer the batch writes to, once that peer's writes in the batch have all
-  /// completed successfully (so the data is in its memory when the message arrives); at most
-  /// Engine::max_notification bytes. Empty: none.
+  /// Sent to every peer the batch reads from or writes to, once that peer's transfers in the
+  /// batch have all completed successfully (so written data is in its memory when the message
+  /// arrives, and the memory read may be reused: the pull mode's "done with your blocks"); at
+  /// most Engine::max_notification bytes. Empty: none.
   std::vector<std::uint8_t> notify{};
   /// Called once when the batch is done, on the thread that ends it: a worker thread, or one
   /// running a worker while that worker's thread sleeps (inside submit() or Batch::wait(), of
   /// this batch or another; or progress()). Keep it short, do not wait on batches in it, and do
-  /// not take in it a lock held around submit() or wait().
+  /// not take in it a lock held around submit(), wait() or cancel().
   std::function<void(const Batch&)> on_done{};
+  /// Carried in its notifications (Notification::request_id) and telemetry (Batch::telemetry):
+  /// the application's request this batch serves. At most Engine::max_request_id bytes.
+  std::string request_id{};
 };
 
 /// Counters, readable at any time.
@@ -538,6 +579,15 @@ class Engine {
   /// there. A plan of another engine is an Error.
   Batch submit(const TransferPlan& plan, SubmitOptions options = {});
   static constexpr std::size_t max_notification = 900;
+  static constexpr std::size_t max_request_id = 64;
+  /// Sends `message` (at most max_notification bytes) to `peer` on its own, connecting first if
+  /// needed: a batch of one entry that ends ok once the message is on its way to the peer, or
+  /// with why not (connect_failed, peer_lost, or failed: the peer's queue of notifications from
+  /// this engine is full). It waits for no transfer: to announce data moved, give the batch
+  /// that moves it SubmitOptions::notify. `options`: request_id and on_done as for submit()
+  /// (its notify stays empty). Throws Error for an unknown peer (one in the metadata store is
+  /// added as segment() adds it), a message or id too long, or options.notify set.
+  Batch notify(const std::string& peer, std::span<const std::uint8_t> message, SubmitOptions options = {});
 
   /// The next notification received, if any.
   std::optional<Notification> next_notification();

@@ -47,8 +47,18 @@ void check_batch(const Batch& b) {
 }  // namespace
 
 void bind_batch(py::module_& m) {
-  py::class_<Notification>(m, "Notification", "A message that came with a peer's batch.")
+  py::class_<Notification>(m, "Notification",
+                           "A message from a peer: with its batch (after its transfers with this engine "
+                           "completed), or on its own (Engine.notify).")
       .def_readonly("peer", &Notification::peer)
+      .def_property_readonly(
+          "request_id",
+          [](const Notification& n) {
+            // Any bytes on the wire (a peer in another language may send them): never a decode error.
+            return py::reinterpret_steal<py::str>(
+                PyUnicode_DecodeUTF8(n.request_id.data(), static_cast<Py_ssize_t>(n.request_id.size()), "replace"));
+          },
+          "The sender's request_id (\"\": none).")
       .def_property_readonly("message",
                              [](const Notification& n) {
                                return py::bytes(reinterpret_cast<const char*>(n.message.data()),
@@ -114,7 +124,39 @@ void bind_batch(py::module_& m) {
             return py::make_tuple(to_string(r.status), r.reason);
           },
           "Transfer i's (status, reason); status is \"pending\", \"ok\", \"invalid\", "
-          "\"no_segment\", \"connect_failed\", \"peer_lost\" or \"failed\".")
+          "\"no_segment\", \"connect_failed\", \"peer_lost\", \"failed\" or \"cancelled\".")
+      .def(
+          "cancel",
+          [](const PyBatch& b) {
+            py::gil_scoped_release nogil;
+            b.batch.cancel();
+          },
+          "Ends every transfer not yet posted (waiting for a link, or queued for room) as "
+          "\"cancelled\"; those on the wire run to their end. Returns once the engine has done so.")
+      .def(
+          "telemetry",
+          [](const PyBatch& b) {
+            const BatchTelemetry t = b.batch.telemetry();
+            // Seconds on the steady clock: Linux's CLOCK_MONOTONIC, time.monotonic()'s.
+            const auto secs = [](std::chrono::steady_clock::time_point p) -> py::object {
+              if (p == std::chrono::steady_clock::time_point{}) return py::none();
+              return py::float_(std::chrono::duration<double>(p.time_since_epoch()).count());
+            };
+            py::dict d;
+            d["request_id"] = t.request_id;
+            d["submitted"] = secs(t.submitted);
+            d["posted"] = secs(t.posted);
+            d["ended"] = secs(t.ended);
+            d["post_time"] = std::chrono::duration<double>(t.post_time()).count();
+            d["total_time"] = std::chrono::duration<double>(t.total_time()).count();
+            d["bytes"] = t.bytes;
+            d["transfers"] = t.transfers;
+            d["failed"] = t.failed;
+            return d;
+          },
+          "When it was submitted, posted and ended (time.monotonic() seconds; None until then, or "
+          "with telemetry=False), post_time and total_time (seconds from submit; 0 until then), "
+          "bytes moved by its reads and writes that ended ok, transfers, failed, request_id.")
       .def("results",
            [](const PyBatch& b) {
              py::list out;

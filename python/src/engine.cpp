@@ -166,12 +166,14 @@ Transfer PyEngine::resolve(const PyTransfer& t) const {
 }
 
 template <typename Start>
-PyBatch PyEngine::submit_with(const std::optional<py::bytes>& notify, Start start) {
+PyBatch PyEngine::submit_with(const std::optional<py::bytes>& notify, std::optional<std::string> request_id,
+                              Start start) {
   SubmitOptions opts;
   if (notify) {
     std::string_view s = *notify;
     opts.notify.assign(s.begin(), s.end());
   }
+  if (request_id) opts.request_id = std::move(*request_id);
   auto await = std::make_shared<AwaitState>();
   await->token = next_token_.fetch_add(1, std::memory_order_relaxed) + 1;
   await->queue = done_;
@@ -188,12 +190,24 @@ PyBatch PyEngine::submit_with(const std::optional<py::bytes>& notify, Start star
   return PyBatch{std::move(b), shared_from_this(), std::move(await), py::object{}};
 }
 
-PyBatch PyEngine::submit(std::span<const Transfer> transfers, const std::optional<py::bytes>& notify) {
-  return submit_with(notify, [transfers](Engine& e, SubmitOptions o) { return e.submit(transfers, std::move(o)); });
+PyBatch PyEngine::submit(std::span<const Transfer> transfers, const std::optional<py::bytes>& notify,
+                         std::optional<std::string> request_id) {
+  return submit_with(notify, std::move(request_id),
+                     [transfers](Engine& e, SubmitOptions o) { return e.submit(transfers, std::move(o)); });
 }
 
-PyBatch PyEngine::submit(const TransferPlan& plan, const std::optional<py::bytes>& notify) {
-  return submit_with(notify, [&plan](Engine& e, SubmitOptions o) { return e.submit(plan, std::move(o)); });
+PyBatch PyEngine::submit(const TransferPlan& plan, const std::optional<py::bytes>& notify,
+                         std::optional<std::string> request_id) {
+  return submit_with(notify, std::move(request_id),
+                     [&plan](Engine& e, SubmitOptions o) { return e.submit(plan, std::move(o)); });
+}
+
+PyBatch PyEngine::notify(const std::string& peer, const py::bytes& message, std::optional<std::string> request_id) {
+  // Its completion reaches asyncio as a batch's does (the callback is the batch's).
+  const std::string_view m = message;
+  const std::vector<std::uint8_t> bytes(m.begin(), m.end());
+  return submit_with(std::nullopt, std::move(request_id),
+                     [&](Engine& e, SubmitOptions o) { return e.notify(peer, bytes, std::move(o)); });
 }
 
 std::vector<std::uint64_t> PyEngine::take_done() {
@@ -279,8 +293,9 @@ void bind_engine(py::module_& m) {
                        std::uint64_t slice_threshold, const std::string& method, std::uint32_t notification_queue,
                        bool allow_region_keys, const py::object& identity, std::vector<std::string> allowed_peers,
                        const std::vector<std::string>& transports, std::uint32_t tcp_streams,
-                       const std::string& shm_copy, double wait_spin) {
+                       const std::string& shm_copy, double wait_spin, bool telemetry) {
              EngineConfig c;
+             c.telemetry = telemetry;
              if (!(wait_spin >= 0 && wait_spin <= 1)) {
                throw py::value_error(fmt::format("wait_spin={}: seconds, from 0 to 1", wait_spin));
              }
@@ -324,6 +339,7 @@ void bind_engine(py::module_& m) {
            py::arg("transports") = std::vector<std::string>{}, py::arg("tcp_streams") = EngineConfig{}.tcp_streams,
            py::arg("shm_copy") = "auto",
            py::arg("wait_spin") = std::chrono::duration<double>(EngineConfig{}.wait_spin).count(),
+           py::arg("telemetry") = EngineConfig{}.telemetry,
            "name: as peers know it (default host:pid). listen: \"[host]:port\" (port 0: any; "
            "empty: no listener). workers: progress threads (default one per device). psk: the "
            "pre-shared key, bytes or a key file's path (both ends of a link hold the same). "
@@ -345,7 +361,8 @@ void bind_engine(py::module_& m) {
            "(cross-memory attach: one copy, by the target), \"ring\" (a shared ring: two copies, needs no permission "
            "to read another process), \"auto\" (attach where the kernel allows it, else the ring). wait_spin: seconds "
            "Batch.wait() polls on its own thread before it sleeps (adapting to what waits take, within it; 0: it "
-           "sleeps at once): latency against CPU.")
+           "sleeps at once): latency against CPU. telemetry: each batch records when it was submitted, posted "
+           "and ended (Batch.telemetry(); a clock read at each).")
       .def("close", &close_engine,
            "Closes every link (what is in flight ends) and releases the registered objects.")
       .def("__enter__", [](py::object self) { return self; })
@@ -514,18 +531,34 @@ void bind_engine(py::module_& m) {
           "rdmakit.Error naming it.")
       .def(
           "submit",
-          [](const py::object& self, const py::object& transfers, std::optional<py::bytes> notify) {
+          [](const py::object& self, const py::object& transfers, std::optional<py::bytes> notify,
+             std::optional<std::string> request_id) {
             PyEngine& e = self.cast<PyEngine&>();
-            PyBatch b = py::isinstance<PyPlan>(transfers) ? e.submit(transfers.cast<const PyPlan&>().plan, notify)
-                                                          : e.submit(resolve_all(e, transfers), notify);
+            PyBatch b = py::isinstance<PyPlan>(transfers)
+                            ? e.submit(transfers.cast<const PyPlan&>().plan, notify, std::move(request_id))
+                            : e.submit(resolve_all(e, transfers), notify, std::move(request_id));
             b.owner = self;
             return b;
           },
-          py::arg("transfers"), py::kw_only(), py::arg("notify") = py::none(),
+          py::arg("transfers"), py::kw_only(), py::arg("notify") = py::none(), py::arg("request_id") = py::none(),
           "Starts the transfers (a list of rdmakit.Transfer, or a TransferPlan) and returns "
-          "their Batch at once. notify: bytes delivered to each peer written to, after its "
-          "writes (at most 900 bytes). A transfer whose local memory is not registered raises "
-          "BufferError; one the engine refuses ends as \"invalid\" in the batch.")
+          "their Batch at once. notify: bytes delivered to each peer read from or written to, once "
+          "its transfers in the batch completed (at most 900 bytes). request_id: carried in the "
+          "notifications and the batch's telemetry (at most 64 bytes). A transfer whose local "
+          "memory is not registered raises BufferError; one the engine refuses ends as \"invalid\" "
+          "in the batch.")
+      .def(
+          "notify",
+          [](const py::object& self, const std::string& peer, const py::bytes& message,
+             std::optional<std::string> request_id) {
+            PyBatch b = self.cast<PyEngine&>().notify(peer, message, std::move(request_id));
+            b.owner = self;
+            return b;
+          },
+          py::arg("peer"), py::arg("message"), py::kw_only(), py::arg("request_id") = py::none(),
+          "Sends message (at most 900 bytes) to peer on its own, connecting first if needed: a "
+          "Batch of one entry, ok once the message is on its way (or why not: connect_failed, "
+          "peer_lost, failed when the peer's queue is full). It waits for no transfer.")
       .def("_take_done", &PyEngine::take_done,
            "For the asyncio reader: tokens of awaited batches that ended since the last call.")
       .def("next_notification",

@@ -116,15 +116,17 @@ class PyEngine : public std::enable_shared_from_this<PyEngine> {
   /// The transfer in engine terms: its local range found in a registration (BufferError when it
   /// is in none, or it is read-only and the transfer would write it).
   Transfer resolve(const PyTransfer& t) const;
-  PyBatch submit(std::span<const Transfer> transfers, const std::optional<py::bytes>& notify);
-  PyBatch submit(const TransferPlan& plan, const std::optional<py::bytes>& notify);
+  PyBatch submit(std::span<const Transfer> transfers, const std::optional<py::bytes>& notify,
+                 std::optional<std::string> request_id);
+  PyBatch submit(const TransferPlan& plan, const std::optional<py::bytes>& notify, std::optional<std::string> request_id);
+  PyBatch notify(const std::string& peer, const py::bytes& message, std::optional<std::string> request_id);
 
  private:
   Engine& checked();
   std::shared_mutex mu_;
   /// A batch started by `start` (a submit of transfers or of a plan), with its asyncio token.
   template <typename Start>
-  PyBatch submit_with(const std::optional<py::bytes>& notify, Start start);
+  PyBatch submit_with(const std::optional<py::bytes>& notify, std::optional<std::string> request_id, Start start);
   std::shared_ptr<DoneQueue> done_ = std::make_shared<DoneQueue>();
   std::atomic<std::uint64_t> next_token_{0};
   std::unique_ptr<Engine> engine_;

@@ -74,7 +74,7 @@ void detail::BatchState::finish(Xfer& t, TransferStatus s, std::string reason) n
       // Out of memory for the reason: the status still says what happened.
     }
     failed.fetch_add(1, std::memory_order_relaxed);
-    engine->count.transfers_failed.fetch_add(1, std::memory_order_relaxed);
+    if (!note_only) engine->count.transfers_failed.fetch_add(1, std::memory_order_relaxed);
   }
   t.set_status(s, std::memory_order_release);
   if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) last_ended();
@@ -94,7 +94,15 @@ void detail::BatchState::finished_ok(std::uint32_t n) noexcept {
   if (remaining.fetch_sub(n, std::memory_order_acq_rel) == n) last_ended();
 }
 
+void detail::BatchState::stamp_posted() noexcept {
+  const std::int64_t now = Clock::now().time_since_epoch().count();
+  std::int64_t was = posted_ns.load(std::memory_order_relaxed);
+  while (was < now && !posted_ns.compare_exchange_weak(was, now, std::memory_order_relaxed)) {
+  }
+}
+
 void detail::BatchState::last_ended() noexcept {
+  if (engine->cfg.telemetry) ended_ns.store(Clock::now().time_since_epoch().count(), std::memory_order_release);
   // The callback first, so that wait() returning (and the descriptor) also means it has run.
   if (on_done) {
     try {
@@ -227,6 +235,11 @@ TransferResult Batch::result(std::size_t i) const {
 std::string Batch::describe_failures() const {
   // Consecutive transfers that failed alike (a missing segment, a lost peer) are one line.
   std::string out;
+  if (state_ && state_->note_only) {  // its entry is the notification
+    const TransferResult r = result(0);
+    if (r.status == TransferStatus::ok || r.status == TransferStatus::pending) return out;
+    return fmt::format("notification: {}: {}\n", to_string(r.status), r.reason);
+  }
   std::size_t first = 0;
   TransferResult run;
   auto flush = [&](std::size_t last) {
@@ -249,6 +262,58 @@ std::string Batch::describe_failures() const {
   std::lock_guard lock(state_->mu);
   for (const std::string& n : state_->notify_failures) out += fmt::format("notification: {}\n", n);
   return out;
+}
+
+BatchTelemetry Batch::telemetry() const {
+  BatchTelemetry t;
+  if (!state_) return t;
+  const detail::BatchState& b = *state_;
+  using TP = std::chrono::steady_clock::time_point;
+  t.request_id = b.request_id;
+  t.submitted = b.submitted;
+  t.posted = TP(TP::duration(b.posted_ns.load(std::memory_order_relaxed)));
+  // Stamped before its callback runs, so the callback reads it too.
+  t.ended = TP(TP::duration(b.ended_ns.load(std::memory_order_acquire)));
+  const bool done = t.ended != TP{};
+  // A batch whose transfers all ended at once (refused, or a notification sent on a link that
+  // was up) ended before its worker stamped it as posted.
+  if (done && (t.posted == TP{} || t.posted > t.ended)) t.posted = t.ended;
+  t.transfers = b.note_only ? 0 : b.size;
+  for (std::uint32_t i = 0; i < t.transfers; ++i) {
+    const detail::Xfer& x = b.x[i];
+    const TransferStatus st = x.status(std::memory_order_acquire);
+    if (st == TransferStatus::ok && x.t->op <= TransferOp::write) t.bytes += x.t->length;
+  }
+  if (b.remaining.load(std::memory_order_acquire) == 0 && !b.note_only) {
+    t.failed = static_cast<std::uint32_t>(b.failed.load(std::memory_order_acquire));
+  }
+  return t;
+}
+
+std::chrono::nanoseconds BatchTelemetry::post_time() const noexcept {
+  return posted == std::chrono::steady_clock::time_point{} ? std::chrono::nanoseconds{0} : posted - submitted;
+}
+
+std::chrono::nanoseconds BatchTelemetry::total_time() const noexcept {
+  return ended == std::chrono::steady_clock::time_point{} ? std::chrono::nanoseconds{0} : ended - submitted;
+}
+
+void Batch::cancel() const {
+  if (!state_ || state_->remaining.load(std::memory_order_acquire) == 0) return;
+  detail::BatchState& b = *state_;
+  // The engine is alive while we are inside its gate: only for the posting (a shutdown waits
+  // for whoever is inside). Closed: the engine is going, and ends every transfer itself.
+  if (!b.gate->enter()) return;
+  std::shared_ptr<detail::Handled> handled;
+  try {
+    handled = b.engine->cancel(state_);
+  } catch (...) {
+    b.gate->leave();
+    throw;
+  }
+  b.gate->leave();
+  // The workers count it down however they end (a shutdown drains their inboxes).
+  if (handled) (void)handled->wait(detail::deadline_in(std::chrono::seconds{5}));
 }
 
 }  // namespace rdmakit

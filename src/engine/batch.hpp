@@ -205,6 +205,20 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   /// A notification to a peer was not sent (before the transfer whose end decided it ends).
   void notification_failed(std::string why) noexcept;
   std::vector<std::uint8_t> notify;
+  std::string request_id;
+  /// A notification on its own (Engine::notify): its one entry is the notification, to the
+  /// peer of its transfer (which moves nothing).
+  bool note_only = false;
+  /// Batch::cancel() was called: what of it is not on the wire yet is not posted from now on
+  /// (Worker::cancels), nor re-posted after its rail failed.
+  std::atomic<bool> cancelled{false};
+  // Telemetry (EngineConfig::telemetry): submit() was called; the latest worker's end of
+  // posting; its end (steady clock, nanoseconds since its epoch; 0: not yet).
+  Deadline submitted{};
+  std::atomic<std::int64_t> posted_ns{0};
+  std::atomic<std::int64_t> ended_ns{0};
+  /// Records that a worker has posted its share of the batch (the latest one counts).
+  void stamp_posted() noexcept;
   std::function<void(const Batch&)> on_done;
   Engine::Impl* engine = nullptr;
   std::shared_ptr<PlanState> plan;  // a batch of a plan: posted from its requests

@@ -46,6 +46,7 @@ const char* to_string(TransferStatus s) noexcept {
     case TransferStatus::connect_failed: return "connect_failed";
     case TransferStatus::peer_lost: return "peer_lost";
     case TransferStatus::failed: return "failed";
+    case TransferStatus::cancelled: return "cancelled";
   }
   return "?";
 }
@@ -297,22 +298,75 @@ void Engine::withdraw(const std::string& name) {
   // Each worker deallocates the segment's windows on its links (the keys die at once) and tells
   // the peers. This returns once they all have: a transfer a peer posts after it cannot land,
   // and the memory may be reused (a submit of this engine's own that races it is another matter).
-  // A thread that runs a worker (a callback) cannot wait for it: it only posts.
-  auto handled = std::make_shared<detail::Handled>(impl_->workers.size());
-  const std::thread::id me = std::this_thread::get_id();
-  bool can_wait = impl_->threads != 0;
-  for (auto& w : impl_->workers) {
-    can_wait = can_wait && !w->run_by(me);
-    detail::Command c(detail::Command::Kind::withdraw, nullptr, name);
-    c.handled = handled;
-    w->post(std::move(c));
-  }
-  if (can_wait && !handled->wait(detail::deadline_in(std::chrono::seconds{5}))) {
-    impl_->cfg.link.log(fmt::format("engine {}: withdraw '{}': not every worker had invalidated its windows "
-                                    "within 5 s (a worker busy in a long callback?); they will",
-                                    impl_->name, name));
-  }
+  (void)impl_->post_and_wait([](std::uint32_t) { return true; },
+                             [&](std::uint32_t) { return detail::Command(detail::Command::Kind::withdraw, nullptr, name); },
+                             "withdraw");
   if (impl_->meta) impl_->meta->changed(/*wait=*/false);
+}
+
+bool Engine::Impl::post_and_wait(const std::function<bool(std::uint32_t)>& to,
+                                 const std::function<detail::Command(std::uint32_t)>& make, const char* what) {
+  const auto handled = post_to(to, make);
+  if (!handled || handled->wait(detail::deadline_in(std::chrono::seconds{5}))) return true;
+  cfg.link.log(fmt::format("engine {}: {}: not every worker had handled it within 5 s (a worker busy in a long "
+                           "callback?); they will", name, what));
+  return false;
+}
+
+std::shared_ptr<detail::Handled> Engine::Impl::post_to(const std::function<bool(std::uint32_t)>& to,
+                                                       const std::function<detail::Command(std::uint32_t)>& make) {
+  std::size_t n = 0;
+  for (std::uint32_t i = 0; i < workers.size(); ++i) n += to(i) ? 1u : 0u;
+  auto handled = std::make_shared<detail::Handled>(n);
+  // A thread that runs a worker (a callback) cannot wait for it: it only posts.
+  const std::thread::id me = std::this_thread::get_id();
+  bool can_wait = threads != 0;
+  for (std::uint32_t i = 0; i < workers.size(); ++i) {
+    can_wait = can_wait && !workers[i]->run_by(me);
+    if (!to(i)) continue;
+    detail::Command c = make(i);
+    c.handled = handled;
+    workers[i]->post(std::move(c));
+  }
+  return can_wait ? handled : nullptr;
+}
+
+std::shared_ptr<detail::Handled> Engine::Impl::cancel(const std::shared_ptr<detail::BatchState>& b) {
+  // From now on nothing of it that is not on the wire is posted, whatever queue it is in.
+  b->cancelled.store(true, std::memory_order_relaxed);
+  const std::uint32_t home = b->home;
+  return post_to([home](std::uint32_t w) { return home == detail::kSeveralWorkers || w == home; },
+                 [&](std::uint32_t) {
+                   detail::Command c(detail::Command::Kind::cancel);
+                   c.batch = b;
+                   return c;
+                 });
+}
+
+void Engine::Impl::send_to(std::uint32_t home, std::shared_ptr<detail::BatchState> b) {
+  if (workers[home]->try_submit(b)) return;
+  detail::Command c(detail::Command::Kind::submit);
+  c.batch = std::move(b);
+  workers[home]->post(std::move(c));
+}
+
+Batch Engine::notify(const std::string& peer, std::span<const std::uint8_t> message, SubmitOptions options) {
+  if (!options.notify.empty()) {
+    throw Error("notify", EINVAL, "options.notify is set: the message is notify()'s argument");
+  }
+  const auto p = impl_->named(peer, "notify");
+  // Its one entry carries the peer: a transfer that moves nothing, never posted.
+  Transfer t;
+  t.remote = {p->id, 0, p->generation};
+  auto state = std::make_shared<BatchState>(impl_.get(), std::span<const Transfer>(&t, 1));
+  state->note_only = true;
+  options.notify.assign(message.begin(), message.end());
+  Batch batch(state);
+  (void)impl_->start(*state, std::move(options));
+  const std::uint32_t home = p->worker->index();
+  state->set_home(home, impl_->workers.size());
+  impl_->send_to(home, std::move(state));
+  return batch;
 }
 
 std::shared_ptr<Peer> Engine::Impl::add_peer(std::string peer_name, std::string address, bool from_store,
@@ -516,11 +570,7 @@ Batch Engine::submit(std::span<const Transfer> transfers, SubmitOptions options)
   }
   state->set_home(home, workers);
   if (home != detail::kSeveralWorkers) {
-    // All of it one worker's: started here when that worker's thread sleeps, else handed to it.
-    if (impl_->workers[home]->try_submit(state)) return batch;
-    detail::Command c(detail::Command::Kind::submit);
-    c.batch = std::move(state);
-    impl_->workers[home]->post(std::move(c));
+    impl_->send_to(home, std::move(state));
     return batch;
   }
   std::vector<std::vector<std::uint32_t>> per_worker(workers);

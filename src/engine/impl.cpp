@@ -238,12 +238,21 @@ bool Engine::Impl::start(BatchState& b, SubmitOptions&& options) {
     throw Error("submit", EMSGSIZE,
                 fmt::format("a notification of {} bytes; at most {}", options.notify.size(), Engine::max_notification));
   }
+  if (options.request_id.size() > Engine::max_request_id) {
+    throw Error("submit", EMSGSIZE,
+                fmt::format("a request id of {} bytes; at most {}", options.request_id.size(), Engine::max_request_id));
+  }
   b.notify = std::move(options.notify);
+  b.request_id = std::move(options.request_id);
   b.on_done = std::move(options.on_done);
-  count.batches.fetch_add(1, std::memory_order_relaxed);
-  count.transfers.fetch_add(b.size, std::memory_order_relaxed);
+  if (cfg.telemetry) b.submitted = detail::Clock::now();
+  if (!b.note_only) {
+    count.batches.fetch_add(1, std::memory_order_relaxed);
+    count.transfers.fetch_add(b.size, std::memory_order_relaxed);
+  }
   if (b.size != 0) return true;
   // Done at once, like any batch.
+  if (cfg.telemetry) b.ended_ns.store(b.submitted.time_since_epoch().count(), std::memory_order_release);
   if (b.on_done) {
     try {
       b.on_done(Batch(b.shared_from_this()));

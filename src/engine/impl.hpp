@@ -303,7 +303,7 @@ struct Handled {
 };
 
 struct Command {
-  enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick, restarted, gone, retire, reclaim, credit, revoke };
+  enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick, restarted, gone, retire, reclaim, credit, revoke, cancel };
   explicit Command(Kind k, Peer* p = nullptr, std::string t = {}) : kind(k), peer(p), text(std::move(t)) {}
   Kind kind;
   std::shared_ptr<BatchState> batch;
@@ -321,7 +321,7 @@ struct Command {
   // hold the record it looked up before the id went).
   std::shared_ptr<void> token;
   std::shared_ptr<NoteCredits> notes;  // credit: the link whose notifications were taken
-  std::shared_ptr<Handled> handled;     // withdraw: counted down once handled
+  std::shared_ptr<Handled> handled;     // counted down once handled (Impl::post_and_wait)
 };
 
 class Worker {
@@ -552,7 +552,20 @@ class Worker {
   /// peer is gone, or stopped reading for control_timeout).
   bool said_bye(Link& l, Deadline now) noexcept;
   void sleep(Deadline until) noexcept;
-  void notify_peers(BatchState& b);
+  /// Sends b's notification to `p` on `to` (notify_link(p)); false, with the batch told why
+  /// (`*why` too), when it was not sent.
+  bool send_note(Peer& p, Link* to, BatchState& b, std::string* why) noexcept;
+  /// A notification on its own (BatchState::note_only): sent at once on a ready link, else
+  /// waiting for one as transfers wait (Peer::waiting).
+  void start_note(Xfer& x);
+  /// Batch::cancel(): ends b's transfers that wait here for a link or for room as `cancelled`.
+  void cancel(BatchState& b) noexcept;
+  /// Whether x is not to be posted: its batch was cancelled, and nothing of it was posted yet
+  /// (neither a slice of a sliced transfer nor a re-post, which may have moved bytes).
+  static bool cancels(const Xfer& x) noexcept {
+    return x.batch->cancelled.load(std::memory_order_relaxed) && x.group == nullptr && x.tries == 0;
+  }
+  static constexpr const char* kCancelled = "cancelled (Batch::cancel) before it was posted";
   /// The link a notification to `p` goes on: a ready one with credits left, else a ready one
   /// without (null: none is ready).
   Link* notify_link(Peer& p) noexcept;
@@ -787,6 +800,20 @@ struct Engine::Impl {
   /// What every submit does before its transfers go to the workers: the options into `b`, the
   /// counters; an empty batch ends here (false: nothing to send).
   bool start(detail::BatchState& b, SubmitOptions&& options);
+  /// Sends b to worker `home` (all its transfers are that worker's): started on this thread
+  /// when that worker's thread sleeps, else handed to it.
+  void send_to(std::uint32_t home, std::shared_ptr<detail::BatchState> b);
+  /// Posts `make(i)` to each worker i that `to(i)` selects, and waits (at most 5 s) until each
+  /// has handled it; not on a thread that runs a worker (a callback) nor without worker threads,
+  /// where it only posts. False when some had not; `what` names the call in the log line.
+  bool post_and_wait(const std::function<bool(std::uint32_t)>& to,
+                     const std::function<detail::Command(std::uint32_t)>& make, const char* what);
+  /// What post_and_wait posts: the countdown to wait on, null when the caller must not wait.
+  std::shared_ptr<detail::Handled> post_to(const std::function<bool(std::uint32_t)>& to,
+                                           const std::function<detail::Command(std::uint32_t)>& make);
+  /// Batch::cancel(): asks each worker holding transfers of b to end those not posted yet;
+  /// returns what to wait on (null: do not wait).
+  std::shared_ptr<detail::Handled> cancel(const std::shared_ptr<detail::BatchState>& b);
   /// A BufferRec or Peer by id (0 or unknown: null). Lock-free.
   [[nodiscard]] detail::BufferRec* buffer(std::uint32_t id) const noexcept;
   [[nodiscard]] detail::Peer* peer(std::uint32_t id) const noexcept;

@@ -152,10 +152,16 @@ void Worker::submit_plan(const std::shared_ptr<BatchState>& b) {
   PlanState& plan = *b->plan;
   const std::vector<std::uint32_t>& mine = plan.runs_of[index_];
   WorkerShare& live = list(b, plan.transfers_of[index_]);
+  if (b->cancelled.load(std::memory_order_relaxed)) [[unlikely]] {  // before it came here
+    for (const std::uint32_t k : mine) {
+      const PlanState::Run& run = plan.runs[k];
+      for (std::uint32_t i = 0; i < run.n; ++i) end(b->x[run.begin + i], TransferStatus::cancelled, kCancelled);
+    }
+    return;
+  }
   if (!b->notify.empty()) {
     for (const std::uint32_t k : mine) {
       const PlanState::Run& run = plan.runs[k];
-      if (!writes(run.op)) continue;
       live.writes_left[{run.peer, run.peer_gen}] += run.n;
     }
   }
@@ -168,6 +174,7 @@ void Worker::submit_plan(const std::shared_ptr<BatchState>& b) {
     if (went < run.n) route_all(x + went, x + run.n, r);
   }
   post_open_chains();
+  if (e_.cfg.telemetry) b->stamp_posted();
 }
 
 std::uint32_t Worker::post_run(PlanState::Run& run, Xfer* x) {

@@ -110,8 +110,14 @@ std::vector<std::uint8_t> encode(const Message& m) {
       if (m.bytes.size() > kMaxNotify) {
         throw Error("engine notification", EMSGSIZE, fmt::format("{} bytes; at most {}", m.bytes.size(), kMaxNotify));
       }
+      if (m.request_id.size() > kMaxRequestId) {
+        throw Error("engine notification", EMSGSIZE,
+                    fmt::format("a request id of {} bytes; at most {}", m.request_id.size(), kMaxRequestId));
+      }
       put(out, m.bytes.size(), 2);
       out.insert(out.end(), m.bytes.begin(), m.bytes.end());
+      put(out, m.request_id.size(), 1);
+      out.insert(out.end(), m.request_id.begin(), m.request_id.end());
       break;
     case Kind::rails:
       if (m.rails.size() > kMaxRails) {
@@ -182,10 +188,16 @@ Message decode(std::span<const std::uint8_t> bytes) {
     case 5: {
       m.kind = Kind::notify;
       const auto n = static_cast<std::size_t>(r.get(2, "notification length"));
-      if (n > kMaxNotify || bytes.size() - r.at != n) {
+      if (n > kMaxNotify || bytes.size() - r.at < n + 1) {
         throw Error("engine message", EPROTO, fmt::format("notification of {} bytes in a message with {} left", n, bytes.size() - r.at));
       }
-      m.bytes.assign(bytes.begin() + static_cast<std::ptrdiff_t>(r.at), bytes.end());
+      m.bytes.assign(bytes.begin() + static_cast<std::ptrdiff_t>(r.at), bytes.begin() + static_cast<std::ptrdiff_t>(r.at + n));
+      r.at += n;
+      const auto k = static_cast<std::size_t>(r.get(1, "request id length"));
+      if (k > kMaxRequestId || bytes.size() - r.at != k) {
+        throw Error("engine message", EPROTO, fmt::format("a request id of {} bytes in a message with {} left", k, bytes.size() - r.at));
+      }
+      m.request_id.assign(bytes.begin() + static_cast<std::ptrdiff_t>(r.at), bytes.end());
       r.at = bytes.size();
       break;
     }

@@ -1,5 +1,5 @@
 #pragma once
-// The engine's messages between two linked engines, version 3. They travel as application
+// The engine's messages between two linked engines, version 5. They travel as application
 // messages on the link's control channel (sealed there when the link has a key), each at most
 // Connection::max_message_size bytes, with fixed-width big-endian fields, every one checked:
 //
@@ -11,7 +11,8 @@
 //   WITHDRAW: name length u8 | name
 //   SYNCED:   credits u32: every segment exposed when the link came up has been announced, and
 //             the notifications the sender may have queued at the receiver at once
-//   NOTIFY:   length u16 (0..900) | bytes (one credit)
+//   NOTIFY:   length u16 (0..900) | bytes | request id length u8 (0..64) | request id (one
+//             credit): SubmitOptions::notify and ::request_id, or Engine::notify
 //   CREDIT:   count u32: that many more notifications were taken by the application
 //   ACTIVE:   (empty) the side that opened the link moved data on it lately: it is not idle,
 //             whatever the accepting side (which sees no one-sided transfer) can tell
@@ -38,9 +39,11 @@
 namespace rdmakit::detail::engine_wire {
 
 inline constexpr std::uint8_t kMagic = 0xE7;
-inline constexpr std::uint8_t kVersion = 4;  // 2: RAILS; 3: notification credits; 4: signed IDENT
+// 2: RAILS; 3: notification credits; 4: signed IDENT; 5: NOTIFY carries a request id
+inline constexpr std::uint8_t kVersion = 5;
 inline constexpr std::size_t kMaxName = 64;
 inline constexpr std::size_t kMaxNotify = 900;
+inline constexpr std::size_t kMaxRequestId = 64;
 inline constexpr std::size_t kMaxRails = 16;
 
 enum class Kind : std::uint8_t { ident = 1, segment = 2, withdraw = 3, synced = 4, notify = 5, rails = 6, credit = 7, active = 8, refuse = 9 };
@@ -53,6 +56,7 @@ struct Message {
   std::vector<std::uint8_t> signature;   // ident: with the key, 64 bytes
   RemoteRegion region;         // segment
   std::vector<std::uint8_t> bytes;  // notify; refuse: the reason
+  std::string request_id;           // notify
   std::uint32_t credits = 0;        // synced, credit
   std::uint16_t listen_port = 0;    // rails
   std::uint8_t this_rail = 0xff;    // rails
@@ -115,10 +119,11 @@ inline Message credit(std::uint32_t count) {
   m.credits = count;
   return m;
 }
-inline Message notify(std::vector<std::uint8_t> bytes) {
+inline Message notify(std::vector<std::uint8_t> bytes, std::string request_id = {}) {
   Message m;
   m.kind = Kind::notify;
   m.bytes = std::move(bytes);
+  m.request_id = std::move(request_id);
   return m;
 }
 

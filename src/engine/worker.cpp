@@ -572,8 +572,16 @@ void Worker::sleep(Deadline until) noexcept {
 }
 
 void Worker::handle(Command& c) {
+  // Whoever waits for it (Impl::post_and_wait) is told, however it ends.
+  struct Told {
+    Command& c;
+    ~Told() {
+      if (c.handled) c.handled->one();
+    }
+  } told{c};
   switch (c.kind) {
     case Command::Kind::submit: submit(c.batch, c.indexes); break;
+    case Command::Kind::cancel: cancel(*c.batch); break;
     case Command::Kind::link_up: link_up(c); break;
     case Command::Kind::connect_failed:
       if (c.rail != nullptr) {
@@ -602,7 +610,6 @@ void Worker::handle(Command& c) {
     }
     case Command::Kind::withdraw:
       withdraw(c.text);
-      if (c.handled) c.handled->one();
       break;
     case Command::Kind::revoke: revoke(c.text); break;
     case Command::Kind::remove_peer: {

@@ -107,7 +107,8 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
         l.notes = std::make_shared<NoteCredits>();
         l.notes->worker = this;
       }
-      e_.deliver(l.notes, {l.peer_name.empty() ? l.impl.info.peer_address : l.peer_name, std::move(m.bytes)});
+      e_.deliver(l.notes, {l.peer_name.empty() ? l.impl.info.peer_address : l.peer_name, std::move(m.bytes),
+                           std::move(m.request_id)});
       break;
     case ew::Kind::refuse: {
       if (!l.initiated) return break_link(l, "it refused a link it opened (only the accepting side does)");

@@ -59,6 +59,7 @@ bool Worker::slices_for(const Peer& p, const Xfer& x) const noexcept {
 }
 
 void Worker::queue_on(Link& l, Xfer& x) {
+  if (cancels(x)) [[unlikely]] return end(x, TransferStatus::cancelled, kCancelled);
   l.backlog.push_back(&x);
   l.backlog_bytes += x.t->length;
   queue_flush(l);
@@ -113,6 +114,9 @@ void Worker::lost(Link& l, Xfer& x, TransferStatus s, std::string why) noexcept 
       (s == TransferStatus::peer_lost || s == TransferStatus::failed)) {
     Peer& p = *l.peer;
     if (!p.removed.load(std::memory_order_relaxed) && !p.gone.load(std::memory_order_relaxed)) {
+      if (x.batch->cancelled.load(std::memory_order_relaxed)) {
+        return end(x, s, fmt::format("{} (not posted again on another rail: the batch was cancelled)", why));
+      }
       if (Link* to = pick(p, &buffer_of(x), &l)) {
         ++x.tries;
         e_.count.reposted.fetch_add(1, std::memory_order_relaxed);

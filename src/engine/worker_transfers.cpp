@@ -63,12 +63,20 @@ void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std:
   const bool all = indexes.empty();  // the whole batch is this worker's
   const std::uint32_t n = all ? b->size : static_cast<std::uint32_t>(indexes.size());
   WorkerShare& live = list(b, n);
+  if (b->cancelled.load(std::memory_order_relaxed)) [[unlikely]] {  // before it came here
+    for (std::uint32_t k = 0; k < n; ++k) end(b->x[all ? k : indexes[k]], TransferStatus::cancelled, kCancelled);
+    return;
+  }
+  if (b->note_only) [[unlikely]] {
+    start_note(b->x[0]);
+    if (e_.cfg.telemetry) b->stamp_posted();
+    return;
+  }
   if (!b->notify.empty()) {
+    // Each peer's notification goes once all the batch's transfers with it have ended ok.
     for (std::uint32_t k = 0; k < n; ++k) {
       const Transfer& t = *b->x[all ? k : indexes[k]].t;
-      if (writes(t.op)) {
-        ++live.writes_left[{t.remote.peer, t.remote.generation}];
-      }
+      ++live.writes_left[{t.remote.peer, t.remote.generation}];
     }
   }
   // `live` may go from here on: the last transfer to end erases it.
@@ -79,6 +87,7 @@ void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std:
     for (const std::uint32_t i : indexes) route(b->x[i], r);
   }
   post_open_chains();
+  if (e_.cfg.telemetry) b->stamp_posted();
 }
 
 // A batch mostly moves between one buffer and one peer's segment: what a transfer needs (its
@@ -151,6 +160,8 @@ void Worker::admit(Xfer& x, Route& r) {
 }
 
 void Worker::start_transfer(Peer& p, Xfer& x) {
+  if (cancels(x)) [[unlikely]] return end(x, TransferStatus::cancelled, kCancelled);
+  if (x.batch->note_only) [[unlikely]] return start_note(x);
   if (slices_for(p, x)) return slice(p, x);
   if (Link* l = pick(p, &buffer_of(x))) return queue_on(*l, x);
   Link* l = p.link;
@@ -446,48 +457,110 @@ Link* Worker::notify_link(Peer& p) noexcept {
   return ready(p.link) ? p.link : pick(p, nullptr);  // one without credits: the batch says so
 }
 
+bool Worker::send_note(Peer& p, Link* to, BatchState& b, std::string* why) noexcept {
+  std::string failure;
+  if (to == nullptr) {
+    failure = fmt::format("peer '{}': no link to it was up to carry it", p.name);
+  } else if (to->notify_credits == 0) {
+    failure = fmt::format("peer '{}': not sent: its queue of {} notifications from this engine is full (it has not "
+                          "taken them with next_notification())",
+                          p.name, to->notify_queue);
+  } else {
+    --to->notify_credits;
+    send(*to, ew::notify(b.notify, b.request_id));
+    if (to->impl.out_taken < to->impl.out_queued) {
+      try {
+        to->notes_waiting.push_back(to->impl.out_queued);  // counted lost if its link goes first
+      } catch (...) {
+      }
+    }
+    if (to->state != Link::State::closing) {
+      e_.count.notifications_sent.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
+    failure = fmt::format("peer '{}': its link broke sending it", p.name);
+  }
+  if (why != nullptr) *why = failure;
+  b.notification_failed(std::move(failure));
+  return false;
+}
+
+void Worker::start_note(Xfer& x) {
+  Peer* p = e_.peer(x.t->remote);
+  if (p == nullptr || p->removed.load(std::memory_order_relaxed)) {
+    return end(x, TransferStatus::peer_lost,
+               p == nullptr ? std::string("the peer was removed") : fmt::format("peer '{}' was removed", p->name));
+  }
+  if (Link* to = notify_link(*p); to != nullptr) {
+    std::string why;
+    if (send_note(*p, to, *x.batch, &why)) return end(x, TransferStatus::ok, {});
+    return end(x, TransferStatus::failed, std::move(why));
+  }
+  if (p->gone.load(std::memory_order_relaxed)) return end(x, TransferStatus::connect_failed, e_.gone_reason(*p));
+  p->waiting.push_back(&x);
+  if (p->link == nullptr && !p->connecting) {
+    p->connecting = true;
+    e_.request_connect(p);
+  }
+}
+
+void Worker::cancel(BatchState& b) noexcept {
+  // Collected first: ending one runs its batch's callback, which may submit more here.
+  std::vector<Xfer*> gone;
+  const auto take = [&](Fifo<Xfer*>& q, std::uint64_t* bytes) {
+    for (std::size_t n = q.size(); n > 0; --n) {
+      Xfer* x = q.front();
+      const bool mine = x->batch == &b && cancels(*x);
+      if (mine) gone.push_back(x);  // may throw: x is still queued then
+      q.pop_front();
+      if (!mine) {
+        q.push_back(x);  // one was taken off first: no allocation
+      } else if (bytes != nullptr) {
+        *bytes -= x->t->length;
+      }
+    }
+  };
+  try {
+    for (auto& l : links_) take(l->backlog, &l->backlog_bytes);
+    const std::uint32_t ids = e_.peer_ids_used.load(std::memory_order_acquire);
+    for (std::uint32_t id = 1; id <= ids; ++id) {
+      Peer* p = e_.peer(id);
+      if (p != nullptr && p->worker == this) take(p->waiting, nullptr);
+    }
+  } catch (...) {
+    // Out of memory for the list: what was not taken yet runs on.
+  }
+  for (Xfer* x : gone) end(*x, TransferStatus::cancelled, kCancelled);
+}
+
 void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
   if (x.group != nullptr) [[unlikely]] return slice_ended(x, s, std::move(reason));
   BatchState& b = *x.batch;
   WorkerShare& live = b.share(index_);
   if (!live.keep) return;
+  // A notification on its own that is not sent (no link, the peer gone): the batch says so as
+  // when it is refused (send_note counted that one already).
+  if (b.note_only && s != TransferStatus::ok && b.notify_failed.load(std::memory_order_relaxed) == 0) [[unlikely]] {
+    b.notification_failed(fmt::format("{}: {}", to_string(s), reason));
+  }
   const Transfer& t = *x.t;
   if (s == TransferStatus::ok && (t.op == TransferOp::read || t.op == TransferOp::write)) {
     e_.count.bytes.fetch_add(t.length, std::memory_order_relaxed);
   }
-  if (writes(t.op) && !b.notify.empty()) {
+  if (!b.notify.empty() && !b.note_only) {
     auto w = live.writes_left.find({t.remote.peer, t.remote.generation});
     if (w != live.writes_left.end()) {
       if (s != TransferStatus::ok) {
-        live.writes_left.erase(w);  // a write failed: no notification for that peer
+        live.writes_left.erase(w);  // a transfer failed: no notification for that peer
       } else if (--w->second == 0) {
         live.writes_left.erase(w);
-        // Every write of the batch to this peer has completed: the data is in its memory. Sent
-        // within the credits the peer gave the link; otherwise the batch says why, before it ends.
-        Peer* p = e_.peer(t.remote);
-        Link* to = p != nullptr ? notify_link(*p) : nullptr;
-        if (p == nullptr) {
-          b.notification_failed(fmt::format("peer {}: removed before its writes completed", t.remote.peer));
-        } else if (to == nullptr) {
-          b.notification_failed(fmt::format("peer '{}': no link to it was up to carry it", p->name));
-        } else if (to->notify_credits == 0) {
-          b.notification_failed(fmt::format("peer '{}': not sent: its queue of {} notifications from this engine "
-                                            "is full (it has not taken them with next_notification())",
-                                            p->name, to->notify_queue));
+        // Every transfer of the batch with this peer has completed: what was written is in its
+        // memory, what was read has been taken. Sent within the credits the peer gave the
+        // link; otherwise the batch says why, before it ends.
+        if (Peer* p = e_.peer(t.remote); p == nullptr) {
+          b.notification_failed(fmt::format("peer {}: removed before its transfers completed", t.remote.peer));
         } else {
-          --to->notify_credits;
-          send(*to, ew::notify(b.notify));
-          if (to->impl.out_taken < to->impl.out_queued) {
-            try {
-              to->notes_waiting.push_back(to->impl.out_queued);  // counted lost if its link goes first
-            } catch (...) {
-            }
-          }
-          if (to->state == Link::State::closing) {
-            b.notification_failed(fmt::format("peer '{}': its link broke sending it", p->name));
-          } else {
-            e_.count.notifications_sent.fetch_add(1, std::memory_order_relaxed);
-          }
+          (void)send_note(*p, notify_link(*p), b, nullptr);
         }
       }
     }

@@ -53,6 +53,7 @@ using lab::fill;
 using lab::same;
 using lab::Target;
 using lab::xfer;
+using lab::SilentListener;
 
 constexpr Access kRw = Access::remote_read | Access::remote_write;
 
@@ -418,31 +419,6 @@ TEST(EngineEdges, ATargetOverItsBudgetNeverEvictsClientsThatStream) {
   for (auto& s : streamers) EXPECT_EQ(s->counters().reconnects, 0u);
 }
 
-namespace {
-
-// A TCP listener that takes connections (the kernel's backlog) and never answers: a host that is
-// up and stalled, as a connect meets it.
-struct SilentListener {
-  SilentListener() {
-    fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in at{};
-    at.sin_family = AF_INET;
-    at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof at;
-    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof at) != 0 || ::listen(fd, 16) != 0 ||
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&at), &len) != 0) {
-      ADD_FAILURE() << "a silent listener: " << std::strerror(errno);
-    }
-    port = ntohs(at.sin_port);
-  }
-  ~SilentListener() { ::close(fd); }
-  SilentListener(const SilentListener&) = delete;
-  SilentListener& operator=(const SilentListener&) = delete;
-  int fd = -1;
-  std::uint16_t port = 0;
-};
-
-}  // namespace
 
 // Peers whose hosts take a connection and never answer hold a connect each for a whole handshake
 // deadline; a live peer's connect does not wait behind them (four shared connector threads did:

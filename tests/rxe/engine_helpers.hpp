@@ -1,12 +1,20 @@
 #pragma once
 // What the engine's lab tests share.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "lab_helpers.hpp"
 #include "rdmakit/engine.hpp"
@@ -99,5 +107,27 @@ inline bool fetch_adds_exact(const void* word, const rdmakit::Buffer& olds, std:
   }
   return true;
 }
+
+// A TCP listener that takes connections (the kernel's backlog) and never answers: a host that is
+// up and stalled, as a connect meets it.
+struct SilentListener {
+  SilentListener() {
+    fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in at{};
+    at.sin_family = AF_INET;
+    at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof at;
+    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof at) != 0 || ::listen(fd, 16) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&at), &len) != 0) {
+      ADD_FAILURE() << "a silent listener: " << std::strerror(errno);
+    }
+    port = ntohs(at.sin_port);
+  }
+  ~SilentListener() { ::close(fd); }
+  SilentListener(const SilentListener&) = delete;
+  SilentListener& operator=(const SilentListener&) = delete;
+  int fd = -1;
+  std::uint16_t port = 0;
+};
 
 }  // namespace lab

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/protocol.hpp"
+#include "rdmakit/connection.hpp"
 #include "rdmakit/error.hpp"
 
 namespace {
@@ -46,11 +47,18 @@ TEST(EngineWire, EveryKindRoundTrips) {
   const std::vector<std::uint8_t> note(900, 0x5a);
   EXPECT_EQ(ew::decode(ew::encode(ew::notify(note))).bytes, note);
   EXPECT_TRUE(ew::decode(ew::encode(ew::notify({}))).bytes.empty());
+  const ew::Message tagged = ew::decode(ew::encode(ew::notify(note, std::string(64, 'q'))));
+  EXPECT_EQ(tagged.bytes, note);
+  EXPECT_EQ(tagged.request_id, std::string(64, 'q'));
+  EXPECT_TRUE(ew::encode(ew::notify(note, std::string(64, 'q'))).size() <= rdmakit::Connection::max_message_size);
+  const ew::Message bare = ew::decode(ew::encode(ew::notify({7}, "req-1")));
+  EXPECT_EQ(bare.bytes, std::vector<std::uint8_t>{7});
+  EXPECT_EQ(bare.request_id, "req-1");
 }
 
 TEST(EngineWire, FieldsAreBigEndianAtFixedOffsets) {
   const auto b = ew::encode(ew::segment("s", {0x1122334455667788, 0x10, 0xaabbccdd, Access::remote_write}));
-  const std::vector<std::uint8_t> want = {0xE7, 4, 2, 1, 's', 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88,
+  const std::vector<std::uint8_t> want = {0xE7, 5, 2, 1, 's', 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88,
                                           0, 0, 0, 0, 0, 0, 0, 0x10, 0xaa, 0xbb, 0xcc, 0xdd, 0, 0, 0, 4};
   EXPECT_EQ(b, want);
 }
@@ -61,8 +69,8 @@ TEST(EngineWire, MalformedMessagesAreRefusedWithAReason) {
   bad[0] = 0;
   EXPECT_NE(refusal(bad).find("bad magic"), std::string::npos);
   bad = good;
-  bad[1] = 3;  // before the signed IDENT
-  EXPECT_NE(refusal(bad).find("version 3; this engine speaks 4"), std::string::npos);
+  bad[1] = 4;  // before the request id in NOTIFY
+  EXPECT_NE(refusal(bad).find("version 4; this engine speaks 5"), std::string::npos);
   bad = good;
   bad[2] = 10;
   EXPECT_NE(refusal(bad).find("unknown kind 10"), std::string::npos);
@@ -87,6 +95,12 @@ TEST(EngineWire, MalformedMessagesAreRefusedWithAReason) {
   auto note = ew::encode(ew::notify({1, 2, 3}));
   note[4] = 4;  // claims one byte more than there is
   EXPECT_NE(refusal(note).find("notification of 4 bytes"), std::string::npos);
+  auto tagged = ew::encode(ew::notify({1, 2, 3}, "ab"));
+  tagged[8] = 3;  // a request id one byte longer than what follows
+  EXPECT_NE(refusal(tagged).find("request id of 3 bytes"), std::string::npos);
+  tagged.resize(9);  // none of it
+  tagged[8] = 65;
+  EXPECT_NE(refusal(tagged).find("request id of 65 bytes"), std::string::npos);
   auto credit = ew::encode(ew::credit(1));
   credit.pop_back();
   EXPECT_NE(refusal(credit).find("credits"), std::string::npos);
@@ -183,4 +197,5 @@ TEST(EngineWire, EncodeRefusesWhatCannotBeDecoded) {
   EXPECT_THROW((void)ew::encode(ew::ident(std::string(65, 'x'), 1)), rdmakit::Error);
   EXPECT_THROW((void)ew::encode(ew::withdraw("")), rdmakit::Error);
   EXPECT_THROW((void)ew::encode(ew::notify(std::vector<std::uint8_t>(901))), rdmakit::Error);
+  EXPECT_THROW((void)ew::encode(ew::notify({}, std::string(65, 'r'))), rdmakit::Error);
 }

@@ -1,0 +1,317 @@
+// What serving systems' KV connectors do through the engine (runs in the lab over rxe, and on
+// the host over tcp and shm): a pull-mode read whose notification tells the target its blocks
+// may be reused, notifications on their own, request ids, per-batch telemetry, and cancel().
+#include <poll.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "engine_helpers.hpp"
+#include "lab_helpers.hpp"
+#include "rdmakit/engine.hpp"
+#include "rdmakit/error.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+using rdmakit::Batch;
+using rdmakit::Buffer;
+using rdmakit::Engine;
+using rdmakit::Transfer;
+using rdmakit::TransferOp;
+using rdmakit::TransferStatus;
+
+using lab::at;
+using lab::config;
+using lab::fill;
+using lab::same;
+using lab::SilentListener;
+using lab::Target;
+using lab::xfer;
+
+// The next notification `e` receives, woken by its descriptor; none within `limit`.
+std::optional<rdmakit::Notification> next_note(Engine& e, std::chrono::milliseconds limit) {
+  pollfd pfd{e.fd(), POLLIN, 0};
+  const auto until = std::chrono::steady_clock::now() + limit;
+  for (;;) {
+    if (auto n = e.next_notification()) return n;
+    if (std::chrono::steady_clock::now() >= until) return std::nullopt;
+    if (::poll(&pfd, 1, 20) > 0) {
+      std::uint64_t v = 0;
+      (void)!::read(e.fd(), &v, sizeof v);
+    }
+  }
+}
+
+std::vector<std::uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+}  // namespace
+
+// Pull mode: the decode side READs blocks and its notification tells the prefill side it may
+// free them. The target overwrites the blocks the moment the notification arrives: had it
+// overtaken a read, the reader would hold the new bytes.
+TEST(Serving, AReadsNotificationComesAfterItsReads) {
+  constexpr std::uint64_t kBlock = 4096, kBlocks = 64, kRead = 8;
+  Target b("b", kBlock * kBlocks);
+  Engine a(config("a"));
+  a.add_peer("b", at(b.engine));
+  const auto seg = a.segment("b", "kv");
+  const Buffer dst = a.allocate_memory(kBlock * kRead);
+  std::vector<std::uint8_t> before(kBlock * kRead);
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+  const int rounds = 200;  // what they check repeats from round to round; the plain build runs 1,000
+#else
+  const int rounds = 1000;
+#endif
+  for (int round = 0; round < rounds; ++round) {
+    const auto seed = static_cast<std::uint8_t>(round * 13 + 1);
+    fill(b.buf.addr, b.buf.length, seed);
+    std::vector<Transfer> reads;
+    for (std::uint64_t k = 0; k < kRead; ++k) {
+      const std::uint64_t block = (static_cast<std::uint64_t>(round) * 7 + k * 5) % kBlocks;  // a selection
+      reads.push_back(xfer(TransferOp::read, dst, k * kBlock, kBlock, seg, block * kBlock));
+      std::memcpy(before.data() + k * kBlock, static_cast<const std::uint8_t*>(b.buf.addr) + block * kBlock, kBlock);
+    }
+    rdmakit::SubmitOptions o;
+    o.notify = bytes("done " + std::to_string(round));
+    o.request_id = "req-" + std::to_string(round);
+    Batch r = a.submit(reads, o);
+    const auto n = next_note(b.engine, 10s);
+    ASSERT_TRUE(n.has_value()) << "round " << round << ": no notification; " << r.describe_failures();
+    fill(b.buf.addr, b.buf.length, static_cast<std::uint8_t>(seed + 101));  // reused at once
+    EXPECT_EQ(n->peer, "a");
+    EXPECT_EQ(n->message, o.notify);
+    EXPECT_EQ(n->request_id, o.request_id);
+    ASSERT_TRUE(r.wait(10s));
+    ASSERT_EQ(r.failed(), 0u) << r.describe_failures();
+    ASSERT_TRUE(same(dst.addr, before.data(), before.size())) << "round " << round << ": the notification overtook a read";
+  }
+  EXPECT_EQ(a.counters().notifications_sent, static_cast<std::uint64_t>(rounds));
+  EXPECT_EQ(b.engine.counters().notifications_received, static_cast<std::uint64_t>(rounds));
+}
+
+// A batch that reads from one peer and writes to another notifies each once its own transfers
+// ended; a peer whose transfer failed gets none, and the batch says so by failing that transfer.
+TEST(Serving, EachPeerIsNotifiedOnceItsTransfersEnded) {
+  Target b("b"), c("c");
+  Engine a(config("a"));
+  a.add_peer("b", at(b.engine));
+  a.add_peer("c", at(c.engine));
+  const Buffer buf = a.allocate_memory(1 << 16);
+  fill(c.buf.addr, 4096, 9);
+  fill(buf.addr, 4096, 4);
+  std::vector<Transfer> t{xfer(TransferOp::write, buf, 0, 4096, a.segment("b", "kv"), 0),
+                          xfer(TransferOp::read, buf, 8192, 4096, a.segment("c", "kv"), 0)};
+  rdmakit::SubmitOptions o;
+  o.notify = bytes("both");
+  o.request_id = "r1";
+  Batch x = a.submit(t, o);
+  ASSERT_TRUE(x.wait(10s));
+  EXPECT_EQ(x.failed(), 0u) << x.describe_failures();
+  for (Target* to : {&b, &c}) {
+    const auto n = next_note(to->engine, 10s);
+    ASSERT_TRUE(n.has_value());
+    EXPECT_EQ(n->message, o.notify);
+    EXPECT_EQ(n->request_id, "r1");
+  }
+  EXPECT_TRUE(same(b.buf.addr, buf.addr, 4096));
+  EXPECT_TRUE(same(static_cast<std::uint8_t*>(buf.addr) + 8192, c.buf.addr, 4096));
+  // A read of a segment c does not have: c is not notified, b is.
+  std::vector<Transfer> u{xfer(TransferOp::write, buf, 0, 64, a.segment("b", "kv"), 0),
+                          xfer(TransferOp::read, buf, 0, 64, a.segment("c", "nope"), 0)};
+  Batch y = a.submit(u, o);
+  ASSERT_TRUE(y.wait(10s));
+  EXPECT_EQ(y.failed(), 1u);
+  EXPECT_TRUE(next_note(b.engine, 10s).has_value());
+  EXPECT_FALSE(next_note(c.engine, 300ms).has_value()) << "notified although its read failed";
+}
+
+// Engine::notify: on its own, connecting first, with a request id; what it refuses.
+TEST(Serving, ANotificationOnItsOwn) {
+  Target b("b");
+  Engine a(config("a"));
+  a.add_peer("b", at(b.engine));
+  rdmakit::SubmitOptions tagged;
+  tagged.request_id = "req-9";
+  bool called = false;
+  tagged.on_done = [&](const Batch& done) { called = done.done(); };
+  Batch n = a.notify("b", bytes("free 3,4"), tagged);  // no link yet: it connects
+  ASSERT_TRUE(n.wait(10s));
+  ASSERT_EQ(n.size(), 1u);
+  EXPECT_EQ(n.result(0).status, TransferStatus::ok) << n.describe_failures();
+  EXPECT_EQ(n.telemetry().transfers, 0u);
+  EXPECT_EQ(n.telemetry().request_id, "req-9");
+  EXPECT_TRUE(called);
+  auto got = next_note(b.engine, 10s);
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->peer, "a");
+  EXPECT_EQ(got->message, bytes("free 3,4"));
+  EXPECT_EQ(got->request_id, "req-9");
+  // Empty, on the link now up; and many in a row, in order.
+  ASSERT_TRUE(a.notify("b", {}).wait(10s));
+  got = next_note(b.engine, 10s);
+  ASSERT_TRUE(got.has_value());
+  EXPECT_TRUE(got->message.empty());
+  for (int i = 0; i < 50; ++i) ASSERT_TRUE(a.notify("b", bytes(std::to_string(i))).wait(10s));
+  for (int i = 0; i < 50; ++i) {
+    got = next_note(b.engine, 10s);  // sent is not yet delivered: it may still be on its way
+    ASSERT_TRUE(got.has_value()) << i;
+    EXPECT_EQ(got->message, bytes(std::to_string(i)));
+    EXPECT_TRUE(got->request_id.empty());
+  }
+  EXPECT_EQ(a.counters().batches, 0u);  // notifications are not batches of transfers
+  EXPECT_EQ(a.counters().notifications_sent, 52u);
+  EXPECT_THROW((void)a.notify("nobody", bytes("x")), rdmakit::Error);
+  EXPECT_THROW((void)a.notify("b", std::vector<std::uint8_t>(Engine::max_notification + 1)), rdmakit::Error);
+  rdmakit::SubmitOptions o;
+  o.notify = bytes("twice");
+  EXPECT_THROW((void)a.notify("b", bytes("x"), o), rdmakit::Error);
+  o = {};
+  o.request_id.assign(Engine::max_request_id + 1, 'r');
+  EXPECT_THROW((void)a.notify("b", {}, o), rdmakit::Error);
+  const Transfer t = xfer(TransferOp::write, a.allocate_memory(64), 0, 64, a.segment("b", "kv"), 0);
+  EXPECT_THROW((void)a.submit({&t, 1}, o), rdmakit::Error);
+  // A peer nobody answers for: connect_failed, with why.
+  SilentListener silent;
+  rdmakit::EngineConfig cc = config("d");
+  cc.link.handshake_timeout = 500ms;
+  Engine d(cc);
+  d.add_peer("s", "127.0.0.1:" + std::to_string(silent.port));
+  Batch f = d.notify("s", bytes("hello?"));
+  ASSERT_TRUE(f.wait(10s));
+  EXPECT_EQ(f.result(0).status, TransferStatus::connect_failed);
+  EXPECT_EQ(f.notifications_failed(), 1u);
+  EXPECT_NE(f.describe_failures().find("notification: connect_failed"), std::string::npos) << f.describe_failures();
+}
+
+// A receiver that takes none: its queue fills, and the next notification ends failed, saying so.
+TEST(Serving, ANotificationToAFullQueueFails) {
+  rdmakit::EngineConfig c = config("b");
+  c.notification_queue = 2;
+  Target b("b", 4096, c);
+  Engine a(config("a"));
+  a.add_peer("b", at(b.engine));
+  for (int i = 0; i < 2; ++i) {
+    Batch n = a.notify("b", bytes("x"));
+    ASSERT_TRUE(n.wait(10s));
+    EXPECT_EQ(n.result(0).status, TransferStatus::ok) << n.describe_failures();
+  }
+  Batch full = a.notify("b", bytes("x"));
+  ASSERT_TRUE(full.wait(10s));
+  EXPECT_EQ(full.result(0).status, TransferStatus::failed);
+  EXPECT_EQ(full.notifications_failed(), 1u);
+  EXPECT_NE(full.describe_failures().find("is full"), std::string::npos) << full.describe_failures();
+  EXPECT_EQ(a.counters().transfers_failed, 0u);  // not a transfer
+}
+
+TEST(Serving, TelemetrySaysWhenAndHowMuch) {
+  Target b("b", 1 << 20);
+  Engine a(config("a"));
+  a.add_peer("b", at(b.engine));
+  const auto seg = a.segment("b", "kv");
+  const Buffer src = a.allocate_memory(1 << 20);
+  std::vector<Transfer> t;
+  for (std::uint64_t k = 0; k < 16; ++k) t.push_back(xfer(TransferOp::write, src, k * 65536, 65536, seg, k * 65536));
+  t.push_back(xfer(TransferOp::write, src, 0, 64, a.segment("b", "missing"), 0));  // fails
+  rdmakit::SubmitOptions o;
+  o.request_id = "cmpl-42";
+  rdmakit::BatchTelemetry in_callback;
+  o.on_done = [&](const Batch& done) { in_callback = done.telemetry(); };
+  const auto before = std::chrono::steady_clock::now();
+  Batch x = a.submit(t, o);
+  ASSERT_TRUE(x.wait(10s));
+  const auto after = std::chrono::steady_clock::now();
+  const rdmakit::BatchTelemetry m = x.telemetry();
+  EXPECT_EQ(m.request_id, "cmpl-42");
+  EXPECT_EQ(m.transfers, 17u);
+  EXPECT_EQ(m.failed, 1u);
+  EXPECT_EQ(m.bytes, 16u * 65536);
+  EXPECT_LE(before, m.submitted);
+  EXPECT_LE(m.submitted, m.posted);
+  EXPECT_LE(m.posted, m.ended);
+  EXPECT_LE(m.ended, after);
+  EXPECT_GT(m.total_time().count(), 0);
+  EXPECT_EQ(m.total_time(), m.ended - m.submitted);
+  EXPECT_EQ(in_callback.ended, m.ended);  // complete in the batch's callback
+  EXPECT_EQ(in_callback.failed, 1u);
+  EXPECT_EQ(in_callback.bytes, m.bytes);
+  // Off: sizes only.
+  rdmakit::EngineConfig c = config("e");
+  c.telemetry = false;
+  Engine e(c);
+  e.add_peer("b", at(b.engine));
+  const Buffer s2 = e.allocate_memory(4096);
+  const Transfer one = xfer(TransferOp::read, s2, 0, 4096, e.segment("b", "kv"), 0);
+  Batch y = e.submit({&one, 1});
+  ASSERT_TRUE(y.wait(10s));
+  const rdmakit::BatchTelemetry q = y.telemetry();
+  EXPECT_EQ(q.bytes, 4096u);
+  EXPECT_EQ(q.submitted, std::chrono::steady_clock::time_point{});
+  EXPECT_EQ(q.ended, std::chrono::steady_clock::time_point{});
+  EXPECT_EQ(q.total_time().count(), 0);
+}
+
+// cancel(): what waits for a peer that does not answer ends at once, and the buffer may go.
+TEST(Serving, CancelEndsWhatWaitsForALink) {
+  SilentListener silent;
+  rdmakit::EngineConfig c = config("a");
+  c.link.handshake_timeout = 20s;
+  Engine a(c);
+  a.add_peer("s", "127.0.0.1:" + std::to_string(silent.port));
+  Buffer src = a.allocate_memory(1 << 16);
+  std::vector<Transfer> t;
+  for (std::uint64_t k = 0; k < 8; ++k) t.push_back(xfer(TransferOp::write, src, k * 4096, 4096, a.segment("s", "kv"), 0));
+  Batch x = a.submit(t);
+  EXPECT_FALSE(x.wait(200ms));
+  const auto t0 = std::chrono::steady_clock::now();
+  x.cancel();
+  EXPECT_TRUE(x.done());
+  for (std::size_t i = 0; i < t.size(); ++i) EXPECT_EQ(x.result(i).status, TransferStatus::cancelled) << i;
+  EXPECT_NE(x.describe_failures().find("cancelled"), std::string::npos);
+  a.unregister_memory(src, 1s);  // nothing of it in flight
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+  x.cancel();  // done: nothing
+  Batch none;
+  none.cancel();
+}
+
+// cancel() on a batch deeper than the send queue: what was posted runs to its end (its bytes
+// land), what was queued behind it is cancelled; nothing ends otherwise.
+TEST(Serving, CancelLeavesWhatIsOnTheWire) {
+  Target b("b", 1 << 20);
+  Engine a(config("a"));
+  ASSERT_EQ(lab::link_to(a, "b", b.engine), "");
+  const auto seg = a.segment("b", "kv");
+  const Buffer src = a.allocate_memory(1 << 20);
+  fill(src.addr, src.length, 77);
+  std::vector<Transfer> t;
+  for (std::uint64_t k = 0; k < 4096; ++k) t.push_back(xfer(TransferOp::write, src, k * 256, 256, seg, k * 256));
+  std::size_t cancelled = 0;
+  for (int round = 0; round < 5; ++round) {
+    std::memset(b.buf.addr, 0, b.buf.length);
+    Batch x = a.submit(t);
+    x.cancel();
+    ASSERT_TRUE(x.wait(10s));
+    for (std::size_t i = 0; i < t.size(); ++i) {
+      const auto st = x.result(i).status;
+      ASSERT_TRUE(st == TransferStatus::ok || st == TransferStatus::cancelled) << i << ": " << x.describe_failures();
+      if (st == TransferStatus::ok) {
+        ASSERT_TRUE(same(static_cast<std::uint8_t*>(b.buf.addr) + i * 256, static_cast<std::uint8_t*>(src.addr) + i * 256, 256))
+            << "transfer " << i << " ended ok without its bytes";
+      } else {
+        ++cancelled;
+      }
+    }
+    EXPECT_EQ(x.telemetry().bytes, (t.size() - x.failed()) * 256);
+  }
+  std::printf("cancelled %zu of %zu transfers queued behind the send queue\n", cancelled, 5 * t.size());
+  EXPECT_GT(cancelled, 0u) << "4,096 transfers never wait behind a send queue of " << lab::quiet().send_depth << "?";
+}
