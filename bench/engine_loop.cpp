@@ -10,6 +10,7 @@
 //   rdmakit_engine_loop raw ROUNDS BATCH                (a connection of its own, in-process)
 //   rdmakit_engine_loop engine ROUNDS BATCH HOST:PORT   (against `rdmakit serve --name t --expose kv:1M`)
 //   rdmakit_engine_loop plan ROUNDS BATCH HOST:PORT     (the same transfers as a plan, Engine::prepare)
+//   rdmakit_engine_loop lists ROUNDS BATCH HOST:PORT    (the same, by index into descriptor lists)
 #include <infiniband/verbs.h>
 #include <time.h>
 
@@ -58,12 +59,12 @@ extern "C" __attribute__((noinline)) unsigned long rdmakit_engine_raw_loop(ibv_q
 
 namespace {
 
-// Rounds of submit(what) + progress(): the transfers (a vector) or a plan.
-template <typename What>
-[[gnu::always_inline]] inline unsigned long engine_rounds(rdmakit::Engine* e, const What& what, unsigned long rounds) {
+// Rounds of submit() + progress(): of the transfers (a vector), a plan, or descriptor lists.
+template <typename Submit>
+[[gnu::always_inline]] inline unsigned long engine_rounds(rdmakit::Engine* e, Submit&& submit, unsigned long rounds) {
   unsigned long empty = 0;
   for (unsigned long r = 0; r < rounds; ++r) {
-    rdmakit::Batch b = e->submit(what);
+    rdmakit::Batch b = submit();
     (void)e->progress();  // posts
     pause_1ms();
     while (!b.done()) {
@@ -79,20 +80,29 @@ template <typename What>
 extern "C" __attribute__((noinline)) unsigned long rdmakit_engine_engine_loop(rdmakit::Engine* e,
                                                                               const std::vector<rdmakit::Transfer>* t,
                                                                               unsigned long rounds) {
-  return engine_rounds(e, *t, rounds);
+  return engine_rounds(e, [&] { return e->submit(*t); }, rounds);
+}
+
+extern "C" __attribute__((noinline)) unsigned long rdmakit_engine_lists_loop(rdmakit::Engine* e,
+                                                                             const rdmakit::DescriptorList* local,
+                                                                             const rdmakit::DescriptorList* remote,
+                                                                             const std::vector<std::uint32_t>* indices,
+                                                                             unsigned long rounds) {
+  return engine_rounds(
+      e, [&] { return e->submit(rdmakit::TransferOp::write, *local, *indices, *remote, *indices); }, rounds);
 }
 
 extern "C" __attribute__((noinline)) unsigned long rdmakit_engine_plan_loop(rdmakit::Engine* e,
                                                                             const rdmakit::TransferPlan* plan,
                                                                             unsigned long rounds) {
-  return engine_rounds(e, *plan, rounds);
+  return engine_rounds(e, [&] { return e->submit(*plan); }, rounds);
 }
 
 int main(int argc, char** argv) {
   using namespace std::chrono_literals;
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (argc < 4 || (mode != "raw" && mode != "engine" && mode != "plan") || (mode != "raw" && argc != 5)) {
-    std::fprintf(stderr, "usage: %s raw ROUNDS BATCH | engine|plan ROUNDS BATCH HOST:PORT\n", argv[0]);
+  if (argc < 4 || (mode != "raw" && mode != "engine" && mode != "plan" && mode != "lists") || (mode != "raw" && argc != 5)) {
+    std::fprintf(stderr, "usage: %s raw ROUNDS BATCH | engine|plan|lists ROUNDS BATCH HOST:PORT\n", argv[0]);
     return 2;
   }
   const unsigned long rounds = std::strtoul(argv[2], nullptr, 10);
@@ -147,9 +157,23 @@ int main(int argc, char** argv) {
     // One round outside the count (not through the counted function): the first one allocates
     // what later rounds reuse.
     const rdmakit::TransferPlan plan = e.prepare(t);
-    rdmakit::Batch warm = mode == "plan" ? e.submit(plan) : e.submit(t);
+    // The descriptor lists: the same 512 words a side, the batch's transfers by index.
+    std::vector<rdmakit::LocalDescriptor> ld;
+    std::vector<rdmakit::RemoteDescriptor> rd;
+    for (unsigned k = 0; k < 512; ++k) {
+      ld.push_back({src, 8 * k, 8});
+      rd.push_back({e.segment("t", "kv"), 8 * k, 8});
+    }
+    const rdmakit::DescriptorList local = e.prepare_local(ld), remote = e.prepare_remote(rd);
+    std::vector<std::uint32_t> indices(batch);
+    for (unsigned k = 0; k < batch; ++k) indices[k] = k % 512;
+    rdmakit::Batch warm = mode == "plan"    ? e.submit(plan)
+                          : mode == "lists" ? e.submit(rdmakit::TransferOp::write, local, indices, remote, indices)
+                                            : e.submit(t);
     while (!warm.done()) (void)e.progress(std::chrono::milliseconds{1});
-    empty = mode == "plan" ? rdmakit_engine_plan_loop(&e, &plan, rounds) : rdmakit_engine_engine_loop(&e, &t, rounds);
+    empty = mode == "plan"    ? rdmakit_engine_plan_loop(&e, &plan, rounds)
+            : mode == "lists" ? rdmakit_engine_lists_loop(&e, &local, &remote, &indices, rounds)
+                              : rdmakit_engine_engine_loop(&e, &t, rounds);
   }
   std::printf("%s: %lu rounds of %u, %lu empty polls\n", mode.c_str(), rounds, batch, empty);
   return 0;

@@ -255,9 +255,24 @@ struct BatchTelemetry {
   [[nodiscard]] std::chrono::nanoseconds total_time() const noexcept;
 };
 
+/// A range of a registered buffer: one entry of a local descriptor list (Engine::prepare_local).
+struct LocalDescriptor {
+  Buffer buffer{};
+  std::uint64_t offset = 0;
+  std::uint64_t length = 0;
+};
+
+/// A range of a peer's segment: one entry of a remote descriptor list (Engine::prepare_remote).
+struct RemoteDescriptor {
+  RemoteSegment segment{};
+  std::uint64_t offset = 0;
+  std::uint64_t length = 0;
+};
+
 namespace detail {
 struct BatchState;
 struct PlanState;
+struct ListState;
 }
 
 /// The transfers of one submit(), in flight or done. Move-only. Destroying it does not cancel
@@ -330,6 +345,26 @@ class TransferPlan {
   friend class Engine;
   explicit TransferPlan(std::shared_ptr<detail::PlanState> state) noexcept;
   std::shared_ptr<detail::PlanState> state_;
+};
+
+/// Descriptors prepared once (Engine::prepare_local, Engine::prepare_remote), whose selections
+/// are transferred by index (Engine::submit(op, local, indices, remote, indices)): NIXL's
+/// prepared descriptor lists, e.g. a KV cache's blocks per layer on each side. Copyable (a shared
+/// handle); empty when default-built.
+///
+/// Threads: a list may be used by any number of threads at once.
+class DescriptorList {
+ public:
+  DescriptorList() = default;
+  [[nodiscard]] std::size_t size() const noexcept;
+  [[nodiscard]] bool empty() const noexcept { return size() == 0; }
+  /// Its descriptors are ranges of peers' segments (prepare_remote), not of local buffers.
+  [[nodiscard]] bool remote() const noexcept;
+
+ private:
+  friend class Engine;
+  explicit DescriptorList(std::shared_ptr<detail::ListState> state) noexcept;
+  std::shared_ptr<detail::ListState> state_;
 };
 
 /// Options of one submit().
@@ -578,6 +613,24 @@ class Engine {
   /// checks and the work requests already done, a transfer costs a fraction of what it does
   /// there. A plan of another engine is an Error.
   Batch submit(const TransferPlan& plan, SubmitOptions options = {});
+  /// Checks each descriptor's range against its buffer once (Error, EINVAL, naming the
+  /// descriptor: an unknown or unregistered buffer, a range outside it, 0 bytes).
+  [[nodiscard]] DescriptorList prepare_local(std::span<const LocalDescriptor> descriptors);
+  /// Checks each descriptor's peer once (Error, EINVAL, naming the descriptor: an unknown or
+  /// removed peer, a handle no segment() made, 0 bytes); the range against the segment is checked
+  /// by each transfer (the peer may not be connected yet, and may expose it again).
+  [[nodiscard]] DescriptorList prepare_remote(std::span<const RemoteDescriptor> descriptors);
+  /// One transfer per position k: local[local_indices[k]] and remote[remote_indices[k]] (of the
+  /// same length), read (the remote range into the local one) or write, in one batch, as
+  /// submit(span) would start them. Checks here only the indices and the lengths of each pair;
+  /// what may have changed since the lists were prepared (a buffer unregistered, a peer removed,
+  /// its segment withdrawn or shorter) ends that transfer in the batch as submit(span) would.
+  /// Throws Error (EINVAL) naming the position and the index for an index out of range, a pair
+  /// of different lengths, index spans of different sizes, an atomic operation, or lists of
+  /// another engine or of the wrong side.
+  Batch submit(TransferOp op, const DescriptorList& local, std::span<const std::uint32_t> local_indices,
+               const DescriptorList& remote, std::span<const std::uint32_t> remote_indices,
+               SubmitOptions options = {});
   static constexpr std::size_t max_notification = 900;
   static constexpr std::size_t max_request_id = 64;
   /// Sends `message` (at most max_notification bytes) to `peer` on its own, connecting first if

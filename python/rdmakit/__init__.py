@@ -21,6 +21,7 @@ from ._rdmakit import (  # noqa: F401
     Buffer,
     BufferError,
     Connection,
+    DescriptorList,
     Engine,
     Error,
     Listener,
@@ -45,7 +46,7 @@ from ._rdmakit import (  # noqa: F401
 )
 
 __all__ = [
-    "Batch", "Buffer", "BufferError", "Connection", "Engine", "Error", "Listener",
+    "Batch", "Buffer", "BufferError", "Connection", "DescriptorList", "Engine", "Error", "Listener",
     "Notification", "PeerLostError", "PostError", "RemoteRegion", "RemoteSegment",
     "TimeoutError", "Transfer", "TransferError", "TransferOp", "TransferPlan", "__version__",
     "compare_swap", "connect", "fetch_add", "generate_identity", "memory_of", "read", "write",

@@ -202,6 +202,19 @@ PyBatch PyEngine::submit(const TransferPlan& plan, const std::optional<py::bytes
                      [&plan](Engine& e, SubmitOptions o) { return e.submit(plan, std::move(o)); });
 }
 
+PyBatch PyEngine::submit(TransferOp op, const PyList& local, std::span<const std::uint32_t> local_indices,
+                         const PyList& remote, std::span<const std::uint32_t> remote_indices,
+                         const std::optional<py::bytes>& notify, std::optional<std::string> request_id) {
+  return submit_with(notify, std::move(request_id), [&](Engine& e, SubmitOptions o) {
+    return e.submit(op, local.list, local_indices, remote.list, remote_indices, std::move(o));
+  });
+}
+
+bool PyEngine::readonly(const Buffer& b) const {
+  const auto it = regs_.find(reinterpret_cast<std::uintptr_t>(b.addr));
+  return it != regs_.end() && it->second->readonly;
+}
+
 PyBatch PyEngine::notify(const std::string& peer, const py::bytes& message, std::optional<std::string> request_id) {
   // Its completion reaches asyncio as a batch's does (the callback is the batch's).
   const std::string_view m = message;
@@ -229,6 +242,57 @@ const py::object& aio(const char* name) {
 }
 
 namespace {
+
+namespace {
+
+// A non-negative integer that fits 64 bits (a float, a negative number: ValueError naming `what`).
+std::uint64_t to_u64(py::handle v, const char* what) {
+  if (!PyIndex_Check(v.ptr())) throw py::value_error(fmt::format("{}: an integer, not {}", what, std::string(py::str(py::type::of(v)))));
+  const py::int_ i = py::reinterpret_steal<py::int_>(PyNumber_Index(v.ptr()));
+  if (i.ptr() == nullptr) throw py::error_already_set();
+  if (i < py::int_(0) || i > py::int_(UINT64_MAX)) throw py::value_error(fmt::format("{} {}: 0 .. 2**64-1", what, std::string(py::repr(i))));
+  return i.cast<std::uint64_t>();
+}
+
+// The indices of one side, each a non-negative integer below 2**32: numpy's integers and Python's
+// alike, never truncated or wrapped (a float, -1 or 2**32 is an error naming its position).
+std::vector<std::uint32_t> indices_of(const py::iterable& it, const char* side) {
+  std::vector<std::uint32_t> out;
+  if (py::hasattr(it, "__len__")) out.reserve(py::len(it));
+  for (const py::handle v : it) {
+    const std::size_t k = out.size();
+    if (!PyIndex_Check(v.ptr()) || PyBool_Check(v.ptr())) {
+      throw Error("submit_indexed", EINVAL, fmt::format("position {}: a {} index is an integer, not {}", k, side,
+                                                        std::string(py::str(py::type::of(v)))));
+    }
+    const py::int_ i = py::reinterpret_steal<py::int_>(PyNumber_Index(v.ptr()));
+    if (i.ptr() == nullptr) throw py::error_already_set();
+    if (i < py::int_(0) || i > py::int_(UINT32_MAX)) {
+      throw Error("submit_indexed", EINVAL,
+                  fmt::format("position {}: {} index {} is not one (0 .. 2**32-1)", k, side, std::string(py::repr(i))));
+    }
+    out.push_back(i.cast<std::uint32_t>());
+  }
+  return out;
+}
+
+// Runs f for entry `i` of a descriptor list; what it throws names the entry.
+template <typename F>
+void named_entry(const char* verb, std::size_t i, F&& f) {
+  try {
+    f();
+  } catch (const KindedError& ex) {
+    throw KindedError(ex.kind(), verb, ex.sys_errno(), fmt::format("descriptor {}: {}", i, ex.detail()), ex.hint());
+  } catch (const Error& ex) {
+    throw Error(verb, ex.sys_errno(), fmt::format("descriptor {}: {}", i, ex.detail()), ex.hint());
+  } catch (const py::error_already_set& ex) {
+    throw Error(verb, EINVAL, fmt::format("descriptor {}: {}", i, ex.what()));
+  } catch (const std::exception& ex) {
+    throw Error(verb, EINVAL, fmt::format("descriptor {}: {}", i, ex.what()));
+  }
+}
+
+}  // namespace
 
 std::vector<Transfer> resolve_all(const PyEngine& e, const py::iterable& transfers) {
   std::vector<Transfer> out;
@@ -547,6 +611,84 @@ void bind_engine(py::module_& m) {
           "notifications and the batch's telemetry (at most 64 bytes). A transfer whose local "
           "memory is not registered raises BufferError; one the engine refuses ends as \"invalid\" "
           "in the batch.")
+      .def(
+          "prepare_local",
+          [](PyEngine& e, const py::iterable& descriptors) {
+            PyList out;
+            std::vector<LocalDescriptor> d;
+            for (const py::handle item : descriptors) {
+              named_entry("prepare_local", d.size(), [&] {
+                // An object in registered memory (all of it), or (object, offset, length).
+                PyTransfer t;
+                if (py::isinstance<py::tuple>(item)) {
+                  const auto tup = item.cast<py::tuple>();
+                  if (tup.size() != 3) throw py::value_error("a tuple is (object, offset, length)");
+                  t.local = py::reinterpret_borrow<py::object>(tup[0]);
+                  t.local_offset = to_u64(tup[1], "offset");
+                  t.length = to_u64(tup[2], "length");
+                } else {
+                  t.local = py::reinterpret_borrow<py::object>(item);
+                }
+                const Transfer r = e.resolve(t);  // as a write: read-only memory is noted instead
+                out.readonly = out.readonly || e.readonly(r.local);
+                d.push_back({r.local, r.local_offset, r.length});
+              });
+            }
+            out.list = e.call([&](Engine& x) { return x.prepare_local(d); });
+            return out;
+          },
+          py::arg("descriptors"),
+          "A local descriptor list: each entry an object whose memory lies in a registered one "
+          "(all of it), or (object, offset, length). rdmakit.Error names an entry that cannot be.")
+      .def(
+          "prepare_remote",
+          [](PyEngine& e, const py::iterable& descriptors) {
+            std::vector<RemoteDescriptor> d;
+            for (const py::handle item : descriptors) {
+              named_entry("prepare_remote", d.size(), [&] {
+                if (!py::isinstance<py::tuple>(item) || py::len(item) != 3) {
+                  throw py::value_error("an entry is (RemoteSegment, offset, length)");
+                }
+                const auto tup = item.cast<py::tuple>();
+                d.push_back({tup[0].cast<const PySegment&>().seg, to_u64(tup[1], "offset"), to_u64(tup[2], "length")});
+              });
+            }
+            return PyList{e.call([&](Engine& x) { return x.prepare_remote(d); }), false};
+          },
+          py::arg("descriptors"),
+          "A remote descriptor list: each entry (RemoteSegment, offset, length); the ranges are "
+          "checked against the segments by each transfer.")
+      .def(
+          "submit_indexed",
+          [](const py::object& self, const py::object& op, const PyList& local, const py::iterable& local_indices,
+             const PyList& remote, const py::iterable& remote_indices, std::optional<py::bytes> notify,
+             std::optional<std::string> request_id) {
+            PyEngine& e = self.cast<PyEngine&>();
+            TransferOp o = TransferOp::read;
+            if (!py::isinstance<py::str>(op)) {
+              o = op.cast<TransferOp>();
+            } else if (const std::string s = op.cast<std::string>(); s == "write") {
+              o = TransferOp::write;
+            } else if (s != "read") {
+              throw py::value_error(fmt::format("op {:?}: \"read\" or \"write\"", s));
+            }
+            if (o == TransferOp::read && local.readonly) {
+              throw_buffer_error("submit_indexed", "a read into a local list with read-only memory in it",
+                                 "prepare the list from writable objects");
+            }
+            // Copied here, under the GIL: what the engine reads cannot change under it.
+            const std::vector<std::uint32_t> li = indices_of(local_indices, "local");
+            const std::vector<std::uint32_t> ri = indices_of(remote_indices, "remote");
+            PyBatch b = e.submit(o, local, li, remote, ri, notify, std::move(request_id));
+            b.owner = self;
+            return b;
+          },
+          py::arg("op"), py::arg("local"), py::arg("local_indices"), py::arg("remote"), py::arg("remote_indices"),
+          py::kw_only(), py::arg("notify") = py::none(), py::arg("request_id") = py::none(),
+          "One transfer per position k, local[local_indices[k]] and remote[remote_indices[k]] "
+          "(of one length), \"read\" or \"write\", in one Batch (indices: any iterable of ints, "
+          "a numpy array of integers included). rdmakit.Error names the position and index of a "
+          "bad one.")
       .def(
           "notify",
           [](const py::object& self, const std::string& peer, const py::bytes& message,

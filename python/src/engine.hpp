@@ -63,6 +63,12 @@ struct PyPlan {
   TransferPlan plan;
 };
 
+/// rdmakit.DescriptorList: descriptors prepared once (Engine.prepare_local / prepare_remote).
+struct PyList {
+  DescriptorList list;
+  bool readonly = false;  ///< a local list with read-only memory in it: written by no read
+};
+
 class PyEngine;
 
 /// Batches awaited in asyncio that have ended, by token: filled by the batches' on_done (on a
@@ -120,6 +126,12 @@ class PyEngine : public std::enable_shared_from_this<PyEngine> {
                  std::optional<std::string> request_id);
   PyBatch submit(const TransferPlan& plan, const std::optional<py::bytes>& notify, std::optional<std::string> request_id);
   PyBatch notify(const std::string& peer, const py::bytes& message, std::optional<std::string> request_id);
+  /// Engine::submit by descriptor lists and indices.
+  PyBatch submit(TransferOp op, const PyList& local, std::span<const std::uint32_t> local_indices, const PyList& remote,
+                 std::span<const std::uint32_t> remote_indices, const std::optional<py::bytes>& notify,
+                 std::optional<std::string> request_id);
+  /// Whether the registration of `b` holds read-only memory.
+  [[nodiscard]] bool readonly(const Buffer& b) const;
 
  private:
   Engine& checked();

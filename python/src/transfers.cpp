@@ -116,6 +116,12 @@ void bind_transfers(py::module_& m) {
   py::class_<PyPlan>(m, "TransferPlan",
                      "Transfers resolved once (Engine.prepare), to submit many times cheaply.")
       .def("__len__", [](const PyPlan& p) { return p.plan.size(); });
+  py::class_<PyList>(m, "DescriptorList",
+                     "Descriptors prepared once (Engine.prepare_local, Engine.prepare_remote), whose "
+                     "selections Engine.submit_indexed transfers by index.")
+      .def("__len__", [](const PyList& l) { return l.list.size(); })
+      .def_property_readonly("remote", [](const PyList& l) { return l.list.remote(); },
+                             "Ranges of peers' segments (prepare_remote), not of local memory.");
 }
 
 }  // namespace rdmakit::python

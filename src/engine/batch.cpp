@@ -48,6 +48,16 @@ detail::BatchState::BatchState(Engine::Impl* e, std::span<const Transfer> t)
   gate = e->gate;
 }
 
+detail::BatchState::BatchState(Engine::Impl* e, std::uint32_t n) : size(n), engine(e) {
+  const std::size_t k = std::max<std::size_t>(n, 1);
+  x_inline = k == 1;
+  x = x_inline ? reinterpret_cast<Xfer*>(one_) : static_cast<Xfer*>(::operator new(k * (sizeof(Xfer) + sizeof(Transfer))));
+  owned = reinterpret_cast<Transfer*>(x + k);
+  for (std::uint32_t i = 0; i < size; ++i) new (x + i) Xfer(*new (owned + i) Transfer, this, i);
+  remaining.store(size, std::memory_order_relaxed);
+  gate = e->gate;
+}
+
 void detail::BatchState::set_home(std::uint32_t w, std::size_t workers) {
   home = w;
   if (w == kSeveralWorkers) more = std::make_unique<WorkerShare[]>(workers);

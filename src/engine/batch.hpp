@@ -130,6 +130,15 @@ struct PlanState {
   std::vector<std::uint32_t> transfers_of;         // by worker index: the transfers of its runs
 };
 
+/// Descriptors prepared once (Engine::prepare_local, prepare_remote).
+struct ListState {
+  Engine::Impl* engine = nullptr;
+  std::uint64_t epoch = 0;  // the engine's
+  bool remote = false;
+  std::vector<LocalDescriptor> local;    // !remote
+  std::vector<RemoteDescriptor> remotes; // remote
+};
+
 /// What one worker keeps of a batch while transfers of it are on that worker (in its list of
 /// live batches): they are counted down as they end, and the last to end takes it off the list.
 struct WorkerShare {
@@ -171,6 +180,9 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   /// A batch of `plan` (which it keeps), its entries in `*entries` (the batch's own allocation:
   /// Engine::submit(plan)).
   BatchState(Engine::Impl* e, std::shared_ptr<PlanState> plan, Xfer* const* entries);
+  /// `n` transfers for the caller to fill in (owned[0..n)), each entry pointing at its own; the
+  /// caller sets `atomics` when it fills in one (descriptor lists never do).
+  BatchState(Engine::Impl* e, std::uint32_t n);
   ~BatchState();
   BatchState(const BatchState&) = delete;
   BatchState& operator=(const BatchState&) = delete;

@@ -548,39 +548,43 @@ bool Engine::connect(const std::string& peer, std::chrono::milliseconds timeout,
 }
 
 Batch Engine::submit(std::span<const Transfer> transfers, SubmitOptions options) {
-  auto state = std::make_shared<BatchState>(impl_.get(), transfers);
+  return impl_->launch(std::make_shared<BatchState>(impl_.get(), transfers), std::move(options));
+}
+
+Batch Engine::Impl::launch(std::shared_ptr<BatchState> state, SubmitOptions&& options) {
   Batch batch(state);
-  if (!impl_->start(*state, std::move(options))) return batch;
+  if (!start(*state, std::move(options))) return batch;
   // The workers check each transfer (and end a bad one at once); here they are only sent to
   // their peers' workers: with one worker, without looking at them.
-  const std::size_t workers = impl_->workers.size();
+  const std::size_t n = workers.size();
+  const detail::Xfer* x = state->x;
   // An unknown peer goes to worker 0, which says so; the worker checks the handle (this is
   // only where to send it, read without touching a peer record that may be going).
-  auto worker_of = [&](const Transfer& t) {
-    const std::uint32_t id = t.remote.peer;
-    const std::uint32_t w = id != 0 && id <= Impl::kMaxPeers ? impl_->peer_worker[id - 1].load(std::memory_order_relaxed) : 0;
-    return w < workers ? w : 0;
+  auto worker_of = [&](std::uint32_t i) {
+    const std::uint32_t id = x[i].t->remote.peer;
+    const std::uint32_t w = id != 0 && id <= kMaxPeers ? peer_worker[id - 1].load(std::memory_order_relaxed) : 0;
+    return w < n ? w : 0;
   };
   std::uint32_t home = 0;
-  if (workers > 1) {
-    home = worker_of(transfers[0]);
-    for (std::size_t i = 1; i < transfers.size() && home != detail::kSeveralWorkers; ++i) {
-      if (worker_of(transfers[i]) != home) home = detail::kSeveralWorkers;
+  if (n > 1) {
+    home = worker_of(0);
+    for (std::uint32_t i = 1; i < state->size && home != detail::kSeveralWorkers; ++i) {
+      if (worker_of(i) != home) home = detail::kSeveralWorkers;
     }
   }
-  state->set_home(home, workers);
+  state->set_home(home, n);
   if (home != detail::kSeveralWorkers) {
-    impl_->send_to(home, std::move(state));
+    send_to(home, std::move(state));
     return batch;
   }
-  std::vector<std::vector<std::uint32_t>> per_worker(workers);
-  for (std::uint32_t i = 0; i < transfers.size(); ++i) per_worker[worker_of(transfers[i])].push_back(i);
-  for (std::size_t w = 0; w < workers; ++w) {
+  std::vector<std::vector<std::uint32_t>> per_worker(n);
+  for (std::uint32_t i = 0; i < state->size; ++i) per_worker[worker_of(i)].push_back(i);
+  for (std::size_t w = 0; w < n; ++w) {
     if (per_worker[w].empty()) continue;
     detail::Command c(detail::Command::Kind::submit);
     c.batch = state;
     c.indexes = std::move(per_worker[w]);
-    impl_->workers[w]->post(std::move(c));
+    workers[w]->post(std::move(c));
   }
   return batch;
 }

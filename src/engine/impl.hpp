@@ -803,6 +803,8 @@ struct Engine::Impl {
   /// Sends b to worker `home` (all its transfers are that worker's): started on this thread
   /// when that worker's thread sleeps, else handed to it.
   void send_to(std::uint32_t home, std::shared_ptr<detail::BatchState> b);
+  /// Starts a batch of transfers (its entries filled in) with `options`: submit(span)'s way.
+  Batch launch(std::shared_ptr<detail::BatchState> state, SubmitOptions&& options);
   /// Posts `make(i)` to each worker i that `to(i)` selects, and waits (at most 5 s) until each
   /// has handled it; not on a thread that runs a worker (a callback) nor without worker threads,
   /// where it only posts. False when some had not; `what` names the call in the log line.

@@ -4,12 +4,17 @@
 #include <poll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
+#include <numeric>
 #include <optional>
+#include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -25,6 +30,7 @@ using namespace std::chrono_literals;
 using rdmakit::Batch;
 using rdmakit::Buffer;
 using rdmakit::Engine;
+using rdmakit::EngineConfig;
 using rdmakit::Transfer;
 using rdmakit::TransferOp;
 using rdmakit::TransferStatus;
@@ -314,4 +320,149 @@ TEST(Serving, CancelLeavesWhatIsOnTheWire) {
   }
   std::printf("cancelled %zu of %zu transfers queued behind the send queue\n", cancelled, 5 * t.size());
   EXPECT_GT(cancelled, 0u) << "4,096 transfers never wait behind a send queue of " << lab::quiet().send_depth << "?";
+}
+
+// Descriptor lists as a KV connector uses them: 20,000 blocks a side prepared once, selections
+// read and written by index in random order, every byte checked; indices and pairs checked with
+// the position and index named; the lists reach the peer's next process.
+TEST(Serving, DescriptorListsMoveSelectionsByIndex) {
+  constexpr std::uint32_t kDescs = 20000, kBlock = 128;  // 2.5 MiB a side
+  auto owner = std::make_unique<Target>("b", std::size_t{kDescs} * kBlock);
+  Target& b = *owner;
+  const std::uint16_t port = b.engine.port();
+  EngineConfig ca = config("a");
+  ca.link.retry_refused = false;
+  Engine a(ca);
+  a.add_peer("b", at(b.engine));
+  const auto seg = a.segment("b", "kv");
+  // The local cache in two buffers (K and V of one layer, say), interleaved in the list.
+  const Buffer k = a.allocate_memory(std::size_t{kDescs} / 2 * kBlock);
+  const Buffer v = a.allocate_memory(std::size_t{kDescs} / 2 * kBlock);
+  std::vector<rdmakit::LocalDescriptor> ld;
+  std::vector<rdmakit::RemoteDescriptor> rd;
+  for (std::uint32_t i = 0; i < kDescs; ++i) {
+    ld.push_back({i % 2 == 0 ? k : v, std::uint64_t{i / 2} * kBlock, kBlock});
+    rd.push_back({seg, std::uint64_t{kDescs - 1 - i} * kBlock, kBlock});  // reversed: no position maps to itself
+  }
+  const rdmakit::DescriptorList local = a.prepare_local(ld);
+  const rdmakit::DescriptorList remote = a.prepare_remote(rd);
+  EXPECT_EQ(local.size(), kDescs);
+  EXPECT_TRUE(remote.remote());
+  const auto at_local = [&](std::uint32_t i) {
+    return static_cast<std::uint8_t*>(ld[i].buffer.addr) + ld[i].offset;
+  };
+  const auto at_remote = [&](Target& t, std::uint32_t j) { return static_cast<std::uint8_t*>(t.buf.addr) + rd[j].offset; };
+  std::mt19937 rng(35);
+  const auto selection = [&](std::size_t n) {
+    std::vector<std::uint32_t> li(kDescs), ri(kDescs);
+    std::iota(li.begin(), li.end(), 0u);
+    std::iota(ri.begin(), ri.end(), 0u);
+    std::shuffle(li.begin(), li.end(), rng);
+    std::shuffle(ri.begin(), ri.end(), rng);
+    li.resize(n);
+    ri.resize(n);
+    return std::make_pair(li, ri);
+  };
+  // The target's memory is written only by transfers (its process, here the test's, filled it
+  // once): what it holds is followed in `shadow`.
+  fill(b.buf.addr, b.buf.length, 100);
+  std::vector<std::uint8_t> shadow(static_cast<std::uint8_t*>(b.buf.addr), static_cast<std::uint8_t*>(b.buf.addr) + b.buf.length);
+  for (int round = 0; round < 4; ++round) {
+    fill(k.addr, k.length, static_cast<std::uint8_t>(round));
+    fill(v.addr, v.length, static_cast<std::uint8_t>(round + 50));
+    const auto [wl, wr] = selection(round == 0 ? kDescs : 2500);  // all of them once
+    Batch w = a.submit(TransferOp::write, local, wl, remote, wr);
+    ASSERT_TRUE(w.wait(30s));
+    ASSERT_EQ(w.failed(), 0u) << w.describe_failures();
+    for (std::size_t p = 0; p < wl.size(); ++p) {
+      ASSERT_TRUE(same(at_remote(b, wr[p]), at_local(wl[p]), kBlock)) << "write, position " << p;
+      std::memcpy(shadow.data() + rd[wr[p]].offset, at_local(wl[p]), kBlock);
+    }
+    const auto [rl, rr] = selection(1500);
+    std::vector<std::vector<std::uint8_t>> want;
+    for (std::size_t p = 0; p < rl.size(); ++p) {
+      want.emplace_back(shadow.data() + rd[rr[p]].offset, shadow.data() + rd[rr[p]].offset + kBlock);
+    }
+    rdmakit::SubmitOptions o;
+    o.request_id = "r" + std::to_string(round);
+    Batch r = a.submit(TransferOp::read, local, rl, remote, rr, o);
+    ASSERT_TRUE(r.wait(30s));
+    ASSERT_EQ(r.failed(), 0u) << r.describe_failures();
+    for (std::size_t p = 0; p < rl.size(); ++p) {
+      ASSERT_TRUE(same(at_local(rl[p]), want[p].data(), kBlock)) << "read, position " << p;
+    }
+    EXPECT_EQ(r.telemetry().bytes, std::uint64_t{rl.size()} * kBlock);
+    EXPECT_EQ(r.telemetry().request_id, o.request_id);
+  }
+  // What is refused, naming the position and the index.
+  const std::vector<std::uint32_t> ok{0, 1}, out{0, kDescs};
+  const auto why = [&](auto&& f) {
+    try {
+      f();
+    } catch (const rdmakit::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(why([&] { (void)a.submit(TransferOp::read, local, out, remote, ok); }).find("position 1: local index 20000"),
+            std::string::npos);
+  EXPECT_NE(why([&] { (void)a.submit(TransferOp::read, local, ok, remote, out); }).find("position 1: remote index 20000"),
+            std::string::npos);
+  EXPECT_NE(why([&] { (void)a.submit(TransferOp::read, local, ok, remote, std::vector<std::uint32_t>{0}); }).find("2 local indices and 1"),
+            std::string::npos);
+  EXPECT_NE(why([&] { (void)a.submit(TransferOp::fetch_add, local, ok, remote, ok); }).find("read or write"), std::string::npos);
+  EXPECT_NE(why([&] { (void)a.submit(TransferOp::read, remote, ok, local, ok); }).find("prepare_local"), std::string::npos);
+  const rdmakit::DescriptorList odd = a.prepare_remote(std::vector<rdmakit::RemoteDescriptor>{{seg, 0, kBlock + 1}});
+  EXPECT_NE(why([&] { (void)a.submit(TransferOp::read, local, std::vector<std::uint32_t>{3}, odd, std::vector<std::uint32_t>{0}); })
+                .find("position 0: local descriptor 3 is 128 bytes, remote descriptor 0 is 129"),
+            std::string::npos);
+  EXPECT_NE(why([&] { (void)a.prepare_local(std::vector<rdmakit::LocalDescriptor>{{k, 0, 64}, {k, k.length - 8, 64}}); })
+                .find("descriptor 1: [" + std::to_string(k.length - 8) + ", +64) is outside"),
+            std::string::npos);
+  EXPECT_NE(why([&] { (void)a.prepare_remote(std::vector<rdmakit::RemoteDescriptor>{{seg, 0, 0}}); }).find("descriptor 0: 0 bytes"),
+            std::string::npos);
+  // A range past the segment's end ends no_segment in the batch (the segment is the peer's).
+  const rdmakit::DescriptorList past = a.prepare_remote(std::vector<rdmakit::RemoteDescriptor>{{seg, b.buf.length - 64, kBlock}});
+  Batch beyond = a.submit(TransferOp::read, local, std::vector<std::uint32_t>{0}, past, std::vector<std::uint32_t>{0});
+  ASSERT_TRUE(beyond.wait(10s));
+  EXPECT_EQ(beyond.result(0).status, TransferStatus::no_segment) << beyond.result(0).reason;
+  // The peer's next process, at the same address: the same lists reach it once it is up.
+  owner.reset();
+  const auto gone_by = std::chrono::steady_clock::now() + 15s;
+  while (a.counters().links != 0 && std::chrono::steady_clock::now() < gone_by) std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(a.counters().links, 0u);
+  EngineConfig c = config("b");
+  c.listen = "127.0.0.1:" + std::to_string(port);
+  Target again("b", std::size_t{kDescs} * kBlock, c);
+  fill(again.buf.addr, again.buf.length, 200);
+  const auto [al, ar] = selection(1000);
+  for (int i = 0;; ++i) {  // until the new process's link and segment are up
+    Batch r = a.submit(TransferOp::read, local, al, remote, ar);
+    ASSERT_TRUE(r.wait(20s));
+    if (r.failed() == 0) break;
+    const TransferStatus st = r.result(0).status;
+    ASSERT_TRUE(st == TransferStatus::connect_failed || st == TransferStatus::no_segment || st == TransferStatus::peer_lost)
+        << r.describe_failures();
+    ASSERT_LT(i, 100) << r.describe_failures();
+    std::this_thread::sleep_for(100ms);
+  }
+  for (std::size_t p = 0; p < al.size(); ++p) {
+    ASSERT_TRUE(same(at_local(al[p]), at_remote(again, ar[p]), kBlock)) << "after the restart, position " << p;
+  }
+  // What changed since the lists were prepared ends its transfers in the batch, with why: a
+  // buffer unregistered, a peer removed; lists of another engine are refused.
+  a.unregister_memory(v);
+  Batch stale = a.submit(TransferOp::write, local, std::vector<std::uint32_t>{0, 1}, remote, std::vector<std::uint32_t>{0, 1});
+  ASSERT_TRUE(stale.wait(10s));
+  EXPECT_EQ(stale.result(0).status, TransferStatus::ok) << stale.describe_failures();  // k's
+  EXPECT_EQ(stale.result(1).status, TransferStatus::invalid);                          // v's
+  Engine other(config("o"));
+  const rdmakit::DescriptorList theirs = other.prepare_local(std::vector<rdmakit::LocalDescriptor>{{other.allocate_memory(kBlock), 0, kBlock}});
+  EXPECT_NE(why([&] { (void)a.submit(TransferOp::read, theirs, std::vector<std::uint32_t>{0}, remote, std::vector<std::uint32_t>{0}); })
+                .find("another engine"),
+            std::string::npos);
+  a.remove_peer("b");
+  Batch removed = a.submit(TransferOp::read, local, std::vector<std::uint32_t>{0}, remote, std::vector<std::uint32_t>{0});
+  ASSERT_TRUE(removed.wait(10s));
+  EXPECT_EQ(removed.result(0).status, TransferStatus::invalid) << removed.describe_failures();
 }

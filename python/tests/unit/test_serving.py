@@ -104,3 +104,53 @@ def test_cancel_ends_what_waits_for_a_peer_that_never_answers():
     finally:
         e.close()
         silent.close()
+
+
+def test_descriptor_lists_move_selections_by_index(pair):
+    prefill, decode, blocks = pair
+    # The decode side's cache: 2 layers x 32 blocks of 1 KiB, one array; the prefill side's 64 blocks.
+    cache = np.zeros((2, 32, 1024), dtype=np.uint8)
+    decode.register(cache)
+    local = decode.prepare_local([cache[layer, b] for layer in range(2) for b in range(32)])
+    seg = decode.segment("prefill", "kv")
+    remote = decode.prepare_remote([(seg, b * 1024, 1024) for b in range(64)])
+    assert (len(local), local.remote, len(remote), remote.remote) == (64, False, 64, True)
+    blocks[:] = np.arange(64, dtype=np.uint8)[:, None]
+    rng = np.random.default_rng(35)
+    li = rng.permutation(64)[:20].astype(np.uint32)
+    ri = rng.permutation(64)[:20]                       # a list of ints works too
+    batch = decode.submit_indexed("read", local, li, remote, list(ri), notify=b"done", request_id="kv-1")
+    batch.wait(10.0)
+    flat = cache.reshape(64, 1024)
+    for k in range(20):
+        assert (flat[li[k]] == ri[k]).all(), f"position {k}"
+    note = next_note(prefill)
+    assert (note.message, note.request_id) == (b"done", "kv-1")
+    assert batch.telemetry()["bytes"] == 20 * 1024
+    # Written back by index, the other way round.
+    flat[:] = 200
+    decode.submit_indexed(rdmakit.TransferOp.write, local, [5, 6], remote, [60, 61]).wait(10.0)
+    assert (blocks[60] == 200).all() and (blocks[61] == 200).all() and (blocks[59] == 59).all()
+    with pytest.raises(rdmakit.Error, match="position 1: local index 64"):
+        decode.submit_indexed("read", local, [0, 64], remote, [0, 1])
+    with pytest.raises(ValueError):
+        decode.submit_indexed("swap", local, [0], remote, [0])
+    with pytest.raises(rdmakit.Error, match="descriptor 0: 0 bytes"):
+        decode.prepare_remote([(seg, 0, 0)])
+    ro = np.full(1024, 7, dtype=np.uint8)
+    ro.flags.writeable = False
+    decode.register(ro)
+    frozen = decode.prepare_local([ro])
+    with pytest.raises(BufferError):
+        decode.submit_indexed("read", frozen, [0], remote, [0])
+    decode.submit_indexed("write", frozen, [0], remote, [0]).wait(10.0)
+    assert (blocks[0] == 7).all()
+    # Indices are integers in 0 .. 2**32-1, never wrapped or truncated.
+    for bad, what in (([-1], "position 0: local index -1"), (np.array([3, 2**32]), "position 1: local index 4294967296"),
+                      ([0.5], "position 0: a local index is an integer")):
+        with pytest.raises(rdmakit.Error, match=what):
+            decode.submit_indexed("read", local, bad, remote, [0] * len(bad))
+    with pytest.raises(rdmakit.Error, match="descriptor 1: "):
+        decode.prepare_local([cache[0, 0], (cache, 0, 10**9)])
+    with pytest.raises(rdmakit.Error, match="descriptor 0: an entry is"):
+        decode.prepare_remote([(seg, 0)])
