@@ -18,6 +18,7 @@
 
 #include <fmt/format.h>
 
+#include "common/thread_name.hpp"
 #include "bootstrap/auth.hpp"
 #include "bootstrap/socket.hpp"
 #include "cm/cm.hpp"
@@ -208,6 +209,7 @@ void Listener::Impl::serve(const std::shared_ptr<Arrival>& client, std::list<Han
     // The client is shared with the thread: if the thread cannot be started, it is still ours
     // to refuse.
     h.thread = std::thread([this, client, peer, done = h.done, slot = std::move(slot)]() mutable {
+      detail::name_this_thread("rdmakit-hshake");
       try {
         std::optional<Connection> got =
             Connection::Impl::accept(client->open(cfg.connection, stopping), peer, cfg.connection, psk, setup, std::move(slot), budget, hooks);
@@ -242,6 +244,7 @@ void Listener::Impl::serve(const std::shared_ptr<Arrival>& client, std::list<Han
 }
 
 void Listener::Impl::accept_loop() noexcept {
+  detail::name_this_thread("rdmakit-accept");
   std::list<Handshake> running;
   auto reap = [&](bool all) {
     for (auto it = running.begin(); it != running.end();) {

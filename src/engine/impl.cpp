@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include "common/thread_name.hpp"
 #include "bootstrap/auth.hpp"
 #include "engine/admission.hpp"
 #include "engine/impl.hpp"
@@ -397,6 +398,7 @@ struct LinkConfigCopy {
 }  // namespace
 
 void Engine::Impl::connect_loop() noexcept {
+  detail::name_this_thread("rdmakit-connect");
   for (;;) {
     Peer* p = nullptr;
     detail::RailState* rail = nullptr;

@@ -1,3 +1,4 @@
+#include "common/thread_name.hpp"
 #include "engine/metadata.hpp"
 
 #include <algorithm>
@@ -53,7 +54,10 @@ MetadataPlane::MetadataPlane(Engine::Impl& engine)
     if (e_.cfg.listen.empty() || e_.listening.load() != nullptr) publish();
     copy_out();
   }
-  thread_ = std::thread([this] { run(); });
+  thread_ = std::thread([this] {
+    name_this_thread("rdmakit-meta");
+    run();
+  });
 }
 
 MetadataPlane::~MetadataPlane() {

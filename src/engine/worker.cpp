@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include "common/thread_name.hpp"
 #include "common/cpu.hpp"
 #include "engine/impl.hpp"
 #include "engine/protocol.hpp"
@@ -95,7 +96,10 @@ Worker::~Worker() { stop(); }
 
 void Worker::start() {
   threaded_ = true;
-  thread_ = std::thread([this] { (void)run(Deadline::max(), true); });
+  thread_ = std::thread([this] {
+    name_worker_thread(index_);
+    (void)run(Deadline::max(), true);
+  });
 }
 
 void Worker::post(Command c) {

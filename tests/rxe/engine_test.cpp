@@ -8,6 +8,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -209,6 +212,36 @@ TEST(Engine, EightThreadsSubmitAtOnce) {
   EXPECT_EQ(failures.load(), 0);
   EXPECT_TRUE(same(b.buf.addr, src.addr, src.length));
   EXPECT_EQ(a.counters().batches, 32u);
+}
+
+// Its threads carry names (top -H, gdb, /proc): each worker its index, the connectors and the
+// listener's acceptor theirs; a handshake thread is named while it runs.
+TEST(Engine, ItsThreadsAreNamed) {
+  EngineConfig c = config("a");
+  c.workers = 2;
+  Engine a(c);
+  // A thread names itself as it starts: looked at until each has (or 5 s).
+  const auto named = [] {
+    std::map<std::string, int> names;
+    for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+      std::ifstream comm(task.path() / "comm");
+      std::string name;
+      std::getline(comm, name);
+      ++names[name];
+    }
+    return names;
+  };
+  std::map<std::string, int> names = named();
+  for (int i = 0; i < 250 && (names["rdmakit-w0"] == 0 || names["rdmakit-w1"] == 0 || names["rdmakit-connect"] < 2 ||
+                              names["rdmakit-accept"] == 0);
+       ++i) {
+    std::this_thread::sleep_for(20ms);
+    names = named();
+  }
+  EXPECT_GE(names["rdmakit-w0"], 1);
+  EXPECT_GE(names["rdmakit-w1"], 1);
+  EXPECT_GE(names["rdmakit-connect"], 2);
+  EXPECT_GE(names["rdmakit-accept"], 1);
 }
 
 // The notification arrives after the data it announces: the target checks the bytes on receipt,
