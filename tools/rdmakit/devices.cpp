@@ -277,6 +277,7 @@ void add_doctor(CLI::App& app, std::function<int()>& run) {
   sub->add_option("--peer", o->peer, "also check a connection to this rdmakit listener");
   o->net.add_to(*sub);
   o->net.connect_opt->excludes(sub->get_option("--peer"));
+  o->net.connect_opt->group("");  // the doctor checks a peer with --peer: not listed in its help
   sub->add_flag("--json", o->json_out, "print the verdicts as JSON");
   sub->callback([o, &run] {
     if (!o->net.connect.empty()) throw CLI::ValidationError("--connect", "use --peer HOST[:PORT]");

@@ -102,6 +102,11 @@ void add_peers(CLI::App& app, std::function<int()>& run) {
   auto o = std::make_shared<PeersOptions>();
   auto* sub = app.add_subcommand("peers", "list the engines a metadata store holds (epochs, endpoints, rails, segments)");
   o->md.add_to(*sub, /*publishing=*/false);
+  // Only a store can be listed: no p2p default that is then refused.
+  sub->get_option("--metadata")
+      ->required()
+      ->default_str("")
+      ->description("the store to list: redis://[USER:PASSWORD@]HOST[:PORT][/DB] or etcd://HOST[:PORT][,HOST[:PORT]...]");
   sub->add_option("--timeout", o->timeout_ms, "deadline of the store's answer in ms")->capture_default_str();
   sub->add_flag("--json", o->json, "one JSON object");
   sub->callback([o, &run] { run = guarded("peers", [o] { return run_peers(*o); }); });
