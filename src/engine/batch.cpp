@@ -28,18 +28,22 @@ using detail::BatchState;
 using detail::Peer;
 using detail::Worker;
 
-detail::BatchState::BatchState(Engine::Impl* e, std::span<const Transfer> t)
-    : size(static_cast<std::uint32_t>(t.size())), engine(e) {
-  // One allocation: the entries, then the copy of the transfers they point at. One loop (not a
-  // memcpy, whose `rep movsb` callgrind would count byte by byte).
+void detail::BatchState::allocate_entries() {
+  // One allocation: the entries, then the copies of the transfers they point at.
   static_assert(alignof(Transfer) <= alignof(Xfer));
   // A batch of one (a flag, a lease, a small block: what waits for the wire's latency) keeps
   // them in the state itself.
   static_assert(sizeof(Xfer) % alignof(Transfer) == 0);
-  const std::size_t n = std::max<std::size_t>(t.size(), 1);
+  const std::size_t n = std::max<std::size_t>(size, 1);
   x_inline = n == 1;
   x = x_inline ? reinterpret_cast<Xfer*>(one_) : static_cast<Xfer*>(::operator new(n * (sizeof(Xfer) + sizeof(Transfer))));
   owned = reinterpret_cast<Transfer*>(x + n);
+}
+
+detail::BatchState::BatchState(Engine::Impl* e, std::span<const Transfer> t)
+    : size(static_cast<std::uint32_t>(t.size())), engine(e) {
+  allocate_entries();
+  // One loop (not a memcpy, whose `rep movsb` callgrind would count byte by byte).
   for (std::uint32_t i = 0; i < size; ++i) {
     new (x + i) Xfer(*new (owned + i) Transfer(t[i]), this, i);
     atomics |= t[i].op >= TransferOp::fetch_add;
@@ -49,10 +53,7 @@ detail::BatchState::BatchState(Engine::Impl* e, std::span<const Transfer> t)
 }
 
 detail::BatchState::BatchState(Engine::Impl* e, std::uint32_t n) : size(n), engine(e) {
-  const std::size_t k = std::max<std::size_t>(n, 1);
-  x_inline = k == 1;
-  x = x_inline ? reinterpret_cast<Xfer*>(one_) : static_cast<Xfer*>(::operator new(k * (sizeof(Xfer) + sizeof(Transfer))));
-  owned = reinterpret_cast<Transfer*>(x + k);
+  allocate_entries();
   for (std::uint32_t i = 0; i < size; ++i) new (x + i) Xfer(*new (owned + i) Transfer, this, i);
   remaining.store(size, std::memory_order_relaxed);
   gate = e->gate;

@@ -36,8 +36,6 @@ struct SliceGroup;
 // 64, as UCX's default send-completion moderation on RC (perftest's bandwidth tests: 100).
 inline constexpr std::uint32_t kSignalEvery = 64;
 
-inline bool writes(TransferOp op) { return op != TransferOp::read; }
-
 /// Calls `f` with the data path's opcode for `op`, as a constant
 /// (std::integral_constant<Opcode, ...>): the one place a transfer's operation becomes the data
 /// path's, for its templates.
@@ -145,9 +143,9 @@ struct WorkerShare {
   std::shared_ptr<BatchState> keep;  // set while listed: the batch lives while its transfers run
   std::uint32_t left = 0;            // the worker's transfers of it that have not ended
   std::uint32_t pos = 0;             // its place in the worker's list
-  // For the notification: the writes left per peer, by (id, generation) (a peer removed meanwhile
-  // is told apart from one that took its id).
-  std::map<std::pair<std::uint32_t, std::uint32_t>, std::uint32_t> writes_left;
+  // For the notification: the transfers (reads and writes) left per peer, by (id, generation) (a
+  // peer removed meanwhile is told apart from one that took its id).
+  std::map<std::pair<std::uint32_t, std::uint32_t>, std::uint32_t> notify_left;
 };
 
 /// Whether a thread other than a worker's may run an engine's workers (Batch::wait polling its
@@ -250,6 +248,8 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   void finished_ok(std::uint32_t n) noexcept;
 
  private:
+  /// x and owned for `size` entries (in one_ for a batch of one), unconstructed.
+  void allocate_entries();
   void last_ended() noexcept;
 };
 

@@ -388,6 +388,9 @@ class Worker {
   PlanState::Built* built_for(PlanState::Run& run, const BufferRec& buf, Link& l, const Peer& p, const Xfer* x);
   /// Queues transfer x for its peer's link (or the link to come).
   void start_transfer(Peer& p, Xfer& x);
+  /// x waits for a link to `p` (connected now if none is coming), or ends at once when `p` was
+  /// removed or is gone.
+  void wait_for_link(Peer& p, Xfer& x);
   /// Whether the chain on `l` takes one more transfer now (opening one, or posting a full one
   /// and opening the next).
   bool room_on(Link& l);

@@ -128,7 +128,10 @@ Batch Engine::submit(const TransferPlan& plan, SubmitOptions options) {
     if (plan.state_->transfers_of[w] != 0 && on++ == 0) home = w;
   }
   state->set_home(on == 1 ? home : detail::kSeveralWorkers, workers);
-  if (on == 1 && impl_->workers[home]->try_submit(state)) return batch;
+  if (on == 1) {
+    impl_->send_to(home, std::move(state));
+    return batch;
+  }
   for (std::size_t w = 0; w < workers; ++w) {
     if (plan.state_->transfers_of[w] == 0) continue;
     detail::Command c(detail::Command::Kind::submit);
@@ -162,7 +165,7 @@ void Worker::submit_plan(const std::shared_ptr<BatchState>& b) {
   if (!b->notify.empty()) {
     for (const std::uint32_t k : mine) {
       const PlanState::Run& run = plan.runs[k];
-      live.writes_left[{run.peer, run.peer_gen}] += run.n;
+      live.notify_left[{run.peer, run.peer_gen}] += run.n;
     }
   }
   // `live` may go from here on: the last transfer to end erases it.

@@ -76,7 +76,7 @@ void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std:
     // Each peer's notification goes once all the batch's transfers with it have ended ok.
     for (std::uint32_t k = 0; k < n; ++k) {
       const Transfer& t = *b->x[all ? k : indexes[k]].t;
-      ++live.writes_left[{t.remote.peer, t.remote.generation}];
+      ++live.notify_left[{t.remote.peer, t.remote.generation}];
     }
   }
   // `live` may go from here on: the last transfer to end erases it.
@@ -164,13 +164,16 @@ void Worker::start_transfer(Peer& p, Xfer& x) {
   if (x.batch->note_only) [[unlikely]] return start_note(x);
   if (slices_for(p, x)) return slice(p, x);
   if (Link* l = pick(p, &buffer_of(x))) return queue_on(*l, x);
-  Link* l = p.link;
+  wait_for_link(p, x);
+}
+
+void Worker::wait_for_link(Peer& p, Xfer& x) {
   if (p.removed.load(std::memory_order_relaxed)) {
     return end(x, TransferStatus::peer_lost, fmt::format("peer '{}' was removed", p.name));
   }
   if (p.gone.load(std::memory_order_relaxed)) return end(x, TransferStatus::connect_failed, e_.gone_reason(p));
   p.waiting.push_back(&x);
-  if (l == nullptr && !p.connecting) {
+  if (p.link == nullptr && !p.connecting) {
     p.connecting = true;
     e_.request_connect(&p);
   }
@@ -487,21 +490,13 @@ bool Worker::send_note(Peer& p, Link* to, BatchState& b, std::string* why) noexc
 
 void Worker::start_note(Xfer& x) {
   Peer* p = e_.peer(x.t->remote);
-  if (p == nullptr || p->removed.load(std::memory_order_relaxed)) {
-    return end(x, TransferStatus::peer_lost,
-               p == nullptr ? std::string("the peer was removed") : fmt::format("peer '{}' was removed", p->name));
-  }
-  if (Link* to = notify_link(*p); to != nullptr) {
+  if (p == nullptr) return end(x, TransferStatus::peer_lost, "the peer was removed");
+  if (Link* to = notify_link(*p); to != nullptr && !p->removed.load(std::memory_order_relaxed)) {
     std::string why;
     if (send_note(*p, to, *x.batch, &why)) return end(x, TransferStatus::ok, {});
     return end(x, TransferStatus::failed, std::move(why));
   }
-  if (p->gone.load(std::memory_order_relaxed)) return end(x, TransferStatus::connect_failed, e_.gone_reason(*p));
-  p->waiting.push_back(&x);
-  if (p->link == nullptr && !p->connecting) {
-    p->connecting = true;
-    e_.request_connect(p);
-  }
+  wait_for_link(*p, x);
 }
 
 void Worker::cancel(BatchState& b) noexcept {
@@ -548,12 +543,12 @@ void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
     e_.count.bytes.fetch_add(t.length, std::memory_order_relaxed);
   }
   if (!b.notify.empty() && !b.note_only) {
-    auto w = live.writes_left.find({t.remote.peer, t.remote.generation});
-    if (w != live.writes_left.end()) {
+    auto w = live.notify_left.find({t.remote.peer, t.remote.generation});
+    if (w != live.notify_left.end()) {
       if (s != TransferStatus::ok) {
-        live.writes_left.erase(w);  // a transfer failed: no notification for that peer
+        live.notify_left.erase(w);  // a transfer failed: no notification for that peer
       } else if (--w->second == 0) {
-        live.writes_left.erase(w);
+        live.notify_left.erase(w);
         // Every transfer of the batch with this peer has completed: what was written is in its
         // memory, what was read has been taken. Sent within the credits the peer gave the
         // link; otherwise the batch says why, before it ends.
