@@ -12,6 +12,7 @@
 
 #include "rdmakit/connection.hpp"
 #include "rdmakit/identity.hpp"
+#include "rdmakit/lease.hpp"
 #include "rdmakit/memory.hpp"
 #include "rdmakit/metadata.hpp"
 
@@ -161,6 +162,10 @@ struct EngineConfig {
   /// keys or addresses) under a lease, finds peers by name, and learns of their restarts and
   /// ends (docs/engine.md, "Metadata").
   MetadataConfig metadata{};
+  /// Called on a worker thread once a lease this engine granted has ended and none of its
+  /// windows works any more (as next_lease_end() would return it): it must not block, nor call
+  /// the engine's waiting calls.
+  std::function<void(const LeaseEnd&)> on_lease_end{};
 };
 
 /// A buffer registered with the engine: once per device, whatever the number of peers.
@@ -218,6 +223,9 @@ enum class TransferStatus : std::uint8_t {
                   ///< restarted, or was removed)
   failed,         ///< an error completion (remote access error, retries exceeded, ...)
   cancelled,      ///< Batch::cancel() ended it before any of it was posted: nothing of it moved
+  lease_expired,  ///< the lease that gave access to the peer's range has ended (the reason says
+                  ///< which and why): refused before posting, or by the peer's NIC after its
+                  ///< window went; no byte of the range was read or written
 };
 [[nodiscard]] const char* to_string(TransferStatus status) noexcept;
 
@@ -429,6 +437,9 @@ struct EngineCounters {
   std::uint64_t submits_inline = 0;
   /// Batch::wait() calls that saw their batch end while they polled (no sleep, no wake-up).
   std::uint64_t waits_spun = 0;
+  std::uint64_t leases_granted = 0;  ///< by this engine (grant)
+  std::uint64_t leases_ended = 0;    ///< of those, ended (whatever the cause)
+  std::uint64_t lease_renewals = 0;  ///< renewals this engine granted its holders
 };
 
 /// What the engine is built on.
@@ -567,6 +578,42 @@ class Engine {
   /// Undoes revoke(peer); with EngineConfig::allowed_peers set, also lets `peer` link from now
   /// on. Throws Error for an entry that is not a peer.
   void allow(const std::string& peer);
+
+  /// Leases (docs/engine.md, "Leases"). Makes [offset, offset + length) of `buffer` a segment
+  /// called `name` that no peer has standing access to: a peer reaches ranges of it only
+  /// through the leases grant() gives it, and only while they last.
+  void expose_leased(std::string name, const Buffer& buffer, Access access, std::uint64_t offset = 0,
+                     std::uint64_t length = 0);
+  /// Grants `peer` (an entry as in EngineConfig::allowed_peers) `access` to `ranges` of this
+  /// engine's segments for `ttl` (1 ms .. 1 hour): a memory window per range on every link the
+  /// peer has opened here, and on those it opens while the lease lasts, announced to it with the
+  /// lease's id, which this returns. The lease ends when its time passes without a renewal, its
+  /// holder releases it, end_lease() ends it, the last link that holds its windows closes (the
+  /// holder died, or was revoked or removed), or a segment it covers is withdrawn; then its windows are invalidated, and only after that is this engine told
+  /// (next_lease_end, EngineConfig::on_lease_end). Throws Error (EINVAL) naming the range for an
+  /// unknown segment, a range outside it, or access the segment does not allow; (ENOTSUP) where
+  /// the device has no memory windows (EngineInfo::memory_windows).
+  std::uint64_t grant(const std::string& peer, std::span<const LeaseRange> ranges, Access access,
+                      std::chrono::milliseconds ttl);
+  /// Ends a lease this engine granted (LeaseCause::revoked); false if it had ended already. It
+  /// returns at once: next_lease_end() says when its windows are gone.
+  bool end_lease(std::uint64_t lease);
+  /// The next lease this engine granted that ended, if any (the event descriptor fd() is
+  /// signalled for each).
+  std::optional<LeaseEnd> next_lease_end();
+  /// Lease `lease` that `peer` (an added peer's name) granted this engine, once its windows on
+  /// a link to the peer are known here (waiting up to `wait` for them, and opening a link if
+  /// there is none, as connect() does): nullopt if it is not known by then. An ended lease is returned ended, with why, for a while (the last 256).
+  [[nodiscard]] std::optional<HeldLease> lease(const std::string& peer, std::uint64_t lease,
+                                               std::chrono::milliseconds wait = std::chrono::milliseconds{0});
+  /// Asks `peer` to extend the lease it granted to `ttl` from now (at most the ttl it was granted
+  /// with), on the link's control channel: it returns at once, and lease() says the new end once
+  /// the peer's answer arrived. Renew well before the end (a third of the ttl is what the tests
+  /// use). Throws Error for an unknown peer.
+  void renew(const std::string& peer, std::uint64_t lease, std::chrono::milliseconds ttl);
+  /// Gives the lease back: this engine's transfers on it end lease_expired from now on, and the
+  /// peer ends it (LeaseCause::released). Throws Error for an unknown peer.
+  void release(const std::string& peer, std::uint64_t lease);
 
   /// Adds a peer by name and bootstrap address ("host:port"); nothing is connected until a
   /// transfer needs it. `name` is the name the engine there runs under (its EngineConfig::name):

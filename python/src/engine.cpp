@@ -477,6 +477,91 @@ void bind_engine(py::module_& m) {
           "Makes a range of a registered buffer a segment peers reach by name. access: letters "
           "r (read), w (write), a (atomics). length 0: to the buffer's end. peers: only these "
           "(names, public keys, NAME=KEY) get a window on it; empty: every peer.")
+      .def(
+          "expose_leased",
+          [](PyEngine& e, std::string name, const PyBuffer& b, const std::string& access, std::uint64_t offset,
+             std::uint64_t length) {
+            Access a = parse_access(access, "expose_leased");
+            if (a == Access::none) throw Error("expose_leased", EINVAL, "access is empty", "e.g. \"r\"");
+            refuse_remote_writes("expose_leased", fmt::format("segment {}: its buffer", name), b.reg->readonly, a, access);
+            e.call([&](Engine& x) { x.expose_leased(std::move(name), b.reg->buffer, a, offset, length); });
+          },
+          py::arg("name"), py::arg("buffer"), py::arg("access") = "r", py::kw_only(), py::arg("offset") = 0,
+          py::arg("length") = 0,
+          "A segment no peer has standing access to: peers reach ranges of it only through the leases "
+          "grant() gives them, while they last.")
+      .def(
+          "grant",
+          [](PyEngine& e, const std::string& peer, const py::iterable& ranges, const std::string& access, double ttl) {
+            std::vector<LeaseRange> r;
+            for (const py::handle item : ranges) {
+              named_entry("grant", r.size(), [&] {
+                if (!py::isinstance<py::tuple>(item) || py::len(item) != 3) {
+                  throw py::value_error("a range is (segment, offset, length)");
+                }
+                const auto tup = item.cast<py::tuple>();
+                r.push_back({tup[0].cast<std::string>(), to_u64(tup[1], "offset"), to_u64(tup[2], "length")});
+              });
+            }
+            const Access a = parse_access(access, "grant");
+            const auto t = to_ms(ttl, "ttl");
+            return e.call([&](Engine& x) { return x.grant(peer, r, a, t); });
+          },
+          py::arg("peer"), py::arg("ranges"), py::arg("access") = "r", py::kw_only(), py::arg("ttl"),
+          "Grants peer access to ranges [(segment, offset, length), ...] of this engine's segments for "
+          "ttl seconds: returns the lease id (int) the peer uses with lease(), renew(), release(). When "
+          "the lease ends (expiry, release, end_lease(), the peer gone, a withdrawal) its windows are "
+          "invalidated first; then next_lease_end() returns it and fd is signalled.")
+      .def("end_lease", [](PyEngine& e, std::uint64_t lease) { return e.call([&](Engine& x) { return x.end_lease(lease); }); },
+           py::arg("lease"), "Ends a lease this engine granted; False if it had ended.")
+      .def(
+          "next_lease_end",
+          [](PyEngine& e) -> py::object {
+            const auto end = e.call([](Engine& x) { return x.next_lease_end(); });
+            if (!end) return py::none();
+            py::dict d;
+            d["lease"] = end->lease;
+            d["peer"] = end->peer;
+            d["cause"] = to_string(end->cause);
+            d["reason"] = end->reason;
+            return d;
+          },
+          "The next lease this engine granted that ended: {'lease', 'peer', 'cause', 'reason'} (cause: "
+          "expired, released, revoked, peer_lost, withdrawn, failed), or None.")
+      .def(
+          "lease",
+          [](PyEngine& e, const std::string& peer, std::uint64_t lease, double wait) -> py::object {
+            const auto w = to_ms(wait, "wait");
+            const auto h = e.call([&](Engine& x) { return x.lease(peer, lease, w); });
+            if (!h) return py::none();
+            py::dict d;
+            d["lease"] = h->lease;
+            py::list ranges;
+            for (const LeaseRange& r : h->ranges) ranges.append(py::make_tuple(r.segment, r.offset, r.length));
+            d["ranges"] = ranges;
+            d["access"] = to_string(h->access);
+            d["expires_in"] = std::chrono::duration<double>(h->expires - std::chrono::steady_clock::now()).count();
+            d["ended"] = h->ended;
+            d["reason"] = h->reason;
+            return d;
+          },
+          py::arg("peer"), py::arg("lease"), py::kw_only(), py::arg("wait") = 0.0,
+          "Lease `lease` that peer granted this engine, once known here (waiting up to `wait` seconds, "
+          "linking to the peer if needed): {'lease', 'ranges', 'access', 'expires_in' (seconds, by this "
+          "engine's reckoning), 'ended', 'reason'}, or None.")
+      .def(
+          "renew",
+          [](PyEngine& e, const std::string& peer, std::uint64_t lease, double ttl) {
+            const auto t = to_ms(ttl, "ttl");
+            e.call([&](Engine& x) { x.renew(peer, lease, t); });
+          },
+          py::arg("peer"), py::arg("lease"), py::kw_only(), py::arg("ttl"),
+          "Asks peer to extend the lease to ttl seconds from now (at most its granted ttl); returns at once.")
+      .def(
+          "release",
+          [](PyEngine& e, const std::string& peer, std::uint64_t lease) { e.call([&](Engine& x) { x.release(peer, lease); }); },
+          py::arg("peer"), py::arg("lease"),
+          "Gives the lease back: transfers on it end lease_expired from now on, and the peer ends it.")
       .def("revoke", [](PyEngine& e, const std::string& peer) { e.call([&](Engine& x) { x.revoke(peer); }); },
            py::arg("peer"),
            "Revokes a peer (name, public key or NAME=KEY), added or not: its windows are invalidated at "

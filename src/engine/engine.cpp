@@ -47,6 +47,7 @@ const char* to_string(TransferStatus s) noexcept {
     case TransferStatus::peer_lost: return "peer_lost";
     case TransferStatus::failed: return "failed";
     case TransferStatus::cancelled: return "cancelled";
+    case TransferStatus::lease_expired: return "lease_expired";
   }
   return "?";
 }
@@ -111,6 +112,9 @@ EngineCounters Engine::counters() const noexcept {
   o.plan_builds = c.plan_builds.load();
   o.submits_inline = c.submits_inline.load();
   o.waits_spun = c.waits_spun.load();
+  o.leases_granted = c.leases_granted.load();
+  o.leases_ended = c.leases_ended.load();
+  o.lease_renewals = c.lease_renewals.load();
   return o;
 }
 
@@ -197,7 +201,7 @@ void Engine::expose(std::string name, const Buffer& buffer, Access access, std::
 }
 
 void Engine::Impl::expose(std::string segment, const Buffer& buffer, Access access, std::uint64_t offset,
-                          std::uint64_t length, std::vector<std::string> for_peers) {
+                          std::uint64_t length, std::vector<std::string> for_peers, bool leased) {
   detail::engine_wire::check_name(segment, "segment name");
   if (!windows && cfg.allow_region_keys && !psk) {
     throw Error("expose", EOPNOTSUPP,
@@ -230,7 +234,7 @@ void Engine::Impl::expose(std::string segment, const Buffer& buffer, Access acce
     std::lock_guard lock(mu);  // unregister_memory() retires a buffer under it
     if (b->retired.load()) throw Error("expose", EINVAL, fmt::format("segment '{}': buffer {} was unregistered", segment, buffer.id));
     if (segments.count(segment) != 0) throw Error("expose", EEXIST, fmt::format("a segment '{}' exists", segment));
-    segments[segment] = {segment, buffer.id, buffer.generation, offset, length, access, std::move(for_peers)};
+    segments[segment] = {segment, buffer.id, buffer.generation, offset, length, access, std::move(for_peers), leased};
   }
   for (auto& w : workers) w->post(detail::Command(detail::Command::Kind::expose, nullptr, segment));
   if (meta) meta->changed(/*wait=*/false);
@@ -291,9 +295,17 @@ void Engine::unregister_memory(const Buffer& buffer, std::chrono::milliseconds t
 }
 
 void Engine::withdraw(const std::string& name) {
+  std::vector<std::shared_ptr<detail::LeaseState>> covering;
   {
     std::lock_guard lock(impl_->mu);
     if (impl_->segments.erase(name) == 0) throw Error("withdraw", ENOENT, fmt::format("no segment '{}'", name));
+    for (const auto& [id, s] : impl_->leases) {
+      if (std::any_of(s->ranges.begin(), s->ranges.end(), [&](const auto& r) { return r.segment == name; })) covering.push_back(s);
+    }
+  }
+  // Its leases end first: each worker drops their windows before it handles the withdrawal.
+  for (const auto& s : covering) {
+    (void)impl_->end_lease(s, LeaseCause::withdrawn, fmt::format("segment '{}' was withdrawn", name));
   }
   // Each worker deallocates the segment's windows on its links (the keys die at once) and tells
   // the peers. This returns once they all have: a transfer a peer posts after it cannot land,

@@ -32,6 +32,7 @@
 #include "connection/impl.hpp"
 #include "datapath/router.hpp"
 #include "engine/batch.hpp"
+#include "engine/leases.hpp"
 #include "engine/protocol.hpp"
 #include "engine/rails.hpp"
 #include "rdmakit/engine.hpp"
@@ -124,6 +125,11 @@ struct SegmentDef {
   std::uint64_t offset = 0, length = 0;
   Access access = Access::none;
   std::vector<std::string> peers;  // who gets a window on it (admission.hpp entries); empty: every peer
+  bool leased = false;  // expose_leased: no standing windows, only leases' (Engine::grant)
+  // A lease's window (Worker::bind_lease): its lease, and where it starts in the segment
+  // (offset is then the range's in the buffer, length the range's).
+  std::uint64_t lease = 0;
+  std::uint64_t in_segment = 0;
 };
 
 /// A peer added by name. `name`, `worker`, `from_store` are fixed at add_peer; `address`, the
@@ -175,6 +181,10 @@ struct Peer {
   std::string last_error;
   std::uint64_t attempts = 0;
   std::string transport, transport_reason;  // its first rail's last link's (PeerInfo)
+  // Leases the peer granted this engine (the worker writes them under `m`; it alone reads them
+  // without): live ones, and the last ended ones, whose transfers end lease_expired.
+  std::map<std::uint64_t, HeldRecord> held;
+  std::uint64_t held_ended = 0;  // ended records counted (HeldRecord::order)
 };
 
 /// An accepted link's notifications, as the application takes them (Engine::next_notification,
@@ -193,6 +203,8 @@ struct Window {
   MwPtr mw;
   std::uint32_t rkey = 0;
   RemoteRegion region;  // as announced
+  std::uint64_t lease = 0;       // a lease's window (0: the segment's standing one)
+  std::uint64_t in_segment = 0;  // a lease's: where its range starts in the segment
   bool bound = false;
   Deadline posted{};  // its bind
 };
@@ -225,6 +237,18 @@ struct Link {
   // Accepted: our windows for the peer.
   std::vector<std::unique_ptr<Window>> windows;
   std::uint32_t binds_pending = 0;  // posted, not completed
+  // Accepted: leases with windows on it, and how many of each are still to be bound (LEASE goes
+  // once that is 0).
+  struct LeaseBinding {
+    std::shared_ptr<LeaseState> state;
+    std::uint32_t pending = 0;
+    bool announced = false;
+  };
+  std::map<std::uint64_t, LeaseBinding> leases;
+  // Initiated: the leases' ranges the peer bound on it, by the peer's slot for the segment
+  // (sorted by offset), and how many ranges of each lease came.
+  std::vector<std::vector<LeasedRange>> leased;
+  std::map<std::uint64_t, std::uint32_t> lease_ranges;
   // Accepted: its notifications queued here; the credits returned to the sender so far.
   std::shared_ptr<NoteCredits> notes;
   std::uint64_t credits_returned = 0;
@@ -303,7 +327,8 @@ struct Handled {
 };
 
 struct Command {
-  enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick, restarted, gone, retire, reclaim, credit, revoke, cancel };
+  enum class Kind { submit, link_up, connect_failed, expose, withdraw, remove_peer, evict, kick, restarted, gone, retire, reclaim, credit, revoke, cancel,
+                    lease_grant, lease_end, renew };
   explicit Command(Kind k, Peer* p = nullptr, std::string t = {}) : kind(k), peer(p), text(std::move(t)) {}
   Kind kind;
   std::shared_ptr<BatchState> batch;
@@ -322,6 +347,8 @@ struct Command {
   std::shared_ptr<void> token;
   std::shared_ptr<NoteCredits> notes;  // credit: the link whose notifications were taken
   std::shared_ptr<Handled> handled;     // counted down once handled (Impl::post_and_wait)
+  std::shared_ptr<LeaseState> lease;    // lease_grant, lease_end
+  std::uint64_t lease_id = 0;           // renew (ttl in `epoch`, 0: release)
 };
 
 class Worker {
@@ -518,6 +545,45 @@ class Worker {
   /// Logs through the link config's logger; never throws.
   void log(const std::string& what) const noexcept;
   void withdraw(const std::string& name);
+  // Leases (worker_leases.cpp). The granting side:
+  /// Binds the windows of lease `s` on every link its peer opened here (Command::lease_grant).
+  void lease_granted(const std::shared_ptr<LeaseState>& s);
+  void bind_lease(Link& l, const std::shared_ptr<LeaseState>& s);
+  /// A window of a lease bound: LEASE to the peer once the lease's last on `l` is.
+  void lease_bound(Link& l, const Window& w) noexcept;
+  /// Drops lease `s`'s windows (they stop working now) and tells their links' peers.
+  void lease_ended(const std::shared_ptr<LeaseState>& s) noexcept;
+  /// `l` no longer holds lease `lease`'s windows (it goes, or its bind was flushed): the lease
+  /// ends if no other link holds it within LeaseState::kOrphanGrace.
+  void lease_link_gone(Link& l, std::uint64_t lease, const std::string& why) noexcept;
+  /// A window of lease `lease` on `l` could not be bound: the lease ends (LeaseCause::failed).
+  void lease_unbound(Link& l, std::uint64_t lease, const std::string& why) noexcept;
+  /// Ends the leases whose deadline passed (worker 0); the time of the next one's end.
+  Deadline check_leases(Deadline now) noexcept;
+  /// The peer of `l` (accepted) renews or releases (`ttl_ms` 0) a lease.
+  void on_renew(Link& l, std::uint64_t lease, std::uint32_t ttl_ms) noexcept;
+  /// Accepted link `l` goes: the leases with windows on it end.
+  void end_link_leases(Link& l, const std::string& why) noexcept;
+  // The holding side:
+  void on_lease(Link& l, const engine_wire::Message& m);
+  void on_lease_end(Link& l, std::uint64_t lease, const std::string& reason);
+  void on_renewed(Link& l, std::uint64_t lease, std::uint32_t ttl_ms);
+  /// Ends held lease `id` of `p` here: its ranges leave every link, its record says why.
+  void drop_held(Peer& p, std::uint64_t id, const std::string& reason);
+  /// The regions the data path of initiated `l` checks against: standing windows, then leases'.
+  void refresh_remote(Link& l);
+  /// Initiated link `l` goes: what it held ends with it.
+  void held_link_gone(Link& l, const std::string& why) noexcept;
+  /// Command::renew.
+  void renew(Peer& p, std::uint64_t lease, std::uint32_t ttl_ms);
+  /// A transfer to a slot with no standing window: the range of a lease the link holds that
+  /// covers it, or null with the transfer ended (lease_expired: a lease that covered it ended;
+  /// no_segment otherwise).
+  const RemoteRegion* lease_region(Link& l, Xfer& x);
+  /// The lease of `p` (live or ended) that covers x's range, if any.
+  [[nodiscard]] const HeldRecord* covering(const Peer& p, const Xfer& x) const noexcept;
+  /// An access error of initiated `l`'s: the lease x went to through, if it went through one.
+  [[nodiscard]] const HeldRecord* leased_refusal(const Link& l, const Xfer& x) const noexcept;
   /// Engine::revoke(entry): every link a matching peer opened here loses its windows at once
   /// (their keys die with them), is refused with the reason, and closes.
   void revoke(const std::string& entry);
@@ -647,6 +713,8 @@ class Worker {
   Deadline next_tick_{};
   Deadline next_report_{};  // report_active()
   std::vector<std::shared_ptr<Retirement>> retiring_;  // waiting for transfers of their buffer
+  std::vector<std::shared_ptr<LeaseState>> leases_;  // granted and not ended (lease_granted)
+  Deadline next_lease_check_{};
   std::unordered_map<Xfer*, std::unique_ptr<SliceGroup>> groups_;  // by sliced transfer
   std::vector<std::pair<Peer*, RailState*>> probes_;  // failed rails waiting for their probe
 };
@@ -744,7 +812,8 @@ struct Engine::Impl {
     std::atomic<std::uint64_t> qps{0}, links{0}, connects{0}, reconnects{0}, accepts{0}, evictions{0},
         restarts{0}, batches{0}, transfers{0}, transfers_failed{0}, bytes{0}, notifications_sent{0},
         notifications_received{0}, notifications_refused{0}, notifications_dropped{0}, notifications_lost{0}, windows_bound{0}, window_bind_ns{0}, rail_links{0}, rail_failures{0},
-        slices{0}, reposted{0}, plan_posted{0}, plan_builds{0}, submits_inline{0}, waits_spun{0};
+        slices{0}, reposted{0}, plan_posted{0}, plan_builds{0}, submits_inline{0}, waits_spun{0}, leases_granted{0},
+        leases_ended{0}, lease_renewals{0};
   } count;
 
   detail::Fd event_fd;  // readable when a batch ends or a notification arrives
@@ -755,6 +824,15 @@ struct Engine::Impl {
     std::shared_ptr<detail::NoteCredits> credits;  // of the link it came on
   };
   std::deque<Note> notes;
+  std::deque<LeaseEnd> lease_ends;  // under notes_mu
+
+  // Leases granted (Engine::grant), while they last; under mu.
+  std::map<std::uint64_t, std::shared_ptr<detail::LeaseState>> leases;
+  std::uint64_t leases_made = 0;  // under mu
+  /// Ends lease `s` (once: false if it had ended) and tells every worker to drop its windows.
+  bool end_lease(const std::shared_ptr<detail::LeaseState>& s, LeaseCause cause, std::string reason) noexcept;
+  /// A worker dropped its windows of `s`: the last tells the application.
+  void lease_dropped(const std::shared_ptr<detail::LeaseState>& s) noexcept;
 
   std::vector<std::unique_ptr<detail::Worker>> workers;
   std::atomic<std::uint32_t> next_worker{0};
@@ -871,7 +949,7 @@ struct Engine::Impl {
   std::uint32_t slot_of(detail::Peer& p, const std::string& segment);
   /// Engine::expose, for `peers` (empty: every peer).
   void expose(std::string segment, const Buffer& buffer, Access access, std::uint64_t offset, std::uint64_t length,
-              std::vector<std::string> peers);
+              std::vector<std::string> peers, bool leased = false);
   /// Adds a peer (Engine::add_peer); throws Error for a name in use or a key that is not one.
   /// `public_key` with `key_source` ("given", "store"), or empty.
   std::shared_ptr<detail::Peer> add_peer(std::string name, std::string address, bool from_store,

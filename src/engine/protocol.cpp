@@ -72,6 +72,13 @@ void check_name(const std::string& name, const char* what) {
   }
 }
 
+Message lease_end(std::uint64_t lease, const std::string& reason) {
+  Message m = refuse(reason);
+  m.kind = Kind::lease_end;
+  m.lease = lease;
+  return m;
+}
+
 std::vector<std::uint8_t> encode(const Message& m) {
   std::vector<std::uint8_t> out{kMagic, kVersion, static_cast<std::uint8_t>(m.kind)};
   switch (m.kind) {
@@ -99,6 +106,31 @@ std::vector<std::uint8_t> encode(const Message& m) {
     case Kind::synced:
     case Kind::credit: put(out, m.credits, 4); break;
     case Kind::active: break;
+    case Kind::lease:
+      if (m.ranges.empty() || m.ranges.size() > kLeaseRangesPerMessage) {
+        throw Error("engine lease", EMSGSIZE, fmt::format("{} ranges in one message (1..{})", m.ranges.size(), kLeaseRangesPerMessage));
+      }
+      put(out, m.lease, 8);
+      put(out, m.ttl_ms, 4);
+      put(out, static_cast<std::uint32_t>(m.region.access), 4);
+      put(out, m.lease_ranges, 4);
+      put_name(out, m.name);
+      put(out, m.region.addr, 8);
+      out.push_back(static_cast<std::uint8_t>(m.ranges.size()));
+      for (const LeaseWire& w : m.ranges) {
+        put(out, w.offset, 8);
+        put(out, w.length, 8);
+        put(out, w.rkey, 4);
+      }
+      break;
+    case Kind::renew:
+    case Kind::renewed:
+      put(out, m.lease, 8);
+      put(out, m.ttl_ms, 4);
+      break;
+    case Kind::lease_end:
+      put(out, m.lease, 8);
+      [[fallthrough]];
     case Kind::refuse:
       if (m.bytes.empty() || m.bytes.size() > kMaxNotify) {
         throw Error("engine refusal", EMSGSIZE, fmt::format("a reason of {} bytes (1..{})", m.bytes.size(), kMaxNotify));
@@ -201,8 +233,44 @@ Message decode(std::span<const std::uint8_t> bytes) {
       r.at = bytes.size();
       break;
     }
+    case 10: {
+      m.kind = Kind::lease;
+      m.lease = r.get(8, "lease");
+      m.ttl_ms = static_cast<std::uint32_t>(r.get(4, "ttl"));
+      const auto access = static_cast<std::uint32_t>(r.get(4, "access"));
+      if ((access & ~static_cast<std::uint32_t>(kRemote)) != 0 || access == 0) {
+        throw Error("engine message", EPROTO, fmt::format("lease {} access {:#x} (remote read, write, atomic only)", m.lease, access));
+      }
+      m.region.access = static_cast<Access>(access);
+      m.lease_ranges = static_cast<std::uint32_t>(r.get(4, "lease ranges"));
+      m.name = r.name();
+      m.region.addr = r.get(8, "segment addr");
+      const auto n = static_cast<std::size_t>(r.get(1, "range count"));
+      if (n == 0 || n > kLeaseRangesPerMessage || n > m.lease_ranges) {
+        throw Error("engine message", EPROTO, fmt::format("lease {}: {} ranges in a message of a lease of {}", m.lease, n, m.lease_ranges));
+      }
+      for (std::size_t i = 0; i < n; ++i) {
+        LeaseWire w;
+        w.offset = r.get(8, "range offset");
+        w.length = r.get(8, "range length");
+        w.rkey = static_cast<std::uint32_t>(r.get(4, "range rkey"));
+        if (w.length == 0 || w.offset + w.length < w.offset || m.region.addr + w.offset + w.length < m.region.addr) {
+          throw Error("engine message", EPROTO, fmt::format("lease {} range {}+{}", m.lease, w.offset, w.length));
+        }
+        m.ranges.push_back(w);
+      }
+      break;
+    }
+    case 12:
+    case 13:
+      m.kind = kind == 12 ? Kind::renew : Kind::renewed;
+      m.lease = r.get(8, "lease");
+      m.ttl_ms = static_cast<std::uint32_t>(r.get(4, "ttl"));
+      break;
+    case 11:
     case 9: {
-      m.kind = Kind::refuse;
+      m.kind = kind == 9 ? Kind::refuse : Kind::lease_end;
+      if (m.kind == Kind::lease_end) m.lease = r.get(8, "lease");
       const auto n = static_cast<std::size_t>(r.get(2, "reason length"));
       if (n == 0 || n > kMaxNotify || bytes.size() - r.at != n) {
         throw Error("engine message", EPROTO, fmt::format("a refusal of {} bytes in a message with {} left", n, bytes.size() - r.at));

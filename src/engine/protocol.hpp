@@ -1,5 +1,5 @@
 #pragma once
-// The engine's messages between two linked engines, version 5. They travel as application
+// The engine's messages between two linked engines, version 6. They travel as application
 // messages on the link's control channel (sealed there when the link has a key), each at most
 // Connection::max_message_size bytes, with fixed-width big-endian fields, every one checked:
 //
@@ -23,6 +23,13 @@
 //                       gid 16 bytes | prefix u8 | has endpoint u8 (0/1) }
 //             the accepting side's ports that can carry rails (rails.hpp); a rail with an
 //             endpoint is bootstrapped at its GID's address and the listen port.
+//   LEASE:    lease u64 | ttl ms u32 | access u32 | ranges in the lease u32 | segment name |
+//             segment addr u64 | count u8 (1..40) | count x { offset u64 | length u64 | rkey u32 }:
+//             windows bound on this link for ranges of a segment (Engine::grant), in as many
+//             messages as the lease has ranges / 40; the ttl counts from when it was granted
+//   LEASE_END: lease u64 | length u16 (1..900) | UTF-8 reason: its windows on this link are gone
+//   RENEW:    lease u64 | ttl ms u32 (0: release): from the holder (the side that opened the link)
+//   RENEWED:  lease u64 | ttl ms u32: the lease now ends ttl from when this was sent
 //
 // The side that accepted a link binds a memory window per segment on the link's QP and
 // announces it (SEGMENT); the side that initiated it is the only one that posts on it.
@@ -39,14 +46,24 @@
 namespace rdmakit::detail::engine_wire {
 
 inline constexpr std::uint8_t kMagic = 0xE7;
-// 2: RAILS; 3: notification credits; 4: signed IDENT; 5: NOTIFY carries a request id
-inline constexpr std::uint8_t kVersion = 5;
+// 2: RAILS; 3: notification credits; 4: signed IDENT; 5: NOTIFY carries a request id; 6: leases
+inline constexpr std::uint8_t kVersion = 6;
 inline constexpr std::size_t kMaxName = 64;
 inline constexpr std::size_t kMaxNotify = 900;
 inline constexpr std::size_t kMaxRequestId = 64;
 inline constexpr std::size_t kMaxRails = 16;
+inline constexpr std::size_t kLeaseRangesPerMessage = 40;
 
-enum class Kind : std::uint8_t { ident = 1, segment = 2, withdraw = 3, synced = 4, notify = 5, rails = 6, credit = 7, active = 8, refuse = 9 };
+enum class Kind : std::uint8_t {
+  ident = 1, segment = 2, withdraw = 3, synced = 4, notify = 5, rails = 6, credit = 7, active = 8, refuse = 9,
+  lease = 10, lease_end = 11, renew = 12, renewed = 13
+};
+
+/// One range of a LEASE: an offset in the segment, its length, the window's key.
+struct LeaseWire {
+  std::uint64_t offset = 0, length = 0;
+  std::uint32_t rkey = 0;
+};
 
 struct Message {
   Kind kind = Kind::ident;
@@ -61,6 +78,10 @@ struct Message {
   std::uint16_t listen_port = 0;    // rails
   std::uint8_t this_rail = 0xff;    // rails
   std::vector<RailPort> rails;      // rails (endpoint: the address and listen_port, or empty)
+  std::uint64_t lease = 0;          // lease, lease_end, renew, renewed
+  std::uint32_t ttl_ms = 0;         // lease, renew, renewed
+  std::uint32_t lease_ranges = 0;   // lease: how many ranges the whole lease has
+  std::vector<LeaseWire> ranges;    // lease (name: the segment; region.addr and .access: its)
 };
 
 inline Message ident(std::string name, std::uint64_t epoch) {
@@ -133,6 +154,16 @@ inline Message rails(std::uint16_t listen_port, std::uint8_t this_rail, std::vec
   m.listen_port = listen_port;
   m.this_rail = this_rail;
   m.rails = std::move(ports);
+  return m;
+}
+
+/// Cut to kMaxNotify bytes.
+[[nodiscard]] Message lease_end(std::uint64_t lease, const std::string& reason);
+inline Message renew(Kind kind, std::uint64_t lease, std::uint32_t ttl_ms) {
+  Message m;
+  m.kind = kind;
+  m.lease = lease;
+  m.ttl_ms = ttl_ms;
   return m;
 }
 

@@ -439,6 +439,7 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
       if (now >= next_report_) report_active(now);
       if (!retiring_.empty()) check_retiring();
     }
+    if (index_ == 0 && !leases_.empty() && now >= next_lease_check_) next_lease_check_ = check_leases(now);
     if (!forever && now >= until) break;
     if (got == 0 && in_flight_ == 0 && to_flush_.empty() && !has_mail_.load(std::memory_order_acquire)) {
       // A closing link is reaped once its peer's fate is known (Link::deferred): look again soon.
@@ -447,7 +448,9 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
       const auto nap = closing             ? std::chrono::milliseconds{5}
                        : !probes_.empty() ? std::chrono::milliseconds{50}
                                           : std::chrono::milliseconds{1000};
-      sleep(forever ? now + nap : std::min(until, now + nap));
+      Deadline wake = forever ? now + nap : std::min(until, now + nap);
+      if (index_ == 0 && !leases_.empty()) wake = std::min(wake, next_lease_check_);  // a lease's end
+      sleep(wake);
       reap_links();
       if (!forever && Clock::now() >= until) break;
     }
@@ -616,6 +619,9 @@ void Worker::handle(Command& c) {
       withdraw(c.text);
       break;
     case Command::Kind::revoke: revoke(c.text); break;
+    case Command::Kind::lease_grant: lease_granted(c.lease); break;
+    case Command::Kind::lease_end: lease_ended(c.lease); break;
+    case Command::Kind::renew: renew(*c.peer, c.lease_id, static_cast<std::uint32_t>(c.epoch)); break;
     case Command::Kind::remove_peer: {
       Peer& p = *c.peer;
       if (p.worker == this) {

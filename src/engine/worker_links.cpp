@@ -93,6 +93,10 @@ void Worker::grant(Link& l) {
     for (const auto& [n, d] : e_.segments) defs.push_back(d);
   }
   for (const SegmentDef& d : defs) bind_window(l, d);
+  // The leases its peer holds here get their windows on this link too.
+  for (const auto& s : leases_) {
+    if (!s->ended() && any_matches({s->peer}, l.peer_name, l.peer_key)) bind_lease(l, s);
+  }
   bind_waiting(l);  // then SYNCED, once the last has been bound
 }
 
@@ -114,6 +118,7 @@ void Worker::bind_window(Link& l, const SegmentDef& def) {
   // A segment exposed for some peers only: the others never get a window (their transfers to it
   // end no_segment, as for a segment that does not exist).
   if (!def.peers.empty() && !any_matches(def.peers, l.peer_name, l.peer_key)) return;
+  if (def.leased) return;  // reached through leases only (bind_lease)
   // Once per segment and link: an expose() that lands after the link's grant took the segment
   // would bind a second window (and announce a second key) for it.
   if (std::any_of(l.windows.begin(), l.windows.end(), [&](const auto& w) { return w->segment == def.name; }) ||
@@ -139,7 +144,11 @@ void Worker::bind_window(Link& l, const SegmentDef& def) {
 
 bool Worker::post_bind(Link& l, const SegmentDef& def) {
   const BufferRec* buf = e_.buffer(def.buffer);
-  if (buf == nullptr || buf->retired.load()) return true;  // unregistered since: nothing to bind
+  if (buf == nullptr || buf->retired.load()) {
+    // Unregistered since: nothing to bind (a lease of it ends).
+    if (def.lease != 0) lease_unbound(l, def.lease, fmt::format("buffer {} was unregistered", def.buffer));
+    return true;
+  }
   if (l.impl.dp.mode() == DataPath::Mode::ready && l.impl.dp.lane(0).sq.free() == 0) return false;
   // On a software transport, the window covers the bytes as the CPU reaches them (none for
   // GPU memory: no window, and the peer's transfers to the segment end no_segment).
@@ -147,6 +156,7 @@ bool Worker::post_bind(Link& l, const SegmentDef& def) {
   if (on_soft && buf->slices[l.device].length() == 0) {
     log(fmt::format("engine {}: segment '{}' is not offered to {} over {}: its memory is not the CPU's", e_.name,
                     def.name, l.impl.info.peer_address, l.impl.info.transport));
+    if (def.lease != 0) lease_unbound(l, def.lease, fmt::format("segment '{}' is not the CPU's memory", def.name));
     return true;
   }
   const MemoryRegion* mr = on_soft ? nullptr : &*buf->regions[l.device];
@@ -155,6 +165,8 @@ bool Worker::post_bind(Link& l, const SegmentDef& def) {
   w->segment = def.name;
   w->buffer = def.buffer;
   w->link = &l;
+  w->lease = def.lease;
+  w->in_segment = def.in_segment;
   w->mw.reset(ibv_alloc_mw(e_.pd_of(l.device), IBV_MW_TYPE_2));
   if (!w->mw) {
     throw Error("ibv_alloc_mw", errno, fmt::format("a window on segment '{}' for {}", def.name, l.impl.info.peer_address),
@@ -184,6 +196,7 @@ void Worker::bind_waiting(Link& l) noexcept {
       // The peer will not have this segment (its transfers to it end no_segment); the others go on.
       log(fmt::format("engine {}: segment '{}' for {}: {}", e_.name, l.binds_waiting.front().name,
                       l.impl.info.peer_address, ex.what()));
+      if (l.binds_waiting.front().lease != 0) lease_unbound(l, l.binds_waiting.front().lease, ex.what());
     }
     l.binds_waiting.pop_front();
   }
@@ -211,10 +224,11 @@ void Worker::log(const std::string& what) const noexcept {
 void Worker::withdraw(const std::string& name) {
   for (auto& l : links_) {
     if (l->initiated || !l->ident_seen) continue;  // not granted yet: it has nothing of the segment
-    std::erase_if(l->binds_waiting, [&](const SegmentDef& d) { return d.name == name; });
+    // Leases' windows go with their leases, which Engine::withdraw ended first.
+    std::erase_if(l->binds_waiting, [&](const SegmentDef& d) { return d.name == name && d.lease == 0; });
     for (auto it = l->windows.begin(); it != l->windows.end();) {
       Window& w = **it;
-      if (w.segment != name) {
+      if (w.segment != name || w.lease != 0) {
         ++it;
         continue;
       }
@@ -391,6 +405,11 @@ void Worker::break_link(Link& l, const std::string& why) {
     lost(l, *x, TransferStatus::peer_lost, reason);
   }
   l.backlog_bytes = 0;
+  if (l.initiated) {
+    held_link_gone(l, why);
+  } else {
+    end_link_leases(l, why);
+  }
   if (l.initiated && l.rail != nullptr && l.rail != l.peer->rails[0].get()) {
     if (l.rail->link == &l) rail_down(*l.peer, *l.rail, why, /*went_down=*/true);
   } else if (l.initiated && l.rail != nullptr) {

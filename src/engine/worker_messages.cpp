@@ -120,6 +120,13 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
       return wrong_engine(l, fmt::format("peer '{}' at {} refused the link: {}", l.peer->name, l.impl.info.peer_address,
                                          reason));
     }
+    case ew::Kind::lease: on_lease(l, m); break;
+    case ew::Kind::lease_end: on_lease_end(l, m.lease, std::string(m.bytes.begin(), m.bytes.end())); break;
+    case ew::Kind::renewed: on_renewed(l, m.lease, m.ttl_ms); break;
+    case ew::Kind::renew:
+      if (l.initiated) return break_link(l, "it renewed a lease on a link this engine opened (only its own are renewed)");
+      on_renew(l, m.lease, m.ttl_ms);
+      break;
     case ew::Kind::rails:
       if (!l.initiated) return break_link(l, "it sent its rails on a link it opened (only the accepting side does)");
       if (l.rails_seen) return break_link(l, "it sent its rails twice on one link");

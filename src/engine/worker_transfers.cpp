@@ -145,7 +145,7 @@ void Worker::admit(Xfer& x, Route& r) {
     return start_transfer(*peer, x);
   }
   const std::optional<RemoteRegion>* seg = t.remote.slot < l->by_slot.size() ? &l->by_slot[t.remote.slot] : nullptr;
-  if (seg == nullptr || !seg->has_value()) return refused(*l, x, PostStatus::not_advertised);
+  if (seg == nullptr || !seg->has_value()) [[unlikely]] return (void)chain(*l, x);  // a lease's, or none
   const LocalSlice& s = buf->slices[l->device];
   if (s.length() == 0) [[unlikely]] return unreachable(*l, x);
   if (!chain(*l, x, reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset, s.lkey(), s.writable(), **seg)) return;
@@ -286,16 +286,17 @@ void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
 bool Worker::chain(Link& l, Xfer& x) {
   const Transfer& t = *x.t;
   const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
-  if (seg == nullptr || !seg->has_value()) [[unlikely]] {
-    refused(l, x, PostStatus::not_advertised);
-    return false;
+  const RemoteRegion* to = seg != nullptr && seg->has_value() ? &**seg : nullptr;
+  if (to == nullptr) [[unlikely]] {
+    to = lease_region(l, x);  // no standing window: a lease's range, or x ended with why
+    if (to == nullptr) return false;
   }
   const LocalSlice& s = buffer_of(x).slices[l.device];
   if (s.length() == 0) [[unlikely]] {
     unreachable(l, x);
     return false;
   }
-  return chain(l, x, reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset, s.lkey(), s.writable(), **seg);
+  return chain(l, x, reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset, s.lkey(), s.writable(), *to);
 }
 
 void Worker::unreachable(Link& l, Xfer& x) {
@@ -327,13 +328,14 @@ void Worker::post_alone(Link& l, Xfer& x) {
   DataPath& dp = l.impl.dp;
   const Transfer& t = *x.t;
   const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
-  if (seg == nullptr || !seg->has_value()) return refused(l, x, PostStatus::not_advertised);
+  const RemoteRegion* to = seg != nullptr && seg->has_value() ? &**seg : lease_region(l, x);
+  if (to == nullptr) return;  // ended, with why
   if (buffer_of(x).slices[l.device].length() == 0) return unreachable(l, x);
   const LocalSlice s = buffer_of(x).slices[l.device].subslice(t.local_offset, t.length);
   const auto id = reinterpret_cast<std::uint64_t>(&x);
-  PostResult r = t.op == TransferOp::read ? dp.post_one<Opcode::read>(s, **seg, t.remote_offset, 0, 0, 0, id)
+  PostResult r = t.op == TransferOp::read ? dp.post_one<Opcode::read>(s, *to, t.remote_offset, 0, 0, 0, id)
                  : t.op == TransferOp::write
-                     ? dp.post_one<Opcode::write>(s, **seg, t.remote_offset, 0, 0, 0, id)
+                     ? dp.post_one<Opcode::write>(s, *to, t.remote_offset, 0, 0, 0, id)
                      : PostResult{PostStatus::bad_length, 0, 0};
   if (r.ok()) {
     l.alone.push_back(&x);
@@ -606,6 +608,13 @@ void Worker::on_news(Link& l, const Completion& c, std::uint64_t seq, bool part)
     } else if (c.status == IBV_WC_WR_FLUSH_ERR) {
       lost(l, *x, TransferStatus::peer_lost,
            fmt::format("peer '{}': {}", l.peer->name, dp.failure().empty() ? "the link broke" : dp.failure()));
+    } else if (const HeldRecord* h = c.status == IBV_WC_REM_ACCESS_ERR ? leased_refusal(l, *x) : nullptr) {
+      // The peer's NIC refused a lease's range: the lease ended there before the request came
+      // (the link breaks on it, as on any access error). Nothing of the range moved.
+      const std::uint64_t id = h->info.lease;
+      drop_held(*l.peer, id, fmt::format("peer '{}' refused it ({}): lease {} had ended there", l.peer->name,
+                                         c.status_name(), id));
+      end(*x, TransferStatus::lease_expired, l.peer->held[id].info.reason);
     } else {
       // The link breaks on it (the data path's one break routine); ended when the link is reaped.
       // What the peer refused, or this side got wrong, would fail on any rail; the rest (retries
@@ -640,12 +649,25 @@ void Worker::bound(Link& l, Window& w, const Completion& c) noexcept {
     e_.count.window_bind_ns.fetch_add(
         static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - w.posted).count()),
         std::memory_order_relaxed);
-    announce(l, w);
+    if (w.lease != 0) {
+      lease_bound(l, w);
+    } else {
+      announce(l, w);
+    }
   } else if (!c.ok() && l.state != Link::State::closing) {
     try {
       log(fmt::format("engine {}: binding the window of segment '{}' for {} failed: {}", e_.name,
                       withdrawn ? "(withdrawn)" : w.segment, l.impl.info.peer_address, c.describe()));
     } catch (...) {
+    }
+  }
+  if (!c.ok() && !withdrawn && w.lease != 0) {
+    // Flushed: the link is going (its loss is the lease's, as for any link that held it); any
+    // other failure ends the lease.
+    if (c.status == IBV_WC_WR_FLUSH_ERR || l.state == Link::State::closing) {
+      lease_link_gone(l, w.lease, c.describe());
+    } else {
+      lease_unbound(l, w.lease, c.describe());
     }
   }
   if (withdrawn || !c.ok()) std::erase_if(l.windows, [&w](const auto& o) { return o.get() == &w; });

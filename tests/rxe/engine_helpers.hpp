@@ -1,6 +1,7 @@
 #pragma once
 // What the engine's lab tests share.
 #include <arpa/inet.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -67,6 +68,22 @@ struct Target {
   rdmakit::Engine engine;
   rdmakit::Buffer buf;
 };
+
+/// What `take()` returns next (a notification, a lease's end: an optional), waiting on `e`'s
+/// descriptor between looks; empty if nothing came within `limit`.
+template <class Take>
+auto next_by_fd(rdmakit::Engine& e, Take take, std::chrono::milliseconds limit) -> decltype(take()) {
+  pollfd pfd{e.fd(), POLLIN, 0};
+  const auto until = std::chrono::steady_clock::now() + limit;
+  for (;;) {
+    if (auto got = take()) return got;
+    if (std::chrono::steady_clock::now() >= until) return {};
+    if (::poll(&pfd, 1, 20) > 0) {
+      std::uint64_t v = 0;
+      (void)!::read(e.fd(), &v, sizeof v);
+    }
+  }
+}
 
 /// A transfer of `len` bytes between [loff..) of `local` and [roff..) of `seg`.
 inline rdmakit::Transfer xfer(rdmakit::TransferOp op, rdmakit::Buffer local, std::uint64_t loff, std::uint64_t len,

@@ -26,7 +26,7 @@ using namespace std::chrono_literals;
 
 int main(int argc, char** argv) {
   if (argc != 3 && argc != 4) {
-    std::fprintf(stderr, "usage: %s connect HOST:PORT | listen PORT | try-connect HOST:PORT [no-keepalive] | engine PORT NAME\n",
+    std::fprintf(stderr, "usage: %s connect HOST:PORT | listen PORT | try-connect HOST:PORT [no-keepalive] | engine PORT NAME | holder HOST:PORT\n",
                  argv[0]);
     return 2;
   }
@@ -49,6 +49,26 @@ int main(int argc, char** argv) {
       auto& e = *engines.emplace_back(std::make_unique<rdmakit::Engine>(ec));
       e.expose("kv", e.allocate_memory(4096), rdmakit::Access::remote_read | rdmakit::Access::remote_write);
       e.start_listening();
+    }
+    std::printf("ready\n");
+    std::fflush(stdout);
+    for (;;) std::this_thread::sleep_for(1s);
+  }
+  if (mode == "holder" && argc == 3) {
+    // An engine called "holder" that links to the engine "b" at HOST:PORT (which grants it
+    // leases), then idles until it is killed.
+    rdmakit::EngineConfig ec;
+    ec.name = "holder";
+    ec.link.log = [](std::string_view) {};
+    ec.link.method = lab::test_method();
+    ec.transports = lab::test_transports();
+    ec.shm_copy = lab::test_shm_copy();
+    rdmakit::Engine engine(ec);
+    engine.add_peer("b", argv[2]);
+    std::string why;
+    if (!engine.connect("b", 10s, &why)) {
+      std::fprintf(stderr, "holder: %s\n", why.c_str());
+      return 1;
     }
     std::printf("ready\n");
     std::fflush(stdout);

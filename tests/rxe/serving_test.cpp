@@ -45,16 +45,7 @@ using lab::xfer;
 
 // The next notification `e` receives, woken by its descriptor; none within `limit`.
 std::optional<rdmakit::Notification> next_note(Engine& e, std::chrono::milliseconds limit) {
-  pollfd pfd{e.fd(), POLLIN, 0};
-  const auto until = std::chrono::steady_clock::now() + limit;
-  for (;;) {
-    if (auto n = e.next_notification()) return n;
-    if (std::chrono::steady_clock::now() >= until) return std::nullopt;
-    if (::poll(&pfd, 1, 20) > 0) {
-      std::uint64_t v = 0;
-      (void)!::read(e.fd(), &v, sizeof v);
-    }
-  }
+  return lab::next_by_fd(e, [&] { return e.next_notification(); }, limit);
 }
 
 std::vector<std::uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }

@@ -56,9 +56,73 @@ TEST(EngineWire, EveryKindRoundTrips) {
   EXPECT_EQ(bare.request_id, "req-1");
 }
 
+namespace {
+ew::Message lease_message(std::size_t ranges) {
+  ew::Message m;
+  m.kind = ew::Kind::lease;
+  m.lease = 0x0102030405060708;
+  m.ttl_ms = 500;
+  m.lease_ranges = 100;
+  m.name = "kv-layer-31";
+  m.region.addr = 0x7f0000000000;
+  m.region.access = Access::remote_read;
+  for (std::size_t i = 0; i < ranges; ++i) m.ranges.push_back({i * 4096, 4096, static_cast<std::uint32_t>(0x100 + i)});
+  return m;
+}
+}  // namespace
+
+// LEASE (its largest fits one control message), LEASE_END, RENEW, RENEWED.
+TEST(EngineWire, LeaseMessagesRoundTrip) {
+  const ew::Message m = lease_message(ew::kLeaseRangesPerMessage);
+  const auto bytes = ew::encode(m);
+  EXPECT_LE(bytes.size(), rdmakit::Connection::max_message_size);
+  const ew::Message d = ew::decode(bytes);
+  EXPECT_EQ(d.kind, ew::Kind::lease);
+  EXPECT_EQ(d.lease, m.lease);
+  EXPECT_EQ(d.ttl_ms, 500u);
+  EXPECT_EQ(d.lease_ranges, 100u);
+  EXPECT_EQ(d.name, "kv-layer-31");
+  EXPECT_EQ(d.region.addr, m.region.addr);
+  EXPECT_EQ(d.region.access, Access::remote_read);
+  ASSERT_EQ(d.ranges.size(), ew::kLeaseRangesPerMessage);
+  EXPECT_EQ(d.ranges[39].offset, 39u * 4096);
+  EXPECT_EQ(d.ranges[39].rkey, 0x100u + 39);
+  const ew::Message e = ew::decode(ew::encode(ew::lease_end(9, "expired: its time passed")));
+  EXPECT_EQ(e.kind, ew::Kind::lease_end);
+  EXPECT_EQ(e.lease, 9u);
+  EXPECT_EQ(std::string(e.bytes.begin(), e.bytes.end()), "expired: its time passed");
+  const ew::Message r = ew::decode(ew::encode(ew::renew(ew::Kind::renew, 9, 0)));
+  EXPECT_EQ(r.kind, ew::Kind::renew);
+  EXPECT_EQ(r.ttl_ms, 0u);
+  const ew::Message rd = ew::decode(ew::encode(ew::renew(ew::Kind::renewed, 9, 300)));
+  EXPECT_EQ(rd.kind, ew::Kind::renewed);
+  EXPECT_EQ(rd.ttl_ms, 300u);
+  EXPECT_THROW((void)ew::encode(lease_message(0)), rdmakit::Error);
+  EXPECT_THROW((void)ew::encode(lease_message(ew::kLeaseRangesPerMessage + 1)), rdmakit::Error);
+}
+
+TEST(EngineWire, MalformedLeasesAreRefusedWithAReason) {
+  const auto good = ew::encode(lease_message(2));
+  for (std::size_t cut = 3; cut < good.size(); ++cut) {
+    EXPECT_FALSE(refusal({good.begin(), good.begin() + static_cast<std::ptrdiff_t>(cut)}).empty()) << cut;
+  }
+  auto bad = good;
+  bad[3 + 8 + 4 + 3] = 0x80;  // access: a local bit
+  EXPECT_NE(refusal(bad).find("access"), std::string::npos);
+  ew::Message m = lease_message(2);
+  m.lease_ranges = 1;  // more ranges in the message than in the lease
+  EXPECT_NE(refusal(ew::encode(m)).find("2 ranges in a message of a lease of 1"), std::string::npos);
+  m = lease_message(2);
+  m.ranges[1].length = 0;
+  EXPECT_NE(refusal(ew::encode(m)).find("range"), std::string::npos);
+  m = lease_message(1);
+  m.ranges[0] = {~std::uint64_t{0} - 10, 4096, 1};  // wraps
+  EXPECT_NE(refusal(ew::encode(m)).find("range"), std::string::npos);
+}
+
 TEST(EngineWire, FieldsAreBigEndianAtFixedOffsets) {
   const auto b = ew::encode(ew::segment("s", {0x1122334455667788, 0x10, 0xaabbccdd, Access::remote_write}));
-  const std::vector<std::uint8_t> want = {0xE7, 5, 2, 1, 's', 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88,
+  const std::vector<std::uint8_t> want = {0xE7, 6, 2, 1, 's', 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88,
                                           0, 0, 0, 0, 0, 0, 0, 0x10, 0xaa, 0xbb, 0xcc, 0xdd, 0, 0, 0, 4};
   EXPECT_EQ(b, want);
 }
@@ -69,11 +133,11 @@ TEST(EngineWire, MalformedMessagesAreRefusedWithAReason) {
   bad[0] = 0;
   EXPECT_NE(refusal(bad).find("bad magic"), std::string::npos);
   bad = good;
-  bad[1] = 4;  // before the request id in NOTIFY
-  EXPECT_NE(refusal(bad).find("version 4; this engine speaks 5"), std::string::npos);
+  bad[1] = 5;  // before leases
+  EXPECT_NE(refusal(bad).find("version 5; this engine speaks 6"), std::string::npos);
   bad = good;
-  bad[2] = 10;
-  EXPECT_NE(refusal(bad).find("unknown kind 10"), std::string::npos);
+  bad[2] = 14;
+  EXPECT_NE(refusal(bad).find("unknown kind 14"), std::string::npos);
   for (std::size_t cut = 0; cut < good.size(); ++cut) {
     EXPECT_FALSE(refusal({good.begin(), good.begin() + static_cast<std::ptrdiff_t>(cut)}).empty()) << cut;
   }
