@@ -224,8 +224,9 @@ enum class TransferStatus : std::uint8_t {
   failed,         ///< an error completion (remote access error, retries exceeded, ...)
   cancelled,      ///< Batch::cancel() ended it before any of it was posted: nothing of it moved
   lease_expired,  ///< the lease that gave access to the peer's range has ended (the reason says
-                  ///< which and why): refused before posting, or by the peer's NIC after its
-                  ///< window went; no byte of the range was read or written
+                  ///< which and why): refused before posting (nothing moved), or by the peer's
+                  ///< NIC or worker after its window went (nothing of that request moved; of a
+                  ///< transfer cut into parts, parts before it may have; the link breaks on it)
 };
 [[nodiscard]] const char* to_string(TransferStatus status) noexcept;
 
@@ -587,12 +588,15 @@ class Engine {
   /// Grants `peer` (an entry as in EngineConfig::allowed_peers) `access` to `ranges` of this
   /// engine's segments for `ttl` (1 ms .. 1 hour): a memory window per range on every link the
   /// peer has opened here, and on those it opens while the lease lasts, announced to it with the
-  /// lease's id, which this returns. The lease ends when its time passes without a renewal, its
+  /// lease's id, which this returns (adjacent or overlapping ranges of a segment are merged into
+  /// one window, and the holder sees them merged). The lease ends when its time passes without a renewal, its
   /// holder releases it, end_lease() ends it, the last link that holds its windows closes (the
   /// holder died, or was revoked or removed), or a segment it covers is withdrawn; then its windows are invalidated, and only after that is this engine told
-  /// (next_lease_end, EngineConfig::on_lease_end). Throws Error (EINVAL) naming the range for an
-  /// unknown segment, a range outside it, or access the segment does not allow; (ENOTSUP) where
-  /// the device has no memory windows (EngineInfo::memory_windows).
+  /// (next_lease_end, EngineConfig::on_lease_end). With workers == 0, leases end and renewals
+  /// are answered only while the application drives progress(). Throws Error (EINVAL) naming the
+  /// range for an unknown segment, one not exposed with expose_leased() (its standing windows
+  /// would outlive the lease), a range outside it, or access the segment does not allow;
+  /// (ENOTSUP) where the device has no memory windows (EngineInfo::memory_windows).
   std::uint64_t grant(const std::string& peer, std::span<const LeaseRange> ranges, Access access,
                       std::chrono::milliseconds ttl);
   /// Ends a lease this engine granted (LeaseCause::revoked); false if it had ended already. It

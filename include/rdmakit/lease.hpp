@@ -45,7 +45,9 @@ struct HeldLease {
   Access access = Access::none;
   /// When the holder stops using it, on its own clock: when the grant (or the last renewal's
   /// answer) arrived, plus its time, less a twentieth of it (at most 100 ms) for the message's
-  /// way here, so that the holder stops before the granting engine ends it.
+  /// way here, so that the holder stops before the granting engine ends it (not so for a ttl
+  /// of under 20 ms, or a message slower than the guard: the target's NIC refuses what comes
+  /// late, as lease_expired).
   std::chrono::steady_clock::time_point expires{};
   bool ended = false;
   std::string reason;  ///< why it ended

@@ -124,7 +124,7 @@ void bind_batch(py::module_& m) {
             return py::make_tuple(to_string(r.status), r.reason);
           },
           "Transfer i's (status, reason); status is \"pending\", \"ok\", \"invalid\", "
-          "\"no_segment\", \"connect_failed\", \"peer_lost\", \"failed\" or \"cancelled\".")
+          "\"no_segment\", \"connect_failed\", \"peer_lost\", \"failed\", \"cancelled\" or \"lease_expired\".")
       .def(
           "cancel",
           [](const PyBatch& b) {

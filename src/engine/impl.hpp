@@ -574,6 +574,13 @@ class Worker {
   void refresh_remote(Link& l);
   /// Initiated link `l` goes: what it held ends with it.
   void held_link_gone(Link& l, const std::string& why) noexcept;
+  /// Whether `p` holds leases (or has a release to send): its link is opened again when it breaks.
+  [[nodiscard]] bool holds_leases(const Peer& p) const noexcept;
+  /// `l` (the peer's first rail) is synced: the peer announced every lease it still holds for
+  /// this engine before SYNCED, so the others ended; releases made meanwhile go now.
+  void held_after_sync(Link& l) noexcept;
+  /// Every live lease of `p` ends here (the peer restarted).
+  void forget_held(Peer& p, const std::string& why);
   /// Command::renew.
   void renew(Peer& p, std::uint64_t lease, std::uint32_t ttl_ms);
   /// A transfer to a slot with no standing window: the range of a lease the link holds that

@@ -1,5 +1,7 @@
 // Leases, the application's side (leases.hpp): grant, end, the ends' queue; and the holder's
 // lease(), renew(), release(). The workers' side is worker_leases.cpp.
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "engine/admission.hpp"
@@ -59,6 +61,11 @@ std::uint64_t Engine::grant(const std::string& peer, std::span<const LeaseRange>
         throw Error("grant", EINVAL, fmt::format("range {}: no segment '{}'", i, r.segment));
       }
       const detail::SegmentDef& d = it->second;
+      if (!d.leased) {
+        // Its standing windows would outlive the lease: taking it back would take nothing back.
+        throw Error("grant", EINVAL, fmt::format("range {}: segment '{}' is exposed to peers for good, not for leases", i, r.segment),
+                    "expose it with expose_leased()");
+      }
       if (r.length == 0 || r.offset > d.length || r.length > d.length - r.offset) {
         throw Error("grant", EINVAL, fmt::format("range {}: [{}, +{}) is not inside segment '{}' of {} bytes", i,
                                                  r.offset, r.length, r.segment, d.length));
@@ -69,7 +76,28 @@ std::uint64_t Engine::grant(const std::string& peer, std::span<const LeaseRange>
       }
       s->ranges.push_back({r.segment, d.buffer, d.generation, d.offset + r.offset, r.offset, r.length});
     }
+    // Adjacent or overlapping ranges of one segment are one window: a request's blocks are
+    // often runs of neighbours (and a whole layer is one range).
+    std::sort(s->ranges.begin(), s->ranges.end(), [](const LeaseState::Range& x, const LeaseState::Range& y) {
+      return x.segment != y.segment ? x.segment < y.segment : x.in_segment < y.in_segment;
+    });
+    std::vector<LeaseState::Range> merged;
+    for (LeaseState::Range& r : s->ranges) {
+      if (!merged.empty() && merged.back().segment == r.segment &&
+          r.in_segment <= merged.back().in_segment + merged.back().length) {
+        LeaseState::Range& m = merged.back();
+        const std::uint64_t end = std::max(m.in_segment + m.length, r.in_segment + r.length);
+        m.length = end - m.in_segment;
+        continue;
+      }
+      merged.push_back(std::move(r));
+    }
+    s->ranges = std::move(merged);
+    // Ids start at a random point per process: a holder never takes a lease of the engine's
+    // next process for one of this one's.
+    if (impl_->leases_made == 0) impl_->leases_made = (impl_->salt >> 1) | 1;
     s->id = ++impl_->leases_made;
+    if (s->id == 0) s->id = ++impl_->leases_made;
     s->deadline.store(LeaseState::now_ns() + std::chrono::duration_cast<std::chrono::nanoseconds>(ttl).count());
     impl_->leases[s->id] = s;
   }

@@ -96,6 +96,7 @@ struct HeldRecord {
   std::uint32_t total = 0;           // ranges the lease has
   std::uint64_t from_link = 0;       // the serial of the link whose LEASE messages filled it
   std::uint64_t order = 0;           // when it ended (the oldest ended go first)
+  bool release_pending = false;      // released here with no link up: RENEW 0 goes on the next
   [[nodiscard]] bool complete() const noexcept { return info.ranges.size() >= total; }
 };
 

@@ -14,10 +14,17 @@ namespace ew = engine_wire;
 namespace {
 
 constexpr std::size_t kHeldEnded = 256;       // ended leases a peer's record keeps (lease_expired's reasons)
-constexpr std::size_t kLinkRanges = 1u << 20;  // ranges one link may hold (a peer that floods LEASE loses it)
+constexpr std::size_t kEndedRanges = 4096;     // ... with their ranges, up to this many each
+constexpr std::size_t kLinkRanges = 1u << 18;  // ranges one link may hold (a peer that floods LEASE loses it)
+constexpr std::size_t kLinkLeases = 4096;      // leases one link may hold
 
 std::int64_t ns_of(Deadline t) noexcept {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+// Whether [offset, offset + length) of a segment holds all of transfer t's remote range.
+bool covers(std::uint64_t offset, std::uint64_t length, const Transfer& t) noexcept {
+  return offset <= t.remote_offset && t.remote_offset - offset <= length && t.length <= length - (t.remote_offset - offset);
 }
 
 std::string printable(std::string s) {
@@ -250,6 +257,9 @@ void Worker::refresh_remote(Link& l) {
 void Worker::on_lease(Link& l, const ew::Message& m) {
   if (!l.initiated) return break_link(l, "it announced a lease on a link it opened (only the accepting side does)");
   Peer& p = *l.peer;
+  if (l.lease_ranges.count(m.lease) == 0 && l.lease_ranges.size() >= kLinkLeases) {
+    return break_link(l, fmt::format("it announced more than {} leases on one link", kLinkLeases));
+  }
   std::uint32_t& seen = l.lease_ranges[m.lease];
   std::size_t held_here = 0;
   for (const auto& v : l.leased) held_here += v.size();
@@ -267,15 +277,18 @@ void Worker::on_lease(Link& l, const ew::Message& m) {
   if (l.leased.size() <= slot) l.leased.resize(slot + 1);
   auto& v = l.leased[slot];
   for (const ew::LeaseWire& w : m.ranges) {
-    LeasedRange r{w.offset, w.length, m.lease, {m.region.addr, w.offset + w.length, w.rkey, m.region.access}};
-    v.insert(std::upper_bound(v.begin(), v.end(), r.offset, [](std::uint64_t o, const LeasedRange& x) { return o < x.offset; }),
-             r);
+    v.push_back({w.offset, w.length, m.lease, {m.region.addr, w.offset + w.length, w.rkey, m.region.access}});
   }
-  refresh_remote(l);
+  // The data path learns the ranges once the lease has all of them here (one rebuild a lease).
+  if (seen == m.lease_ranges) refresh_remote(l);
   const auto ttl = std::chrono::milliseconds{m.ttl_ms};
   std::lock_guard lock(p.m);
   HeldRecord& h = p.held[m.lease];
-  if (h.from_link == 0) h.from_link = l.serial;
+  if (h.from_link == 0) {
+    h.from_link = l.serial;  // the first link to announce it, or the next after that one went
+    h.info.ranges.clear();
+    h.slots.clear();
+  }
   if (h.from_link == l.serial) {
     h.info.lease = m.lease;
     h.info.access = m.region.access;
@@ -320,6 +333,11 @@ void Worker::drop_held(Peer& p, std::uint64_t id, const std::string& reason) {
   h.info.ended = true;
   h.info.reason = reason;
   h.order = ++p.held_ended;
+  if (h.info.ranges.size() > kEndedRanges) {
+    // Kept small: transfers in its ranges then end no_segment rather than lease_expired.
+    h.info.ranges.clear();
+    h.slots.clear();
+  }
   // The oldest ended records go beyond kHeldEnded (their transfers end no_segment then).
   std::size_t ended = 0;
   for (const auto& [k, o] : p.held) ended += o.info.ended ? 1 : 0;
@@ -334,33 +352,78 @@ void Worker::drop_held(Peer& p, std::uint64_t id, const std::string& reason) {
   p.cv.notify_all();
 }
 
-void Worker::held_link_gone(Link& l, const std::string& why) noexcept {
+void Worker::held_link_gone(Link& l, const std::string& /*why*/) noexcept {
   if (l.lease_ranges.empty()) return;
+  // Its leases are not over: the peer keeps them for a moment (LeaseState::kOrphanGrace) and
+  // binds them on the next link, whose SYNCED comes after their LEASE (held_after_sync ends
+  // those it did not announce again). Here they only leave this link.
   Peer& p = *l.peer;
-  auto elsewhere = [&](std::uint64_t id) {
-    auto has = [&](const Link* o) { return o != nullptr && o != &l && ready(o) && o->lease_ranges.count(id) != 0; };
-    if (has(p.link)) return true;
-    return std::any_of(p.rails.begin(), p.rails.end(), [&](const auto& r) { return has(r->link); });
-  };
-  std::vector<std::uint64_t> ids;
-  for (const auto& [id, n] : l.lease_ranges) {
-    if (!elsewhere(id)) ids.push_back(id);  // another link has its windows: it lasts there
-  }
-  for (const std::uint64_t id : ids) {
-    try {
-      // Its windows were on the link: the peer ends the lease as it sees the link close.
-      drop_held(*l.peer, id, fmt::format("lease {} of peer '{}' ended with its link: {}", id, l.peer->name, why));
-    } catch (...) {
-    }
+  l.lease_ranges.clear();
+  l.leased.clear();
+  std::lock_guard lock(p.m);
+  for (auto& [id, h] : p.held) {
+    if (h.from_link == l.serial) h.from_link = 0;  // the next link's announcement fills it again
   }
 }
 
+bool Worker::holds_leases(const Peer& p) const noexcept {
+  return std::any_of(p.held.begin(), p.held.end(), [](const auto& kv) { return !kv.second.info.ended || kv.second.release_pending; });
+}
+
+void Worker::held_after_sync(Link& l) noexcept {
+  Peer& p = *l.peer;
+  if (p.held.empty()) return;
+  try {
+    std::vector<std::uint64_t> gone, releases;
+    for (const auto& [id, h] : p.held) {
+      if (h.release_pending) releases.push_back(id);
+      if (!h.info.ended && l.lease_ranges.count(id) == 0) gone.push_back(id);
+    }
+    for (const std::uint64_t id : gone) {
+      drop_held(p, id, fmt::format("peer '{}' no longer holds lease {}: it ended while no link to it was up", p.name, id));
+    }
+    for (const std::uint64_t id : releases) {
+      send(l, ew::renew(ew::Kind::renew, id, 0));
+      std::lock_guard lock(p.m);
+      p.held[id].release_pending = false;
+    }
+  } catch (const std::exception& ex) {
+    log(fmt::format("engine {}: leases of '{}' after a new link: {}", e_.name, p.name, ex.what()));
+  }
+}
+
+void Worker::forget_held(Peer& p, const std::string& why) {
+  std::vector<std::uint64_t> ids;
+  for (const auto& [id, h] : p.held) {
+    if (!h.info.ended) ids.push_back(id);
+  }
+  for (const std::uint64_t id : ids) drop_held(p, id, fmt::format("lease {} of peer '{}': {}", id, p.name, why));
+}
+
 void Worker::renew(Peer& p, std::uint64_t lease, std::uint32_t ttl_ms) {
-  if (ttl_ms == 0) drop_held(p, lease, fmt::format("lease {} was released by this engine", lease));
-  if (!ready(p.link)) {
-    // No link: its windows went with the last one, and the peer ended the lease then.
-    return log(fmt::format("engine {}: no link to '{}' to {} lease {} on", e_.name, p.name,
-                           ttl_ms == 0 ? "release" : "renew", lease));
+  if (ttl_ms == 0) {
+    drop_held(p, lease, fmt::format("lease {} was released by this engine", lease));
+    if (!ready(p.link)) {
+      // Said on the next link (held_after_sync), which is opened now: the peer would keep the
+      // ranges until the lease's end otherwise.
+      {
+        std::lock_guard lock(p.m);
+        p.held[lease].release_pending = true;
+      }
+      if (p.link == nullptr && !p.connecting && !p.removed.load() && !p.gone.load()) {
+        p.connecting = true;
+        e_.request_connect(&p);
+      }
+      return;
+    }
+  } else {
+    const auto it = p.held.find(lease);
+    if (it != p.held.end() && it->second.info.ended) return;  // nothing to renew
+    if (!ready(p.link)) {
+      return log(fmt::format("engine {}: no link to '{}' to renew lease {} on (it is renewed on none: the peer "
+                             "keeps it while a link comes back within a second)",
+                             e_.name, p.name, lease));
+    }
   }
   send(*p.link, ew::renew(ew::Kind::renew, lease, ttl_ms));
 }
@@ -372,8 +435,7 @@ const HeldRecord* Worker::covering(const Peer& p, const Xfer& x) const noexcept 
   for (const auto& [id, h] : p.held) {
     for (std::size_t i = 0; i < h.info.ranges.size() && i < h.slots.size(); ++i) {
       const LeaseRange& r = h.info.ranges[i];
-      if (h.slots[i] == t.remote.slot && r.offset <= t.remote_offset && t.remote_offset - r.offset <= r.length &&
-          t.length <= r.length - (t.remote_offset - r.offset)) {
+      if (h.slots[i] == t.remote.slot && covers(r.offset, r.length, t)) {
         if (!h.info.ended) return &h;
         if (best == nullptr || h.order > best->order) best = &h;
         break;
@@ -385,8 +447,17 @@ const HeldRecord* Worker::covering(const Peer& p, const Xfer& x) const noexcept 
 
 const HeldRecord* Worker::leased_refusal(const Link& l, const Xfer& x) const noexcept {
   if (!l.initiated || l.peer == nullptr) return nullptr;
-  const std::uint32_t slot = x.t->remote.slot;
+  const Transfer& t = *x.t;
+  const std::uint32_t slot = t.remote.slot;
   if (slot < l.by_slot.size() && l.by_slot[slot].has_value()) return nullptr;  // a standing window's
+  // The lease it was posted through: the first range lease_region would have taken.
+  if (slot < l.leased.size()) {
+    for (const LeasedRange& r : l.leased[slot]) {
+      if (!covers(r.offset, r.length, t)) continue;
+      const auto it = l.peer->held.find(r.lease);
+      if (it != l.peer->held.end() && !it->second.info.ended) return &it->second;
+    }
+  }
   return covering(*l.peer, x);
 }
 
@@ -394,9 +465,8 @@ const RemoteRegion* Worker::lease_region(Link& l, Xfer& x) {
   const Transfer& t = *x.t;
   Peer& p = *l.peer;
   if (t.remote.slot < l.leased.size()) {
-    for (const LeasedRange& r : l.leased[t.remote.slot]) {
-      if (r.offset > t.remote_offset) break;
-      if (t.remote_offset - r.offset > r.length || t.length > r.length - (t.remote_offset - r.offset)) continue;
+    for (const LeasedRange& r : l.leased[t.remote.slot]) {  // in the order announced
+      if (!covers(r.offset, r.length, t)) continue;
       const auto it = p.held.find(r.lease);
       if (it == p.held.end() || it->second.info.ended) continue;
       if (Clock::now() >= it->second.info.expires) {

@@ -121,8 +121,9 @@ void Worker::bind_window(Link& l, const SegmentDef& def) {
   if (def.leased) return;  // reached through leases only (bind_lease)
   // Once per segment and link: an expose() that lands after the link's grant took the segment
   // would bind a second window (and announce a second key) for it.
-  if (std::any_of(l.windows.begin(), l.windows.end(), [&](const auto& w) { return w->segment == def.name; }) ||
-      std::any_of(l.binds_waiting.begin(), l.binds_waiting.end(), [&](const SegmentDef& d) { return d.name == def.name; })) {
+  if (std::any_of(l.windows.begin(), l.windows.end(), [&](const auto& w) { return w->segment == def.name && w->lease == 0; }) ||
+      std::any_of(l.binds_waiting.begin(), l.binds_waiting.end(),
+                  [&](const SegmentDef& d) { return d.name == def.name && d.lease == 0; })) {
     return;
   }
   if (!e_.windows && !e_.is_soft(l.device)) {
@@ -377,6 +378,7 @@ void Worker::make_ready(Link& l) {
     l.rail->reason.clear();
   }
   l.rail->backoff = std::chrono::milliseconds{0};
+  if (first) held_after_sync(l);
   Fifo<Xfer*> waiting;
   std::swap(waiting, p.waiting);
   for (; !waiting.empty(); waiting.pop_front()) start_transfer(p, *waiting.front());
@@ -421,7 +423,7 @@ void Worker::break_link(Link& l, const std::string& why) {
     Peer& p = *l.peer;
     p.link = nullptr;
     // Transfers that waited for this link to be ready: another attempt, unless the peer is gone.
-    if (!p.waiting.empty() && !p.removed.load() && !p.gone.load() && !p.connecting) {
+    if ((!p.waiting.empty() || holds_leases(p)) && !p.removed.load() && !p.gone.load() && !p.connecting) {
       p.connecting = true;
       e_.request_connect(&p);
     }
@@ -540,7 +542,8 @@ bool Worker::evict_one() {
                                          l->peer->waiting.empty() && now - l->last_used >= e_.cfg.idle_after / 20
                                    : l->binds_pending == 0 && l->binds_waiting.empty() &&
                                          now - l->last_used >= e_.cfg.idle_after;
-    if (!idle) continue;
+    // A link that holds leases' windows (or uses them) is not idle: its lease would end with it.
+    if (!idle || !l->leases.empty() || !l->lease_ranges.empty()) continue;
     if (victim == nullptr || (l->initiated && !victim->initiated) ||
         (l->initiated == victim->initiated && l->last_used < victim->last_used)) {
       victim = l.get();

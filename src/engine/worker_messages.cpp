@@ -57,6 +57,7 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
             }
           }
         }
+        if (restarted) forget_held(*l.peer, "the peer restarted (its leases were its earlier process's)");
         l.peer->epoch = m.epoch;
       } else {
         // The same engine opened a link with a new epoch: it restarted, and its links of the old
@@ -83,9 +84,7 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
       const std::uint32_t slot = e_.slot_of(*l.peer, m.name);
       if (l.by_slot.size() <= slot) l.by_slot.resize(slot + 1);
       l.by_slot[slot] = m.kind == ew::Kind::segment ? std::optional<RemoteRegion>(m.region) : std::nullopt;
-      std::vector<RemoteRegion> all;
-      for (const auto& [n, r] : l.remote) all.push_back(r);
-      l.impl.dp.set_remote(std::move(all), l.impl.info.atomics);
+      refresh_remote(l);  // the leases' ranges stay
       break;
     }
     case ew::Kind::synced:

@@ -614,7 +614,8 @@ void Worker::on_news(Link& l, const Completion& c, std::uint64_t seq, bool part)
       const std::uint64_t id = h->info.lease;
       drop_held(*l.peer, id, fmt::format("peer '{}' refused it ({}): lease {} had ended there", l.peer->name,
                                          c.status_name(), id));
-      end(*x, TransferStatus::lease_expired, l.peer->held[id].info.reason);
+      const auto rec = l.peer->held.find(id);
+      end(*x, TransferStatus::lease_expired, rec != l.peer->held.end() ? rec->second.info.reason : std::string("lease ended"));
     } else {
       // The link breaks on it (the data path's one break routine); ended when the link is reaped.
       // What the peer refused, or this side got wrong, would fail on any rail; the rest (retries
