@@ -596,6 +596,7 @@ class Engine {
   /// are answered only while the application drives progress(). Throws Error (EINVAL) naming the
   /// range for an unknown segment, one not exposed with expose_leased() (its standing windows
   /// would outlive the lease), a range outside it, or access the segment does not allow;
+  /// (EBUSY) for one that would give `peer` more than 4,096 leases or 262,144 ranges at once;
   /// (ENOTSUP) where the device has no memory windows (EngineInfo::memory_windows).
   std::uint64_t grant(const std::string& peer, std::span<const LeaseRange> ranges, Access access,
                       std::chrono::milliseconds ttl);

@@ -54,6 +54,7 @@ Engine::Impl::Impl(EngineConfig c)
   for (std::uint32_t i = 0; i < kMaxPeers; ++i) peer_table[i].store(nullptr, std::memory_order_relaxed);
   for (std::uint32_t i = 0; i < kMaxPeers; ++i) peer_worker[i].store(0, std::memory_order_relaxed);
   salt = fresh_epoch();
+  leases_made = fresh_epoch() >> 1;  // lease ids start at a random point (their own: they are shown to peers)
   name = cfg.name.empty() ? default_name() : cfg.name;
   detail::check_engine_name(name, "engine name");
   detail::check_key(cfg.link.psk);

@@ -835,7 +835,9 @@ struct Engine::Impl {
 
   // Leases granted (Engine::grant), while they last; under mu.
   std::map<std::uint64_t, std::shared_ptr<detail::LeaseState>> leases;
-  std::uint64_t leases_made = 0;  // under mu
+  std::uint64_t leases_made = 0;  // under mu; from a random start
+  // Under mu: live leases and their ranges, by the peer entry granted to (bounded as a link is).
+  std::map<std::string, std::pair<std::uint64_t, std::uint64_t>> leased_to;
   /// Ends lease `s` (once: false if it had ended) and tells every worker to drop its windows.
   bool end_lease(const std::shared_ptr<detail::LeaseState>& s, LeaseCause cause, std::string reason) noexcept;
   /// A worker dropped its windows of `s`: the last tells the application.

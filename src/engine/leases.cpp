@@ -93,11 +93,21 @@ std::uint64_t Engine::grant(const std::string& peer, std::span<const LeaseRange>
       merged.push_back(std::move(r));
     }
     s->ranges = std::move(merged);
-    // Ids start at a random point per process: a holder never takes a lease of the engine's
-    // next process for one of this one's.
-    if (impl_->leases_made == 0) impl_->leases_made = (impl_->salt >> 1) | 1;
+    // Ids start at a random point per process (Impl's constructor): a holder never takes a
+    // lease of the engine's next process for one of this one's.
     s->id = ++impl_->leases_made;
     if (s->id == 0) s->id = ++impl_->leases_made;
+    // What a holder takes on one link (worker_leases.cpp): more would break its link.
+    auto& [leases_now, ranges_now] = impl_->leased_to[peer];
+    if (leases_now + 1 > detail::kLinkLeases || ranges_now + s->ranges.size() > detail::kLinkRanges) {
+      throw Error("grant", EBUSY,
+                  fmt::format("'{}' holds {} leases of {} ranges here; one more of {} would pass what a link takes "
+                              "({} leases, {} ranges)",
+                              peer, leases_now, ranges_now, s->ranges.size(), detail::kLinkLeases, detail::kLinkRanges),
+                  "end or let expire some of its leases first");
+    }
+    ++leases_now;
+    ranges_now += s->ranges.size();
     s->deadline.store(LeaseState::now_ns() + std::chrono::duration_cast<std::chrono::nanoseconds>(ttl).count());
     impl_->leases[s->id] = s;
   }
@@ -155,6 +165,14 @@ bool Engine::Impl::end_lease(const std::shared_ptr<LeaseState>& s, LeaseCause ca
 void Engine::Impl::lease_dropped(const std::shared_ptr<LeaseState>& s) noexcept {
   if (s->workers_left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   count.leases_ended.fetch_add(1, std::memory_order_relaxed);
+  {
+    std::lock_guard lock(mu);
+    if (const auto it = leased_to.find(s->peer); it != leased_to.end()) {
+      it->second.first -= std::min<std::uint64_t>(it->second.first, 1);
+      it->second.second -= std::min<std::uint64_t>(it->second.second, s->ranges.size());
+      if (it->second.first == 0) leased_to.erase(it);
+    }
+  }
   try {
     LeaseEnd e{s->id, s->peer, s->cause, s->reason};
     if (cfg.on_lease_end) {

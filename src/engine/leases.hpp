@@ -100,6 +100,11 @@ struct HeldRecord {
   [[nodiscard]] bool complete() const noexcept { return info.ranges.size() >= total; }
 };
 
+// What a holder takes from its peer on one link (a peer that announces more loses the link), and
+// what a granting engine gives one peer entry.
+inline constexpr std::size_t kLinkLeases = 4096;
+inline constexpr std::size_t kLinkRanges = 1u << 18;
+
 /// How long before its granted end a holder stops using a lease: a twentieth, at most 100 ms.
 [[nodiscard]] inline std::chrono::milliseconds lease_guard(std::chrono::milliseconds ttl) noexcept {
   return std::min(ttl / 20, std::chrono::milliseconds{100});

@@ -15,8 +15,7 @@ namespace {
 
 constexpr std::size_t kHeldEnded = 256;       // ended leases a peer's record keeps (lease_expired's reasons)
 constexpr std::size_t kEndedRanges = 4096;     // ... with their ranges, up to this many each
-constexpr std::size_t kLinkRanges = 1u << 18;  // ranges one link may hold (a peer that floods LEASE loses it)
-constexpr std::size_t kLinkLeases = 4096;      // leases one link may hold
+
 
 std::int64_t ns_of(Deadline t) noexcept {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
@@ -257,22 +256,30 @@ void Worker::refresh_remote(Link& l) {
 void Worker::on_lease(Link& l, const ew::Message& m) {
   if (!l.initiated) return break_link(l, "it announced a lease on a link it opened (only the accepting side does)");
   Peer& p = *l.peer;
+  {
+    std::lock_guard lock(p.m);
+    const auto it = p.held.find(m.lease);
+    if (it != p.held.end() && it->second.info.ended) {
+      // Ended here (released, or known gone) while the peer still binds it: it is given back.
+      if (!it->second.release_pending) send(l, ew::renew(ew::Kind::renew, m.lease, 0));
+      return;
+    }
+  }
+  auto violation = [&](std::string why) {
+    forget_held(p, "its peer broke the lease protocol: " + why);  // not relinked for them
+    break_link(l, why);
+  };
   if (l.lease_ranges.count(m.lease) == 0 && l.lease_ranges.size() >= kLinkLeases) {
-    return break_link(l, fmt::format("it announced more than {} leases on one link", kLinkLeases));
+    return violation(fmt::format("it announced more than {} leases on one link", kLinkLeases));
   }
   std::uint32_t& seen = l.lease_ranges[m.lease];
   std::size_t held_here = 0;
   for (const auto& v : l.leased) held_here += v.size();
   if (seen + m.ranges.size() > m.lease_ranges || held_here + m.ranges.size() > kLinkRanges || m.lease_ranges > 65536) {
-    return break_link(l, fmt::format("it announced {} more ranges of lease {} ({} came, of {}; {} on the link)",
-                                     m.ranges.size(), m.lease, seen, m.lease_ranges, held_here));
+    return violation(fmt::format("it announced {} more ranges of lease {} ({} came, of {}; {} on the link)",
+                                 m.ranges.size(), m.lease, seen, m.lease_ranges, held_here));
   }
   const std::uint32_t slot = e_.slot_of(p, m.name);
-  {
-    std::lock_guard lock(p.m);
-    const auto it = p.held.find(m.lease);
-    if (it != p.held.end() && it->second.info.ended) return;  // released here meanwhile
-  }
   seen += static_cast<std::uint32_t>(m.ranges.size());
   if (l.leased.size() <= slot) l.leased.resize(slot + 1);
   auto& v = l.leased[slot];
@@ -344,8 +351,12 @@ void Worker::drop_held(Peer& p, std::uint64_t id, const std::string& reason) {
   while (ended > kHeldEnded) {
     auto oldest = p.held.end();
     for (auto it = p.held.begin(); it != p.held.end(); ++it) {
-      if (it->second.info.ended && (oldest == p.held.end() || it->second.order < oldest->second.order)) oldest = it;
+      if (it->second.info.ended && !it->second.release_pending &&
+          (oldest == p.held.end() || it->second.order < oldest->second.order)) {
+        oldest = it;
+      }
     }
+    if (oldest == p.held.end()) break;  // all of them still to be released
     p.held.erase(oldest);
     --ended;
   }
@@ -375,9 +386,15 @@ void Worker::held_after_sync(Link& l) noexcept {
   if (p.held.empty()) return;
   try {
     std::vector<std::uint64_t> gone, releases;
+    // Held on another rail's live link: announced there (it may come here after SYNCED).
+    auto elsewhere = [&](std::uint64_t id) {
+      return std::any_of(p.rails.begin(), p.rails.end(), [&](const auto& r) {
+        return r->link != nullptr && r->link != &l && ready(r->link) && r->link->lease_ranges.count(id) != 0;
+      });
+    };
     for (const auto& [id, h] : p.held) {
       if (h.release_pending) releases.push_back(id);
-      if (!h.info.ended && l.lease_ranges.count(id) == 0) gone.push_back(id);
+      if (!h.info.ended && l.lease_ranges.count(id) == 0 && !elsewhere(id)) gone.push_back(id);
     }
     for (const std::uint64_t id : gone) {
       drop_held(p, id, fmt::format("peer '{}' no longer holds lease {}: it ended while no link to it was up", p.name, id));
@@ -385,7 +402,7 @@ void Worker::held_after_sync(Link& l) noexcept {
     for (const std::uint64_t id : releases) {
       send(l, ew::renew(ew::Kind::renew, id, 0));
       std::lock_guard lock(p.m);
-      p.held[id].release_pending = false;
+      if (const auto it = p.held.find(id); it != p.held.end()) it->second.release_pending = false;
     }
   } catch (const std::exception& ex) {
     log(fmt::format("engine {}: leases of '{}' after a new link: {}", e_.name, p.name, ex.what()));

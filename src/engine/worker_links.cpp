@@ -102,6 +102,8 @@ void Worker::grant(Link& l) {
 
 void Worker::connect_failed(Peer& p, const std::string& why) {
   p.connecting = false;
+  // Its leases' windows went with its last link, and no link comes back to carry them again.
+  if (holds_leases(p)) forget_held(p, "no link to it: " + why);
   fail_waiting(p, TransferStatus::connect_failed, why);
   not_linked(p, why);
 }

@@ -609,13 +609,14 @@ void Worker::on_news(Link& l, const Completion& c, std::uint64_t seq, bool part)
       lost(l, *x, TransferStatus::peer_lost,
            fmt::format("peer '{}': {}", l.peer->name, dp.failure().empty() ? "the link broke" : dp.failure()));
     } else if (const HeldRecord* h = c.status == IBV_WC_REM_ACCESS_ERR ? leased_refusal(l, *x) : nullptr) {
-      // The peer's NIC refused a lease's range: the lease ended there before the request came
-      // (the link breaks on it, as on any access error). Nothing of the range moved.
-      const std::uint64_t id = h->info.lease;
-      drop_held(*l.peer, id, fmt::format("peer '{}' refused it ({}): lease {} had ended there", l.peer->name,
-                                         c.status_name(), id));
-      const auto rec = l.peer->held.find(id);
-      end(*x, TransferStatus::lease_expired, rec != l.peer->held.end() ? rec->second.info.reason : std::string("lease ended"));
+      // The peer's NIC refused a lease's range: the lease it went through ended there before the
+      // request came (the link breaks on it, as on any access error). Nothing of it moved. Which
+      // lease that was (another may cover the same range) the peer's LEASE_END says, or the next
+      // link's SYNCED: none is ended here on a guess.
+      end(*x, TransferStatus::lease_expired,
+          fmt::format("peer '{}' refused it ({}): the lease it went through (lease {}, or another that covers the "
+                      "range) had ended there",
+                      l.peer->name, c.status_name(), h->info.lease));
     } else {
       // The link breaks on it (the data path's one break routine); ended when the link is reaped.
       // What the peer refused, or this side got wrong, would fail on any rail; the rest (retries
