@@ -590,8 +590,8 @@ class Engine {
   /// peer has opened here, and on those it opens while the lease lasts, announced to it with the
   /// lease's id, which this returns (adjacent or overlapping ranges of a segment are merged into
   /// one window, and the holder sees them merged). The lease ends when its time passes without a renewal, its
-  /// holder releases it, end_lease() ends it, the last link that holds its windows closes (the
-  /// holder died, or was revoked or removed), or a segment it covers is withdrawn; then its windows are invalidated, and only after that is this engine told
+  /// holder releases it, end_lease() ends it, the last link that holds its windows closes and
+  /// none comes back within 3 s (the holder died, or was revoked or removed), or a segment it covers is withdrawn; then its windows are invalidated, and only after that is this engine told
   /// (next_lease_end, EngineConfig::on_lease_end). With workers == 0, leases end and renewals
   /// are answered only while the application drives progress(). Throws Error (EINVAL) naming the
   /// range for an unknown segment, one not exposed with expose_leased() (its standing windows

@@ -21,8 +21,8 @@ enum class LeaseCause : std::uint8_t {
   expired,    ///< its time passed without a renewal
   released,   ///< its holder released it (Engine::release)
   revoked,    ///< the granting engine ended it (Engine::end_lease)
-  peer_lost,  ///< the last link that held its windows closed: the holder died, restarted, was
-              ///< revoked, removed or evicted (its windows went with the link)
+  peer_lost,  ///< the last link that held its windows closed and none came back within 3 s: the
+              ///< holder died, restarted, was revoked or removed (its windows went with the link)
   withdrawn,  ///< a segment it covers was withdrawn
   failed,     ///< a window could not be bound for it (the reason says why)
 };

@@ -51,7 +51,7 @@ struct LeaseState {
   std::atomic<std::int64_t> orphaned{0};  // steady ns when its last link closed; 0: it has one, or never had
   std::mutex orphan_mu;
   std::string orphan_reason;  // under orphan_mu: why that link closed
-  static constexpr std::chrono::milliseconds kOrphanGrace{1000};
+  static constexpr std::chrono::milliseconds kOrphanGrace{3000};
 
   [[nodiscard]] static std::int64_t now_ns() noexcept {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();

@@ -438,7 +438,7 @@ void Worker::renew(Peer& p, std::uint64_t lease, std::uint32_t ttl_ms) {
     if (it != p.held.end() && it->second.info.ended) return;  // nothing to renew
     if (!ready(p.link)) {
       return log(fmt::format("engine {}: no link to '{}' to renew lease {} on (it is renewed on none: the peer "
-                             "keeps it while a link comes back within a second)",
+                             "keeps it while a link comes back within 3 s)",
                              e_.name, p.name, lease));
     }
   }

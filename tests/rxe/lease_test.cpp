@@ -234,7 +234,7 @@ TEST(Leases, EndedByTheTargetOrAWithdrawal) {
   for (int round = 0; round < 20; ++round) {
     ASSERT_TRUE(a.connect("b", 10s));
     const std::uint64_t id = b.engine.grant("a", ranges, Access::remote_read, 60s);
-    ASSERT_TRUE(a.lease("b", id, 5s).has_value()) << round;
+    ASSERT_TRUE(a.lease("b", id, 10s).has_value()) << round;
     ASSERT_EQ(read_block(a, dst, 1).status, TransferStatus::ok) << round;
     EXPECT_TRUE(b.engine.end_lease(id));
     EXPECT_FALSE(b.engine.end_lease(id));
@@ -249,9 +249,12 @@ TEST(Leases, EndedByTheTargetOrAWithdrawal) {
     std::memset(b.buf.addr, 0x44, b.buf.length);
   }
   EXPECT_EQ(called.load(), 20);
+  // A read the target refused broke the link (rdma; tcp and shm end theirs too): until the
+  // holder links again, connect() may answer from the link that is going, and a lease granted
+  // on it ends peer_lost if no link comes back in time. The holder's lease() links again.
   ASSERT_TRUE(a.connect("b", 10s));
   const std::uint64_t id = b.engine.grant("a", ranges, Access::remote_read, 60s);
-  ASSERT_TRUE(a.lease("b", id, 5s).has_value());
+  ASSERT_TRUE(a.lease("b", id, 10s).has_value());
   b.engine.withdraw("kv");
   const auto end = next_end(b.engine, 5s);
   ASSERT_TRUE(end.has_value());
