@@ -574,6 +574,8 @@ class Worker {
   void refresh_remote(Link& l);
   /// Initiated link `l` goes: what it held ends with it.
   void held_link_gone(Link& l, const std::string& why) noexcept;
+  /// Whether every ready link of `p` has all `total` ranges of lease `id`.
+  [[nodiscard]] bool on_every_rail(const Peer& p, std::uint64_t id, std::uint32_t total) const noexcept;
   /// Whether `p` holds leases (or has a release to send): its link is opened again when it breaks.
   [[nodiscard]] bool holds_leases(const Peer& p) const noexcept;
   /// `l` (the peer's first rail) is synced: the peer announced every lease it still holds for

@@ -198,7 +198,9 @@ std::optional<HeldLease> Engine::lease(const std::string& peer, std::uint64_t le
   std::unique_lock lock(p->m);
   for (;;) {
     const auto it = p->held.find(lease);
-    if (it != p->held.end() && (it->second.complete() || it->second.info.ended)) return it->second.info;
+    if (it != p->held.end() && ((it->second.complete() && it->second.everywhere) || it->second.info.ended)) {
+      return it->second.info;
+    }
     const auto now = detail::Clock::now();
     if (now >= until) return std::nullopt;
     if (!p->up && now >= next_kick) {

@@ -97,6 +97,9 @@ struct HeldRecord {
   std::uint64_t from_link = 0;       // the serial of the link whose LEASE messages filled it
   std::uint64_t order = 0;           // when it ended (the oldest ended go first)
   bool release_pending = false;      // released here with no link up: RENEW 0 goes on the next
+  // Every ready link of the peer (each rail) has all its ranges: what Engine::lease waits for, so
+  // that a transfer finds the lease's windows whichever rail takes it.
+  bool everywhere = false;
   [[nodiscard]] bool complete() const noexcept { return info.ranges.size() >= total; }
 };
 

@@ -296,6 +296,7 @@ void Worker::on_lease(Link& l, const ew::Message& m) {
     h.info.ranges.clear();
     h.slots.clear();
   }
+  if (seen == m.lease_ranges) h.everywhere = on_every_rail(p, m.lease, m.lease_ranges);
   if (h.from_link == l.serial) {
     h.info.lease = m.lease;
     h.info.access = m.region.access;
@@ -373,8 +374,23 @@ void Worker::held_link_gone(Link& l, const std::string& /*why*/) noexcept {
   l.leased.clear();
   std::lock_guard lock(p.m);
   for (auto& [id, h] : p.held) {
-    if (h.from_link == l.serial) h.from_link = 0;  // the next link's announcement fills it again
+    if (h.from_link == l.serial) {
+      h.from_link = 0;  // the next link's announcement fills it again
+      h.everywhere = false;
+    } else if (!h.info.ended && h.complete()) {
+      h.everywhere = on_every_rail(p, id, h.total);  // this link no longer counts (it is closing)
+    }
   }
+  p.cv.notify_all();
+}
+
+bool Worker::on_every_rail(const Peer& p, std::uint64_t id, std::uint32_t total) const noexcept {
+  auto has = [&](const Link* o) {
+    if (o == nullptr || !ready(o)) return true;  // not carrying transfers: it gets the lease before it does
+    const auto it = o->lease_ranges.find(id);
+    return it != o->lease_ranges.end() && it->second >= total;
+  };
+  return has(p.link) && std::all_of(p.rails.begin(), p.rails.end(), [&](const auto& r) { return has(r->link); });
 }
 
 bool Worker::holds_leases(const Peer& p) const noexcept {
