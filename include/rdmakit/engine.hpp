@@ -606,9 +606,10 @@ class Engine {
   /// The next lease this engine granted that ended, if any (the event descriptor fd() is
   /// signalled for each).
   std::optional<LeaseEnd> next_lease_end();
-  /// Lease `lease` that `peer` (an added peer's name) granted this engine, once its windows on
-  /// a link to the peer are known here (waiting up to `wait` for them, and opening a link if
-  /// there is none, as connect() does): nullopt if it is not known by then. An ended lease is returned ended, with why, for a while (the last 256).
+  /// Lease `lease` that `peer` (an added peer's name) granted this engine, once its windows are
+  /// known here on every ready link to the peer (each rail: a transfer finds them whichever rail
+  /// takes it), waiting up to `wait` for them, and opening a link if there is none, as connect()
+  /// does: nullopt if it is not known by then. An ended lease is returned ended, with why, for a while (the last 256).
   [[nodiscard]] std::optional<HeldLease> lease(const std::string& peer, std::uint64_t lease,
                                                std::chrono::milliseconds wait = std::chrono::milliseconds{0});
   /// Asks `peer` to extend the lease it granted to `ttl` from now (at most the ttl it was granted
