@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -293,6 +294,9 @@ struct Link {
 /// Whether transfers can go on `l` now.
 inline bool ready(const Link* l) noexcept { return l != nullptr && l->state == Link::State::ready; }
 
+/// The link `p` has on its rail `k` (the first rail's is Peer::link), or null.
+inline Link* rail_link(const Peer& p, std::size_t k) noexcept { return k == 0 ? p.link : p.rails[k]->link; }
+
 /// A worker's CQ on one device, shared by its links there (an RDMA device's, or a software
 /// transport's: `soft`, whose channel is its own descriptor).
 struct DeviceCqs {
@@ -545,6 +549,9 @@ class Worker {
   /// Logs through the link config's logger; never throws.
   void log(const std::string& what) const noexcept;
   void withdraw(const std::string& name);
+  /// Revokes `l`'s windows that `match`: deallocated now (their keys die at once), or, with a
+  /// bind in flight, unannounced and gone when it completes. Returns those deallocated now.
+  std::size_t revoke_windows(Link& l, const std::function<bool(const Window&)>& match);
   // Leases (worker_leases.cpp). The granting side:
   /// Binds the windows of lease `s` on every link its peer opened here (Command::lease_grant).
   void lease_granted(const std::shared_ptr<LeaseState>& s);
@@ -585,6 +592,9 @@ class Worker {
   void forget_held(Peer& p, const std::string& why);
   /// Command::renew.
   void renew(Peer& p, std::uint64_t lease, std::uint32_t ttl_ms);
+  /// Where x goes on `l`: the peer's standing window on its segment, else a lease's range
+  /// (lease_region); null with x ended when neither.
+  const RemoteRegion* remote_of(Link& l, Xfer& x);
   /// A transfer to a slot with no standing window: the range of a lease the link holds that
   /// covers it, or null with the transfer ended (lease_expired: a lease that covered it ended;
   /// no_segment otherwise).

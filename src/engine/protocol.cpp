@@ -72,6 +72,14 @@ void check_name(const std::string& name, const char* what) {
   }
 }
 
+std::string printable(std::span<const std::uint8_t> bytes) {
+  std::string s(bytes.begin(), bytes.end());
+  for (char& ch : s) {
+    if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7f) ch = '?';
+  }
+  return s;
+}
+
 Message lease_end(std::uint64_t lease, const std::string& reason) {
   Message m = refuse(reason);
   m.kind = Kind::lease_end;

@@ -157,6 +157,10 @@ inline Message rails(std::uint16_t listen_port, std::uint8_t this_rail, std::vec
   return m;
 }
 
+/// A peer's words (a refusal's, a lease end's reason) made printable: they end up in logs and in
+/// TransferResult::reason.
+[[nodiscard]] std::string printable(std::span<const std::uint8_t> bytes);
+
 /// Cut to kMaxNotify bytes.
 [[nodiscard]] Message lease_end(std::uint64_t lease, const std::string& reason);
 inline Message renew(Kind kind, std::uint64_t lease, std::uint32_t ttl_ms) {

@@ -26,13 +26,6 @@ bool covers(std::uint64_t offset, std::uint64_t length, const Transfer& t) noexc
   return offset <= t.remote_offset && t.remote_offset - offset <= length && t.length <= length - (t.remote_offset - offset);
 }
 
-std::string printable(std::string s) {
-  for (char& ch : s) {
-    if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7f) ch = '?';
-  }
-  return s;
-}
-
 }  // namespace
 
 // --- the granting side ---------------------------------------------------------------------------
@@ -153,21 +146,7 @@ void Worker::lease_ended(const std::shared_ptr<LeaseState>& s) noexcept {
     if (it == l->leases.end()) continue;
     l->leases.erase(it);
     std::erase_if(l->binds_waiting, [&](const SegmentDef& d) { return d.lease == s->id; });
-    for (auto w = l->windows.begin(); w != l->windows.end();) {
-      if ((*w)->lease != s->id) {
-        ++w;
-        continue;
-      }
-      if (!(*w)->bound && (*w)->mw) {
-        // Its bind completes first (its key was never announced); then it goes.
-        (*w)->segment.clear();
-        (*w)->lease = 0;
-        if (e_.is_soft(l->device)) (*w)->mw.reset();
-        ++w;
-        continue;
-      }
-      w = l->windows.erase(w);  // deallocating the window revokes its key, now
-    }
+    (void)revoke_windows(*l, [&](const Window& w) { return w.lease == s->id; });
     try {
       send(*l, ew::lease_end(s->id, fmt::format("{}: {}", to_string(s->cause), s->reason)));
     } catch (...) {
@@ -312,7 +291,7 @@ void Worker::on_lease(Link& l, const ew::Message& m) {
 
 void Worker::on_lease_end(Link& l, std::uint64_t lease, const std::string& reason) {
   if (!l.initiated) return break_link(l, "it ended a lease on a link it opened (only the accepting side grants)");
-  drop_held(*l.peer, lease, fmt::format("peer '{}' ended lease {}: {}", l.peer->name, lease, printable(reason)));
+  drop_held(*l.peer, lease, fmt::format("peer '{}' ended lease {}: {}", l.peer->name, lease, reason));
 }
 
 void Worker::on_renewed(Link& l, std::uint64_t lease, std::uint32_t ttl_ms) {
@@ -330,10 +309,7 @@ void Worker::drop_held(Peer& p, std::uint64_t id, const std::string& reason) {
     for (auto& v : l->leased) std::erase_if(v, [&](const LeasedRange& r) { return r.lease == id; });
     refresh_remote(*l);
   };
-  drop_on(p.link);
-  for (const auto& r : p.rails) {
-    if (r->link != p.link) drop_on(r->link);
-  }
+  for (std::size_t k = 0; k < p.rails.size(); ++k) drop_on(rail_link(p, k));
   std::lock_guard lock(p.m);
   HeldRecord& h = p.held[id];
   if (h.info.ended) return;
@@ -390,7 +366,10 @@ bool Worker::on_every_rail(const Peer& p, std::uint64_t id, std::uint32_t total)
     const auto it = o->lease_ranges.find(id);
     return it != o->lease_ranges.end() && it->second >= total;
   };
-  return has(p.link) && std::all_of(p.rails.begin(), p.rails.end(), [&](const auto& r) { return has(r->link); });
+  for (std::size_t k = 0; k < p.rails.size(); ++k) {
+    if (!has(rail_link(p, k))) return false;
+  }
+  return true;
 }
 
 bool Worker::holds_leases(const Peer& p) const noexcept {
@@ -404,9 +383,11 @@ void Worker::held_after_sync(Link& l) noexcept {
     std::vector<std::uint64_t> gone, releases;
     // Held on another rail's live link: announced there (it may come here after SYNCED).
     auto elsewhere = [&](std::uint64_t id) {
-      return std::any_of(p.rails.begin(), p.rails.end(), [&](const auto& r) {
-        return r->link != nullptr && r->link != &l && ready(r->link) && r->link->lease_ranges.count(id) != 0;
-      });
+      for (std::size_t k = 0; k < p.rails.size(); ++k) {
+        const Link* o = rail_link(p, k);
+        if (o != &l && ready(o) && o->lease_ranges.count(id) != 0) return true;
+      }
+      return false;
     };
     for (const auto& [id, h] : p.held) {
       if (h.release_pending) releases.push_back(id);

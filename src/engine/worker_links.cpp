@@ -229,26 +229,37 @@ void Worker::withdraw(const std::string& name) {
     if (l->initiated || !l->ident_seen) continue;  // not granted yet: it has nothing of the segment
     // Leases' windows go with their leases, which Engine::withdraw ended first.
     std::erase_if(l->binds_waiting, [&](const SegmentDef& d) { return d.name == name && d.lease == 0; });
-    for (auto it = l->windows.begin(); it != l->windows.end();) {
-      Window& w = **it;
-      if (w.segment != name || w.lease != 0) {
-        ++it;
-        continue;
-      }
-      if (!w.bound && w.mw) {
-        w.segment.clear();  // its bind completes first; then it goes
-        // A software transport's bind took effect when posted: its key dies now, not when the
-        // completion is taken (its peer's requests are served before that).
-        if (e_.is_soft(l->device)) w.mw.reset();
-        ++it;
-        continue;
-      }
-      // Invalidated first (deallocating a window revokes its key), then the peer is told.
-      it = l->windows.erase(it);
-      if (l->state != Link::State::closing) send(*l, ew::withdraw(name));
+    // Invalidated first, then the peer is told (one standing window per segment and link).
+    if (revoke_windows(*l, [&](const Window& w) { return w.segment == name && w.lease == 0; }) != 0 &&
+        l->state != Link::State::closing) {
+      send(*l, ew::withdraw(name));
     }
     synced_if_done(*l);  // what it waited for may have been only that segment's bind
   }
+}
+
+std::size_t Worker::revoke_windows(Link& l, const std::function<bool(const Window&)>& match) {
+  std::size_t revoked = 0;
+  for (auto it = l.windows.begin(); it != l.windows.end();) {
+    Window& w = **it;
+    if (!match(w)) {
+      ++it;
+      continue;
+    }
+    if (!w.bound && w.mw) {
+      // Its bind completes first (its key was never announced); then it goes, unannounced.
+      w.segment.clear();
+      w.lease = 0;
+      // A software transport's bind took effect when posted: its key dies now, not when the
+      // completion is taken (its peer's requests are served before that).
+      if (e_.is_soft(l.device)) w.mw.reset();
+      ++it;
+      continue;
+    }
+    it = l.windows.erase(it);  // deallocating a window revokes its key, now
+    ++revoked;
+  }
+  return revoked;
 }
 
 void Worker::send(Link& l, const ew::Message& m) noexcept {

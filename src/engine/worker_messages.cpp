@@ -111,16 +111,11 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
       break;
     case ew::Kind::refuse: {
       if (!l.initiated) return break_link(l, "it refused a link it opened (only the accepting side does)");
-      // The peer's words, made printable (they end up in logs and in TransferResult::reason).
-      std::string reason(m.bytes.begin(), m.bytes.end());
-      for (char& ch : reason) {
-        if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7f) ch = '?';
-      }
       return wrong_engine(l, fmt::format("peer '{}' at {} refused the link: {}", l.peer->name, l.impl.info.peer_address,
-                                         reason));
+                                         ew::printable(m.bytes)));
     }
     case ew::Kind::lease: on_lease(l, m); break;
-    case ew::Kind::lease_end: on_lease_end(l, m.lease, std::string(m.bytes.begin(), m.bytes.end())); break;
+    case ew::Kind::lease_end: on_lease_end(l, m.lease, ew::printable(m.bytes)); break;
     case ew::Kind::renewed: on_renewed(l, m.lease, m.ttl_ms); break;
     case ew::Kind::renew:
       if (l.initiated) return break_link(l, "it renewed a lease on a link this engine opened (only its own are renewed)");

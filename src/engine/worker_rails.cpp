@@ -45,7 +45,7 @@ Link* Worker::pick(Peer& p, const BufferRec* buf, const Link* instead_of) noexce
   const std::size_t from = p.next_rail++ % n;
   for (std::size_t i = 0; i < n; ++i) {
     const std::size_t k = (from + i) % n;
-    consider(k == 0 ? p.link : p.rails[k]->link);
+    consider(rail_link(p, k));
   }
   return best;
 }

@@ -285,18 +285,20 @@ void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
 
 bool Worker::chain(Link& l, Xfer& x) {
   const Transfer& t = *x.t;
-  const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
-  const RemoteRegion* to = seg != nullptr && seg->has_value() ? &**seg : nullptr;
-  if (to == nullptr) [[unlikely]] {
-    to = lease_region(l, x);  // no standing window: a lease's range, or x ended with why
-    if (to == nullptr) return false;
-  }
+  const RemoteRegion* to = remote_of(l, x);
+  if (to == nullptr) [[unlikely]] return false;
   const LocalSlice& s = buffer_of(x).slices[l.device];
   if (s.length() == 0) [[unlikely]] {
     unreachable(l, x);
     return false;
   }
   return chain(l, x, reinterpret_cast<std::uint64_t>(s.addr()) + t.local_offset, s.lkey(), s.writable(), *to);
+}
+
+const RemoteRegion* Worker::remote_of(Link& l, Xfer& x) {
+  const std::uint32_t slot = x.t->remote.slot;
+  if (slot < l.by_slot.size() && l.by_slot[slot].has_value()) [[likely]] return &*l.by_slot[slot];
+  return lease_region(l, x);  // no standing window: a lease's range, or x ended with why
 }
 
 void Worker::unreachable(Link& l, Xfer& x) {
@@ -327,8 +329,7 @@ void Worker::refused(Link& l, Xfer& x, PostStatus st) {
 void Worker::post_alone(Link& l, Xfer& x) {
   DataPath& dp = l.impl.dp;
   const Transfer& t = *x.t;
-  const std::optional<RemoteRegion>* seg = t.remote.slot < l.by_slot.size() ? &l.by_slot[t.remote.slot] : nullptr;
-  const RemoteRegion* to = seg != nullptr && seg->has_value() ? &**seg : lease_region(l, x);
+  const RemoteRegion* to = remote_of(l, x);
   if (to == nullptr) return;  // ended, with why
   if (buffer_of(x).slices[l.device].length() == 0) return unreachable(l, x);
   const LocalSlice s = buffer_of(x).slices[l.device].subslice(t.local_offset, t.length);
