@@ -100,15 +100,15 @@ TEST(Leases, AReadWorksInItsRangesAndAccessOnly) {
   // Not granted yet: the segment is nobody's.
   EXPECT_EQ(read_block(a, dst, 0).status, TransferStatus::no_segment);
   const std::vector<LeaseRange> ranges{{"kv", 0, 4 * kBlock}, {"kv", 8 * kBlock, kBlock}};
-  const auto granted = std::chrono::steady_clock::now();
-  const std::uint64_t id = b.engine.grant("a", ranges, Access::remote_read, 500ms);
+  // Long enough for every step below (segments exposed and withdrawn, reads refused) to run
+  // within it on a loaded sanitizer build: what ends it is the next test's.
+  const std::uint64_t id = b.engine.grant("a", ranges, Access::remote_read, 30s);
   const auto held = a.lease("b", id, 5s);
   ASSERT_TRUE(held.has_value());
   EXPECT_FALSE(held->ended);
   ASSERT_EQ(held->ranges.size(), 2u);
   EXPECT_EQ(held->ranges[1].offset, 8 * kBlock);
   EXPECT_EQ(held->access, Access::remote_read);
-  std::this_thread::sleep_until(granted + 200ms);
   auto r = read_block(a, dst, 2);
   EXPECT_EQ(r.status, TransferStatus::ok) << r.reason;
   EXPECT_TRUE(holds(dst, 0x11));
@@ -181,20 +181,25 @@ TEST(Leases, RenewedItLastsAndReleasedItEnds) {
   Engine& a = h.a;
   const Buffer dst = h.dst;
   std::memset(b.buf.addr, 0x33, b.buf.length);
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+  const auto span = 2s;  // what it checks repeats every 150 ms; the plain build runs 5 s
+  // A sanitizer build's worker runs several times slower, and a renewal's round trip on a
+  // loaded CI machine may take a few hundred ms: the holder would stop at its own reckoning
+  // before the answer came. The plain build keeps the 500 ms.
+  const auto ttl = 1500ms;
+#else
+  const auto span = 5s;
+  const auto ttl = 500ms;
+#endif
   const std::vector<LeaseRange> ranges{{"kv", 0, 16 * kBlock}};
-  const std::uint64_t id = b.engine.grant("a", ranges, Access::remote_read, 500ms);
+  const std::uint64_t id = b.engine.grant("a", ranges, Access::remote_read, ttl);
   ASSERT_TRUE(a.lease("b", id, 5s).has_value());
   const auto start = std::chrono::steady_clock::now();
   auto last_renew = start;
   int reads = 0;
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
-  const auto span = 2s;  // what it checks repeats every 150 ms; the plain build runs 5 s
-#else
-  const auto span = 5s;
-#endif
   while (std::chrono::steady_clock::now() - start < span) {
     if (std::chrono::steady_clock::now() - last_renew >= 150ms) {
-      a.renew("b", id, 500ms);
+      a.renew("b", id, ttl);
       last_renew = std::chrono::steady_clock::now();
     }
     const auto r = read_block(a, dst, static_cast<std::uint64_t>(reads % 16));

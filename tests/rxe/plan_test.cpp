@@ -154,7 +154,10 @@ TEST(EnginePlan, LongerThanTheQueueGoesInPartsAndTwoBatchesOfItRunAtOnce) {
   EXPECT_TRUE(same(b.buf.addr, src.addr, 700 * 256));
   const auto n = a.counters();
   EXPECT_GT(n.plan_posted, 0u);
-  EXPECT_LE(n.plan_posted, 16u) << "a queue of 16 took more at once";
+  // Each batch posts as built at most what the queue has room for, and only while nothing waits
+  // before it: the second may find the first's backlog drained already (tcp, a slow submit), so
+  // two batches post at most two queues' worth, never all 1,400.
+  EXPECT_LE(n.plan_posted, 32u) << "a queue of 16 took more at once";
   // Atomics in a plan: 64 fetch-adds of 1 on one word, submitted four times, see every old
   // value once.
   std::memset(b.buf.addr, 0, 8);
