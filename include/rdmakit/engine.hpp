@@ -245,6 +245,17 @@ struct Notification {
   std::string request_id{};  ///< the sender's SubmitOptions::request_id (empty: none)
 };
 
+/// What a batch moved over one path (BatchTelemetry::paths): a local RDMA device (the rail its
+/// transfers took there), or a transport without one.
+struct PathTelemetry {
+  std::string transport{};  ///< "rdma", "tcp" or "shm"
+  std::string device{};     ///< the local device ("mlx5_0"), or the transport's name for tcp and shm
+  std::uint64_t bytes = 0;  ///< of its reads and writes that ended ok on this path
+  /// Its transfers (atomics included) that ended ok here; a transfer sliced over several rails
+  /// counts once on each path its slices took.
+  std::uint32_t transfers = 0;
+};
+
 /// When a batch's stages happened and what it moved (Batch::telemetry()), for tying transfers
 /// to requests (NIXL's transfer telemetry, per batch). The times cost a clock read at submit,
 /// one per worker holding transfers of it, and one at its end (EngineConfig::telemetry); the
@@ -259,6 +270,10 @@ struct BatchTelemetry {
   std::uint64_t bytes = 0;     ///< moved by its reads and writes that ended ok
   std::uint32_t transfers = 0; ///< its transfers (descriptors; 0 for Engine::notify's)
   std::uint32_t failed = 0;    ///< of them, ended other than ok (when done())
+  /// Per path (rail or transport) the transfers that ended ok took, busiest first: which NICs
+  /// a request's bytes went through, and whether a rail failed over (its transfers re-posted
+  /// on another: they count where they ended). Costs a store per transfer as it ends.
+  std::vector<PathTelemetry> paths{};
   /// Time from submit() to posted, and to the end (0 until then).
   [[nodiscard]] std::chrono::nanoseconds post_time() const noexcept;
   [[nodiscard]] std::chrono::nanoseconds total_time() const noexcept;

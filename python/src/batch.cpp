@@ -152,11 +152,23 @@ void bind_batch(py::module_& m) {
             d["bytes"] = t.bytes;
             d["transfers"] = t.transfers;
             d["failed"] = t.failed;
+            py::list paths;
+            for (const PathTelemetry& p : t.paths) {
+              py::dict e;
+              e["transport"] = p.transport;
+              e["device"] = p.device;
+              e["bytes"] = p.bytes;
+              e["transfers"] = p.transfers;
+              paths.append(std::move(e));
+            }
+            d["paths"] = std::move(paths);
             return d;
           },
           "When it was submitted, posted and ended (time.monotonic() seconds; None until then, or "
           "with telemetry=False), post_time and total_time (seconds from submit; 0 until then), "
-          "bytes moved by its reads and writes that ended ok, transfers, failed, request_id.")
+          "bytes moved by its reads and writes that ended ok, transfers, failed, request_id, and paths: per rail "
+          "or transport its transfers that ended ok took (dicts of transport, device, bytes, transfers; busiest "
+          "first).")
       .def("results",
            [](const PyBatch& b) {
              py::list out;

@@ -290,14 +290,56 @@ BatchTelemetry Batch::telemetry() const {
   // was up) ended before its worker stamped it as posted.
   if (done && (t.posted == TP{} || t.posted > t.ended)) t.posted = t.ended;
   t.transfers = b.note_only ? 0 : b.size;
+  // Per path, by device index: bytes and transfers.
+  std::map<std::uint8_t, std::pair<std::uint64_t, std::uint32_t>> paths;
   for (std::uint32_t i = 0; i < t.transfers; ++i) {
     const detail::Xfer& x = b.x[i];
     const TransferStatus st = x.status(std::memory_order_acquire);
-    if (st == TransferStatus::ok && x.t->op <= TransferOp::write) t.bytes += x.t->length;
+    if (st != TransferStatus::ok) continue;
+    const std::uint64_t moved = x.t->op <= TransferOp::write ? x.t->length : 0;
+    t.bytes += moved;
+    const std::uint8_t path = x.path();
+    if (path < detail::kSlicedPath) {
+      auto& [bytes, n] = paths[path];
+      bytes += moved;
+      ++n;
+    }
   }
   if (b.remaining.load(std::memory_order_acquire) == 0 && !b.note_only) {
     t.failed = static_cast<std::uint32_t>(b.failed.load(std::memory_order_acquire));
   }
+  {
+    std::lock_guard lock(b.mu);
+    for (const auto& [path, v] : b.sliced_paths) {
+      paths[path].first += v.first;
+      paths[path].second += v.second;
+    }
+  }
+  if (paths.empty()) return t;
+  // The names are the engine's: read inside its gate (alive while inside); an engine gone
+  // leaves the indexes.
+  struct Inside {
+    detail::DriveGate& gate;
+    bool alive = gate.enter();
+    ~Inside() {
+      if (alive) gate.leave();
+    }
+  } inside{*b.gate};
+  const bool alive = inside.alive;
+  for (const auto& [path, v] : paths) {
+    PathTelemetry p;
+    p.bytes = v.first;
+    p.transfers = v.second;
+    if (alive) {
+      p.device = b.engine->device_name(path);
+      p.transport = b.engine->is_soft(path) ? p.device : "rdma";
+    } else {
+      p.device = fmt::format("device {} (its engine is gone)", path);
+    }
+    t.paths.push_back(std::move(p));
+  }
+  std::stable_sort(t.paths.begin(), t.paths.end(),
+                   [](const PathTelemetry& x, const PathTelemetry& y) { return x.bytes > y.bytes; });
   return t;
 }
 

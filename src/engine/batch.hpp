@@ -85,11 +85,27 @@ struct Xfer {
     return std::atomic_ref<TransferStatus>(const_cast<TransferStatus&>(status_)).load(o);
   }
   void set_status(TransferStatus s, std::memory_order o) noexcept { std::atomic_ref<TransferStatus>(status_).store(s, o); }
+  /// Ended ok: the device index (Engine::Impl's, tcp's and shm's too) of the link it ended on;
+  /// kSlicedPath: its slices' (BatchState::sliced_paths); kNoPath otherwise. Stored before its
+  /// status, read by Batch::telemetry() (another thread) after it: relaxed, as the status.
+  [[nodiscard]] std::uint8_t path() const noexcept {
+    return std::atomic_ref<std::uint8_t>(const_cast<std::uint8_t&>(path_)).load(std::memory_order_relaxed);
+  }
+  void set_path(std::uint8_t p) noexcept { std::atomic_ref<std::uint8_t>(path_).store(p, std::memory_order_relaxed); }
 
  private:
   alignas(std::atomic_ref<TransferStatus>::required_alignment) TransferStatus status_ = TransferStatus::pending;
+  std::uint8_t path_ = 0xff;
 };
 static_assert(std::is_trivially_copyable_v<Xfer> && sizeof(Xfer) == 32);
+
+/// Xfer::path of a transfer not ended ok, and of one whose slices took the paths.
+inline constexpr std::uint8_t kNoPath = 0xff;
+inline constexpr std::uint8_t kSlicedPath = 0xfe;
+/// The path a transfer ending on device `d` records (a device past the byte's range: none).
+[[gnu::always_inline]] inline std::uint8_t path_of(std::uint32_t d) noexcept {
+  return d < kSlicedPath ? static_cast<std::uint8_t>(d) : kNoPath;
+}
 
 /// A prepared plan (Engine::prepare): its transfers, checked, as the first state of a batch's
 /// (copied into each batch of it at submit), cut into runs of one operation between one buffer
@@ -211,6 +227,9 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   void slept(std::chrono::nanoseconds took) noexcept;
   std::map<std::uint32_t, std::string> reasons;  // under mu: why each failed transfer failed
   std::vector<std::string> notify_failures;      // under mu: each notification not sent, why
+  /// Under mu: what the slices of its sliced transfers that ended ok moved, per path (device
+  /// index): bytes and transfers (a transfer counts once per path its slices took).
+  std::map<std::uint8_t, std::pair<std::uint64_t, std::uint32_t>> sliced_paths;
   std::atomic<std::uint32_t> notify_failed{0};
   /// A notification to a peer was not sent (before the transfer whose end decided it ends).
   void notification_failed(std::string why) noexcept;
@@ -262,6 +281,7 @@ struct SliceGroup {
   std::uint32_t left = 0;
   TransferStatus status = TransferStatus::ok;
   std::string reason;
+  std::map<std::uint8_t, std::uint64_t> bytes_by_path;  // of its slices that ended ok (telemetry)
 };
 
 }  // namespace rdmakit::detail

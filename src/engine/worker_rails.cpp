@@ -99,10 +99,30 @@ void Worker::slice_ended(Xfer& s, TransferStatus st, std::string reason) noexcep
     g.status = st;
     g.reason = std::move(reason);
   }
+  if (st == TransferStatus::ok && s.path() != kNoPath) {
+    try {
+      g.bytes_by_path[s.path()] += s.t->length;
+    } catch (...) {  // telemetry only: a slice's path unrecorded, the transfer unharmed
+    }
+  }
   if (--g.left != 0) return;
   Xfer& parent = *g.parent;
   const TransferStatus status = g.status;
   std::string why = std::move(g.reason);
+  if (status == TransferStatus::ok && !g.bytes_by_path.empty()) {
+    // Read by Batch::telemetry() from another thread: under the batch's lock (slices are few
+    // and large: a lock per sliced transfer).
+    try {
+      std::lock_guard lock(parent.batch->mu);
+      for (const auto& [path, bytes] : g.bytes_by_path) {
+        auto& [b, n] = parent.batch->sliced_paths[path];
+        b += bytes;
+        ++n;
+      }
+      parent.set_path(kSlicedPath);
+    } catch (...) {
+    }
+  }
   groups_.erase(&parent);  // the slices go with it
   end(parent, status, std::move(why));
 }

@@ -376,6 +376,7 @@ void Worker::flush(Link& l) {
 
 void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::string& why) noexcept {
   const auto slots = l.impl.dp.lane(0).sq.view();
+  const std::uint8_t path = path_of(l.device);  // what ends ok here ended on this link's device
   // Runs of transfers of one batch that ended ok (a chain of one batch's transfers, the common
   // case) are counted once; anything else ends one by one.
   BatchState* run = nullptr;
@@ -423,6 +424,7 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
         moved += x.t->length;
         slices += x.group != nullptr;
       }
+      if (s == TransferStatus::ok) x.set_path(path);
       end(x, s, why);
       continue;
     }
@@ -432,6 +434,7 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
       std::uint64_t sum = 0;
       for (Xfer *e = &x, *end = &x + m; e != end; ++e) {
         e->set_status(TransferStatus::ok, std::memory_order_relaxed);  // published by finished_ok
+        e->set_path(path);
         sum += e->t->length;
       }
       bytes += sum;
@@ -440,6 +443,7 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
       continue;
     }
     x.set_status(TransferStatus::ok, std::memory_order_relaxed);  // published by finished_ok
+    x.set_path(path);
     ++run_ok;
     bytes += x.t->length;
   }
@@ -605,6 +609,7 @@ void Worker::on_news(Link& l, const Completion& c, std::uint64_t seq, bool part)
         l.rail->bytes.fetch_add(x->t->length, std::memory_order_relaxed);
         if (x->group != nullptr) l.rail->slices.fetch_add(1, std::memory_order_relaxed);
       }
+      x->set_path(path_of(l.device));
       end(*x, TransferStatus::ok, {});
     } else if (c.status == IBV_WC_WR_FLUSH_ERR) {
       lost(l, *x, TransferStatus::peer_lost,

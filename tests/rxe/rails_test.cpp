@@ -160,6 +160,25 @@ TEST(Rails, BothNicsCarryALargeWriteAndRead) {
   EXPECT_GT(static_cast<double>(r0->bytes) / total, 0.30) << describe(info);
   EXPECT_GT(static_cast<double>(r1->bytes) / total, 0.30) << describe(info);
   EXPECT_NE(r1->peer.find("rxe1"), std::string::npos) << describe(info);
+  // Each batch's telemetry says the same per rail: its one transfer, sliced, on both devices,
+  // and the bytes per device add up to it (the two batches' to the rails' own counts).
+  std::uint64_t on0 = 0, on1 = 0;
+  for (const Batch* b : {&wb, &rb}) {
+    const rdmakit::BatchTelemetry m = b->telemetry();
+    ASSERT_EQ(m.paths.size(), 2u);
+    std::uint64_t sum = 0;
+    for (const rdmakit::PathTelemetry& q : m.paths) {
+      EXPECT_EQ(q.transport, "rdma");
+      EXPECT_EQ(q.transfers, 1u) << q.device;
+      EXPECT_GT(q.bytes, 0u) << q.device;
+      sum += q.bytes;
+      (q.device == "rxe0" ? on0 : on1) += q.bytes;
+    }
+    EXPECT_EQ(sum, size);
+    EXPECT_GE(m.paths[0].bytes, m.paths[1].bytes);  // busiest first
+  }
+  EXPECT_EQ(on0, r0->bytes);
+  EXPECT_EQ(on1, r1->bytes);
   const auto c = p.a.counters();
   EXPECT_EQ(c.rail_links, 1u);
   EXPECT_EQ(c.slices, 2 * size / rdmakit::RailConfig{}.slice_size);

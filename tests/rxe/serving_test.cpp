@@ -240,6 +240,16 @@ TEST(Serving, TelemetrySaysWhenAndHowMuch) {
   EXPECT_EQ(in_callback.ended, m.ended);  // complete in the batch's callback
   EXPECT_EQ(in_callback.failed, 1u);
   EXPECT_EQ(in_callback.bytes, m.bytes);
+  // The path the 16 that moved took: the one link's device and transport (the failed one took none).
+  const auto t0 = lab::test_transports();
+  const std::string transport = t0.empty() ? "rdma" : std::string(rdmakit::to_string(t0[0]));
+  ASSERT_EQ(m.paths.size(), 1u);
+  EXPECT_EQ(m.paths[0].transport, transport);
+  EXPECT_EQ(m.paths[0].bytes, 16u * 65536);
+  EXPECT_EQ(m.paths[0].transfers, 16u);
+  EXPECT_EQ(m.paths[0].device, transport == "rdma" ? a.peers().at(0).device : transport);
+  ASSERT_EQ(in_callback.paths.size(), 1u);
+  EXPECT_EQ(in_callback.paths[0].bytes, m.paths[0].bytes);
   // Off: sizes only.
   rdmakit::EngineConfig c = config("e");
   c.telemetry = false;
@@ -251,6 +261,8 @@ TEST(Serving, TelemetrySaysWhenAndHowMuch) {
   ASSERT_TRUE(y.wait(10s));
   const rdmakit::BatchTelemetry q = y.telemetry();
   EXPECT_EQ(q.bytes, 4096u);
+  ASSERT_EQ(q.paths.size(), 1u);  // counted as transfers end, whatever the clock reads do
+  EXPECT_EQ(q.paths[0].bytes, 4096u);
   EXPECT_EQ(q.submitted, std::chrono::steady_clock::time_point{});
   EXPECT_EQ(q.ended, std::chrono::steady_clock::time_point{});
   EXPECT_EQ(q.total_time().count(), 0);

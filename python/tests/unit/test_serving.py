@@ -57,6 +57,7 @@ def test_a_pull_reads_notification_comes_after_its_reads_with_its_request_id(pai
         assert t["request_id"] == f"req-{rnd}" and t["bytes"] == 4096 and t["transfers"] == 4 and t["failed"] == 0
         assert t["submitted"] <= t["posted"] <= t["ended"] <= time.monotonic()
         assert 0 < t["total_time"] < 10
+        assert t["paths"] == [{"transport": "tcp", "device": "tcp", "bytes": 4096, "transfers": 4}]
 
 
 def blocks_before(chosen, rnd):
