@@ -58,8 +58,12 @@ enum class ConnectMethod : std::uint8_t {
 struct ConnectionConfig {
   /// TCP bootstrap or rdma_cm. Both sides must use the same (a listener serves one).
   ConnectMethod method = ConnectMethod::tcp;
-  std::string device;       ///< RDMA device; empty: the first one with an ACTIVE port
-  std::uint8_t port = 0;    ///< device port; 0: the device's first ACTIVE port
+  /// RDMA device; empty: the route's (choose_device: a port with a GID of the bootstrap
+  /// socket's local address, else the RDMA device of the netdev holding it, IPoIB included,
+  /// else the first device with an ACTIVE port). ConnectionInfo::device_reason says which.
+  std::string device;
+  /// Device port; 0: the one the route named, else the device's first ACTIVE port.
+  std::uint8_t port = 0;
   GidSelector gid;          ///< source GID; default: by priority (RoCE v2 IPv4 first)
   /// Bound on the whole handshake (TCP connect, parameter exchange, QP transitions).
   std::chrono::milliseconds handshake_timeout{10'000};
@@ -265,6 +269,7 @@ struct WaitResult {
 /// What the handshake settled, for printing and diagnosis.
 struct ConnectionInfo {
   std::string device;
+  std::string device_reason;  ///< which rule chose it (choose_device), or that it was named
   std::uint8_t port = 0;
   LinkLayer link_layer = LinkLayer::ethernet;
   GidEntry local_gid;

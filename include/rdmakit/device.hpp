@@ -51,7 +51,9 @@ struct PortInfo {
   std::uint32_t max_msg_size = 0;
   double speed_gbps = 0;           ///< per lane x lanes, as the port reports it (0: unknown)
   std::uint32_t width = 0;         ///< lanes (1, 2, 4, 8, 12; 0: unknown)
-  std::string netdev;              ///< the port's Ethernet netdev (RoCE), empty on IB
+  /// The port's netdev: its GIDs' on RoCE, its IPoIB interface on InfiniBand (a netdev of the
+  /// device's PCI function whose dev_port is this port's); empty when it has none.
+  std::string netdev;
   std::vector<GidEntry> gids;      ///< valid entries only, by index
 };
 
@@ -97,10 +99,26 @@ struct RouteInfo {
 /// failed (no RDMA device on the route, no neighbour reply) by `timeout`.
 [[nodiscard]] RouteInfo resolve_route(const std::string& address, std::chrono::milliseconds timeout);
 
-/// Picks a device by name, or when `name` is empty the one with an ACTIVE port that has a GID
-/// with `route_address` (the bootstrap socket's own address: the NIC the kernel routes to the
-/// peer through), else the first one with an ACTIVE port. Throws Error naming the available
-/// devices (and their port states) when none fits.
+/// A device chosen (choose_device), the port the rule that chose it named (0: none), and which
+/// rule that was, in words.
+struct DeviceChoice {
+  const DeviceInfo* device = nullptr;
+  std::uint8_t port = 0;
+  std::string reason;
+};
+
+/// Chooses a device: by name; or when `name` is empty, by the route to the peer
+/// (`route_address`: the bootstrap socket's own address, the NIC the kernel sends through):
+/// 1. the device with an ACTIVE port that has a GID with that address (RoCE);
+/// 2. the device of the netdev that holds the address: a port whose netdev it is, or the RDMA
+///    device of the netdev's own PCI function with the port its dev_port names (InfiniBand,
+///    whose IPoIB addresses are in no GID);
+/// 3. else the first device with an ACTIVE port (the reason says why the route named none).
+/// Throws Error naming the available devices (and their port states) when none fits.
+[[nodiscard]] DeviceChoice choose_device(const std::vector<DeviceInfo>& devices, const std::string& name,
+                                         std::string_view route_address = {});
+
+/// choose_device()'s device.
 [[nodiscard]] const DeviceInfo& pick_device(const std::vector<DeviceInfo>& devices,
                                             const std::string& name,
                                             std::string_view route_address = {});

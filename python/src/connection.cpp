@@ -211,6 +211,7 @@ void bind_connection(py::module_& m) {
         d["atomics"] = i.atomics;
         d["peer_address"] = i.peer_address;
         d["gid_reason"] = i.gid_reason;
+        d["device_reason"] = i.device_reason;
         return d;
       })
       .def(

@@ -153,8 +153,12 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
                             "connect to an address that {} reaches",
                             cfg.device));
   }
-  const DeviceInfo& d = pick_device(devices, resolved.empty() ? cfg.device : resolved, local_address);
-  const PortInfo& p = pick_port(d, cfg.port, local_address);
+  const DeviceChoice choice = choose_device(devices, resolved.empty() ? cfg.device : resolved, local_address);
+  const DeviceInfo& d = *choice.device;
+  // The port the route named (IPoIB's netdev names one of two), unless one is configured.
+  const PortInfo& p = pick_port(d, cfg.port != 0 ? cfg.port : choice.port, local_address);
+  info.device_reason = !resolved.empty() ? fmt::format("rdma_cm resolved the route to {} to it", info.peer_address)
+                                         : choice.reason;
   const GidChoice gid = choose_gid(p.gids, cfg.gid, local_address);
 
   if (hooks.attach) {
@@ -328,7 +332,8 @@ void Connection::Impl::connected() noexcept {
                        {"send_depth", std::to_string(info.send_depth)},
                        {"recv_depth", std::to_string(info.recv_depth)},
                        {"gid", info.local_gid.address()},
-                       {"gid_reason", info.gid_reason}}};
+                       {"gid_reason", info.gid_reason},
+                       {"device_reason", info.device_reason}}};
   });
 }
 

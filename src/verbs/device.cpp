@@ -12,6 +12,7 @@
 #include "rdmakit/device.hpp"
 #include "rdmakit/error.hpp"
 #include "verbs/device_layer.hpp"
+#include "verbs/netdev.hpp"
 
 namespace rdmakit {
 namespace detail {
@@ -187,6 +188,13 @@ DeviceInfo query_device_info(ibv_device* dev, ibv_context* ctx, const ibv_device
     }
     info.ports.push_back(std::move(port));
   }
+  // InfiniBand ports: no GID names a netdev; IPoIB's is a netdev of the same PCI function.
+  if (std::any_of(info.ports.begin(), info.ports.end(), [](const PortInfo& p) { return p.netdev.empty(); })) {
+    const auto by_port = netdevs_by_port(dev->ibdev_path);
+    for (PortInfo& p : info.ports) {
+      if (const auto it = by_port.find(p.number); p.netdev.empty() && it != by_port.end()) p.netdev = it->second;
+    }
+  }
   return info;
 }
 
@@ -223,27 +231,63 @@ std::optional<detail::Ip16> route_ip(std::string_view route_address) {
 
 }  // namespace
 
-const DeviceInfo& pick_device(const std::vector<DeviceInfo>& devices, const std::string& name,
-                              std::string_view route_address) {
+DeviceChoice choose_device(const std::vector<DeviceInfo>& devices, const std::string& name,
+                           std::string_view route_address) {
   if (devices.empty()) {
     throw Error("pick device", ENODEV, "no RDMA devices found",
                 "load a NIC driver, or add a Soft-RoCE device: rdma link add rxe0 type rxe netdev "
                 "eth0 (in a container, pass /dev/infiniband through)");
   }
+  std::string route_note;  // why the route named no device (rule 3's reason)
   if (name.empty()) {
-    // The device whose ACTIVE port carries the route's address: the NIC the kernel sends the
-    // bootstrap traffic through.
     const auto route = route_ip(route_address);
+    // 1. The device whose ACTIVE port has a GID with the route's address: the NIC the kernel
+    // sends the bootstrap traffic through (RoCE).
     for (const auto& d : devices) {
-      if (std::any_of(d.ports.begin(), d.ports.end(), [&](auto& p) { return p.active && has_route_gid(p, route); })) {
-        return d;
+      for (const PortInfo& p : d.ports) {
+        if (p.active && has_route_gid(p, route)) {
+          return {&d, p.number,
+                  fmt::format("port {} has a GID with the route's local address {}{}", p.number, route_address,
+                              p.netdev.empty() ? "" : fmt::format(" ({})", p.netdev))};
+        }
       }
+    }
+    // 2. The netdev that holds the address, and its RDMA device: IPoIB (InfiniBand's addresses
+    // are in no GID), or a NIC whose GID table has not caught up with a new address.
+    if (route) {
+      const std::string ifname = detail::netdev_with_address(*route);
+      for (const auto& d : devices) {
+        for (const PortInfo& p : d.ports) {
+          if (p.active && !ifname.empty() && p.netdev == ifname) {
+            return {&d, p.number,
+                    fmt::format("the route's local address {} is on {}, port {}'s netdev", route_address, ifname,
+                                p.number)};
+          }
+        }
+      }
+      for (const detail::NetdevRdma& r : detail::rdma_of_netdev(ifname)) {
+        for (const auto& d : devices) {
+          if (d.name != r.device) continue;
+          for (const PortInfo& p : d.ports) {
+            if (p.active && p.number == r.port) {
+              return {&d, p.number,
+                      fmt::format("the route's local address {} is on {}, a netdev of its PCI function (port {})",
+                                  route_address, ifname, p.number)};
+            }
+          }
+        }
+      }
+      route_note = ifname.empty() ? fmt::format("; no netdev here has the route's local address {}", route_address)
+                                  : fmt::format("; the route's local address {} is on {}, which is no RDMA device's",
+                                                route_address, ifname);
     }
   }
   for (const auto& d : devices) {
-    if (name.empty() ? std::any_of(d.ports.begin(), d.ports.end(), [](auto& p) { return p.active; })
-                     : d.name == name) {
-      return d;
+    if (!name.empty() && d.name == name) return {&d, 0, "named (the configuration's device)"};
+    if (name.empty()) {
+      for (const PortInfo& p : d.ports) {
+        if (p.active) return {&d, p.number, "the first device with an ACTIVE port" + route_note};
+      }
     }
   }
   if (!name.empty()) {
@@ -253,6 +297,11 @@ const DeviceInfo& pick_device(const std::vector<DeviceInfo>& devices, const std:
   throw Error("pick device", ENETDOWN,
               fmt::format("no device has an ACTIVE port: {}", describe_ports(devices)),
               "bring the link up (ip link set DEV up) and check the cable or the switch port");
+}
+
+const DeviceInfo& pick_device(const std::vector<DeviceInfo>& devices, const std::string& name,
+                              std::string_view route_address) {
+  return *choose_device(devices, name, route_address).device;
 }
 
 const PortInfo& pick_port(const DeviceInfo& device, std::uint8_t number, std::string_view route_address) {

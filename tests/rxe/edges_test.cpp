@@ -550,6 +550,7 @@ TEST(Edges, TheGidFollowsTheBootstrapRoute) {
     EXPECT_EQ(x->info().local_gid.address(), "::ffff:" + addr);
     EXPECT_NE(x->info().gid_reason.find("the local address of the route to the peer, " + addr), std::string::npos)
         << x->info().gid_reason;
+    EXPECT_EQ(x->info().device_reason, "port 1 has a GID with the route's local address " + addr + " (eth0)");
   }
   // And the data flows over it.
   std::memcpy(c.memory(0).data(), "routed", 6);
@@ -562,6 +563,11 @@ TEST(Edges, TheGidFollowsTheBootstrapRoute) {
   EXPECT_NE(l.info().gid_reason.find("no GID has the route's local address 127.0.0.1"),
             std::string::npos)
       << l.info().gid_reason;
+  // Nor is lo any RDMA device's netdev (sysfs: no port names it, it has no PCI function): the
+  // first ACTIVE device, saying where the route went.
+  EXPECT_EQ(l.info().device_reason,
+            "the first device with an ACTIVE port; the route's local address 127.0.0.1 is on lo, which is no RDMA "
+            "device's");
 }
 
 // 11. Keepalive, across two VMs: VM 1 goes silent (netem drops everything it sends, as a host

@@ -1,11 +1,17 @@
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "common/ipaddr.hpp"
 #include "rdmakit/device.hpp"
 #include "rdmakit/error.hpp"
+#include "verbs/netdev.hpp"
 
 namespace {
 
@@ -132,6 +138,98 @@ TEST(PickDevice, FollowsTheBootstrapRoute) {
   EXPECT_EQ(rdmakit::pick_port(devices[1], 0, "198.18.1.1").number, 2);
   EXPECT_EQ(rdmakit::pick_port(devices[1], 0).number, 1);
   EXPECT_EQ(rdmakit::pick_device(devices, "mlx5_0", "198.18.1.1").name, "mlx5_0");  // configured wins
+  // Each choice says which rule made it.
+  EXPECT_NE(rdmakit::choose_device(devices, "", "198.18.1.1").reason.find("port 2 has a GID with the route's local "
+                                                                          "address 198.18.1.1"),
+            std::string::npos);
+  EXPECT_EQ(rdmakit::choose_device(devices, "", "198.18.1.1").port, 2);
+  EXPECT_EQ(rdmakit::choose_device(devices, "mlx5_1", "198.18.1.1").reason, "named (the configuration's device)");
+  // An address no netdev here has: the first ACTIVE device, and why the route named none.
+  const auto none = rdmakit::choose_device(devices, "", "203.0.113.77");
+  EXPECT_EQ(none.device->name, "mlx5_0");
+  EXPECT_NE(none.reason.find("the first device with an ACTIVE port; no netdev here has the route's local address "
+                             "203.0.113.77"),
+            std::string::npos)
+      << none.reason;
+}
+
+// InfiniBand: the route's address is on a netdev (IPoIB), in no GID. The port whose netdev that
+// is wins over the first ACTIVE device; here the loopback netdev stands in for ib0 (every host
+// has 127.0.0.1 on lo), the port being the second device's second.
+TEST(PickDevice, AnAddressInNoGidFollowsItsNetdev) {
+  rdmakit::PortInfo p1;
+  p1.number = 1;
+  p1.active = true;
+  p1.link_layer = rdmakit::LinkLayer::infiniband;
+  p1.gids = {{0, GidType::ib, rdmakit::Gid{0xfe, 0x80}, ""}};
+  rdmakit::DeviceInfo a, b;
+  a.name = "mlx5_0";
+  a.ports = {p1};
+  a.ports[0].netdev = "ib0";
+  b.name = "mlx5_1";
+  b.ports = {p1, p1};
+  b.ports[0].netdev = "ib1";
+  b.ports[1].number = 2;
+  b.ports[1].netdev = "lo";
+  std::vector<rdmakit::DeviceInfo> devices = {a, b};  // the choice points into it
+  const auto c = rdmakit::choose_device(devices, "", "127.0.0.1");
+  EXPECT_EQ(c.device->name, "mlx5_1");
+  EXPECT_EQ(c.port, 2);
+  EXPECT_EQ(c.reason, "the route's local address 127.0.0.1 is on lo, port 2's netdev");
+  // No device's port is lo: the first ACTIVE one, naming the netdev the route took.
+  devices[1].ports[1].netdev = "ib2";
+  const auto d = rdmakit::choose_device(devices, "", "127.0.0.1");
+  EXPECT_EQ(d.device->name, "mlx5_0");
+  EXPECT_NE(d.reason.find("the route's local address 127.0.0.1 is on lo, which is no RDMA device's"),
+            std::string::npos)
+      << d.reason;
+}
+
+// sysfs as an IB host lays it out: ib0 and its P_Key child on port 1 of mlx5_0's PCI function,
+// ib1 on port 2; eth0 (a NIC without RDMA) has no infiniband directory.
+TEST(Netdev, SysfsMapsIpoibNetdevsToTheirDeviceAndPort) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / fmt::format("rdmakit-sysfs-{}", ::getpid());
+  fs::remove_all(root);
+  const fs::path pci = root / "devices/pci0000:00/0000:3b:00.0";
+  fs::create_directories(pci / "infiniband/mlx5_0");
+  fs::create_directories(root / "devices/pci0000:00/0000:01:00.0");
+  fs::create_directories(root / "class/net");
+  fs::create_directories(root / "class/infiniband");
+  const auto netdev = [&](const std::string& name, const fs::path& dev, int dev_port) {
+    const fs::path d = root / "devices/virtual-net" / name;
+    fs::create_directories(d);
+    fs::create_directory_symlink(dev, d / "device");
+    std::ofstream(d / "dev_port") << dev_port << "\n";
+    fs::create_directory_symlink(d, root / "class/net" / name);
+    if (fs::exists(dev / "infiniband")) {
+      fs::create_directories(dev / "net");
+      fs::create_directory_symlink(d, dev / "net" / name);
+    }
+  };
+  netdev("ib0", pci, 0);
+  netdev("ib0.8001", pci, 0);
+  netdev("ib1", pci, 1);
+  netdev("eth0", root / "devices/pci0000:00/0000:01:00.0", 0);
+  fs::create_directory_symlink(pci / "infiniband/mlx5_0", root / "class/infiniband/mlx5_0");
+  fs::create_directory_symlink(pci, pci / "infiniband/mlx5_0/device");
+
+  using rdmakit::detail::rdma_of_netdev;
+  const auto ib1 = rdma_of_netdev("ib1", root.string());
+  ASSERT_EQ(ib1.size(), 1u);
+  EXPECT_EQ(ib1[0].device, "mlx5_0");
+  EXPECT_EQ(ib1[0].port, 2);
+  const auto child = rdma_of_netdev("ib0.8001", root.string());
+  ASSERT_EQ(child.size(), 1u);
+  EXPECT_EQ(child[0].port, 1);
+  EXPECT_TRUE(rdma_of_netdev("eth0", root.string()).empty());
+  EXPECT_TRUE(rdma_of_netdev("nosuch", root.string()).empty());
+  EXPECT_TRUE(rdma_of_netdev("../../etc", root.string()).empty());
+  const auto ports = rdmakit::detail::netdevs_by_port((root / "class/infiniband/mlx5_0").string(), root.string());
+  ASSERT_EQ(ports.size(), 2u);
+  EXPECT_EQ(ports.at(1), "ib0");  // before its child
+  EXPECT_EQ(ports.at(2), "ib1");
+  fs::remove_all(root);
 }
 
 }  // namespace

@@ -12,8 +12,11 @@ void ConnectOptions::add_to(CLI::App& app) {
                    ->expected(0, 1);
   connect_opt = app.add_option("--connect", connect, "connect to HOST[:PORT] (default port 12025)");
   listen_opt->excludes(connect_opt);
-  app.add_option("-d,--device", device, "RDMA device (default: the first with an ACTIVE port)");
-  app.add_option("--ib-port", ib_port, "device port (default: the first ACTIVE one)");
+  app.add_option("-d,--device", device,
+                 "RDMA device (default: the route's: a port with a GID of the local address the route to the "
+                 "peer takes, else the RDMA device of the netdev holding it (IPoIB too), else the first with an "
+                 "ACTIVE port; the output says which)");
+  app.add_option("--ib-port", ib_port, "device port (default: the one the route names, else the first ACTIVE one)");
   app.add_option("-g,--gid", gid,
                  "source GID: a table index or an IP address (default: RoCE v2 IPv4 first)");
   app.add_option("--timeout", timeout_ms,
@@ -85,13 +88,13 @@ std::string describe(const ConnectionInfo& i) {
   const auto& r = i.remote;
   return fmt::format(
       "  peer        {} (over {})\n"
-      "  device      {} port {} ({})\n"
+      "  device      {} port {} ({}): {}\n"
       "  local GID   [{}] {} {} ({})\n"
       "  remote GID  [{}] {} {}\n"
       "  path MTU    {} (local active {}, remote active {})\n"
       "  local QP    QPN {:#08x} PSN {:#08x}\n"
       "  remote QP   QPN {:#08x} PSN {:#08x}\n",
-      i.peer_address, to_string(i.method), i.device, i.port, to_string(i.link_layer), l.gid_index, i.local_gid.address(),
+      i.peer_address, to_string(i.method), i.device, i.port, to_string(i.link_layer), i.device_reason, l.gid_index, i.local_gid.address(),
       to_string(l.gid_type), i.gid_reason, r.gid_index,
       GidEntry{r.gid_index, r.gid_type, r.gid, {}}.address(), to_string(r.gid_type), i.path_mtu,
       i.local_mtu, i.remote_mtu, l.qpn, l.psn, r.qpn, r.psn);
