@@ -357,8 +357,10 @@ void bind_engine(py::module_& m) {
                        std::uint64_t slice_threshold, const std::string& method, std::uint32_t notification_queue,
                        bool allow_region_keys, const py::object& identity, std::vector<std::string> allowed_peers,
                        const std::vector<std::string>& transports, std::uint32_t tcp_streams,
-                       const std::string& shm_copy, double wait_spin, bool telemetry) {
+                       const std::string& shm_copy, double wait_spin, bool telemetry,
+                       std::vector<std::string> devices) {
              EngineConfig c;
+             c.devices = std::move(devices);
              c.telemetry = telemetry;
              if (!(wait_spin >= 0 && wait_spin <= 1)) {
                throw py::value_error(fmt::format("wait_spin={}: seconds, from 0 to 1", wait_spin));
@@ -403,8 +405,10 @@ void bind_engine(py::module_& m) {
            py::arg("transports") = std::vector<std::string>{}, py::arg("tcp_streams") = EngineConfig{}.tcp_streams,
            py::arg("shm_copy") = "auto",
            py::arg("wait_spin") = std::chrono::duration<double>(EngineConfig{}.wait_spin).count(),
-           py::arg("telemetry") = EngineConfig{}.telemetry,
-           "name: as peers know it (default host:pid). listen: \"[host]:port\" (port 0: any; "
+           py::arg("telemetry") = EngineConfig{}.telemetry, py::arg("devices") = std::vector<std::string>{},
+           "name: as peers know it (default host:pid). devices: the RDMA devices the engine uses (opens, "
+           "registers its memory on, runs workers for, links through; default: every one). device: the one "
+           "device every link takes (default: the route's, among `devices`). listen: \"[host]:port\" (port 0: any; "
            "empty: no listener). workers: progress threads (default one per device). psk: the "
            "pre-shared key, bytes or a key file's path (both ends of a link hold the same). "
            "metadata: \"p2p\" (peers by address), \"redis://host:port\" or \"etcd://host:port\": "

@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "bootstrap/auth.hpp"
 #include "connection/impl.hpp"
@@ -142,9 +143,20 @@ void Connection::Impl::release_budget() noexcept {
 
 void Connection::Impl::open(const detail::Channel& control_channel) {
   if (!layer) layer = detail::DeviceLayer::acquire();
-  const auto devices = layer->catalog();
+  auto devices = layer->catalog();
   const std::string local_address = control_channel.local_address();
   const std::string resolved = control_channel.device();
+  if (!hooks.devices.empty()) {  // an engine's link: only the engine's devices
+    std::erase_if(devices, [&](const DeviceInfo& d) {
+      return std::find(hooks.devices.begin(), hooks.devices.end(), d.name) == hooks.devices.end();
+    });
+    if (!resolved.empty() && std::none_of(devices.begin(), devices.end(), [&](const DeviceInfo& d) { return d.name == resolved; })) {
+      throw Error("rdma_cm", EINVAL,
+                  fmt::format("the CM resolved {} to device {}, which is not one of the engine's ({})",
+                              info.peer_address, resolved, fmt::join(hooks.devices, ", ")),
+                  "list it in EngineConfig::devices (--device), or reach the peer at an address those devices carry");
+    }
+  }
   if (!resolved.empty() && !cfg.device.empty() && resolved != cfg.device) {
     throw Error("rdma_cm", EINVAL,
                 fmt::format("the CM resolved {} to device {}, but the configuration asks for {}",

@@ -122,6 +122,9 @@ struct HandshakeHooks {
   /// Given the device the route chose, what to build the QPs on (instead of a PD and CQs of the
   /// connection's own). May throw (an Error with detail::kBusyReason is a "busy" refusal).
   std::function<Attachment(const std::string& device)> attach;
+  /// The devices the route may choose among (an engine's own, EngineConfig::devices); empty:
+  /// every device.
+  std::vector<std::string> devices;
 
   // Engine links (docs/engine.md, "Transports"); a plain Connection leaves these empty and is RDMA.
   /// The transports this side offers, best first (a client), or accepts (a server).

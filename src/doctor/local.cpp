@@ -81,7 +81,7 @@ int probe_registration(const std::string& device, std::uint64_t bytes) {
   }
 }
 
-Check memlock(const HostFacts& h, const std::string& device, std::uint64_t needed) {
+Check memlock(const HostFacts& h, const std::string& device, std::uint64_t needed, std::size_t devices) {
   Check c{"memlock", "locked-memory limit (RLIMIT_MEMLOCK)", Verdict::ok, "", ""};
   const std::string limit = fmt::format("soft {}, hard {}", bytes_text(h.memlock_soft), bytes_text(h.memlock_hard));
   const int err = device.empty() ? 0 : probe_registration(device, needed);
@@ -100,6 +100,14 @@ Check memlock(const HostFacts& h, const std::string& device, std::uint64_t neede
     c.fix = kMemlockFix;
   } else {
     c.detail = fmt::format("{}{}", limit, device.empty() ? "" : fmt::format("; registered {} to be sure", bytes_text(needed)));
+  }
+  if (devices > 1 && c.verdict != Verdict::fail) {
+    // An engine registers each buffer on every device it uses: the limit counts each time.
+    c.detail += fmt::format(
+        "; an engine pins its registered memory once per device it uses ({} here): within the soft limit it "
+        "registers {} on all of them, or list fewer (EngineConfig::devices, serve --device)",
+        devices, h.memlock_soft == std::numeric_limits<std::uint64_t>::max() ? std::string("any amount")
+                                                                               : bytes_text(h.memlock_soft / devices));
   }
   return c;
 }
@@ -296,7 +304,7 @@ Report check_local(const Options& o) {
     }
     r.checks.push_back(w);
   }
-  r.checks.push_back(memlock(h, d != nullptr ? d->name : "", o.memlock_needed));
+  r.checks.push_back(memlock(h, d != nullptr ? d->name : "", o.memlock_needed, devices.size()));
   r.checks.push_back(hugepages(h));
   r.checks.push_back(versions(h, d));
   r.checks.push_back(gpu(h, d));

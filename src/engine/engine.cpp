@@ -62,7 +62,7 @@ EngineInfo Engine::info() const {
   i.name = impl_->name;
   i.epoch = impl_->epoch;
   i.port = port();
-  for (const auto& d : impl_->layer->devices()) i.devices.push_back(d->name());
+  for (const auto& d : impl_->rdma_devices) i.devices.push_back(d->name());
   for (const wire::LinkTransport t : impl_->offer) i.transports.emplace_back(wire::to_string(t));
   i.transports_note = impl_->offer_note;
   i.memory_windows = impl_->windows;
@@ -176,7 +176,7 @@ Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
       first.path() != RegistrationPath::device_mr) {
     throw Error("allocate_memory", ENOTSUP,
                 fmt::format("{} memory took the {} path on {}, which the engine's other devices cannot share",
-                            to_string(spec.kind), to_string(first.path()), impl_->layer->devices()[0]->name()),
+                            to_string(spec.kind), to_string(first.path()), impl_->rdma_devices[0]->name()),
                 "register_memory() registers a host or GPU address on every device; memory that only a "
                 "dma-buf or a bounce buffer reaches is shared by one device only, today");
   }
@@ -193,7 +193,7 @@ Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
 std::vector<DeviceRank> Engine::locality(const Buffer& buffer) const {
   const auto b = impl_->buffer_for(buffer, "locality");
   if (b->retired.load()) throw Error("locality", EINVAL, fmt::format("buffer {} was unregistered", buffer.id));
-  return detail::rank_devices(impl_->layer->devices(), b->numa_node, b->gpu_pci);
+  return detail::rank_devices(impl_->rdma_devices, b->numa_node, b->gpu_pci);
 }
 
 void Engine::expose(std::string name, const Buffer& buffer, Access access, std::uint64_t offset, std::uint64_t length) {

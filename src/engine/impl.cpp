@@ -107,7 +107,7 @@ Engine::Impl::Impl(EngineConfig c)
 
   choose_transports();
   std::string without;
-  for (const auto& d : layer->devices()) {
+  for (const auto& d : rdma_devices) {
     pds.push_back(detail::open_pd(d));
     if (without.empty() && (d->attr().device_cap_flags & IBV_DEVICE_MEM_WINDOW_TYPE_2B) == 0 &&
         (d->attr().device_cap_flags & IBV_DEVICE_MEM_WINDOW_TYPE_2A) == 0) {
@@ -143,7 +143,7 @@ detail::Worker* Engine::Impl::worker_for(const std::string& address, std::uint32
   if (!cfg.workers.has_value() && n > 1) {
     try {
       const std::string src = detail::route_source(detail::parse_host_port(address, 0));
-      if (!src.empty()) return workers[device_index(pick_device(layer->catalog(), cfg.link.device, src).name) % n].get();
+      if (!src.empty()) return workers[device_index(pick_device(catalog(), cfg.link.device, src).name) % n].get();
     } catch (const std::exception&) {
       // No device carries that route: the connect will say so; any worker will do.
     }
@@ -277,7 +277,7 @@ detail::Peer* Engine::Impl::peer(std::uint32_t id) const noexcept {
 }
 
 std::uint32_t Engine::Impl::device_index(const std::string& device) const {
-  const auto& ds = layer->devices();
+  const auto& ds = rdma_devices;
   for (std::uint32_t i = 0; i < ds.size(); ++i) {
     if (ds[i]->name() == device) return i;
   }
@@ -289,6 +289,9 @@ std::uint32_t Engine::Impl::device_index(const std::string& device) const {
 detail::HandshakeHooks Engine::Impl::hooks(Worker* preferred) {
   detail::HandshakeHooks h;
   h.attach = [this, preferred](const std::string& device) { return attach(device, preferred); };
+  if (!cfg.devices.empty()) {
+    for (const auto& d : rdma_devices) h.devices.push_back(d->name());
+  }
   h.transports = offer;
   h.transports_note = offer_note;
   h.tcp_streams = static_cast<std::uint8_t>(cfg.tcp_streams);
@@ -465,7 +468,7 @@ void Engine::Impl::connect_loop() noexcept {
 
 std::vector<detail::RailPort> Engine::Impl::offered_rails() const {
   const std::string host = cfg.listen.empty() ? std::string{} : detail::parse_host_port(cfg.listen, 0).host;
-  return detail::local_rails(layer->catalog(), cfg.link.gid, cfg.rails.devices,
+  return detail::local_rails(catalog(), cfg.link.gid, cfg.rails.devices,
                              listen_port.load(std::memory_order_acquire), host);
 }
 
@@ -529,7 +532,7 @@ Buffer Engine::Impl::publish(std::unique_ptr<detail::BufferRec> rec) {
   for (const auto& r : rec->regions) rec->slices.push_back(r->local());
   soft_slices(*rec);
   rec->numa_node = rec->gpu_pci.empty() ? detail::memory_numa_node(rec->handle.addr) : -1;
-  for (const DeviceRank& r : detail::rank_devices(layer->devices(), rec->numa_node, rec->gpu_pci)) {
+  for (const DeviceRank& r : detail::rank_devices(rdma_devices, rec->numa_node, rec->gpu_pci)) {
     rec->rank.push_back(static_cast<std::uint8_t>(r.rank));
   }
   std::lock_guard lock(mu);

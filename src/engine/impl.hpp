@@ -757,6 +757,11 @@ struct Engine::Impl {
   std::string name;
   std::uint64_t epoch = 0;
   std::shared_ptr<detail::DeviceLayer> layer;  // empty (no device) on a host without RDMA
+  /// The RDMA devices this engine uses (EngineConfig::devices, else every device of the layer,
+  /// in the layer's order; none when it does not offer rdma): its device indexes 0..rdma_count.
+  std::vector<std::shared_ptr<detail::Device>> rdma_devices;
+  /// The layer's catalog of rdma_devices alone (ports, GIDs: refreshed as the layer's is).
+  [[nodiscard]] std::vector<DeviceInfo> catalog() const;
   std::vector<std::shared_ptr<detail::DeviceResources>> pds;  // by device index
   // Transports (transports.cpp): what this engine offers its peers' links, best first, and why
   // a listed one is not offered; the software devices of tcp and shm, whose device indexes

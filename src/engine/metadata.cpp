@@ -174,7 +174,7 @@ md::EngineRecord MetadataPlane::self_record() const {
   r.epoch = e_.epoch;
   r.public_key = e_.cfg.identity.public_key();
   for (const wire::LinkTransport t : e_.offer) r.transports.emplace_back(wire::to_string(t));
-  for (const RailPort& p : local_rails(e_.layer->catalog(), e_.cfg.link.gid, e_.cfg.rails.devices)) {
+  for (const RailPort& p : local_rails(e_.catalog(), e_.cfg.link.gid, e_.cfg.rails.devices)) {
     md::RailRecord rail;
     rail.device = p.device;
     rail.port = p.port;

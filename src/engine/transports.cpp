@@ -11,6 +11,7 @@
 #include <optional>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "bootstrap/auth.hpp"
 #include "engine/impl.hpp"
@@ -107,7 +108,33 @@ void Engine::Impl::choose_transports() {
     layer = std::make_shared<detail::DeviceLayer>();
     no_device = e;
   }
-  rdma_count = static_cast<std::uint32_t>(layer->devices().size());
+  rdma_devices = layer->devices();
+  if (!cfg.devices.empty() && !no_device) {
+    // The engine's own devices, in the layer's order; every name must be one of them.
+    std::vector<std::string> there;
+    for (const auto& d : rdma_devices) there.push_back(d->name());
+    for (std::size_t i = 0; i < cfg.devices.size(); ++i) {
+      const std::string& want_d = cfg.devices[i];
+      if (std::find(there.begin(), there.end(), want_d) == there.end()) {
+        throw Error("engine config", ENODEV,
+                    fmt::format("devices: no RDMA device '{}' (there are: {})", want_d, fmt::join(there, ", ")),
+                    "rdmakit devices lists them");
+      }
+      if (std::find(cfg.devices.begin(), cfg.devices.begin() + static_cast<std::ptrdiff_t>(i), want_d) !=
+          cfg.devices.begin() + static_cast<std::ptrdiff_t>(i)) {
+        throw Error("engine config", EINVAL, fmt::format("devices: '{}' is listed twice", want_d));
+      }
+    }
+    std::erase_if(rdma_devices, [&](const std::shared_ptr<detail::Device>& d) {
+      return std::find(cfg.devices.begin(), cfg.devices.end(), d->name()) == cfg.devices.end();
+    });
+    if (!cfg.link.device.empty() &&
+        std::find(cfg.devices.begin(), cfg.devices.end(), cfg.link.device) == cfg.devices.end()) {
+      throw Error("engine config", EINVAL,
+                  fmt::format("link.device '{}' is not one of devices ({})", cfg.link.device, fmt::join(cfg.devices, ", ")));
+    }
+  }
+  rdma_count = static_cast<std::uint32_t>(rdma_devices.size());
   if (rdma && no_device && want.size() == 1) {
     throw Error(no_device->op(), no_device->sys_errno(), fmt::format("no RDMA device for the engine: {}", no_device->detail()),
                 fmt::format("{}; {}", no_device->hint().empty() ? "rdmakit doctor says why" : no_device->hint(),
@@ -141,6 +168,7 @@ void Engine::Impl::choose_transports() {
     // Not offered: no PD, no registration, no worker's CQ on the NICs (memory is not pinned on
     // every NIC for transports that never use one).
     layer = std::make_shared<detail::DeviceLayer>();
+    rdma_devices.clear();
     rdma_count = 0;
   }
   if (std::find(offer.begin(), offer.end(), wire::LinkTransport::shm) != offer.end()) {
@@ -160,8 +188,17 @@ void Engine::Impl::choose_transports() {
 }
 
 std::string Engine::Impl::device_name(std::uint32_t d) const {
-  if (d < rdma_count) return layer->devices()[d]->name();
+  if (d < rdma_count) return rdma_devices[d]->name();
   return d == soft_index(wire::LinkTransport::tcp) ? "tcp" : "shm";
+}
+
+std::vector<DeviceInfo> Engine::Impl::catalog() const {
+  std::vector<DeviceInfo> all = layer->catalog();
+  if (all.size() == rdma_devices.size()) return all;  // every device of the layer (or none)
+  std::erase_if(all, [&](const DeviceInfo& i) {
+    return std::none_of(rdma_devices.begin(), rdma_devices.end(), [&](const auto& d) { return d->name() == i.name; });
+  });
+  return all;
 }
 
 ibv_pd* Engine::Impl::pd_of(std::uint32_t d) const noexcept {

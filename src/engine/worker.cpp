@@ -49,7 +49,7 @@ Worker::Worker(Engine::Impl& e, std::uint32_t index) : e_(e), index_(index) {
   epoll_ = Fd(::epoll_create1(EPOLL_CLOEXEC));
   if (!epoll_) throw Error("epoll_create1", errno, "an engine worker");
   add_fd(epoll_.get(), wake_.get(), kWake);
-  const auto& devices = e.layer->devices();
+  const auto& devices = e.rdma_devices;
   const std::uint32_t depth = e.cfg.link.send_depth + e.cfg.link.recv_depth;
   for (std::uint32_t d = 0; d < devices.size(); ++d) {
     auto q = std::make_unique<DeviceCqs>();
@@ -564,7 +564,7 @@ void Worker::sleep(Deadline until) noexcept {
       void* ctx = nullptr;
       while (ibv_get_cq_event(q.channel.get(), &cq, &ctx) == 0) ibv_ack_cq_events(cq, 1);
     } else if (tag >= kAsync && tag < kOwnLimit) {
-      e_.layer->devices()[tag - kAsync]->pump();
+      e_.rdma_devices[tag - kAsync]->pump();
     } else {
       tick_link(*reinterpret_cast<Link*>(tag), after);
     }

@@ -53,7 +53,7 @@ void Worker::link_up(Command& c) {
     {
       // The first rail is the port the connection chose for the peer's address.
       RailPort first;
-      for (RailPort& r : local_rails(e_.layer->catalog(), e_.cfg.link.gid)) {
+      for (RailPort& r : local_rails(e_.catalog(), e_.cfg.link.gid)) {
         if (r.device == l.impl.info.device && r.port == l.impl.info.port) first = std::move(r);
       }
       first.device = l.impl.info.device;

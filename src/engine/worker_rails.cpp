@@ -164,7 +164,7 @@ void Worker::on_rails(Link& l, const ew::Message& m) {
   // Rails are RDMA ports: a tcp or shm link spreads over its own streams instead.
   if (e_.is_soft(l.device)) return;
   const RailConfig& rc = e_.cfg.rails;
-  const std::vector<RailPort> local = local_rails(e_.layer->catalog(), e_.cfg.link.gid, rc.devices);
+  const std::vector<RailPort> local = local_rails(e_.catalog(), e_.cfg.link.gid, rc.devices);
   const std::optional<std::size_t> first_peer =
       m.this_rail != 0xff ? std::optional<std::size_t>(m.this_rail) : std::nullopt;
   const std::size_t extra = rc.max == 0 ? ew::kMaxRails : rc.max - 1;

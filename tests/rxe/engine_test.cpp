@@ -779,6 +779,81 @@ TEST(Engine, APeerIsServedByTheWorkerOfItsDevice) {
   }
 }
 
+namespace {
+// Kilobytes of this process's memory pinned by registrations (VmPin: what ib_umem charges).
+std::uint64_t pinned_kb() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmPin:", 0) == 0) return std::stoull(line.substr(6));
+  }
+  return 0;
+}
+}  // namespace
+
+// EngineConfig::devices: an engine of rxe1 alone opens, pins and links only there (a storage or
+// management NIC left out pins nothing), even to a peer whose address rxe0 carries; unknown
+// names and a link.device outside the list are refused, naming what there is.
+TEST(Engine, ListedDevicesAreUsedNotEveryDevice) {
+  TwoNics n;
+  if (!n.present()) GTEST_SKIP() << "needs a lab VM with two NICs (--nics 2)";
+  constexpr std::uint64_t kSize = 16 << 20;
+  std::uint64_t pinned[2] = {};
+  for (const bool one : {false, true}) {
+    EngineConfig c = config(one ? "one" : "all");
+    c.listen = "";
+    if (one) c.devices = {"rxe1"};
+    Engine a(c);
+    const std::vector<std::string> want = one ? std::vector<std::string>{"rxe1"} : std::vector<std::string>{"rxe0", "rxe1"};
+    EXPECT_EQ(a.info().devices, want);
+    const std::uint64_t before = pinned_kb();
+    const Buffer src = a.allocate_memory(kSize);
+    pinned[one] = (pinned_kb() - before) * 1024;
+    fill(src.addr, 1 << 16, 7);
+    a.add_peer("t0", n.at(0));
+    a.add_peer("t1", n.at(1));
+    if (!one) {
+      ASSERT_NO_FATAL_FAILURE(n.write_to_both(a, src, 8, 8192));
+      continue;
+    }
+    // rxe1 reaches t1; t0, at an address only rxe0 carries, is not reached through rxe0 behind
+    // the configuration's back: its link is tried on rxe1 (the lab's subnets do not route to
+    // each other) and fails, saying so.
+    const Transfer w1 = xfer(TransferOp::write, src, 0, 8192, a.segment("t1", "kv"), 0);
+    Batch b1 = a.submit({&w1, 1});
+    ASSERT_TRUE(b1.wait(10s));
+    EXPECT_EQ(b1.failed(), 0u) << b1.describe_failures();
+    EXPECT_TRUE(same(n.targets[1]->buf.addr, src.addr, 8192));
+    const Transfer w0 = xfer(TransferOp::write, src, 0, 8192, a.segment("t0", "kv"), 0);
+    Batch b0 = a.submit({&w0, 1});
+    ASSERT_TRUE(b0.wait(20s));
+    EXPECT_EQ(b0.result(0).status, TransferStatus::connect_failed) << b0.describe_failures();
+    for (const rdmakit::PeerInfo& p : a.peers()) {
+      if (p.linked) {
+        EXPECT_EQ(p.device, "rxe1") << p.name << " at " << p.address;
+      }
+    }
+    EXPECT_EQ(a.peers().at(1).device, "rxe1");
+  }
+  std::printf("pinned for %llu MiB: every device %llu MiB, rxe1 alone %llu MiB\n",
+              static_cast<unsigned long long>(kSize >> 20), static_cast<unsigned long long>(pinned[0] >> 20),
+              static_cast<unsigned long long>(pinned[1] >> 20));
+  EXPECT_GE(pinned[0], 2 * kSize);  // once per device
+  EXPECT_GE(pinned[1], kSize);
+  EXPECT_LT(pinned[1], 2 * kSize);
+  EngineConfig bad = config("bad");
+  bad.devices = {"rxe1", "mlx5_9"};
+  try {
+    Engine e(bad);
+    ADD_FAILURE() << "an unknown device was taken";
+  } catch (const rdmakit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no RDMA device 'mlx5_9' (there are: rxe0, rxe1)"), std::string::npos) << e.what();
+  }
+  bad.devices = {"rxe1"};
+  bad.link.device = "rxe0";
+  EXPECT_THROW(Engine{bad}, rdmakit::Error);
+}
+
 // Two devices: memory other than plain host memory (huge pages here) is registered on both, and
 // transfers through a peer on each move its bytes right.
 TEST(Engine, HugePagesAreRegisteredOnEveryDevice) {

@@ -41,7 +41,7 @@ using Clock = std::chrono::steady_clock;
 // Options both share: how links are made.
 struct EngineNet {
   std::string name;
-  std::string device;
+  std::vector<std::string> devices;
   unsigned timeout_ms = 10'000;
   std::string psk_file;
   std::string method = "tcp";
@@ -62,7 +62,11 @@ struct EngineNet {
   void add_to(CLI::App& app, bool publishing) {
     metadata.add_to(app, publishing);
     app.add_option("--name", name, "this engine's name (default: host:pid)");
-    app.add_option("-d,--device", device, "RDMA device (default: the one the route to each peer uses)");
+    app.add_option("-d,--device", devices,
+                   "an RDMA device the engine uses: opens, registers its memory on, runs a worker for, links "
+                   "through; repeatable or comma-separated (default: every device; each link takes the device of "
+                   "the route to its peer among them)")
+        ->delimiter(',');
     app.add_option("--timeout", timeout_ms, "handshake deadline in ms")->capture_default_str();
     app.add_option("--psk-file", psk_file, "pre-shared key file (both ends the same)");
     app.add_option("--identity", identity_file,
@@ -107,7 +111,7 @@ struct EngineNet {
     c.name = name;
     c.listen = std::move(listen);
     c.link.method = parse_connect_method(method);
-    c.link.device = device;
+    c.devices = devices;
     c.link.handshake_timeout = std::chrono::milliseconds{timeout_ms};
     c.link.retry_refused = true;  // a target started at the same moment may not listen yet
     if (!psk_file.empty()) c.link.psk = read_key_file(psk_file);
