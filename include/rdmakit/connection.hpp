@@ -65,12 +65,27 @@ struct ConnectionConfig {
   /// Device port; 0: the one the route named, else the device's first ACTIVE port.
   std::uint8_t port = 0;
   GidSelector gid;          ///< source GID; default: by priority (RoCE v2 IPv4 first)
+  /// The GRH traffic class of every packet (RoCE v2: the IP header's TOS byte, DSCP << 2 | ECN).
+  /// 0: the device's default. A lossless RoCE fabric puts RDMA in its own class: with the
+  /// common ConnectX setup (trust dscp, PFC on priority 3) DSCP 26, traffic_class 106 (26 << 2
+  /// | ECT(0)); docs/hardware.md. Both sides should use the same.
+  std::uint8_t traffic_class = 0;
+  /// The service level (0..15): on InfiniBand the SL the subnet manager maps to a virtual lane;
+  /// on RoCE the driver maps it to the 802.1p priority of VLAN-tagged frames.
+  std::uint8_t service_level = 0;
+  /// The port's P_Key table index (InfiniBand partitions); 0: the default partition.
+  std::uint16_t pkey_index = 0;
   /// Bound on the whole handshake (TCP connect, parameter exchange, QP transitions).
   std::chrono::milliseconds handshake_timeout{10'000};
   /// Keep retrying a refused TCP connect, or a listener's "busy", until handshake_timeout (a
   /// server started at the same moment may not be listening yet). Off: either fails at once.
   bool retry_refused = false;
-  /// Time to wait for an ACK before retransmitting. 0 is refused (it means forever).
+  /// Time to wait for an ACK before retransmitting (rounded up to the IB encoding, 4.096 us x
+  /// 2^t: 500 ms is 536.9 ms). 0 is refused (it means forever). With retry_count, it bounds how
+  /// long a dead peer takes to be declared lost: ack_timeout x (retry_count + 1), ~3.8 s by
+  /// default, inside the 4 s the keepalive takes. An incast fabric (many senders to one port)
+  /// that drops or pauses for longer needs more: a larger ack_timeout, never a larger
+  /// retry_count alone (7 at most).
   std::chrono::milliseconds ack_timeout{500};
   std::uint8_t retry_count = 6;  ///< retransmissions before RETRY_EXC_ERR (0..7)
   /// How long a sender backs off when this side has no receive posted (RNR NAK timer).
@@ -274,6 +289,13 @@ struct ConnectionInfo {
   LinkLayer link_layer = LinkLayer::ethernet;
   GidEntry local_gid;
   std::string gid_reason;  ///< why this GID was chosen
+  /// The fabric settings its QPs were given (ConnectionConfig's; docs/hardware.md), and the
+  /// ACK timeout as the IB encoding rounds it.
+  std::uint8_t traffic_class = 0;
+  std::uint8_t service_level = 0;
+  std::uint16_t pkey_index = 0;
+  std::chrono::microseconds ack_timeout{0};
+  std::uint8_t retry_count = 0;
   std::uint32_t path_mtu = 0;
   std::uint32_t local_mtu = 0, remote_mtu = 0;
   std::uint32_t max_msg_size = 0;

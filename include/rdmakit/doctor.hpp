@@ -73,6 +73,13 @@ struct Options {
   /// Locked memory a typical connection needs: rdmakit bench's default buffers (2 x 8 MiB) and
   /// queues. The memlock check registers this much to see whether it really can.
   std::uint64_t memlock_needed = 20u << 20;
+  /// The fabric settings a connection would use (ConnectionConfig's): shown, with the time a
+  /// dead peer takes to be noticed, and checked where the port shows a mismatch.
+  std::uint8_t traffic_class = 0;
+  std::uint8_t service_level = 0;
+  std::uint16_t pkey_index = 0;
+  std::chrono::milliseconds ack_timeout{ConnectionConfig{}.ack_timeout};
+  std::uint8_t retry_count = ConnectionConfig{}.retry_count;
 };
 
 /// The local checks: /dev/infiniband, devices and ports, the GID, MTUs, the locked-memory limit

@@ -212,6 +212,11 @@ void bind_connection(py::module_& m) {
         d["peer_address"] = i.peer_address;
         d["gid_reason"] = i.gid_reason;
         d["device_reason"] = i.device_reason;
+        d["traffic_class"] = i.traffic_class;
+        d["service_level"] = i.service_level;
+        d["pkey_index"] = i.pkey_index;
+        d["ack_timeout"] = std::chrono::duration<double>(i.ack_timeout).count();
+        d["retry_count"] = i.retry_count;
         return d;
       })
       .def(
@@ -287,9 +292,12 @@ void bind_connection(py::module_& m) {
   m.def(
       "connect",
       [](const std::string& address, const py::iterable& advertise, const py::object& psk,
-         std::string device, double handshake_timeout, std::uint32_t qps, const std::string& method) {
+         std::string device, double handshake_timeout, std::uint32_t qps, const std::string& method,
+         const std::string& gid, unsigned traffic_class, unsigned service_level, unsigned pkey_index,
+         double ack_timeout, unsigned retry_count) {
         auto held = hold_all(advertise);
         ConnectionConfig cfg = config_from(psk, std::move(device), handshake_timeout, qps, method);
+        set_fabric(cfg, gid, traffic_class, service_level, pkey_index, ack_timeout, retry_count);
         cfg.retry_refused = true;
         Connection::Setup setup = advertiser(held);
         std::optional<Connection> conn;
@@ -301,11 +309,15 @@ void bind_connection(py::module_& m) {
       },
       py::arg("address"), py::kw_only(), py::arg("advertise") = py::tuple(),
       py::arg("psk") = py::none(), py::arg("device") = "", py::arg("handshake_timeout") = 10.0,
-      py::arg("qps") = 1, py::arg("method") = "tcp",
+      py::arg("qps") = 1, py::arg("method") = "tcp", py::arg("gid") = "", py::arg("traffic_class") = 0,
+      py::arg("service_level") = 0, py::arg("pkey_index") = 0,
+      py::arg("ack_timeout") = std::chrono::duration<double>(ConnectionConfig{}.ack_timeout).count(),
+      py::arg("retry_count") = ConnectionConfig{}.retry_count,
       "Connects to a Listener at \"host:port\". advertise: objects (or (obj, access) pairs, "
       "access letters r, w, a) the peer may reach, registered before the handshake. method: "
       "\"tcp\" (rdmakit's TCP bootstrap) or \"rdma_cm\" (the connection manager; the port is "
-      "an rdma_cm port), as the listener uses.");
+      "an rdma_cm port), as the listener uses. gid, traffic_class, service_level, pkey_index, "
+      "ack_timeout (seconds), retry_count: the fabric settings (ConnectionConfig, docs/hardware.md).");
 
   struct PyListener {
     std::shared_ptr<Held> held;
@@ -314,10 +326,12 @@ void bind_connection(py::module_& m) {
   py::class_<PyListener>(m, "Listener", "Accepts connections; every one gets `advertise`.")
       .def(py::init([](const std::string& address, const py::iterable& advertise,
                        const py::object& psk, std::string device, double handshake_timeout,
-                       const std::string& method) {
+                       const std::string& method, const std::string& gid, unsigned traffic_class,
+                       unsigned service_level, unsigned pkey_index, double ack_timeout, unsigned retry_count) {
              auto l = std::make_unique<PyListener>();
              l->held = hold_all(advertise);
              ListenerConfig cfg(config_from(psk, std::move(device), handshake_timeout, 1, method));
+             set_fabric(cfg.connection, gid, traffic_class, service_level, pkey_index, ack_timeout, retry_count);
              Connection::Setup setup = advertiser(l->held);
              py::gil_scoped_release nogil;
              l->listener = std::make_unique<Listener>(address, cfg, setup);
@@ -325,7 +339,10 @@ void bind_connection(py::module_& m) {
            }),
            py::arg("address") = ":0", py::kw_only(), py::arg("advertise") = py::tuple(),
            py::arg("psk") = py::none(), py::arg("device") = "",
-           py::arg("handshake_timeout") = 10.0, py::arg("method") = "tcp")
+           py::arg("handshake_timeout") = 10.0, py::arg("method") = "tcp", py::arg("gid") = "",
+           py::arg("traffic_class") = 0, py::arg("service_level") = 0, py::arg("pkey_index") = 0,
+           py::arg("ack_timeout") = std::chrono::duration<double>(ConnectionConfig{}.ack_timeout).count(),
+           py::arg("retry_count") = ConnectionConfig{}.retry_count)
       .def_property_readonly("port",
                              [](const PyListener& l) { return l.listener ? l.listener->port() : 0; })
       .def(

@@ -358,9 +358,11 @@ void bind_engine(py::module_& m) {
                        bool allow_region_keys, const py::object& identity, std::vector<std::string> allowed_peers,
                        const std::vector<std::string>& transports, std::uint32_t tcp_streams,
                        const std::string& shm_copy, double wait_spin, bool telemetry,
-                       std::vector<std::string> devices) {
+                       std::vector<std::string> devices, const std::string& gid, unsigned traffic_class,
+                       unsigned service_level, unsigned pkey_index, double ack_timeout, unsigned retry_count) {
              EngineConfig c;
              c.devices = std::move(devices);
+             set_fabric(c.link, gid, traffic_class, service_level, pkey_index, ack_timeout, retry_count);
              c.telemetry = telemetry;
              if (!(wait_spin >= 0 && wait_spin <= 1)) {
                throw py::value_error(fmt::format("wait_spin={}: seconds, from 0 to 1", wait_spin));
@@ -406,9 +408,13 @@ void bind_engine(py::module_& m) {
            py::arg("shm_copy") = "auto",
            py::arg("wait_spin") = std::chrono::duration<double>(EngineConfig{}.wait_spin).count(),
            py::arg("telemetry") = EngineConfig{}.telemetry, py::arg("devices") = std::vector<std::string>{},
+           py::arg("gid") = "", py::arg("traffic_class") = 0, py::arg("service_level") = 0, py::arg("pkey_index") = 0,
+           py::arg("ack_timeout") = std::chrono::duration<double>(ConnectionConfig{}.ack_timeout).count(),
+           py::arg("retry_count") = ConnectionConfig{}.retry_count,
            "name: as peers know it (default host:pid). devices: the RDMA devices the engine uses (opens, "
            "registers its memory on, runs workers for, links through; default: every one). device: the one "
-           "device every link takes (default: the route's, among `devices`). listen: \"[host]:port\" (port 0: any; "
+           "device every link takes (default: the route's, among `devices`). gid, traffic_class, service_level, "
+           "pkey_index, ack_timeout (seconds), retry_count: every link's fabric settings (docs/hardware.md). listen: \"[host]:port\" (port 0: any; "
            "empty: no listener). workers: progress threads (default one per device). psk: the "
            "pre-shared key, bytes or a key file's path (both ends of a link hold the same). "
            "metadata: \"p2p\" (peers by address), \"redis://host:port\" or \"etcd://host:port\": "

@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <tuple>
 #include <string>
 #include <string_view>
 
@@ -19,6 +20,21 @@ std::chrono::milliseconds to_ms(double seconds, const char* what) {
                 "every wait in rdmakit has a deadline: pass seconds, e.g. 10.0");
   }
   return std::chrono::milliseconds{static_cast<std::int64_t>(std::ceil(seconds * 1000.0))};
+}
+
+void set_fabric(ConnectionConfig& c, const std::string& gid, unsigned traffic_class, unsigned service_level,
+                unsigned pkey_index, double ack_timeout, unsigned retry_count) {
+  for (const auto& [what, v, most] : {std::tuple{"traffic_class", traffic_class, 255u},
+                                      std::tuple{"service_level", service_level, 15u},
+                                      std::tuple{"pkey_index", pkey_index, 65535u}, std::tuple{"retry_count", retry_count, 7u}}) {
+    if (v > most) throw Error("connection config", EINVAL, fmt::format("{}={} (0..{})", what, v, most));
+  }
+  c.gid = GidSelector::parse(gid);
+  c.traffic_class = static_cast<std::uint8_t>(traffic_class);
+  c.service_level = static_cast<std::uint8_t>(service_level);
+  c.pkey_index = static_cast<std::uint16_t>(pkey_index);
+  c.ack_timeout = to_ms(ack_timeout, "ack_timeout");
+  c.retry_count = static_cast<std::uint8_t>(retry_count);
 }
 
 Access parse_access(const std::string& letters, const char* op) {

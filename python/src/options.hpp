@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "rdmakit/connection.hpp"
 #include "rdmakit/identity.hpp"
 #include "rdmakit/memory.hpp"
 
@@ -18,6 +19,12 @@ namespace py = pybind11;
 /// Seconds (a float, as Python's own timeouts are) to milliseconds; a negative, NaN or
 /// infinite value is refused (every wait in rdmakit has a deadline).
 std::chrono::milliseconds to_ms(double seconds, const char* what);
+
+/// The fabric settings every connecting call takes (gid: an index or an address, "" for the
+/// route's; traffic_class; service_level; pkey_index; ack_timeout in seconds; retry_count),
+/// set on `c`; a value out of its range is refused.
+void set_fabric(ConnectionConfig& c, const std::string& gid, unsigned traffic_class, unsigned service_level,
+                unsigned pkey_index, double ack_timeout, unsigned retry_count);
 
 /// Remote access from letters: r (read), w (write), a (atomics); "" is none. `op` names the
 /// call in the error for any other letter.

@@ -1,5 +1,6 @@
 // Connection's lifecycle: the verbs objects of one RC connection (open), joining them with the
 // peer's (finish), close, and the memory and information calls.
+#include <endian.h>
 #include <fcntl.h>
 #include <infiniband/verbs.h>
 #include <sys/random.h>
@@ -97,6 +98,7 @@ Connection::Impl::Impl(ConnectionConfig c, std::shared_ptr<const detail::Secret>
   if (!cfg.trace) cfg.trace = detail::trace_from_environment();
   timeouts = {cfg.ack_timeout, cfg.retry_count, cfg.rnr_timer, cfg.rnr_retry};
   detail::check_retries(timeouts);
+  detail::check_path({cfg.traffic_class, cfg.service_level, cfg.pkey_index});
   if (cfg.max_sge == 0) throw Error("connection config", EINVAL, "max_sge 0: at least 1 is needed");
   static_assert(wire::kMaxQps <= detail::kMaxLanes, "a data path holds every QP of a connection");
   if (cfg.qps == 0 || cfg.qps > wire::kMaxQps) {
@@ -180,6 +182,20 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
     dev = detail::open_pd(layer->device(d.name));
   }
   const ibv_device_attr& dattr = dev->device->attr();
+  if (cfg.pkey_index != 0) {
+    // Checked here: some providers (rxe) take any index at RESET->INIT, and the packets would
+    // then carry no partition the subnet manager gave this port.
+    __be16 pkey = 0;
+    errno = 0;
+    const int rc = ibv_query_pkey(dev->ctx(), p.number, cfg.pkey_index, &pkey);
+    if (rc != 0 || (be16toh(pkey) & 0x7fff) == 0) {
+      throw Error("ibv_query_pkey", rc != 0 && errno != 0 ? errno : EINVAL,
+                  fmt::format("P_Key index {} of {} port {} is not a valid entry", cfg.pkey_index, d.name, p.number),
+                  fmt::format("use an index the subnet manager gave this port (cat /sys/class/infiniband/{}/ports/{}/"
+                              "pkeys/*; rdmakit doctor --pkey-index N checks one)",
+                              d.name, p.number));
+    }
+  }
   // The device is shared; its events for our port, CQs and QPs come to on_device_event.
   dev->device->subscribe(this, p.number);
   // One send CQ serves every QP and must hold one entry per work request of all of them, so a
@@ -248,9 +264,9 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
     raw.push_back(qp.get());
     dev->device->watch(this, qp.get());
     qps.push_back(std::move(qp));
-    detail::to_init(raw.back(), p.number);
+    detail::to_init(raw.back(), p.number, cfg.pkey_index);
     detail::emit(cfg.trace, [&] {
-      return transition_event(raw.back()->qp_num, "RESET->INIT", detail::init_attr_lines(p.number));
+      return transition_event(raw.back()->qp_num, "RESET->INIT", detail::init_attr_lines(p.number, cfg.pkey_index));
     });
   }
   info.method = cfg.method;
@@ -262,6 +278,11 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
   info.link_layer = p.link_layer;
   info.local_gid = gid.entry;
   info.gid_reason = gid.reason;
+  info.traffic_class = cfg.traffic_class;
+  info.service_level = cfg.service_level;
+  info.pkey_index = cfg.pkey_index;
+  info.ack_timeout = detail::ack_timeout_duration(detail::encode_ack_timeout(cfg.ack_timeout));
+  info.retry_count = cfg.retry_count;
   info.local_mtu = p.active_mtu;
   info.max_msg_size = p.max_msg_size;
   wire::EndpointInfo& l = info.local;
@@ -308,7 +329,7 @@ void Connection::Impl::finish(wire::EndpointInfo remote) {
     mine.psn = info.local.qp(k).psn;
     theirs.qpn = info.remote.qp(k).qpn;
     theirs.psn = info.remote.qp(k).psn;
-    auto rtr = detail::derive_rtr(mine, theirs, info.port, timeouts);
+    auto rtr = detail::derive_rtr(mine, theirs, info.port, timeouts, {cfg.traffic_class, cfg.service_level, cfg.pkey_index});
     // An engine link grants what its memory windows may allow; each window says what it does.
     if (attached.dev) rtr.access = attached.qp_access;
     info.path_mtu = detail::mtu_bytes(rtr.path_mtu);

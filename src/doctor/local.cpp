@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <fstream>
 #include <limits>
 
 #include <fmt/format.h>
@@ -13,6 +14,7 @@
 #include "rdmakit/error.hpp"
 #include "verbs/handles.hpp"
 #include "verbs/memory_impl.hpp"
+#include "verbs/qp.hpp"
 
 namespace rdmakit::doctor {
 
@@ -188,6 +190,64 @@ Check numa(const HostFacts& h, const DeviceInfo* d) {
   return c;
 }
 
+// The port's P_Key at `index` as sysfs shows it ("0xffff"), or empty.
+std::string pkey_at(const std::string& device, std::uint8_t port, std::uint16_t index) {
+  std::ifstream f(fmt::format("/sys/class/infiniband/{}/ports/{}/pkeys/{}", device, port, index));
+  std::string v;
+  return (f >> v) ? v : std::string{};
+}
+
+// What a connection's packets carry and how long a dead peer takes, and where the port shows
+// that a setting does nothing or cannot work.
+Check fabric(const Options& o, const DeviceInfo& d, const PortInfo& p, const std::vector<GidEntry>* gids) {
+  Check c{"fabric", "fabric settings", Verdict::ok, "", ""};
+  std::chrono::microseconds ack{0};
+  try {
+    ack = detail::ack_timeout_duration(detail::encode_ack_timeout(o.ack_timeout));
+  } catch (const Error& e) {
+    c.verdict = Verdict::fail;
+    c.detail = e.what();
+    return c;
+  }
+  const auto dead = ack * (o.retry_count + 1);
+  const std::string pkey = pkey_at(d.name, p.number, o.pkey_index);
+  c.detail = fmt::format(
+      "traffic class {}; SL {}; P_Key index {} ({}); ACK timeout {} ms asked, {:.1f} ms as encoded, x {} tries: a dead "
+      "peer is noticed after {:.1f} s",
+      o.traffic_class == 0 ? std::string("0 (the device's default)")
+                           : fmt::format("{} (DSCP {}, ECN {})", o.traffic_class, o.traffic_class >> 2, o.traffic_class & 3),
+      o.service_level, o.pkey_index, pkey.empty() ? "not in the port's table" : "P_Key " + pkey, o.ack_timeout.count(),
+      static_cast<double>(ack.count()) / 1000.0, o.retry_count + 1, static_cast<double>(dead.count()) / 1e6);
+  std::vector<std::string> fixes;
+  if (pkey.empty() || pkey == "0x0000") {
+    c.verdict = Verdict::fail;
+    fixes.push_back(fmt::format("P_Key index {} is not a valid entry of {} port {}: use one the subnet manager gave "
+                                "this port (cat /sys/class/infiniband/{}/ports/{}/pkeys/*)",
+                                o.pkey_index, d.name, p.number, d.name, p.number));
+  }
+  if (p.link_layer == LinkLayer::ethernet && o.service_level != 0) {
+    std::ifstream vlan("/proc/net/vlan/" + p.netdev);
+    if (!vlan) {
+      c.verdict = std::max(c.verdict, Verdict::warn);
+      fixes.push_back(fmt::format("on RoCE the SL becomes the 802.1p priority of VLAN-tagged frames only, and {} is "
+                                  "not a VLAN: SL {} changes nothing on the wire; mark RDMA by DSCP (--traffic-class) "
+                                  "with the NIC trusting DSCP",
+                                  p.netdev.empty() ? "the port's netdev" : p.netdev, o.service_level));
+    }
+  }
+  if (p.link_layer == LinkLayer::ethernet && o.traffic_class != 0 && gids != nullptr) {
+    try {
+      if (choose_gid(*gids, o.gid).entry.type == GidType::roce_v1) {
+        c.verdict = std::max(c.verdict, Verdict::warn);
+        fixes.push_back("the GID is RoCE v1, which has no IP header: switches see no DSCP; use a RoCE v2 GID");
+      }
+    } catch (const Error&) {
+    }
+  }
+  c.fix = fmt::format("{}", fmt::join(fixes, "; "));
+  return c;
+}
+
 }  // namespace
 
 Report check_local(const Options& o) {
@@ -277,6 +337,7 @@ Report check_local(const Options& o) {
       g.fix = e.hint().empty() ? "assign an IP address to the port's netdev" : e.hint();
     }
     r.checks.push_back(g);
+    r.checks.push_back(fabric(o, *d, *p, g.verdict == Verdict::fail ? nullptr : &p->gids));
 
     Check m{"mtu", "MTU", Verdict::ok, "", ""};
     const auto nd = netdev_info(p->netdev);

@@ -84,10 +84,18 @@ void check_retries(const QpTimeouts& t) {
   (void)encode_rnr_timer(t.rnr_timer);
 }
 
+void check_path(const QpPath& p) {
+  if (p.service_level > 15) {
+    throw Error("QP configuration", EINVAL, fmt::format("service_level {} (0..15)", p.service_level));
+  }
+}
+
 RtrAttrs derive_rtr(const wire::EndpointInfo& local, const wire::EndpointInfo& remote,
-                    std::uint8_t port, const QpTimeouts& timeouts) {
+                    std::uint8_t port, const QpTimeouts& timeouts, const QpPath& path) {
   RtrAttrs a;
   a.port = port;
+  a.sl = path.service_level;
+  a.traffic_class = path.traffic_class;
   a.path_mtu = mtu_enum(std::min(local.mtu, remote.mtu));
   a.dest_qpn = remote.qpn;
   a.rq_psn = remote.psn;
@@ -105,7 +113,8 @@ RtrAttrs derive_rtr(const wire::EndpointInfo& local, const wire::EndpointInfo& r
     a.dlid = remote.lid;
     // Same subnet prefix: LID routing, no GRH. Different prefixes need a GRH to cross routers.
     const bool same_subnet = std::equal(local.gid.begin(), local.gid.begin() + 8, remote.gid.begin());
-    if (!same_subnet) {
+    // A traffic class travels in the GRH: asking for one gives every packet a GRH.
+    if (!same_subnet || path.traffic_class != 0) {
       a.is_global = true;
       a.dgid = remote.gid;
       a.sgid_index = static_cast<std::uint8_t>(local.gid_index);
@@ -136,10 +145,10 @@ unsigned qp_access_flags(Access access) noexcept {
   return f;
 }
 
-std::vector<AttrLine> init_attr_lines(std::uint8_t port) {
+std::vector<AttrLine> init_attr_lines(std::uint8_t port, std::uint16_t pkey_index) {
   AttrLines l;
   l.add("qp_state", "INIT");
-  l.add("pkey_index", "0");
+  l.add("pkey_index", std::to_string(pkey_index), pkey_index == 0 ? "the default partition" : "ConnectionConfig::pkey_index");
   l.add("port_num", std::to_string(port));
   l.add("qp_access_flags", "0", "granted at RTR, from the advertised regions");
   return std::move(l.lines);
@@ -160,6 +169,7 @@ std::vector<AttrLine> rtr_attr_lines(const RtrAttrs& a, const wire::EndpointInfo
         fmt::format("{}, the union of the {} advertised regions", to_string(a.access),
                     local.regions.size()));
   l.add("ah.port_num", std::to_string(a.port));
+  l.add("ah.sl", std::to_string(a.sl), "ConnectionConfig::service_level");
   l.add("ah.dlid", std::to_string(a.dlid), fmt::format("remote LID {}", remote.lid));
   l.add("ah.is_global", a.is_global ? "1" : "0", to_string(local.link_layer));
   if (a.is_global) {
@@ -167,6 +177,9 @@ std::vector<AttrLine> rtr_attr_lines(const RtrAttrs& a, const wire::EndpointInfo
     l.add("ah.grh.sgid_index", std::to_string(a.sgid_index),
           fmt::format("local GID {}, {}", gid_text(local.gid), to_string(local.gid_type)));
     l.add("ah.grh.hop_limit", std::to_string(a.hop_limit));
+    l.add("ah.grh.traffic_class", std::to_string(a.traffic_class),
+          a.traffic_class == 0 ? "the device's default"
+                               : fmt::format("DSCP {}, ECN {}", a.traffic_class >> 2, a.traffic_class & 3));
   }
   return std::move(l.lines);
 }
@@ -186,18 +199,19 @@ std::vector<AttrLine> rts_attr_lines(const RtsAttrs& a, const wire::EndpointInfo
   return std::move(l.lines);
 }
 
-void to_init(ibv_qp* qp, std::uint8_t port) {
+void to_init(ibv_qp* qp, std::uint8_t port, std::uint16_t pkey_index) {
   ibv_qp_attr attr{};
   attr.qp_state = IBV_QPS_INIT;
-  attr.pkey_index = 0;
+  attr.pkey_index = pkey_index;
   attr.port_num = port;
   attr.qp_access_flags = 0;
   const int mask = IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS;
   if (const int rc = ibv_modify_qp(qp, &attr, mask); rc != 0) {
     // Some NICs (Intel E810) reject RESET->INIT unless the QP really is in RESET.
-    modify_failed("RESET->INIT", rc, init_attr_lines(port),
-                  fmt::format("is port {} valid and the QP in RESET (it is {})?", port,
-                              state_name(query_state(qp))));
+    modify_failed("RESET->INIT", rc, init_attr_lines(port, pkey_index),
+                  fmt::format("is port {} valid, P_Key index {} in its table (ibv_devinfo -v lists it), and the QP "
+                              "in RESET (it is {})?",
+                              port, pkey_index, state_name(query_state(qp))));
   }
 }
 
@@ -221,12 +235,14 @@ void to_rtr(ibv_qp* qp, const RtrAttrs& a, const wire::EndpointInfo& local,
   attr.min_rnr_timer = a.min_rnr_timer;
   attr.qp_access_flags = qp_access_flags(a.access);
   attr.ah_attr.port_num = a.port;
+  attr.ah_attr.sl = a.sl;
   attr.ah_attr.dlid = a.dlid;
   attr.ah_attr.is_global = a.is_global ? 1 : 0;
   if (a.is_global) {
     std::copy(a.dgid.begin(), a.dgid.end(), attr.ah_attr.grh.dgid.raw);
     attr.ah_attr.grh.sgid_index = a.sgid_index;
     attr.ah_attr.grh.hop_limit = a.hop_limit;
+    attr.ah_attr.grh.traffic_class = a.traffic_class;
   }
   const int mask = IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
                    IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER | IBV_QP_ACCESS_FLAGS;

@@ -24,6 +24,16 @@ struct QpTimeouts {
   std::uint8_t rnr_retry = 6;
 };
 
+/// Where a QP's packets go on the fabric: ConnectionConfig's traffic class, service level and
+/// P_Key index.
+struct QpPath {
+  std::uint8_t traffic_class = 0;
+  std::uint8_t service_level = 0;
+  std::uint16_t pkey_index = 0;
+};
+/// Throws Error for a service level above 15.
+void check_path(const QpPath& p);
+
 /// The IB "local ACK timeout" exponent t (4.096 us * 2^t) that is at least `timeout`.
 /// Throws Error for 0 (t = 0 means "never retransmit": a dead peer would hang the QP forever)
 /// and for more than the largest encodable value (~2.4 hours).
@@ -46,6 +56,8 @@ struct RtrAttrs {
   Gid dgid{};
   std::uint8_t sgid_index = 0;
   std::uint8_t hop_limit = 0;
+  std::uint8_t traffic_class = 0;
+  std::uint8_t sl = 0;
   std::uint16_t dlid = 0;
   /// What the peer may do through this QP: exactly the union of what we advertised.
   Access access = Access::none;
@@ -63,7 +75,7 @@ struct RtsAttrs {
 /// the peer's GID on Ethernet (and on IB across subnets); the peer's LID on IB; remote access =
 /// the union of the regions we advertise (local.regions), nothing more.
 RtrAttrs derive_rtr(const wire::EndpointInfo& local, const wire::EndpointInfo& remote,
-                    std::uint8_t port, const QpTimeouts& timeouts);
+                    std::uint8_t port, const QpTimeouts& timeouts, const QpPath& path = {});
 RtsAttrs derive_rts(const wire::EndpointInfo& local, const wire::EndpointInfo& remote,
                     const QpTimeouts& timeouts);
 
@@ -72,7 +84,7 @@ RtsAttrs derive_rts(const wire::EndpointInfo& local, const wire::EndpointInfo& r
 struct AttrLine {
   std::string name, value, origin;
 };
-std::vector<AttrLine> init_attr_lines(std::uint8_t port);
+std::vector<AttrLine> init_attr_lines(std::uint8_t port, std::uint16_t pkey_index = 0);
 std::vector<AttrLine> rtr_attr_lines(const RtrAttrs& a, const wire::EndpointInfo& local,
                                      const wire::EndpointInfo& remote);
 std::vector<AttrLine> rts_attr_lines(const RtsAttrs& a, const wire::EndpointInfo& local,
@@ -82,7 +94,7 @@ std::vector<AttrLine> rts_attr_lines(const RtsAttrs& a, const wire::EndpointInfo
 unsigned qp_access_flags(Access access) noexcept;
 
 /// INIT grants peers nothing yet; RTR grants what the advertised regions allow.
-void to_init(ibv_qp* qp, std::uint8_t port);
+void to_init(ibv_qp* qp, std::uint8_t port, std::uint16_t pkey_index = 0);
 void to_rtr(ibv_qp* qp, const RtrAttrs& a, const wire::EndpointInfo& local,
             const wire::EndpointInfo& remote);
 void to_rts(ibv_qp* qp, const RtsAttrs& a, const wire::EndpointInfo& local,

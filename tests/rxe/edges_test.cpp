@@ -29,6 +29,7 @@
 #include <gtest/gtest.h>
 #include <infiniband/verbs.h>
 
+#include "connection/impl.hpp"
 #include "forge.hpp"
 #include "lab_helpers.hpp"
 #include "rdmakit/connection.hpp"
@@ -568,6 +569,56 @@ TEST(Edges, TheGidFollowsTheBootstrapRoute) {
   EXPECT_EQ(l.info().device_reason,
             "the first device with an ACTIVE port; the route's local address 127.0.0.1 is on lo, which is no RDMA "
             "device's");
+}
+
+// 13. Fabric settings reach the QP: the traffic class in its address vector (ibv_query_qp, as
+// the NIC holds it), the P_Key index in its INIT state, the ACK timeout and
+// retries as encoded; a P_Key index outside the port's table fails at RESET->INIT, naming it.
+TEST(Edges, FabricSettingsAreTheQpsAttributes) {
+  ConnectionConfig cfg = quiet();
+  cfg.traffic_class = 106;  // DSCP 26, ECT(0)
+  cfg.service_level = 3;
+  cfg.ack_timeout = 1000ms;
+  cfg.retry_count = 5;
+  Listener listener("127.0.0.1:0", cfg, buffer());
+  Connection c = Connection::connect(target(listener), cfg, buffer());
+  auto s = listener.accept(5s);
+  ASSERT_TRUE(s.has_value());
+  for (Connection* x : {&c, &*s}) {
+    ibv_qp_attr a{};
+    ibv_qp_init_attr init{};
+    ASSERT_EQ(ibv_query_qp(Connection::Impl::of(*x).qps[0].get(), &a,
+                           IBV_QP_STATE | IBV_QP_AV | IBV_QP_PKEY_INDEX | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT, &init),
+              0);
+    EXPECT_EQ(a.qp_state, IBV_QPS_RTS);
+    EXPECT_EQ(a.ah_attr.is_global, 1);
+    EXPECT_EQ(a.ah_attr.grh.traffic_class, 106);
+    // (rxe keeps no SL for RoCE and reports 0; the SL given to the verb is unit-tested.)
+    EXPECT_EQ(a.pkey_index, 0);
+    EXPECT_EQ(a.timeout, 18);  // 4.096 us x 2^18 = 1.07 s, the first at least 1 s
+    EXPECT_EQ(a.retry_cnt, 5);
+  }
+  // And the bytes still flow (rxe puts the class in each packet's IP header).
+  std::memcpy(c.memory(0).data(), "classy", 6);
+  ASSERT_TRUE(c.post_write(c.memory(0).local().subslice(0, 6), c.remote_regions()[0], 0, 1).ok());
+  EXPECT_TRUE(c.wait(5s).completion.ok());
+  EXPECT_EQ(std::memcmp(s->memory(0).data(), "classy", 6), 0);
+  // rxe's P_Key table has one entry, and rxe itself takes any index at RESET->INIT: refused
+  // before that, naming it.
+  ConnectionConfig bad = quiet();
+  bad.pkey_index = 100;
+  bad.handshake_timeout = 5s;
+  try {
+    Connection x = Connection::connect(target(listener), bad, buffer());
+    ADD_FAILURE() << "P_Key index 100 was taken";
+  } catch (const rdmakit::Error& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("ibv_query_pkey"), std::string::npos) << w;
+    EXPECT_NE(w.find("P_Key index 100 of rxe0 port 1 is not a valid entry"), std::string::npos) << w;
+  }
+  bad.pkey_index = 0;
+  bad.service_level = 16;
+  EXPECT_THROW(Connection::connect(target(listener), bad, buffer()), rdmakit::Error);
 }
 
 // 11. Keepalive, across two VMs: VM 1 goes silent (netem drops everything it sends, as a host

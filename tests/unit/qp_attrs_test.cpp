@@ -133,4 +133,25 @@ TEST(QpAttrs, MtuConversions) {
   EXPECT_EQ(mtu_enum(1500), IBV_MTU_1024);
 }
 
+// The fabric settings go into the address vector: SL always, the traffic class in the GRH
+// (RoCE has one anyway; on InfiniBand within a subnet, asking for a class adds one).
+TEST(QpAttrs, FabricSettingsGoInTheAddressVector) {
+  using rdmakit::detail::derive_rtr;
+  const rdmakit::detail::QpPath path{106, 3, 0};
+  const auto r = derive_rtr(roce(1, 1024, 1), roce(2, 1024, 2), 1, {}, path);
+  EXPECT_EQ(r.sl, 3);
+  EXPECT_EQ(r.traffic_class, 106);
+  EXPECT_TRUE(r.is_global);
+  EXPECT_FALSE(derive_rtr(ib(1, 5, 0), ib(2, 9, 0), 1, {}).is_global);
+  const auto classed = derive_rtr(ib(1, 5, 0), ib(2, 9, 0), 1, {}, path);
+  EXPECT_TRUE(classed.is_global);
+  EXPECT_EQ(classed.sl, 3);
+  bool listed = false;
+  for (const auto& l : rdmakit::detail::rtr_attr_lines(classed, ib(1, 5, 0), ib(2, 9, 0))) {
+    if (l.name == "ah.grh.traffic_class") listed = l.value == "106" && l.origin == "DSCP 26, ECN 2";
+  }
+  EXPECT_TRUE(listed) << "the RTR transition's attributes name the class";
+  EXPECT_THROW(rdmakit::detail::check_path({0, 16, 0}), rdmakit::Error);
+}
+
 }  // namespace

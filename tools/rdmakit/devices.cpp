@@ -200,7 +200,15 @@ int run_doctor(const DoctorOptions& o) {
   doctor::Options local;
   local.device = o.net.device;
   local.port = static_cast<std::uint8_t>(o.net.ib_port);
-  local.gid = GidSelector::parse(o.net.gid);
+  local.gid = GidSelector::parse(o.net.fabric.gid);
+  {
+    const ConnectionConfig c = o.net.config();
+    local.traffic_class = c.traffic_class;
+    local.service_level = c.service_level;
+    local.pkey_index = c.pkey_index;
+    local.ack_timeout = c.ack_timeout;
+    local.retry_count = c.retry_count;
+  }
   if (o.net.serving()) {
     // A doctor listener: every client gets a small buffer, a posted receive and this host's facts.
     ConnectOptions net = o.net;

@@ -42,6 +42,7 @@ using Clock = std::chrono::steady_clock;
 struct EngineNet {
   std::string name;
   std::vector<std::string> devices;
+  FabricOptions fabric;
   unsigned timeout_ms = 10'000;
   std::string psk_file;
   std::string method = "tcp";
@@ -67,6 +68,7 @@ struct EngineNet {
                    "through; repeatable or comma-separated (default: every device; each link takes the device of "
                    "the route to its peer among them)")
         ->delimiter(',');
+    fabric.add_to(app);
     app.add_option("--timeout", timeout_ms, "handshake deadline in ms")->capture_default_str();
     app.add_option("--psk-file", psk_file, "pre-shared key file (both ends the same)");
     app.add_option("--identity", identity_file,
@@ -112,6 +114,7 @@ struct EngineNet {
     c.listen = std::move(listen);
     c.link.method = parse_connect_method(method);
     c.devices = devices;
+    fabric.apply(c.link);
     c.link.handshake_timeout = std::chrono::milliseconds{timeout_ms};
     c.link.retry_refused = true;  // a target started at the same moment may not listen yet
     if (!psk_file.empty()) c.link.psk = read_key_file(psk_file);

@@ -17,8 +17,7 @@ void ConnectOptions::add_to(CLI::App& app) {
                  "peer takes, else the RDMA device of the netdev holding it (IPoIB too), else the first with an "
                  "ACTIVE port; the output says which)");
   app.add_option("--ib-port", ib_port, "device port (default: the one the route names, else the first ACTIVE one)");
-  app.add_option("-g,--gid", gid,
-                 "source GID: a table index or an IP address (default: RoCE v2 IPv4 first)");
+  fabric.add_to(app);
   app.add_option("--timeout", timeout_ms,
                  "deadline in ms for the handshake (a refused connect is retried until then) and "
                  "for each operation")
@@ -34,6 +33,37 @@ void ConnectOptions::add_to(CLI::App& app) {
                  "pre-shared key (a file of at least 16 bytes, mode 600): both sides prove they know "
                  "it before any connection parameter or key is exchanged");
   add_trace_flag(app, trace);
+}
+
+void FabricOptions::add_to(CLI::App& app) {
+  app.add_option("-g,--gid", gid,
+                 "source GID: a table index or an IP address (default: the route's local address, else RoCE v2 "
+                 "IPv4 first)");
+  app.add_option("--traffic-class", traffic_class,
+                 "GRH traffic class of every packet (RoCE v2: the IP TOS byte, DSCP << 2 | ECN; e.g. 106 for DSCP 26 "
+                 "with ECT(0)); 0: the device's default")
+      ->check(CLI::Range(0u, 255u));
+  app.add_option("--sl", service_level, "service level (InfiniBand SL; RoCE: the VLAN priority the driver maps it to)")
+      ->check(CLI::Range(0u, 15u));
+  app.add_option("--pkey-index", pkey_index, "P_Key table index (InfiniBand partition); 0: the default")
+      ->check(CLI::Range(0u, 65535u));
+  app.add_option("--ack-timeout", ack_timeout_ms,
+                 "ms to wait for an ACK before retransmitting; with --retry-count it bounds how long a dead peer takes "
+                 "to be noticed (ack timeout x (retries + 1))")
+      ->check(CLI::Range(1u, 8'000'000u))
+      ->capture_default_str();
+  app.add_option("--retry-count", retry_count, "retransmissions before the link fails")
+      ->check(CLI::Range(0u, 7u))
+      ->capture_default_str();
+}
+
+void FabricOptions::apply(ConnectionConfig& cfg) const {
+  cfg.gid = GidSelector::parse(gid);
+  cfg.traffic_class = static_cast<std::uint8_t>(traffic_class);
+  cfg.service_level = static_cast<std::uint8_t>(service_level);
+  cfg.pkey_index = static_cast<std::uint16_t>(pkey_index);
+  cfg.ack_timeout = std::chrono::milliseconds{ack_timeout_ms};
+  cfg.retry_count = static_cast<std::uint8_t>(retry_count);
 }
 
 void add_trace_flag(CLI::App& app, bool& trace) {
@@ -74,7 +104,7 @@ ConnectionConfig ConnectOptions::config() const {
   cfg.method = parse_connect_method(method);
   cfg.device = device;
   cfg.port = static_cast<std::uint8_t>(ib_port);
-  cfg.gid = GidSelector::parse(gid);
+  fabric.apply(cfg);
   cfg.handshake_timeout = timeout();
   // A server started at the same moment (a script, a job launcher) may not listen yet.
   cfg.retry_refused = true;
@@ -92,12 +122,14 @@ std::string describe(const ConnectionInfo& i) {
       "  local GID   [{}] {} {} ({})\n"
       "  remote GID  [{}] {} {}\n"
       "  path MTU    {} (local active {}, remote active {})\n"
+      "  fabric      traffic class {}, SL {}, P_Key index {}, ACK timeout {:.1f} ms x {} tries\n"
       "  local QP    QPN {:#08x} PSN {:#08x}\n"
       "  remote QP   QPN {:#08x} PSN {:#08x}\n",
       i.peer_address, to_string(i.method), i.device, i.port, to_string(i.link_layer), i.device_reason, l.gid_index, i.local_gid.address(),
       to_string(l.gid_type), i.gid_reason, r.gid_index,
       GidEntry{r.gid_index, r.gid_type, r.gid, {}}.address(), to_string(r.gid_type), i.path_mtu,
-      i.local_mtu, i.remote_mtu, l.qpn, l.psn, r.qpn, r.psn);
+      i.local_mtu, i.remote_mtu, i.traffic_class, i.service_level, i.pkey_index,
+      static_cast<double>(i.ack_timeout.count()) / 1000.0, i.retry_count + 1, l.qpn, l.psn, r.qpn, r.psn);
 }
 
 void require_role(const ConnectOptions& net, const char* command) {

@@ -16,12 +16,27 @@ namespace rdmakit::tools {
 
 inline constexpr std::uint16_t kDefaultPort = 12025;  // the seed program's
 
+/// Where a link's packets go on the fabric and how long it waits for them: the same options on
+/// every command that makes connections or engine links (docs/hardware.md).
+struct FabricOptions {
+  std::string gid;
+  unsigned traffic_class = 0;
+  unsigned service_level = 0;
+  unsigned pkey_index = 0;
+  unsigned ack_timeout_ms = static_cast<unsigned>(ConnectionConfig{}.ack_timeout.count());
+  unsigned retry_count = ConnectionConfig{}.retry_count;
+
+  void add_to(CLI::App& app);
+  /// Sets them on `cfg`.
+  void apply(ConnectionConfig& cfg) const;
+};
+
 struct ConnectOptions {
   std::string listen;   // [ADDR:]PORT
   std::string connect;  // HOST:PORT
   std::string device;
   unsigned ib_port = 0;
-  std::string gid;
+  FabricOptions fabric;
   unsigned timeout_ms = 10'000;
   std::string method = "tcp";  // --cm
   std::string psk_file;     // --psk-file

@@ -41,6 +41,24 @@ def test_write_read_and_messages_over_one_connection():
     listener.close()
 
 
+def test_fabric_settings_reach_both_ends():
+    served = np.zeros(4096, dtype=np.uint8)
+    fabric = dict(traffic_class=106, service_level=3, ack_timeout=1.0, retry_count=5)
+    listener = rdmakit.Listener(":0", advertise=[(served, "rw")], **fabric)
+    accepted = {}
+    t = threading.Thread(target=lambda: accepted.setdefault("c", listener.accept(10.0)))
+    t.start()
+    with rdmakit.connect(f"127.0.0.1:{listener.port}", **fabric) as conn:
+        t.join()
+        for info in (conn.info, accepted["c"].info):
+            assert (info["traffic_class"], info["service_level"], info["pkey_index"], info["retry_count"]) == (106, 3, 0, 5)
+            assert abs(info["ack_timeout"] - 1.0737) < 0.001   # 4.096 us x 2^18, the first at least 1 s
+        accepted["c"].close()
+    listener.close()
+    with pytest.raises(rdmakit.Error, match="service_level=16"):
+        rdmakit.connect("127.0.0.1:1", service_level=16)
+
+
 def test_accept_times_out_with_a_timeout_error():
     listener = rdmakit.Listener(":0")
     with pytest.raises(rdmakit.TimeoutError):
