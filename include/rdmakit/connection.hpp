@@ -82,8 +82,9 @@ struct ConnectionConfig {
   bool retry_refused = false;
   /// Time to wait for an ACK before retransmitting (rounded up to the IB encoding, 4.096 us x
   /// 2^t: 500 ms is 536.9 ms). 0 is refused (it means forever). With retry_count, it bounds how
-  /// long a dead peer takes to be declared lost: ack_timeout x (retry_count + 1), ~3.8 s by
-  /// default, inside the 4 s the keepalive takes. An incast fabric (many senders to one port)
+  /// long a dead peer takes to be declared lost: at least ack_timeout x (retry_count + 1), ~3.8 s
+  /// by default, about the 4 s the keepalive takes (a NIC may run its timer longer, and raises
+  /// values below its own ACK delay: docs/hardware.md). An incast fabric (many senders to one port)
   /// that drops or pauses for longer needs more: a larger ack_timeout, never a larger
   /// retry_count alone (7 at most).
   std::chrono::milliseconds ack_timeout{500};

@@ -105,6 +105,7 @@ struct DeviceChoice {
   const DeviceInfo* device = nullptr;
   std::uint8_t port = 0;
   std::string reason;
+  bool by_route = false;  ///< the route named it (rules 1 and 2), not the fallback or a name
 };
 
 /// Chooses a device: by name; or when `name` is empty, by the route to the peer

@@ -93,11 +93,14 @@ struct EngineConfig {
   /// costs a second copy and a 4 MiB shared mapping per link, and needs no permission to read
   /// another process's memory; docs/engine.md compares them.
   ShmCopy shm_copy = ShmCopy::automatic;
-  /// The RDMA devices this engine opens, registers its memory on, runs workers for and links
-  /// through (names, as `rdmakit devices` lists them). Empty: every device. A storage or
-  /// management NIC left out pins none of the engine's memory: the locked-memory need is the
-  /// registered bytes times the devices listed. An unknown name is refused at construction,
-  /// naming those there are; link.device, when set, must be one of them.
+  /// The RDMA devices this engine uses: it registers its memory, makes its protection domains
+  /// and completion queues, and links only there (names, as `rdmakit devices` lists them; the
+  /// process's device layer still opens every device once, whoever uses it). Empty: every
+  /// device. A storage or management NIC left out pins none of the engine's memory: the
+  /// locked-memory need is the registered bytes times the devices listed. A peer whose route
+  /// goes through a device left out is refused (connect_failed, naming it), not linked through
+  /// another. An unknown name is refused at construction, naming those there are; link.device
+  /// and rails.devices, when set, must be among them.
   std::vector<std::string> devices{};
   /// Settings of every peer link: device, timeouts, keepalive, queue depths, the pre-shared key
   /// (psk: both ends of a link must hold the same). One QP per link and rail (the engine spreads

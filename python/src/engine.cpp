@@ -411,8 +411,8 @@ void bind_engine(py::module_& m) {
            py::arg("gid") = "", py::arg("traffic_class") = 0, py::arg("service_level") = 0, py::arg("pkey_index") = 0,
            py::arg("ack_timeout") = std::chrono::duration<double>(ConnectionConfig{}.ack_timeout).count(),
            py::arg("retry_count") = ConnectionConfig{}.retry_count,
-           "name: as peers know it (default host:pid). devices: the RDMA devices the engine uses (opens, "
-           "registers its memory on, runs workers for, links through; default: every one). device: the one "
+           "name: as peers know it (default host:pid). devices: the RDMA devices the engine uses (registers its "
+           "memory on, makes its queues on, links through; default: every one). device: the one "
            "device every link takes (default: the route's, among `devices`). gid, traffic_class, service_level, "
            "pkey_index, ack_timeout (seconds), retry_count: every link's fabric settings (docs/hardware.md). listen: \"[host]:port\" (port 0: any; "
            "empty: no listener). workers: progress threads (default one per device). psk: the "

@@ -149,9 +149,22 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
   const std::string local_address = control_channel.local_address();
   const std::string resolved = control_channel.device();
   if (!hooks.devices.empty()) {  // an engine's link: only the engine's devices
-    std::erase_if(devices, [&](const DeviceInfo& d) {
-      return std::find(hooks.devices.begin(), hooks.devices.end(), d.name) == hooks.devices.end();
-    });
+    const auto mine = [&](const std::string& name) {
+      return std::find(hooks.devices.begin(), hooks.devices.end(), name) != hooks.devices.end();
+    };
+    // The route names a device the engine left out: refused, not linked through another of
+    // its devices behind the configuration's back (on a routed fabric that would work, on
+    // the wrong NIC).
+    if (resolved.empty() && cfg.device.empty() && !devices.empty()) {
+      const DeviceChoice route = choose_device(devices, "", local_address);
+      if (route.by_route && !mine(route.device->name)) {
+        throw Error("choose device", ENODEV,
+                    fmt::format("the route to {} goes through {} ({}), which is not one of the engine's devices ({})",
+                                info.peer_address, route.device->name, route.reason, fmt::join(hooks.devices, ", ")),
+                    "list it in EngineConfig::devices (--device), or reach the peer at an address one of them carries");
+      }
+    }
+    std::erase_if(devices, [&](const DeviceInfo& d) { return !mine(d.name); });
     if (!resolved.empty() && std::none_of(devices.begin(), devices.end(), [&](const DeviceInfo& d) { return d.name == resolved; })) {
       throw Error("rdma_cm", EINVAL,
                   fmt::format("the CM resolved {} to device {}, which is not one of the engine's ({})",

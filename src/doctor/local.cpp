@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <fstream>
 #include <limits>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -216,33 +218,42 @@ Check fabric(const Options& o, const DeviceInfo& d, const PortInfo& p, const std
       "peer is noticed after {:.1f} s",
       o.traffic_class == 0 ? std::string("0 (the device's default)")
                            : fmt::format("{} (DSCP {}, ECN {})", o.traffic_class, o.traffic_class >> 2, o.traffic_class & 3),
-      o.service_level, o.pkey_index, pkey.empty() ? "not in the port's table" : "P_Key " + pkey, o.ack_timeout.count(),
+      o.service_level, o.pkey_index, pkey.empty() ? "no entry readable in the port's table" : "P_Key " + pkey,
+      o.ack_timeout.count(),
       static_cast<double>(ack.count()) / 1000.0, o.retry_count + 1, static_cast<double>(dead.count()) / 1e6);
   std::vector<std::string> fixes;
-  if (pkey.empty() || pkey == "0x0000") {
+  // As the connection checks it (ibv_query_pkey reads the same file): a missing entry, or one
+  // whose key without the membership bit is 0. Index 0 unreadable (a provider without a table
+  // in sysfs) is no finding: the connection asks for no index then.
+  const bool invalid = pkey.empty() ? o.pkey_index != 0 : (std::strtoul(pkey.c_str(), nullptr, 16) & 0x7fff) == 0;
+  if (invalid) {
     c.verdict = Verdict::fail;
     fixes.push_back(fmt::format("P_Key index {} is not a valid entry of {} port {}: use one the subnet manager gave "
                                 "this port (cat /sys/class/infiniband/{}/ports/{}/pkeys/*)",
                                 o.pkey_index, d.name, p.number, d.name, p.number));
   }
+  // The GID a connection would use, and its netdev (a VLAN's GIDs name the VLAN).
+  std::optional<GidEntry> gid;
+  if (gids != nullptr) {
+    try {
+      gid = choose_gid(*gids, o.gid).entry;
+    } catch (const Error&) {
+    }
+  }
+  const std::string netdev = gid && !gid->netdev.empty() ? gid->netdev : p.netdev;
   if (p.link_layer == LinkLayer::ethernet && o.service_level != 0) {
-    std::ifstream vlan("/proc/net/vlan/" + p.netdev);
+    std::ifstream vlan("/proc/net/vlan/" + netdev);
     if (!vlan) {
       c.verdict = std::max(c.verdict, Verdict::warn);
       fixes.push_back(fmt::format("on RoCE the SL becomes the 802.1p priority of VLAN-tagged frames only, and {} is "
                                   "not a VLAN: SL {} changes nothing on the wire; mark RDMA by DSCP (--traffic-class) "
                                   "with the NIC trusting DSCP",
-                                  p.netdev.empty() ? "the port's netdev" : p.netdev, o.service_level));
+                                  netdev.empty() ? "the port's netdev" : netdev, o.service_level));
     }
   }
-  if (p.link_layer == LinkLayer::ethernet && o.traffic_class != 0 && gids != nullptr) {
-    try {
-      if (choose_gid(*gids, o.gid).entry.type == GidType::roce_v1) {
-        c.verdict = std::max(c.verdict, Verdict::warn);
-        fixes.push_back("the GID is RoCE v1, which has no IP header: switches see no DSCP; use a RoCE v2 GID");
-      }
-    } catch (const Error&) {
-    }
+  if (p.link_layer == LinkLayer::ethernet && o.traffic_class != 0 && gid && gid->type == GidType::roce_v1) {
+    c.verdict = std::max(c.verdict, Verdict::warn);
+    fixes.push_back("the GID is RoCE v1, which has no IP header: switches see no DSCP; use a RoCE v2 GID");
   }
   c.fix = fmt::format("{}", fmt::join(fixes, "; "));
   return c;

@@ -324,6 +324,11 @@ Report check_peer(const std::string& host_port, const PeerOptions& o) {
   cfg.device = o.local.device;
   cfg.port = o.local.port;
   cfg.gid = o.local.gid;
+  // The packets' class, SL and partition as the listener's (doctor --listen takes the same
+  // options): what the fabric check printed is what this connection tests.
+  cfg.traffic_class = o.local.traffic_class;
+  cfg.service_level = o.local.service_level;
+  cfg.pkey_index = o.local.pkey_index;
   cfg.handshake_timeout = o.timeout;
   cfg.retry_refused = false;
   // Fail fast: 100 ms x 4 tries, so an unreachable peer is a diagnosis in about half a second.

@@ -316,26 +316,13 @@ BatchTelemetry Batch::telemetry() const {
     }
   }
   if (paths.empty()) return t;
-  // The names are the engine's: read inside its gate (alive while inside); an engine gone
-  // leaves the indexes.
-  struct Inside {
-    detail::DriveGate& gate;
-    bool alive = gate.enter();
-    ~Inside() {
-      if (alive) gate.leave();
-    }
-  } inside{*b.gate};
-  const bool alive = inside.alive;
+  const detail::DriveGate& names = *b.gate;  // the engine's device names, fixed at its construction
   for (const auto& [path, v] : paths) {
     PathTelemetry p;
     p.bytes = v.first;
     p.transfers = v.second;
-    if (alive) {
-      p.device = b.engine->device_name(path);
-      p.transport = b.engine->is_soft(path) ? p.device : "rdma";
-    } else {
-      p.device = fmt::format("device {} (its engine is gone)", path);
-    }
+    p.device = path < names.device_names.size() ? names.device_names[path] : fmt::format("device {}", path);
+    p.transport = path < names.rdma_devices ? "rdma" : p.device;
     t.paths.push_back(std::move(p));
   }
   std::stable_sort(t.paths.begin(), t.paths.end(),

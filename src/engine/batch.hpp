@@ -180,6 +180,12 @@ class DriveGate {
   /// Being closed: whoever is inside leaves at its next look.
   [[nodiscard]] bool closing() const noexcept { return (users_.load(std::memory_order_relaxed) & kClosed) != 0; }
   void close() noexcept;
+  /// The engine's device names by index (its RDMA devices', then "tcp" and "shm") and how many
+  /// of them are RDMA devices: set once while the engine is built, before any batch holds the
+  /// gate, and never changed, so a batch names the paths its transfers took (telemetry) whether
+  /// or not its engine is still there.
+  std::vector<std::string> device_names;
+  std::uint32_t rdma_devices = 0;
 
  private:
   static constexpr std::uint32_t kClosed = 1u << 31;

@@ -106,6 +106,8 @@ Engine::Impl::Impl(EngineConfig c)
   if (!cfg.link.psk.empty()) psk = std::make_shared<const detail::Secret>(cfg.link.psk);
 
   choose_transports();
+  for (std::uint32_t d = 0; d < device_count(); ++d) gate->device_names.push_back(device_name(d));
+  gate->rdma_devices = rdma_count;
   std::string without;
   for (const auto& d : rdma_devices) {
     pds.push_back(detail::open_pd(d));
@@ -283,7 +285,7 @@ std::uint32_t Engine::Impl::device_index(const std::string& device) const {
   }
   if (device == "tcp") return soft_index(wire::LinkTransport::tcp);
   if (device == "shm") return soft_index(wire::LinkTransport::shm);
-  throw Error("engine", ENODEV, fmt::format("device {} is not in the device layer", device));
+  throw Error("engine", ENODEV, fmt::format("device {} is not one of the engine's devices", device));
 }
 
 detail::HandshakeHooks Engine::Impl::hooks(Worker* preferred) {

@@ -133,6 +133,12 @@ void Engine::Impl::choose_transports() {
       throw Error("engine config", EINVAL,
                   fmt::format("link.device '{}' is not one of devices ({})", cfg.link.device, fmt::join(cfg.devices, ", ")));
     }
+    for (const std::string& r : cfg.rails.devices) {
+      if (std::find(cfg.devices.begin(), cfg.devices.end(), r) == cfg.devices.end()) {
+        throw Error("engine config", EINVAL,
+                    fmt::format("rails.devices names '{}', which is not one of devices ({})", r, fmt::join(cfg.devices, ", ")));
+      }
+    }
   }
   rdma_count = static_cast<std::uint32_t>(rdma_devices.size());
   if (rdma && no_device && want.size() == 1) {

@@ -433,8 +433,8 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
       const std::uint64_t m = std::min<std::uint64_t>(slot.run, upto - seq);
       std::uint64_t sum = 0;
       for (Xfer *e = &x, *end = &x + m; e != end; ++e) {
+        e->set_path(path);  // before its status (the batch's end publishes both)
         e->set_status(TransferStatus::ok, std::memory_order_relaxed);  // published by finished_ok
-        e->set_path(path);
         sum += e->t->length;
       }
       bytes += sum;
@@ -442,8 +442,8 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
       seq += m - 1;
       continue;
     }
-    x.set_status(TransferStatus::ok, std::memory_order_relaxed);  // published by finished_ok
     x.set_path(path);
+    x.set_status(TransferStatus::ok, std::memory_order_relaxed);  // published by finished_ok
     ++run_ok;
     bytes += x.t->length;
   }

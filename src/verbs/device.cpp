@@ -248,7 +248,8 @@ DeviceChoice choose_device(const std::vector<DeviceInfo>& devices, const std::st
         if (p.active && has_route_gid(p, route)) {
           return {&d, p.number,
                   fmt::format("port {} has a GID with the route's local address {}{}", p.number, route_address,
-                              p.netdev.empty() ? "" : fmt::format(" ({})", p.netdev))};
+                              p.netdev.empty() ? "" : fmt::format(" ({})", p.netdev)),
+                  true};
         }
       }
     }
@@ -261,7 +262,8 @@ DeviceChoice choose_device(const std::vector<DeviceInfo>& devices, const std::st
           if (p.active && !ifname.empty() && p.netdev == ifname) {
             return {&d, p.number,
                     fmt::format("the route's local address {} is on {}, port {}'s netdev", route_address, ifname,
-                                p.number)};
+                                p.number),
+                    true};
           }
         }
       }
@@ -272,7 +274,8 @@ DeviceChoice choose_device(const std::vector<DeviceInfo>& devices, const std::st
             if (p.active && p.number == r.port) {
               return {&d, p.number,
                       fmt::format("the route's local address {} is on {}, a netdev of its PCI function (port {})",
-                                  route_address, ifname, p.number)};
+                                  route_address, ifname, p.number),
+                      true};
             }
           }
         }

@@ -816,9 +816,8 @@ TEST(Engine, ListedDevicesAreUsedNotEveryDevice) {
       ASSERT_NO_FATAL_FAILURE(n.write_to_both(a, src, 8, 8192));
       continue;
     }
-    // rxe1 reaches t1; t0, at an address only rxe0 carries, is not reached through rxe0 behind
-    // the configuration's back: its link is tried on rxe1 (the lab's subnets do not route to
-    // each other) and fails, saying so.
+    // rxe1 reaches t1; t0, whose route goes through rxe0, is refused naming it, not linked
+    // through rxe1 behind the configuration's back.
     const Transfer w1 = xfer(TransferOp::write, src, 0, 8192, a.segment("t1", "kv"), 0);
     Batch b1 = a.submit({&w1, 1});
     ASSERT_TRUE(b1.wait(10s));
@@ -828,6 +827,9 @@ TEST(Engine, ListedDevicesAreUsedNotEveryDevice) {
     Batch b0 = a.submit({&w0, 1});
     ASSERT_TRUE(b0.wait(20s));
     EXPECT_EQ(b0.result(0).status, TransferStatus::connect_failed) << b0.describe_failures();
+    EXPECT_NE(b0.result(0).reason.find("goes through rxe0"), std::string::npos) << b0.result(0).reason;
+    EXPECT_NE(b0.result(0).reason.find("which is not one of the engine's devices (rxe1)"), std::string::npos)
+        << b0.result(0).reason;
     for (const rdmakit::PeerInfo& p : a.peers()) {
       if (p.linked) {
         EXPECT_EQ(p.device, "rxe1") << p.name << " at " << p.address;
@@ -851,7 +853,12 @@ TEST(Engine, ListedDevicesAreUsedNotEveryDevice) {
   }
   bad.devices = {"rxe1"};
   bad.link.device = "rxe0";
-  EXPECT_THROW(Engine{bad}, rdmakit::Error);
+  try {
+    Engine e(bad);
+    ADD_FAILURE() << "a link.device outside devices was taken";
+  } catch (const rdmakit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("link.device 'rxe0' is not one of devices (rxe1)"), std::string::npos) << e.what();
+  }
 }
 
 // Two devices: memory other than plain host memory (huge pages here) is registered on both, and

@@ -64,7 +64,7 @@ struct EngineNet {
     metadata.add_to(app, publishing);
     app.add_option("--name", name, "this engine's name (default: host:pid)");
     app.add_option("-d,--device", devices,
-                   "an RDMA device the engine uses: opens, registers its memory on, runs a worker for, links "
+                   "an RDMA device the engine uses: registers its memory on, makes its queues on, links "
                    "through; repeatable or comma-separated (default: every device; each link takes the device of "
                    "the route to its peer among them)")
         ->delimiter(',');
