@@ -98,7 +98,8 @@ Connection::Impl::Impl(ConnectionConfig c, std::shared_ptr<const detail::Secret>
   if (!cfg.trace) cfg.trace = detail::trace_from_environment();
   timeouts = {cfg.ack_timeout, cfg.retry_count, cfg.rnr_timer, cfg.rnr_retry};
   detail::check_retries(timeouts);
-  detail::check_path({cfg.traffic_class, cfg.service_level, cfg.pkey_index});
+  path = {cfg.traffic_class, cfg.service_level, cfg.pkey_index};
+  detail::check_path(path);
   if (cfg.max_sge == 0) throw Error("connection config", EINVAL, "max_sge 0: at least 1 is needed");
   static_assert(wire::kMaxQps <= detail::kMaxLanes, "a data path holds every QP of a connection");
   if (cfg.qps == 0 || cfg.qps > wire::kMaxQps) {
@@ -148,29 +149,15 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
   auto devices = layer->catalog();
   const std::string local_address = control_channel.local_address();
   const std::string resolved = control_channel.device();
-  if (!hooks.devices.empty()) {  // an engine's link: only the engine's devices
-    const auto mine = [&](const std::string& name) {
-      return std::find(hooks.devices.begin(), hooks.devices.end(), name) != hooks.devices.end();
-    };
-    // The route names a device the engine left out: refused, not linked through another of
-    // its devices behind the configuration's back (on a routed fabric that would work, on
-    // the wrong NIC).
-    if (resolved.empty() && cfg.device.empty() && !devices.empty()) {
-      const DeviceChoice route = choose_device(devices, "", local_address);
-      if (route.by_route && !mine(route.device->name)) {
-        throw Error("choose device", ENODEV,
-                    fmt::format("the route to {} goes through {} ({}), which is not one of the engine's devices ({})",
-                                info.peer_address, route.device->name, route.reason, fmt::join(hooks.devices, ", ")),
-                    "list it in EngineConfig::devices (--device), or reach the peer at an address one of them carries");
-      }
-    }
-    std::erase_if(devices, [&](const DeviceInfo& d) { return !mine(d.name); });
-    if (!resolved.empty() && std::none_of(devices.begin(), devices.end(), [&](const DeviceInfo& d) { return d.name == resolved; })) {
-      throw Error("rdma_cm", EINVAL,
-                  fmt::format("the CM resolved {} to device {}, which is not one of the engine's ({})",
-                              info.peer_address, resolved, fmt::join(hooks.devices, ", ")),
-                  "list it in EngineConfig::devices (--device), or reach the peer at an address those devices carry");
-    }
+  // An engine's link takes only the engine's devices (empty: any).
+  const auto mine = [&](const std::string& name) {
+    return hooks.devices.empty() || std::find(hooks.devices.begin(), hooks.devices.end(), name) != hooks.devices.end();
+  };
+  if (!resolved.empty() && !mine(resolved)) {
+    throw Error("rdma_cm", EINVAL,
+                fmt::format("the CM resolved {} to device {}, which is not one of the engine's ({})",
+                            info.peer_address, resolved, fmt::join(hooks.devices, ", ")),
+                "list it in EngineConfig::devices (--device), or reach the peer at an address those devices carry");
   }
   if (!resolved.empty() && !cfg.device.empty() && resolved != cfg.device) {
     throw Error("rdma_cm", EINVAL,
@@ -180,7 +167,20 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
                             "connect to an address that {} reaches",
                             cfg.device));
   }
-  const DeviceChoice choice = choose_device(devices, resolved.empty() ? cfg.device : resolved, local_address);
+  DeviceChoice choice = choose_device(devices, resolved.empty() ? cfg.device : resolved, local_address);
+  if (!mine(choice.device->name)) {
+    // The route names a device the engine left out: refused, not linked through another of
+    // its devices behind the configuration's back (on a routed fabric that would work, on the
+    // wrong NIC). The fallback (no route named one) is taken among the engine's own.
+    if (choice.by_route) {
+      throw Error("choose device", ENODEV,
+                  fmt::format("the route to {} goes through {} ({}), which is not one of the engine's devices ({})",
+                              info.peer_address, choice.device->name, choice.reason, fmt::join(hooks.devices, ", ")),
+                  "list it in EngineConfig::devices (--device), or reach the peer at an address one of them carries");
+    }
+    std::erase_if(devices, [&](const DeviceInfo& x) { return !mine(x.name); });
+    choice = choose_device(devices, "", local_address);
+  }
   const DeviceInfo& d = *choice.device;
   // The port the route named (IPoIB's netdev names one of two), unless one is configured.
   const PortInfo& p = pick_port(d, cfg.port != 0 ? cfg.port : choice.port, local_address);
@@ -342,7 +342,7 @@ void Connection::Impl::finish(wire::EndpointInfo remote) {
     mine.psn = info.local.qp(k).psn;
     theirs.qpn = info.remote.qp(k).qpn;
     theirs.psn = info.remote.qp(k).psn;
-    auto rtr = detail::derive_rtr(mine, theirs, info.port, timeouts, {cfg.traffic_class, cfg.service_level, cfg.pkey_index});
+    auto rtr = detail::derive_rtr(mine, theirs, info.port, timeouts, path);
     // An engine link grants what its memory windows may allow; each window says what it does.
     if (attached.dev) rtr.access = attached.qp_access;
     info.path_mtu = detail::mtu_bytes(rtr.path_mtu);

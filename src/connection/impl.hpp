@@ -174,6 +174,7 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   std::uint64_t budget_held = 0;
   ConnectionInfo info;
   detail::QpTimeouts timeouts;
+  detail::QpPath path;  // the fabric settings its QPs get (cfg's traffic class, SL, P_Key index)
 
   // The verbs objects, in creation order, so destruction (the reverse) releases the QPs first,
   // then the CQs and the channel, then the regions (each deregistered, then its memory freed),

@@ -201,7 +201,7 @@ std::string pkey_at(const std::string& device, std::uint8_t port, std::uint16_t 
 
 // What a connection's packets carry and how long a dead peer takes, and where the port shows
 // that a setting does nothing or cannot work.
-Check fabric(const Options& o, const DeviceInfo& d, const PortInfo& p, const std::vector<GidEntry>* gids) {
+Check fabric(const Options& o, const DeviceInfo& d, const PortInfo& p, const std::optional<GidEntry>& gid) {
   Check c{"fabric", "fabric settings", Verdict::ok, "", ""};
   std::chrono::microseconds ack{0};
   try {
@@ -216,8 +216,7 @@ Check fabric(const Options& o, const DeviceInfo& d, const PortInfo& p, const std
   c.detail = fmt::format(
       "traffic class {}; SL {}; P_Key index {} ({}); ACK timeout {} ms asked, {:.1f} ms as encoded, x {} tries: a dead "
       "peer is noticed after {:.1f} s",
-      o.traffic_class == 0 ? std::string("0 (the device's default)")
-                           : fmt::format("{} (DSCP {}, ECN {})", o.traffic_class, o.traffic_class >> 2, o.traffic_class & 3),
+      fmt::format("{} ({})", o.traffic_class, detail::traffic_class_text(o.traffic_class)),
       o.service_level, o.pkey_index, pkey.empty() ? "no entry readable in the port's table" : "P_Key " + pkey,
       o.ack_timeout.count(),
       static_cast<double>(ack.count()) / 1000.0, o.retry_count + 1, static_cast<double>(dead.count()) / 1e6);
@@ -232,14 +231,7 @@ Check fabric(const Options& o, const DeviceInfo& d, const PortInfo& p, const std
                                 "this port (cat /sys/class/infiniband/{}/ports/{}/pkeys/*)",
                                 o.pkey_index, d.name, p.number, d.name, p.number));
   }
-  // The GID a connection would use, and its netdev (a VLAN's GIDs name the VLAN).
-  std::optional<GidEntry> gid;
-  if (gids != nullptr) {
-    try {
-      gid = choose_gid(*gids, o.gid).entry;
-    } catch (const Error&) {
-    }
-  }
+  // The netdev of the GID a connection would use (a VLAN's GIDs name the VLAN).
   const std::string netdev = gid && !gid->netdev.empty() ? gid->netdev : p.netdev;
   if (p.link_layer == LinkLayer::ethernet && o.service_level != 0) {
     std::ifstream vlan("/proc/net/vlan/" + netdev);
@@ -327,8 +319,10 @@ Report check_local(const Options& o) {
 
   if (p != nullptr) {
     Check g{"gid", "source GID", Verdict::ok, "", ""};
+    std::optional<GidEntry> gid;  // the one a connection would use (none when it would fail)
     try {
       const GidChoice choice = choose_gid(p->gids, o.gid);
+      gid = choice.entry;
       g.detail = fmt::format("index {}: {} {} ({})", choice.entry.index, to_string(choice.entry.type),
                              choice.entry.address(), choice.reason);
       if (p->link_layer == LinkLayer::ethernet) {
@@ -348,7 +342,7 @@ Report check_local(const Options& o) {
       g.fix = e.hint().empty() ? "assign an IP address to the port's netdev" : e.hint();
     }
     r.checks.push_back(g);
-    r.checks.push_back(fabric(o, *d, *p, g.verdict == Verdict::fail ? nullptr : &p->gids));
+    r.checks.push_back(fabric(o, *d, *p, gid));
 
     Check m{"mtu", "MTU", Verdict::ok, "", ""};
     const auto nd = netdev_info(p->netdev);

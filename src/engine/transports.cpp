@@ -113,6 +113,9 @@ void Engine::Impl::choose_transports() {
     // The engine's own devices, in the layer's order; every name must be one of them.
     std::vector<std::string> there;
     for (const auto& d : rdma_devices) there.push_back(d->name());
+    const auto listed = [&](const std::string& device) {
+      return std::find(cfg.devices.begin(), cfg.devices.end(), device) != cfg.devices.end();
+    };
     for (std::size_t i = 0; i < cfg.devices.size(); ++i) {
       const std::string& want_d = cfg.devices[i];
       if (std::find(there.begin(), there.end(), want_d) == there.end()) {
@@ -125,16 +128,13 @@ void Engine::Impl::choose_transports() {
         throw Error("engine config", EINVAL, fmt::format("devices: '{}' is listed twice", want_d));
       }
     }
-    std::erase_if(rdma_devices, [&](const std::shared_ptr<detail::Device>& d) {
-      return std::find(cfg.devices.begin(), cfg.devices.end(), d->name()) == cfg.devices.end();
-    });
-    if (!cfg.link.device.empty() &&
-        std::find(cfg.devices.begin(), cfg.devices.end(), cfg.link.device) == cfg.devices.end()) {
+    std::erase_if(rdma_devices, [&](const std::shared_ptr<detail::Device>& d) { return !listed(d->name()); });
+    if (!cfg.link.device.empty() && !listed(cfg.link.device)) {
       throw Error("engine config", EINVAL,
                   fmt::format("link.device '{}' is not one of devices ({})", cfg.link.device, fmt::join(cfg.devices, ", ")));
     }
     for (const std::string& r : cfg.rails.devices) {
-      if (std::find(cfg.devices.begin(), cfg.devices.end(), r) == cfg.devices.end()) {
+      if (!listed(r)) {
         throw Error("engine config", EINVAL,
                     fmt::format("rails.devices names '{}', which is not one of devices ({})", r, fmt::join(cfg.devices, ", ")));
       }

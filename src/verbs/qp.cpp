@@ -90,6 +90,11 @@ void check_path(const QpPath& p) {
   }
 }
 
+std::string traffic_class_text(std::uint8_t traffic_class) {
+  return traffic_class == 0 ? "the device's default"
+                            : fmt::format("DSCP {}, ECN {}", traffic_class >> 2, traffic_class & 3);
+}
+
 RtrAttrs derive_rtr(const wire::EndpointInfo& local, const wire::EndpointInfo& remote,
                     std::uint8_t port, const QpTimeouts& timeouts, const QpPath& path) {
   RtrAttrs a;
@@ -177,9 +182,7 @@ std::vector<AttrLine> rtr_attr_lines(const RtrAttrs& a, const wire::EndpointInfo
     l.add("ah.grh.sgid_index", std::to_string(a.sgid_index),
           fmt::format("local GID {}, {}", gid_text(local.gid), to_string(local.gid_type)));
     l.add("ah.grh.hop_limit", std::to_string(a.hop_limit));
-    l.add("ah.grh.traffic_class", std::to_string(a.traffic_class),
-          a.traffic_class == 0 ? "the device's default"
-                               : fmt::format("DSCP {}, ECN {}", a.traffic_class >> 2, a.traffic_class & 3));
+    l.add("ah.grh.traffic_class", std::to_string(a.traffic_class), traffic_class_text(a.traffic_class));
   }
   return std::move(l.lines);
 }

@@ -33,6 +33,8 @@ struct QpPath {
 };
 /// Throws Error for a service level above 15.
 void check_path(const QpPath& p);
+/// A traffic class in words: "DSCP 26, ECN 2", or "the device's default" for 0.
+std::string traffic_class_text(std::uint8_t traffic_class);
 
 /// The IB "local ACK timeout" exponent t (4.096 us * 2^t) that is at least `timeout`.
 /// Throws Error for 0 (t = 0 means "never retransmit": a dead peer would hang the QP forever)
