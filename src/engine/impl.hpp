@@ -728,6 +728,7 @@ class Worker {
   std::vector<Link*> to_flush_;
   std::vector<Link*> to_walk_;  // links with completions to walk (Link::walk_to)
   std::vector<Link*> to_report_;  // links to tell their peers they are active (Link::active_sent)
+  std::vector<Link*> to_break_;  // links a failed completion broke, to break after the poll
   std::vector<Link*> open_chains_;  // links with a chain being built (empty between commands)
   Deadline next_tick_{};
   Deadline next_report_{};  // report_active()

@@ -484,6 +484,12 @@ int Worker::poll_cqs(bool fresh_clock) noexcept {
     for (Link* l : to_report_) tell_active(*l, now_);
     to_report_.clear();
   }
+  if (!to_break_.empty()) [[unlikely]] {
+    for (Link* l : to_break_) {
+      if (l->state != Link::State::closing) break_link(*l, l->impl.dp.failure());
+    }
+    to_break_.clear();
+  }
   return got;
 }
 

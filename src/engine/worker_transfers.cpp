@@ -592,6 +592,18 @@ void Worker::on_completion(DataPath& dp, const Completion& c) noexcept {
 // memory formatting a reason) is logged, and the transfer ends failed with it.
 void Worker::on_news(Link& l, const Completion& c, std::uint64_t seq, bool part) noexcept {
   DataPath& dp = l.impl.dp;
+  if (!c.ok() && dp.mode() != DataPath::Mode::ready && l.state != Link::State::closing) [[unlikely]] {
+    // The data path broke on it: the link goes after this poll, not at its next post or control
+    // message. An idle link would otherwise look ready for as long as nothing is posted on it
+    // (its peer's messages to it flushed, connect() and lease() answered from it).
+    if (std::find(to_break_.begin(), to_break_.end(), &l) == to_break_.end()) {
+      try {
+        to_break_.push_back(&l);
+      } catch (...) {
+        // Out of memory: the next post or control message breaks it.
+      }
+    }
+  }
   // Those before it completed; it is news of its own.
   walk(l, seq, TransferStatus::ok, {});
   l.ended = std::max(l.ended, seq + 1);
