@@ -47,3 +47,11 @@ _rdmakit_import(rdmakit::sodium sodium.h sodium libsodium-dev)
 # hiredis and libcurl: the metadata plane's Redis and etcd clients.
 _rdmakit_import(rdmakit::hiredis hiredis/hiredis.h hiredis libhiredis-dev)
 _rdmakit_import(rdmakit::curl curl/curl.h curl libcurl4-openssl-dev)
+# cpp-httplib: MetricsServer's HTTP server and the stats command's client. Debian's is a
+# compiled library whose classes depend on the features it was built with (TLS, compression):
+# its pkg-config flags are ours too.
+if(NOT TARGET rdmakit::httplib)
+  find_package(PkgConfig REQUIRED)
+  pkg_check_modules(RDMAKIT_HTTPLIB REQUIRED IMPORTED_TARGET GLOBAL cpp-httplib)
+  add_library(rdmakit::httplib ALIAS PkgConfig::RDMAKIT_HTTPLIB)
+endif()

@@ -483,6 +483,14 @@ class Listener {
   std::optional<Connection> accept(std::chrono::milliseconds timeout);
   /// Handshakes that failed or were rejected so far.
   [[nodiscard]] std::size_t rejected() const noexcept;
+  /// rejected(), by reason.
+  struct Refusals {
+    std::uint64_t busy = 0;      ///< at a limit of handshakes, waiting or per-host connections
+    std::uint64_t auth = 0;      ///< the pre-shared key, a signature or a data stream's token did not check out
+    std::uint64_t protocol = 0;  ///< a version, message or transport this side does not speak
+    std::uint64_t other = 0;     ///< anything else (the peer went, a device failed, a timeout)
+  };
+  [[nodiscard]] Refusals refusals() const noexcept;
 
   struct Impl;
 

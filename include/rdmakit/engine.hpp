@@ -467,6 +467,19 @@ struct EngineCounters {
   std::uint64_t lease_renewals = 0;  ///< renewals this engine granted its holders
 };
 
+/// What Engine::metrics() writes.
+struct MetricsOptions {
+  /// Peers given a series of their own (peer="NAME"), the busiest by bytes; the rest are summed
+  /// in the series without a peer label, so a scrape stays bounded however many peers there are.
+  std::size_t top_peers = 64;
+};
+
+/// Whether the engine can serve (Engine::health(), a MetricsServer's /health).
+struct EngineHealth {
+  bool ok = false;
+  std::string reason{};  ///< why not, one line (empty when ok)
+};
+
 /// What the engine is built on.
 struct EngineInfo {
   std::string name{};
@@ -556,6 +569,16 @@ class Engine {
 
   [[nodiscard]] EngineInfo info() const;
   [[nodiscard]] EngineCounters counters() const noexcept;
+  /// The engine's figures in Prometheus's text exposition format (docs/observability.md lists
+  /// them): counters, per-path and per-peer bytes (the top_peers busiest named), rails,
+  /// notifications, leases, refused handshakes, registered memory, the metadata store, and the
+  /// batches' latency histogram (with EngineConfig::telemetry). Takes no lock the data path
+  /// takes; costs O(peers). A batch's bytes are in the engine-wide figures when it ends, in the
+  /// per-peer and per-path ones once its worker's completion poll ends (a moment later).
+  [[nodiscard]] std::string metrics(const MetricsOptions& options = {}) const;
+  /// Ok when the engine listens (if it was built to: EngineConfig::listen_at_start or listen())
+  /// and its metadata store, if any, holds its record and answers; else why not.
+  [[nodiscard]] EngineHealth health() const;
   /// The listener's port (0: none, or not listening yet).
   [[nodiscard]] std::uint16_t port() const noexcept;
   /// Starts the listener (EngineConfig::listen_at_start false); idempotent. Throws Error when it

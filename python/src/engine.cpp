@@ -42,9 +42,25 @@ void PyEngine::close() {
     // registered may be given back to Python.
     py::gil_scoped_release nogil;
     std::unique_lock lock(mu_);
+    metrics_.reset();
     engine_.reset();
   }
   regs_.clear();
+}
+
+std::string PyEngine::serve_metrics(const std::string& address, std::size_t top_peers) {
+  py::gil_scoped_release nogil;
+  std::unique_lock lock(mu_);
+  Engine& e = checked();
+  metrics_.reset();  // one endpoint per engine: a second call moves it
+  metrics_ = std::make_unique<MetricsServer>(e, address, MetricsOptions{top_peers});
+  return metrics_->address();
+}
+
+void PyEngine::stop_metrics() {
+  py::gil_scoped_release nogil;
+  std::unique_lock lock(mu_);
+  metrics_.reset();
 }
 
 PyBuffer PyEngine::register_object(py::handle obj) {
@@ -466,6 +482,29 @@ void bind_engine(py::module_& m) {
            })
       .def("counters",
            [](PyEngine& e) { return to_dict(e.call([](Engine& x) { return x.counters(); })); })
+      .def(
+          "metrics",
+          [](PyEngine& e, std::size_t top_peers) {
+            return e.call([&](Engine& x) { return x.metrics(MetricsOptions{top_peers}); });
+          },
+          py::kw_only(), py::arg("top_peers") = 64,
+          "The engine's figures in Prometheus's text format (docs/observability.md): the top_peers "
+          "busiest peers named, the rest summed.")
+      .def(
+          "health",
+          [](PyEngine& e) {
+            const EngineHealth h = e.call([](Engine& x) { return x.health(); });
+            py::dict d;
+            d["ok"] = h.ok;
+            d["reason"] = h.reason;
+            return d;
+          },
+          "{'ok': bool, 'reason': str}: listening, and its metadata store (if any) holds its record.")
+      .def("serve_metrics", &PyEngine::serve_metrics, py::arg("address") = "127.0.0.1:0", py::kw_only(),
+           py::arg("top_peers") = 64,
+           "Serves GET /metrics and /health over HTTP at \"[HOST:]PORT\" (port 0: any free one); returns "
+           "\"HOST:PORT\". Plain HTTP: bind it where only the scrapers reach. Stopped by stop_metrics() or close().")
+      .def("stop_metrics", &PyEngine::stop_metrics)
       .def("unregister", &PyEngine::unregister, py::arg("buffer"), py::arg("timeout") = 30.0,
            "Deregisters a buffer (its transfers in flight end first; later ones are refused) and "
            "lets go of its object. Refused while a segment exposes it.")

@@ -17,6 +17,7 @@
 
 #include "pymemory.hpp"
 #include "rdmakit/engine.hpp"
+#include "rdmakit/metrics.hpp"
 
 namespace rdmakit::python {
 
@@ -132,6 +133,10 @@ class PyEngine : public std::enable_shared_from_this<PyEngine> {
                  std::optional<std::string> request_id);
   /// Whether the registration of `b` holds read-only memory.
   [[nodiscard]] bool readonly(const Buffer& b) const;
+  /// Starts (or moves) the engine's /metrics and /health endpoint; its "HOST:PORT". Stopped by
+  /// stop_metrics() or close(), before the engine goes.
+  std::string serve_metrics(const std::string& address, std::size_t top_peers);
+  void stop_metrics();
 
  private:
   Engine& checked();
@@ -142,6 +147,7 @@ class PyEngine : public std::enable_shared_from_this<PyEngine> {
   std::shared_ptr<DoneQueue> done_ = std::make_shared<DoneQueue>();
   std::atomic<std::uint64_t> next_token_{0};
   std::unique_ptr<Engine> engine_;
+  std::unique_ptr<MetricsServer> metrics_;  // under mu_ (exclusive): it reads engine_
   // By start address, to find the registration a transfer's range lies in. Touched with the
   // GIL held only.
   std::map<std::uintptr_t, std::shared_ptr<Registration>> regs_;

@@ -142,6 +142,18 @@ struct Listener::Impl {
     (void)!::write(wake.get(), &one, sizeof one);
   }
   std::atomic<std::size_t> rejected{0};
+  std::atomic<std::uint64_t> n_busy{0}, n_auth{0}, n_protocol{0}, n_other{0};  // rejected, by reason
+  // Counts a handshake that failed with `err` (Error::sys_errno(), 0 for anything else).
+  void count_failure(int err) noexcept {
+    if (err == EACCES || err == EPERM) {
+      n_auth.fetch_add(1);
+    } else if (err == EPROTO || err == EPROTONOSUPPORT || err == EBADMSG) {
+      n_protocol.fetch_add(1);
+    } else {
+      n_other.fetch_add(1);
+    }
+    rejected.fetch_add(1);
+  }
   std::thread acceptor;  // last member: started last, joined first
 
   /// A listener whose handshakes use `hooks` (set before its first client can arrive).
@@ -173,6 +185,7 @@ void Listener::Impl::refuse(Arrival& client, const std::string& why) noexcept {
     log(fmt::format("refused connection from {}: {}", client.peer, why));
   } catch (...) {
   }
+  (why.starts_with(detail::kBusyReason) ? n_busy : n_protocol).fetch_add(1);
   rejected.fetch_add(1);
 }
 
@@ -229,10 +242,11 @@ void Listener::Impl::serve(const std::shared_ptr<Arrival>& client, std::list<Han
         detail::emit(cfg.connection.trace, [&] {
           return TraceEvent{"handshake_rejected", {{"peer", peer}, {"error", e.what()}}};
         });
-        rejected.fetch_add(1);
+        const auto* err = dynamic_cast<const Error*>(&e);
+        count_failure(err != nullptr ? err->sys_errno() : 0);
       } catch (...) {
         log(fmt::format("rejected connection from {}: a non-standard exception", peer));
-        rejected.fetch_add(1);
+        count_failure(0);
       }
       done->store(true);
       poke();
@@ -390,6 +404,10 @@ Listener::~Listener() {
 
 std::uint16_t Listener::port() const noexcept { return impl_->port; }
 std::size_t Listener::rejected() const noexcept { return impl_->rejected.load(); }
+
+Listener::Refusals Listener::refusals() const noexcept {
+  return {impl_->n_busy.load(), impl_->n_auth.load(), impl_->n_protocol.load(), impl_->n_other.load()};
+}
 
 std::optional<Connection> Listener::accept(std::chrono::milliseconds timeout) {
   std::unique_lock lock(impl_->mu);

@@ -85,7 +85,10 @@ void detail::BatchState::finish(Xfer& t, TransferStatus s, std::string reason) n
       // Out of memory for the reason: the status still says what happened.
     }
     failed.fetch_add(1, std::memory_order_relaxed);
-    if (!note_only) engine->count.transfers_failed.fetch_add(1, std::memory_order_relaxed);
+    if (!note_only) {
+      engine->count.transfers_failed.fetch_add(1, std::memory_order_relaxed);
+      engine->failed_by_status[static_cast<std::size_t>(s) & 15].fetch_add(1, std::memory_order_relaxed);
+    }
   }
   t.set_status(s, std::memory_order_release);
   if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) last_ended();
@@ -113,7 +116,14 @@ void detail::BatchState::stamp_posted() noexcept {
 }
 
 void detail::BatchState::last_ended() noexcept {
-  if (engine->cfg.telemetry) ended_ns.store(Clock::now().time_since_epoch().count(), std::memory_order_release);
+  if (engine->cfg.telemetry) {
+    const std::int64_t now = Clock::now().time_since_epoch().count();
+    ended_ns.store(now, std::memory_order_release);
+    if (!note_only) {
+      engine->batch_latency.observe(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        Deadline{Clock::duration{now}} - submitted).count());
+    }
+  }
   // The callback first, so that wait() returning (and the descriptor) also means it has run.
   if (on_done) {
     try {

@@ -34,6 +34,7 @@
 #include "datapath/router.hpp"
 #include "engine/batch.hpp"
 #include "engine/leases.hpp"
+#include "engine/metrics.hpp"
 #include "engine/protocol.hpp"
 #include "engine/rails.hpp"
 #include "rdmakit/engine.hpp"
@@ -394,6 +395,8 @@ class Worker {
   /// with them unarmed and transfers are in flight, now or by whoever holds its lock.
   void request_arm() noexcept;
   [[nodiscard]] std::uint32_t index() const noexcept { return index_; }
+  /// What ended ok on this worker's links, by path (device index; metrics()).
+  [[nodiscard]] const PathFigures& figures(std::size_t path) const noexcept { return figures_[path]; }
   /// Whether thread `t` runs this worker now (its thread, or a submitter or waiter in it).
   [[nodiscard]] bool run_by(std::thread::id t) const noexcept { return driver_.load(std::memory_order_relaxed) == t; }
 
@@ -729,6 +732,7 @@ class Worker {
   std::vector<Link*> to_walk_;  // links with completions to walk (Link::walk_to)
   std::vector<Link*> to_report_;  // links to tell their peers they are active (Link::active_sent)
   std::vector<Link*> to_break_;  // links a failed completion broke, to break after the poll
+  std::array<PathFigures, kPathFigures> figures_{};
   std::vector<Link*> open_chains_;  // links with a chain being built (empty between commands)
   Deadline next_tick_{};
   Deadline next_report_{};  // report_active()
@@ -840,6 +844,11 @@ struct Engine::Impl {
         slices{0}, reposted{0}, plan_posted{0}, plan_builds{0}, submits_inline{0}, waits_spun{0}, leases_granted{0},
         leases_ended{0}, lease_renewals{0};
   } count;
+  // For metrics(): transfers that ended other than ok, by status; batches' submit-to-end times
+  // (telemetry on); peers' links refused by the engine's admission (identity.hpp).
+  std::array<std::atomic<std::uint64_t>, 16> failed_by_status{};
+  detail::LatencyHistogram batch_latency;
+  std::atomic<std::uint64_t> refused_identity{0};
 
   detail::Fd event_fd;  // readable when a batch ends or a notification arrives
   std::atomic<int> fd_taken{0};  // Engine::fd() was called: signal() writes event_fd

@@ -102,9 +102,11 @@ void MetadataPlane::publish() noexcept {
 
 void MetadataPlane::copy_out() {
   std::string s = dir_.status();
+  Health h{dir_.published(), dir_.failure(), dir_.failures(), dir_.known().size()};
   std::lock_guard lock(mu_);
   known_ = dir_.known();
   status_ = std::move(s);
+  health_ = std::move(h);
   due_ = dir_.next_due();
 }
 
@@ -166,6 +168,11 @@ std::vector<md::EngineRecord> MetadataPlane::known() const {
 std::string MetadataPlane::status() const {
   std::lock_guard lock(mu_);
   return status_;
+}
+
+MetadataPlane::Health MetadataPlane::health() const {
+  std::lock_guard lock(mu_);
+  return health_;
 }
 
 md::EngineRecord MetadataPlane::self_record() const {

@@ -48,6 +48,14 @@ class MetadataPlane {
   [[nodiscard]] std::string status() const;
   /// The store's URI without its password.
   [[nodiscard]] const std::string& shown() const noexcept { return shown_; }
+  /// The directory's state as of its last turn (metrics, health).
+  struct Health {
+    bool published = false;
+    std::string failure;  // the last call's (empty: it succeeded)
+    std::uint64_t failures = 0;
+    std::uint64_t known = 0;
+  };
+  [[nodiscard]] Health health() const;
 
  private:
   void run() noexcept;
@@ -66,6 +74,7 @@ class MetadataPlane {
   bool stop_ = false;
   std::map<std::string, metadata::EngineRecord> known_;
   std::string status_;
+  Health health_;
   Deadline due_{};  // when the directory next has something to do
   mutable std::atomic<bool> truncated_{false};  // the record could not list every segment (logged once)
   std::thread thread_;

@@ -20,7 +20,7 @@ bool Directory::publish(EngineRecord self) {
     put_self();
     return true;
   } catch (const Error& e) {
-    failure_ = e.what();
+    fail(e.what());
     next_refresh_ = deadline_in(config_.lease / 3);
     return false;
   }
@@ -32,7 +32,7 @@ void Directory::withdraw() noexcept {
     store_->remove(engine_key(config_.cluster, self_->name), call_deadline());
     if (lease_ != no_lease) store_->revoke(lease_, call_deadline());
   } catch (const Error& e) {
-    failure_ = e.what();  // the lease ends the entry anyway
+    fail(e.what());  // the lease ends the entry anyway
   }
   lease_ = no_lease;
   published_ = false;
@@ -71,10 +71,10 @@ void Directory::refresh() {
     try {
       put_self();
     } catch (const Error& e) {
-      failure_ = e.what();
+      fail(e.what());
     }
   } catch (const Error& e) {
-    failure_ = e.what();
+    fail(e.what());
   }
 }
 
@@ -166,7 +166,7 @@ std::vector<DirectoryChange> Directory::poll() {
       expire_missing(changes);
       return changes;
     } catch (const Error& e) {
-      failure_ = e.what();
+      fail(e.what());
       watching_ = false;  // list again, then watch from there
     }
   }
@@ -178,7 +178,7 @@ std::vector<DirectoryChange> Directory::poll() {
     if (version && version == listed_version_ && missing_since_.empty()) return changes;
     listing = read_cluster(*store_, config_.cluster, call_deadline(), self_ ? self_->name : std::string{});
   } catch (const Error& e) {
-    failure_ = e.what();
+    fail(e.what());
     return changes;  // a store that is down says nothing about who is gone
   }
   listed_version_ = version;
@@ -192,7 +192,7 @@ std::vector<DirectoryChange> Directory::poll() {
     try {
       watching_ = store_->watch(engines_prefix(config_.cluster), *version, call_deadline());
     } catch (const Error& e) {
-      failure_ = e.what();  // polled until a watch can be made
+      fail(e.what());  // polled until a watch can be made
     }
   }
   return changes;

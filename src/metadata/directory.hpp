@@ -87,6 +87,11 @@ class Directory {
   /// "published under lease ..., N engines known" or the last failure, for info and doctor.
   [[nodiscard]] std::string status() const;
   [[nodiscard]] std::string shown() const { return store_->shown(); }
+  /// Whether the store holds this engine's current record; the last call's failure (empty once
+  /// one succeeds); calls that failed, in all (metrics, health).
+  [[nodiscard]] bool published() const noexcept { return published_; }
+  [[nodiscard]] const std::string& failure() const noexcept { return failure_; }
+  [[nodiscard]] std::uint64_t failures() const noexcept { return failures_; }
 
  private:
   Deadline call_deadline() const { return deadline_in(config_.call_timeout); }
@@ -109,6 +114,11 @@ class Directory {
   std::optional<std::string> listed_version_;  // the store's version() at the last listing
   bool watching_ = false;  // the store watches the cluster's prefix for us (etcd)
   std::string failure_;       // the last call that failed, empty once one succeeds
+  std::uint64_t failures_ = 0;
+  void fail(std::string why) {
+    failure_ = std::move(why);
+    ++failures_;
+  }
   std::string bad_entries_;   // entries of the prefix that are not records (skipped)
 };
 

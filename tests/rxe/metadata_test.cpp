@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <httplib.h>
 
 #include "lab_helpers.hpp"
 #include "metadata/directory.hpp"
@@ -20,6 +21,7 @@
 #include "metadata/store.hpp"
 #include "rdmakit/engine.hpp"
 #include "rdmakit/error.hpp"
+#include "rdmakit/metrics.hpp"
 #include "servers.hpp"
 
 namespace {
@@ -61,6 +63,7 @@ EngineConfig config(const std::string& name, const std::string& uri) {
   c.listen = "127.0.0.1:0";
   c.link = lab::quiet();
   c.metadata = metadata(uri);
+  if (const auto t = lab::test_transports(); !t.empty()) c.transports = t;  // on the host: tcp
   return c;
 }
 
@@ -301,6 +304,16 @@ TEST_P(Metadata, AStoreOutageLeavesLinksWorkingAndAnEmptyRestartGetsEveryoneBack
   Engine a(config("a", server.uri()));
   const RemoteSegment seg = a.segment("b", "kv");
   round_trip(a, seg, 256 << 10, 1);
+  // b's /health: 200 while its store holds its record, 503 (saying the store) while the store
+  // is down, 200 again once it is back.
+  rdmakit::MetricsServer endpoint(b, "127.0.0.1:0");
+  httplib::Client http("127.0.0.1", endpoint.port());
+  http.set_read_timeout(5, 0);
+  const auto health = [&] {
+    const auto r = http.Get("/health");
+    return r ? r->status : -1;
+  };
+  EXPECT_LT(until(5s, [&] { return health() == 200; }), 5s);
 
   server.kill();
   const auto t0 = Clock::now();
@@ -316,6 +329,13 @@ TEST_P(Metadata, AStoreOutageLeavesLinksWorkingAndAnEmptyRestartGetsEveryoneBack
     std::this_thread::sleep_for(100ms);
   }
   EXPECT_NE(a.info().metadata.find("last failure"), std::string::npos) << a.info().metadata;
+  EXPECT_EQ(health(), 503);
+  const auto down = http.Get("/health");
+  ASSERT_TRUE(down);
+  EXPECT_NE(down->body.find(server.uri()), std::string::npos) << down->body;
+  const std::string m = b.metrics();
+  EXPECT_NE(m.find("rdmakit_metadata_up{engine=\"b\"} 0\n"), std::string::npos) << m;
+  EXPECT_EQ(m.find("rdmakit_metadata_errors_total{engine=\"b\"} 0\n"), std::string::npos) << m;
 
   server.restart_empty();
   const auto back = until(5s, [&] {
@@ -328,6 +348,8 @@ TEST_P(Metadata, AStoreOutageLeavesLinksWorkingAndAnEmptyRestartGetsEveryoneBack
   });
   std::printf("both engines back in the restarted store after %lld ms\n", static_cast<long long>(back.count()));
   EXPECT_LE(back, std::chrono::milliseconds(kLease) / 3 + 1s);
+  EXPECT_LT(until(5s, [&] { return health() == 200; }), 5s);
+  EXPECT_NE(b.metrics().find("rdmakit_metadata_published{engine=\"b\"} 1\n"), std::string::npos);
   round_trip(a, seg, 256 << 10, 2);
   EXPECT_EQ(a.counters().connects, 1u) << "the link was never dropped";
   EXPECT_EQ(b.counters().accepts, 1u);

@@ -30,6 +30,7 @@
 #include "metadata_options.hpp"
 #include "options.hpp"
 #include "rdmakit/engine.hpp"
+#include "rdmakit/metrics.hpp"
 #include "rdmakit/error.hpp"
 
 namespace rdmakit::tools {
@@ -217,6 +218,8 @@ struct ServeOptions {
   bool notifications = false;
   std::vector<std::string> allow;
   bool commands = false;
+  std::string metrics;  // [ADDR:]PORT of the /metrics and /health endpoint (empty: none)
+  std::size_t metrics_peers = 64;
 };
 
 struct Exposed {
@@ -303,6 +306,9 @@ int run_serve(const ServeOptions& o) {
   cfg.listen_at_start = false;  // every segment is offered from the first link on
   cfg.allowed_peers = o.allow;
   Engine engine(cfg);
+  // Up before the listener: /health says 503 until every segment is offered.
+  std::optional<rdmakit::MetricsServer> metrics;
+  if (!o.metrics.empty()) metrics.emplace(engine, o.metrics, rdmakit::MetricsOptions{o.metrics_peers});
   for (const Exposed& s : segs) {
     check_memory(s.spec, s.size);
     const Buffer b = engine.allocate_memory(s.size, s.spec);
@@ -317,7 +323,8 @@ int run_serve(const ServeOptions& o) {
                                       {"port", info.port}, {"segments", segj}, {"memory_windows", info.memory_windows},
                                       {"access_model", info.access_model}, {"metadata", info.metadata},
                                       {"rails", info.rails}, {"public_key", info.public_key},
-                                      {"transports", info.transports}, {"transports_note", info.transports_note}}.dump());
+                                      {"transports", info.transports}, {"transports_note", info.transports_note},
+                                      {"metrics", metrics ? metrics->address() : std::string{}}}.dump());
   } else {
     fmt::print("rdmakit serve: engine {} (epoch {:#x}) listening on port {}\n", info.name, info.epoch, info.port);
     for (const Exposed& s : segs) fmt::print("  segment {}: {} bytes of {} memory\n", s.name, s.size, to_string(s.spec.kind));
@@ -329,6 +336,7 @@ int run_serve(const ServeOptions& o) {
                                                            : info.public_key);
     for (const std::string& r : info.rails) fmt::print("  rail: {}\n", r);
     fmt::print("  metadata: {}\n", info.metadata);
+    if (metrics) fmt::print("  metrics: http://{}/metrics and /health\n", metrics->address());
   }
   std::fflush(stdout);
   struct sigaction sa{};
@@ -621,6 +629,11 @@ void add_serve(CLI::App& app, std::function<int()>& run) {
   sub->add_flag("--commands", o->commands,
                 "read commands from standard input, one per line: \"revoke PEER\" (its windows invalidated, its "
                 "links closed, its next ones refused) and \"allow PEER\"");
+  sub->add_option("--metrics", o->metrics,
+                  "[ADDR:]PORT: serve /metrics (Prometheus) and /health over HTTP there (plain HTTP: bind it where "
+                  "only the scrapers reach)");
+  sub->add_option("--metrics-peers", o->metrics_peers, "peers /metrics names, the busiest by bytes (the rest summed)")
+      ->capture_default_str();
   sub->add_flag("--json", o->json, "JSON lines");
   sub->callback([o, &run] { run = guarded("serve", [o] { return run_serve(*o); }); });
 }

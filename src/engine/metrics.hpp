@@ -1,0 +1,87 @@
+// The engine's figures for a scraper (Engine::metrics): what the workers and batches count
+// beside EngineCounters, a snapshot taken without touching the data path's locks, and its
+// rendering in Prometheus's text exposition format (kept apart, so that its bounds and syntax
+// are tested on snapshots of any size).
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "rdmakit/engine.hpp"
+
+namespace rdmakit::detail {
+
+/// Durations in log2 buckets of microseconds (1 us .. 2^23 us, about 8.4 s, then +Inf): one
+/// relaxed increment per observation, read by the scrape.
+struct LatencyHistogram {
+  static constexpr std::size_t kBuckets = 24;
+  std::array<std::atomic<std::uint64_t>, kBuckets + 1> counts{};  // the last: above every bound
+  std::atomic<std::uint64_t> sum_ns{0};
+  void observe(std::int64_t ns) noexcept;
+};
+
+/// What ended ok on one path (a local RDMA device, or tcp or shm), summed by a worker as it
+/// walks its completions (once per walk, not per transfer). Written by the thread running the
+/// worker, read by the scrape.
+struct PathFigures {
+  std::atomic<std::uint64_t> bytes{0};      // of reads and writes
+  std::atomic<std::uint64_t> transfers{0};  // of every operation
+  void add(std::uint64_t b, std::uint64_t t) noexcept {
+    bytes.store(bytes.load(std::memory_order_relaxed) + b, std::memory_order_relaxed);
+    transfers.store(transfers.load(std::memory_order_relaxed) + t, std::memory_order_relaxed);
+  }
+};
+inline constexpr std::size_t kPathFigures = 32;  // paths counted per worker (devices + tcp + shm)
+
+/// Handshakes the engine's listener (and its admission of peers) refused, by reason.
+struct Refusals {
+  std::uint64_t busy = 0;      // at a limit of handshakes or connections
+  std::uint64_t auth = 0;      // the cluster key or a signature did not check out
+  std::uint64_t protocol = 0;  // a version or message this engine does not speak, no transport in common
+  std::uint64_t identity = 0;  // a peer not allowed, revoked, or another engine under a pinned name
+  std::uint64_t other = 0;
+};
+
+/// One scrape's worth of an engine's state.
+struct MetricsSnapshot {
+  std::string engine;
+  EngineCounters counters;
+  std::vector<PeerInfo> peers;
+  struct Path {
+    std::string name;       // device ("mlx5_0") or transport ("tcp", "shm")
+    std::string transport;  // "rdma", "tcp", "shm"
+    std::uint64_t bytes = 0;
+    std::uint64_t transfers = 0;
+  };
+  std::vector<Path> paths;
+  /// Transfers that ended other than ok, by TransferStatus.
+  std::array<std::uint64_t, 16> failed{};
+  /// Batches' submit-to-end times (EngineConfig::telemetry): per bucket (not cumulative).
+  std::array<std::uint64_t, LatencyHistogram::kBuckets + 1> batch_buckets{};
+  std::uint64_t batch_sum_ns = 0;
+  bool telemetry = false;
+  Refusals refusals;
+  bool listening = false;
+  bool store = false;      // a metadata store is configured
+  bool published = false;  // ... and has this engine's record
+  bool store_failing = false;
+  std::uint64_t store_errors = 0;
+  std::uint64_t store_known = 0;
+  struct Memory {
+    std::string kind;
+    std::uint64_t buffers = 0;
+    std::uint64_t bytes = 0;
+  };
+  std::vector<Memory> memory;
+  std::uint64_t leases_active = 0;
+};
+
+/// The snapshot in the text exposition format (version 0.0.4, which OpenMetrics scrapers also
+/// read): HELP and TYPE per family, `_total` counters, units in names, label values escaped;
+/// the `top_peers` busiest peers by bytes with their name, the rest summed under peer="other".
+[[nodiscard]] std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& options);
+
+}  // namespace rdmakit::detail

@@ -1,0 +1,133 @@
+// An engine's figures for Prometheus (Engine::metrics, MetricsServer): what a batch moved shows
+// under its peer and path, failures under their status, the text passes promtool, and the HTTP
+// endpoint serves it and /health. Runs in the lab over rxe, and on the host over tcp and shm.
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include "engine_helpers.hpp"
+#include "lab_helpers.hpp"
+#include "../shared/promtool.hpp"
+#include "rdmakit/engine.hpp"
+#include "rdmakit/error.hpp"
+#include "rdmakit/metrics.hpp"
+
+namespace {
+
+std::string promtool(const std::string& text) {
+  return rdmakit::testing_support::promtool("check metrics", text, "metrics.txt");
+}
+
+using namespace std::chrono_literals;
+using rdmakit::Buffer;
+using rdmakit::Engine;
+using rdmakit::Transfer;
+using rdmakit::TransferOp;
+
+using lab::at;
+using lab::config;
+using lab::Target;
+using lab::xfer;
+
+// The value of the sample `series` (name and labels as written, e.g. `x_total{engine="a"}`);
+// -1 if the text has none.
+double value_of(const std::string& text, const std::string& series) {
+  const auto at_line = text.find("\n" + series + " ");
+  if (at_line == std::string::npos) return -1;
+  return std::stod(text.substr(at_line + 1 + series.size() + 1));
+}
+
+}  // namespace
+
+TEST(Metrics, WhatMovedShowsUnderItsPeerAndPathAndPassesPromtool) {
+  Target b("b", 1 << 20);
+  Engine a(config("a"));
+  a.add_peer("b", at(b.engine));
+  const auto seg = a.segment("b", "kv");
+  const Buffer src = a.allocate_memory(1 << 20);
+  std::vector<Transfer> t;
+  for (std::uint64_t k = 0; k < 8; ++k) t.push_back(xfer(TransferOp::write, src, k * 65536, 65536, seg, k * 65536));
+  t.push_back(xfer(TransferOp::read, src, 0, 4096, seg, 0));
+  t.push_back(xfer(TransferOp::write, src, 0, 64, a.segment("b", "missing"), 0));  // no_segment
+  auto x = a.submit(t);
+  ASSERT_TRUE(x.wait(10s));
+  const std::uint64_t moved = 8 * 65536 + 4096;
+  // The per-peer and per-path figures are added as the worker's walk of that poll ends, just
+  // after the batch's end (the engine-wide bytes before it): a scrape may be one poll behind.
+  std::string m = a.metrics();
+  for (auto until = std::chrono::steady_clock::now() + 2s;
+       value_of(m, "rdmakit_peer_bytes_total{engine=\"a\",peer=\"b\"}") != moved && std::chrono::steady_clock::now() < until;
+       m = a.metrics()) {
+    std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_EQ(promtool(m), "") << m;
+  EXPECT_EQ(value_of(m, "rdmakit_bytes_total{engine=\"a\"}"), moved);
+  EXPECT_EQ(value_of(m, "rdmakit_peer_bytes_total{engine=\"a\",peer=\"b\"}"), moved) << m;
+  EXPECT_EQ(value_of(m, "rdmakit_transfers_total{engine=\"a\"}"), 10);
+  EXPECT_EQ(value_of(m, "rdmakit_transfers_failed_total{engine=\"a\",status=\"no_segment\"}"), 1);
+  EXPECT_EQ(value_of(m, "rdmakit_batches_total{engine=\"a\"}"), 1);
+  EXPECT_EQ(value_of(m, "rdmakit_batch_duration_seconds_count{engine=\"a\"}"), 1);
+  EXPECT_EQ(value_of(m, "rdmakit_peer_linked{engine=\"a\",peer=\"b\"}"), 1);
+  EXPECT_EQ(value_of(m, "rdmakit_registered_bytes{engine=\"a\",kind=\"host\"}"), 1 << 20);
+  // The path: the link's device over rdma, else the transport.
+  const auto t0 = lab::test_transports();
+  const std::string transport = t0.empty() ? "rdma" : std::string(rdmakit::to_string(t0[0]));
+  const std::string path = transport == "rdma" ? a.peers().at(0).device : transport;
+  const std::string labels = "{engine=\"a\",path=\"" + path + "\",transport=\"" + transport + "\"}";
+  EXPECT_EQ(value_of(m, "rdmakit_path_bytes_total" + labels), moved) << m;
+  EXPECT_EQ(value_of(m, "rdmakit_path_transfers_total" + labels), 9) << m;
+  // The target: an accepted link, a listener.
+  const std::string mb = b.engine.metrics();
+  EXPECT_EQ(promtool(mb), "") << mb;
+  EXPECT_EQ(value_of(mb, "rdmakit_accepts_total{engine=\"b\"}"), 1);
+  EXPECT_EQ(value_of(mb, "rdmakit_listening{engine=\"b\"}"), 1);
+  EXPECT_TRUE(b.engine.health().ok) << b.engine.health().reason;
+}
+
+// The endpoint: /metrics is metrics(), /health answers 200 and says so in JSON; an engine
+// without its listener up answers 503 with why. Unknown paths are 404.
+TEST(Metrics, TheServerServesMetricsAndHealth) {
+  Target b("b", 1 << 16);
+  rdmakit::MetricsServer server(b.engine, "127.0.0.1:0");
+  ASSERT_NE(server.port(), 0);
+  EXPECT_EQ(server.address(), "127.0.0.1:" + std::to_string(server.port()));
+  httplib::Client c("127.0.0.1", server.port());
+  c.set_connection_timeout(5, 0);
+  c.set_read_timeout(5, 0);
+  auto r = c.Get("/metrics");
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200);
+  EXPECT_NE(r->get_header_value("Content-Type").find("version=0.0.4"), std::string::npos);
+  EXPECT_EQ(value_of(r->body, "rdmakit_listening{engine=\"b\"}"), 1);
+  EXPECT_EQ(promtool(r->body), "");
+  r = c.Get("/health");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_NE(r->body.find("\"status\":\"ok\""), std::string::npos) << r->body;
+  EXPECT_EQ(c.Get("/nothing")->status, 404);
+
+  auto cfg = config("late");
+  cfg.listen_at_start = false;
+  Engine late(cfg);
+  rdmakit::MetricsServer s2(late, ":0");
+  httplib::Client c2("127.0.0.1", s2.port());
+  r = c2.Get("/health");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 503);
+  EXPECT_NE(r->body.find("not listening yet"), std::string::npos) << r->body;
+  late.start_listening();
+  EXPECT_EQ(c2.Get("/health")->status, 200);
+  // A port taken: refused saying so.
+  try {
+    rdmakit::MetricsServer taken(b.engine, "127.0.0.1:" + std::to_string(server.port()));
+    ADD_FAILURE() << "a second server on one port";
+  } catch (const rdmakit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot listen on 127.0.0.1"), std::string::npos) << e.what();
+  }
+}

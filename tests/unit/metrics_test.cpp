@@ -1,0 +1,177 @@
+// The exposition text of an engine's figures (engine/metrics.hpp), on snapshots of any size:
+// promtool accepts it, the per-peer series stay bounded with 1,000 peers, names with quotes
+// and backslashes are escaped, and the latency histogram's buckets are where they belong.
+#include "engine/metrics.hpp"
+
+#include "../shared/promtool.hpp"
+
+#include <cctype>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+namespace {
+
+std::string promtool(const std::string& text) {
+  return rdmakit::testing_support::promtool("check metrics", text, "unit_metrics.txt");
+}
+
+using rdmakit::detail::LatencyHistogram;
+using rdmakit::detail::MetricsSnapshot;
+using rdmakit::detail::render_metrics;
+
+std::size_t lines_starting(const std::string& text, const std::string& prefix) {
+  std::istringstream in(text);
+  std::size_t n = 0;
+  for (std::string l; std::getline(in, l);) n += l.rfind(prefix, 0) == 0;
+  return n;
+}
+
+MetricsSnapshot thousand_peers() {
+  MetricsSnapshot s;
+  s.engine = "kv \"0\"\\x";
+  s.telemetry = true;
+  for (int i = 0; i < 1000; ++i) {
+    rdmakit::PeerInfo p;
+    p.name = "peer-" + std::to_string(i);
+    p.linked = i % 2 == 0;
+    // Two rails each; peer i moved 1000 + i bytes on each.
+    for (int r = 0; r < 2; ++r) {
+      rdmakit::RailInfo ri;
+      ri.local = "rxe" + std::to_string(r) + " port 1 (198.18." + std::to_string(r) + ".1, 198.18." + std::to_string(r) + ".0/24)";
+      ri.state = r == 0 ? "up" : "down";
+      ri.bytes = 1000 + static_cast<std::uint64_t>(i);
+      ri.failures = static_cast<std::uint64_t>(r);
+      p.rails.push_back(ri);
+    }
+    s.peers.push_back(p);
+  }
+  s.paths.push_back({"rxe0", "rdma", 10, 1});
+  s.paths.push_back({"tcp", "tcp", 0, 0});
+  s.memory.push_back({"host", 2, 1 << 20});
+  s.store = true;
+  s.published = true;
+  return s;
+}
+
+}  // namespace
+
+TEST(MetricsText, AThousandPeersStayBoundedAndPassPromtool) {
+  const MetricsSnapshot s = thousand_peers();
+  rdmakit::MetricsOptions o;
+  o.top_peers = 64;
+  const std::string text = render_metrics(s, o);
+  EXPECT_EQ(promtool(text), "");
+  // 64 named, and one series for the other 936.
+  EXPECT_EQ(lines_starting(text, "rdmakit_peer_bytes_total{"), 65u);
+  EXPECT_EQ(lines_starting(text, "rdmakit_peer_linked{"), 64u);
+  EXPECT_EQ(lines_starting(text, "rdmakit_peer_rail_bytes_total{"), 128u);
+  // The busiest first: peer-999 moved 2 x 1999.
+  const std::string e = "engine=\"kv \\\"0\\\"\\\\x\"";
+  EXPECT_NE(text.find("rdmakit_peer_bytes_total{" + e + ",peer=\"peer-999\"} 3998\n"), std::string::npos) << text.substr(0, 2000);
+  EXPECT_EQ(text.find("peer=\"peer-935\""), std::string::npos);
+  // The rest: peers 0..935, 2 x (1000 + i) each.
+  std::uint64_t rest = 0;
+  for (std::uint64_t i = 0; i < 936; ++i) rest += 2 * (1000 + i);
+  EXPECT_NE(text.find("rdmakit_peer_bytes_total{" + e + "} " + std::to_string(rest) + "\n"), std::string::npos);
+  EXPECT_NE(text.find("rdmakit_peer_rail_up{" + e + ",peer=\"peer-999\",rail=\"rxe1 port 1\"} 0\n"), std::string::npos);
+  EXPECT_NE(text.find("rdmakit_peers_linked{" + e + "} 500\n"), std::string::npos);
+  EXPECT_NE(text.find("rdmakit_metadata_published{" + e + "} 1\n"), std::string::npos);
+  // Fewer peers than the bound: all named, no rest series.
+  MetricsSnapshot few = s;
+  few.peers.resize(3);
+  const std::string t3 = render_metrics(few, o);
+  EXPECT_EQ(lines_starting(t3, "rdmakit_peer_bytes_total{"), 3u);
+  EXPECT_EQ(promtool(t3), "");
+  // None named.
+  o.top_peers = 0;
+  const std::string t0 = render_metrics(s, o);
+  EXPECT_EQ(lines_starting(t0, "rdmakit_peer_bytes_total{"), 1u);
+  EXPECT_EQ(promtool(t0), "");
+}
+
+TEST(MetricsText, NamesAndLabelSetsAreStable) {
+  // What dashboards and alerts are written against (docs/observability.md): a family renamed
+  // or relabelled is a breaking change, made on purpose here.
+  const std::string text = render_metrics(thousand_peers(), {});
+  for (const char* family :
+       {"rdmakit_build_info", "rdmakit_listening", "rdmakit_batches_total", "rdmakit_transfers_total",
+        "rdmakit_transfers_failed_total", "rdmakit_bytes_total", "rdmakit_path_bytes_total",
+        "rdmakit_path_transfers_total", "rdmakit_batch_duration_seconds", "rdmakit_peers", "rdmakit_links",
+        "rdmakit_qps", "rdmakit_connects_total", "rdmakit_reconnects_total", "rdmakit_accepts_total",
+        "rdmakit_evictions_total", "rdmakit_restarts_total", "rdmakit_handshakes_refused_total",
+        "rdmakit_rail_links_total", "rdmakit_rail_failures_total", "rdmakit_reposted_total",
+        "rdmakit_peer_bytes_total", "rdmakit_peer_linked", "rdmakit_peer_rail_bytes_total",
+        "rdmakit_peer_rail_up", "rdmakit_peer_rail_failures_total", "rdmakit_notifications_sent_total",
+        "rdmakit_windows_bound_total", "rdmakit_leases_granted_total", "rdmakit_leases_active",
+        "rdmakit_registered_bytes", "rdmakit_metadata_up", "rdmakit_metadata_errors_total"}) {
+    EXPECT_NE(text.find(std::string("# TYPE ") + family + " "), std::string::npos) << family;
+  }
+  EXPECT_NE(text.find(",path=\"rxe0\",transport=\"rdma\"} 10\n"), std::string::npos);
+  EXPECT_NE(text.find(",status=\"lease_expired\"} 0\n"), std::string::npos);
+  EXPECT_NE(text.find(",reason=\"identity\"} 0\n"), std::string::npos);
+  EXPECT_EQ(text.find(",status=\"pending\""), std::string::npos);
+  EXPECT_EQ(text.find(",status=\"ok\""), std::string::npos);
+}
+
+TEST(MetricsText, LatencyBucketsHoldTheirRange) {
+  LatencyHistogram h;
+  h.observe(0);             // 0 us: the first bucket (le 1e-06)
+  h.observe(1'000);         // 1 us: the first
+  h.observe(1'001);         // 1.001 us -> 1 us after truncation: the first
+  h.observe(2'500);         // 2 us: le 2e-06
+  h.observe(3'000);         // 3 us: le 4e-06
+  h.observe(1'000'000);     // 1 ms = 1000 us: le 1024e-06 (bucket 10)
+  h.observe(60'000'000'000);  // a minute: +Inf
+  EXPECT_EQ(h.counts[0].load(), 3u);
+  EXPECT_EQ(h.counts[1].load(), 1u);
+  EXPECT_EQ(h.counts[2].load(), 1u);
+  EXPECT_EQ(h.counts[10].load(), 1u);
+  EXPECT_EQ(h.counts[LatencyHistogram::kBuckets].load(), 1u);
+  MetricsSnapshot s;
+  s.engine = "a";
+  s.telemetry = true;
+  for (std::size_t i = 0; i < s.batch_buckets.size(); ++i) s.batch_buckets[i] = h.counts[i].load();
+  s.batch_sum_ns = h.sum_ns.load();
+  const std::string text = render_metrics(s, {});
+  EXPECT_EQ(promtool(text), "");
+  EXPECT_NE(text.find("rdmakit_batch_duration_seconds_bucket{engine=\"a\",le=\"1e-06\"} 3\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("rdmakit_batch_duration_seconds_bucket{engine=\"a\",le=\"+Inf\"} 7\n"), std::string::npos);
+  EXPECT_NE(text.find("rdmakit_batch_duration_seconds_count{engine=\"a\"} 7\n"), std::string::npos);
+  // Without telemetry there are no times: no histogram.
+  s.telemetry = false;
+  EXPECT_EQ(render_metrics(s, {}).find("rdmakit_batch_duration_seconds"), std::string::npos);
+}
+
+// The dashboard in docs/grafana/rdmakit.json queries what the engine exports: every expression
+// parses (promtool check rules, as recording rules) and names only families the text has.
+TEST(MetricsText, TheDashboardsQueriesParseAndNameExportedFamilies) {
+  std::ifstream in(std::string(RDMAKIT_SOURCE_DIR) + "/docs/grafana/rdmakit.json");
+  ASSERT_TRUE(in) << "docs/grafana/rdmakit.json";
+  const auto dash = nlohmann::json::parse(in);
+  const std::string text = render_metrics(thousand_peers(), {});
+  std::string rules = "groups:\n  - name: dashboard\n    rules:\n";
+  int n = 0;
+  for (const auto& p : dash.at("panels")) {
+    for (const auto& t : p.at("targets")) {
+      std::string expr = t.at("expr").get<std::string>();
+      // Grafana's variable, as a query would have it substituted.
+      for (std::size_t at; (at = expr.find("$engine")) != std::string::npos;) expr.replace(at, 7, ".*");
+      rules += "      - record: dashboard:q" + std::to_string(n++) + "\n        expr: " + nlohmann::json(expr).dump() + "\n";
+      for (std::size_t at = expr.find("rdmakit_"); at != std::string::npos; at = expr.find("rdmakit_", at + 1)) {
+        std::size_t end = at;
+        while (end < expr.size() && (std::isalnum(static_cast<unsigned char>(expr[end])) || expr[end] == '_')) ++end;
+        std::string family = expr.substr(at, end - at);
+        if (family.ends_with("_bucket")) family.resize(family.size() - 7);
+        EXPECT_NE(text.find("# TYPE " + family + " "), std::string::npos) << family << " in " << expr;
+        at = end;
+      }
+    }
+  }
+  EXPECT_GE(n, 8);
+  EXPECT_EQ(rdmakit::testing_support::promtool("check rules", rules, "dashboard_rules.yml"), "") << rules;
+}
