@@ -576,8 +576,9 @@ class Engine {
   /// takes; costs O(peers). A batch's bytes are in the engine-wide figures when it ends, in the
   /// per-peer and per-path ones once its worker's completion poll ends (a moment later).
   [[nodiscard]] std::string metrics(const MetricsOptions& options = {}) const;
-  /// Ok when the engine listens (if it was built to: EngineConfig::listen_at_start or listen())
-  /// and its metadata store, if any, holds its record and answers; else why not.
+  /// Ok when the engine listens (unless EngineConfig::listen is empty: with listen_at_start
+  /// false, not until start_listening()) and its metadata store, if any, holds its record and
+  /// answered its last call; else why not.
   [[nodiscard]] EngineHealth health() const;
   /// The listener's port (0: none, or not listening yet).
   [[nodiscard]] std::uint16_t port() const noexcept;

@@ -144,8 +144,10 @@ struct Listener::Impl {
   std::atomic<std::size_t> rejected{0};
   std::atomic<std::uint64_t> n_busy{0}, n_auth{0}, n_protocol{0}, n_other{0};  // rejected, by reason
   // Counts a handshake that failed with `err` (Error::sys_errno(), 0 for anything else).
-  void count_failure(int err) noexcept {
-    if (err == EACCES || err == EPERM) {
+  void count_failure(int err, std::string_view what) noexcept {
+    if (what.find(detail::kBusyReason) != std::string_view::npos) {
+      n_busy.fetch_add(1);  // the engine's QP or CQ budget, the pinned-memory budget: "busy: ..."
+    } else if (err == EACCES) {
       n_auth.fetch_add(1);
     } else if (err == EPROTO || err == EPROTONOSUPPORT || err == EBADMSG) {
       n_protocol.fetch_add(1);
@@ -162,7 +164,8 @@ struct Listener::Impl {
                                               std::function<void(Connection)> deliver);
   void accept_loop() noexcept;
   void serve(const std::shared_ptr<Arrival>& client, std::list<Handshake>& running);
-  void refuse(Arrival& client, const std::string& why) noexcept;
+  /// `at_limit`: a limit refused it (counted busy, as is any "busy: " reason).
+  void refuse(Arrival& client, const std::string& why, bool at_limit = false) noexcept;
   /// The clients waiting on the listening socket or CM id, without blocking.
   std::vector<std::shared_ptr<Arrival>> arrivals();
   void log(const std::string& msg) noexcept {
@@ -179,13 +182,13 @@ struct Listener::Impl {
 
 // The log line comes before the count, here and in serve(): whoever sees the count (rejected())
 // finds the reason in the log too.
-void Listener::Impl::refuse(Arrival& client, const std::string& why) noexcept {
+void Listener::Impl::refuse(Arrival& client, const std::string& why, bool at_limit) noexcept {
   client.refuse(why);
   try {
     log(fmt::format("refused connection from {}: {}", client.peer, why));
   } catch (...) {
   }
-  (why.starts_with(detail::kBusyReason) ? n_busy : n_protocol).fetch_add(1);
+  (at_limit || why.starts_with(detail::kBusyReason) ? n_busy : n_protocol).fetch_add(1);
   rejected.fetch_add(1);
 }
 
@@ -213,7 +216,7 @@ void Listener::Impl::serve(const std::shared_ptr<Arrival>& client, std::list<Han
   } else if (cfg.max_connections_per_peer != 0 && established->of(host) >= cfg.max_connections_per_peer) {
     busy = fmt::format("too many connections from {} (at most {})", host, cfg.max_connections_per_peer);
   }
-  if (!busy.empty()) return refuse(*client, busy);
+  if (!busy.empty()) return refuse(*client, busy, /*at_limit=*/true);
 
   Handshake& h = running.emplace_back();
   try {
@@ -243,10 +246,10 @@ void Listener::Impl::serve(const std::shared_ptr<Arrival>& client, std::list<Han
           return TraceEvent{"handshake_rejected", {{"peer", peer}, {"error", e.what()}}};
         });
         const auto* err = dynamic_cast<const Error*>(&e);
-        count_failure(err != nullptr ? err->sys_errno() : 0);
+        count_failure(err != nullptr ? err->sys_errno() : 0, e.what());
       } catch (...) {
         log(fmt::format("rejected connection from {}: a non-standard exception", peer));
-        count_failure(0);
+        count_failure(0, {});
       }
       done->store(true);
       poke();

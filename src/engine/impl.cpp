@@ -204,6 +204,13 @@ std::chrono::nanoseconds Engine::Impl::spin_for() const noexcept {
   return std::clamp(4 * avg, std::min(most, std::chrono::nanoseconds{std::chrono::microseconds{20}}), most);
 }
 
+void Engine::Impl::add_served(const std::string& peer, std::uint64_t bytes) {
+  std::lock_guard lock(served_mu);
+  auto it = served.find(peer);
+  if (it == served.end()) it = served.emplace(served.size() < kServedNames ? peer : std::string{}, 0).first;
+  it->second += bytes;
+}
+
 void Engine::Impl::waited(std::chrono::nanoseconds took) noexcept {
   // Racing waiters may lose each other's updates: it is a hint, kept without a lock.
   const std::int64_t avg = wait_avg_ns.load(std::memory_order_relaxed);

@@ -279,6 +279,9 @@ struct Link {
   // Initiated: its last completion. Accepted: its peer's last ACTIVE (or its link-up).
   Deadline last_used{};
   Deadline active_sent{};  // initiated: the last ACTIVE sent (every idle_after / 4 while used)
+  // Initiated: the bytes its reads and writes moved (ended ok), and as last told in an ACTIVE.
+  // Accepted: the last the peer told (the target's only view of one-sided transfers).
+  std::uint64_t moved = 0, moved_told = 0;
   // Error completions, ended only once the link is reaped: a peer whose process died answers
   // with access errors (its windows went before its QP) while its control channel closes, so
   // whether this was the peer's death or a real refusal is known a moment later.
@@ -395,8 +398,13 @@ class Worker {
   /// with them unarmed and transfers are in flight, now or by whoever holds its lock.
   void request_arm() noexcept;
   [[nodiscard]] std::uint32_t index() const noexcept { return index_; }
-  /// What ended ok on this worker's links, by path (device index; metrics()).
-  [[nodiscard]] const PathFigures& figures(std::size_t path) const noexcept { return figures_[path]; }
+  /// How often a busy initiated link tells its peer (ACTIVE): often enough that the peer never
+  /// evicts it as idle, and that the peer's per-peer figures (metrics) lag at most a second.
+  [[nodiscard]] std::chrono::milliseconds active_every() const noexcept;
+  /// What ended ok on this worker's links, by path (device index; metrics()); null past them.
+  [[nodiscard]] const PathFigures* figures(std::size_t path) const noexcept {
+    return path < figures_count_ ? &figures_[path] : nullptr;
+  }
   /// Whether thread `t` runs this worker now (its thread, or a submitter or waiter in it).
   [[nodiscard]] bool run_by(std::thread::id t) const noexcept { return driver_.load(std::memory_order_relaxed) == t; }
 
@@ -732,7 +740,8 @@ class Worker {
   std::vector<Link*> to_walk_;  // links with completions to walk (Link::walk_to)
   std::vector<Link*> to_report_;  // links to tell their peers they are active (Link::active_sent)
   std::vector<Link*> to_break_;  // links a failed completion broke, to break after the poll
-  std::array<PathFigures, kPathFigures> figures_{};
+  std::unique_ptr<PathFigures[]> figures_;  // by device index (Engine::Impl::device_count())
+  std::size_t figures_count_ = 0;
   std::vector<Link*> open_chains_;  // links with a chain being built (empty between commands)
   Deadline next_tick_{};
   Deadline next_report_{};  // report_active()
@@ -849,6 +858,14 @@ struct Engine::Impl {
   std::array<std::atomic<std::uint64_t>, 16> failed_by_status{};
   detail::LatencyHistogram batch_latency;
   std::atomic<std::uint64_t> refused_identity{0};
+  // By peer name: the bytes peers said their reads and writes moved on links they opened here
+  // (ACTIVE), summed over their links. Bounded: names beyond kServedNames count under "".
+  std::mutex served_mu;
+  std::map<std::string, std::uint64_t> served;
+  static constexpr std::size_t kServedNames = 4096;
+  void add_served(const std::string& peer, std::uint64_t bytes);
+  std::mutex metrics_mu;
+  std::map<std::size_t, detail::RestFloors> rest_floors;  // under metrics_mu, by top_peers
 
   detail::Fd event_fd;  // readable when a batch ends or a notification arrives
   std::atomic<int> fd_taken{0};  // Engine::fd() was called: signal() writes event_fd

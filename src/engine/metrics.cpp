@@ -12,8 +12,9 @@
 namespace rdmakit::detail {
 
 void LatencyHistogram::observe(std::int64_t ns) noexcept {
-  const std::uint64_t us = ns <= 0 ? 0 : static_cast<std::uint64_t>(ns) / 1000;
-  // Bucket i holds (2^(i-1), 2^i] microseconds; 0 and 1 us go to bucket 0.
+  // Rounded up: bucket i holds (2^(i-1), 2^i] microseconds (its le is inclusive), 0 and 1 us
+  // go to bucket 0.
+  const std::uint64_t us = ns <= 0 ? 0 : (static_cast<std::uint64_t>(ns) + 999) / 1000;
   const std::size_t i = us <= 1 ? 0 : static_cast<std::size_t>(std::bit_width(us - 1));
   counts[std::min(i, kBuckets)].fetch_add(1, std::memory_order_relaxed);
   sum_ns.fetch_add(ns <= 0 ? 0 : static_cast<std::uint64_t>(ns), std::memory_order_relaxed);
@@ -22,11 +23,36 @@ void LatencyHistogram::observe(std::int64_t ns) noexcept {
 namespace {
 
 // A label value as the format wants it: backslash, double quote and newline escaped.
+// The length of the valid UTF-8 sequence at s[i] (0: not one). Prometheus refuses a scrape with
+// invalid UTF-8 in a label value, and peer names are any bytes but control characters.
+std::size_t utf8_at(std::string_view s, std::size_t i) {
+  const auto b = [&](std::size_t k) { return static_cast<unsigned char>(s[k]); };
+  const unsigned char c = b(i);
+  const std::size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+  if (n == 0 || i + n > s.size()) return 0;
+  for (std::size_t k = 1; k < n; ++k) {
+    if ((b(i + k) & 0xc0) != 0x80) return 0;
+  }
+  if (n == 2 && c < 0xc2) return 0;                                // overlong
+  if (n == 3 && c == 0xe0 && b(i + 1) < 0xa0) return 0;             // overlong
+  if (n == 3 && c == 0xed && b(i + 1) >= 0xa0) return 0;            // surrogates
+  if (n == 4 && (c > 0xf4 || (c == 0xf0 && b(i + 1) < 0x90) || (c == 0xf4 && b(i + 1) >= 0x90))) return 0;
+  return n;
+}
+
 std::string escaped(std::string_view v) {
   std::string out;
   out.reserve(v.size());
-  for (const char c : v) {
-    if (c == '\\') {
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const char c = v[i];
+    if (const std::size_t n = utf8_at(v, i); n != 1) {
+      if (n == 0) {
+        out += "\xEF\xBF\xBD";  // U+FFFD for a byte that is not UTF-8
+      } else {
+        out.append(v.substr(i, n));
+        i += n - 1;
+      }
+    } else if (c == '\\') {
       out += "\\\\";
     } else if (c == '"') {
       out += "\\\"";
@@ -82,7 +108,9 @@ class Text {
 
 }  // namespace
 
-std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& options) {
+std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& options, RestFloors* floors) {
+  RestFloors none;
+  RestFloors& floor = floors != nullptr ? *floors : none;
   Text t(s.engine);
   const EngineCounters& c = s.counters;
   t.family("rdmakit_build_info", "gauge", "The rdmakit library serving these figures (always 1).");
@@ -95,7 +123,9 @@ std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& optio
   t.family("rdmakit_transfers_failed_total", "counter", "Transfers that ended other than ok, by status.");
   for (std::size_t i = 0; i < s.failed.size(); ++i) {
     const auto st = static_cast<TransferStatus>(i);
-    if (st == TransferStatus::pending || st == TransferStatus::ok || i > static_cast<std::size_t>(TransferStatus::lease_expired)) continue;
+    if (st == TransferStatus::pending || st == TransferStatus::ok || i > static_cast<std::size_t>(TransferStatus::lease_expired)) {
+      continue;  // (a status added after lease_expired: extend this bound)
+    }
     t.sample("rdmakit_transfers_failed_total", {{"status", to_string(st)}}, s.failed[i]);
   }
   t.single("rdmakit_bytes_total", "counter", "Bytes moved by reads and writes that ended ok.", c.bytes);
@@ -166,7 +196,8 @@ std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& optio
   for (std::size_t i = 0; i < named; ++i) t.sample("rdmakit_peer_bytes_total", {{"peer", order[i]->name}}, bytes(order[i]));
   std::uint64_t rest = 0;
   for (std::size_t i = named; i < order.size(); ++i) rest += bytes(order[i]);
-  if (named < order.size()) t.sample("rdmakit_peer_bytes_total", {}, rest);
+  floor.peers = std::max(floor.peers, rest);
+  if (named < order.size() || floor.peers != 0) t.sample("rdmakit_peer_bytes_total", {}, floor.peers);
   t.family("rdmakit_peer_linked", "gauge", "1 while a link to the peer is up (the peers named in rdmakit_peer_bytes_total).");
   for (std::size_t i = 0; i < named; ++i) t.sample("rdmakit_peer_linked", {{"peer", order[i]->name}}, order[i]->linked ? 1 : 0);
   t.single("rdmakit_peers_linked", "gauge", "Peers with a link up now.",
@@ -175,9 +206,13 @@ std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& optio
   auto rails = [&](std::string_view name, std::string_view type, std::string_view help, auto value) {
     t.family(name, type, help);
     for (std::size_t i = 0; i < named; ++i) {
+      std::vector<std::string> seen;  // a restarted peer's rail may be listed gone beside its new one
       for (const auto& r : order[i]->rails) {
-        if (r.state == "unused") continue;
-        t.sample(name, {{"peer", order[i]->name}, {"rail", rail_label(r.local)}}, value(r));
+        if (r.state == "unused" || r.state == "gone") continue;
+        std::string label = rail_label(r.local);
+        if (std::find(seen.begin(), seen.end(), label) != seen.end()) continue;
+        t.sample(name, {{"peer", order[i]->name}, {"rail", label}}, value(r));
+        seen.push_back(std::move(label));
       }
     }
   };
@@ -189,6 +224,28 @@ std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& optio
         [](const RailInfo& r) { return r.failures; });
   rails("rdmakit_peer_rail_reposted_total", "counter", "Transfers re-posted off a named peer's rail after it failed.",
         [](const RailInfo& r) { return r.reposted; });
+
+  // Served: what peers said they moved on the links they opened here, bounded the same way.
+  std::vector<const std::pair<std::string, std::uint64_t>*> by;
+  std::uint64_t served_rest = 0;
+  for (const auto& p : s.served) {
+    if (p.first.empty()) {
+      served_rest += p.second;  // names beyond the engine's bound
+    } else {
+      by.push_back(&p);
+    }
+  }
+  const std::size_t served_named = std::min(options.top_peers, by.size());
+  std::partial_sort(by.begin(), by.begin() + static_cast<std::ptrdiff_t>(served_named), by.end(), [](const auto* a, const auto* b) {
+    return a->second != b->second ? a->second > b->second : a->first < b->first;
+  });
+  for (std::size_t i = served_named; i < by.size(); ++i) served_rest += by[i]->second;
+  t.family("rdmakit_peer_served_bytes_total", "counter",
+           "Bytes peers' reads and writes moved on links they opened to this engine, as each peer reports "
+           "them (at most a second behind): the busiest by name, the rest in the series without a peer label.");
+  for (std::size_t i = 0; i < served_named; ++i) t.sample("rdmakit_peer_served_bytes_total", {{"peer", by[i]->first}}, by[i]->second);
+  floor.served = std::max(floor.served, served_rest);
+  if (served_named < by.size() || floor.served != 0) t.sample("rdmakit_peer_served_bytes_total", {}, floor.served);
 
   // Notifications.
   t.single("rdmakit_notifications_sent_total", "counter", "Notifications sent.", c.notifications_sent);

@@ -19,6 +19,7 @@ namespace rdmakit::detail {
 struct LatencyHistogram {
   static constexpr std::size_t kBuckets = 24;
   std::array<std::atomic<std::uint64_t>, kBuckets + 1> counts{};  // the last: above every bound
+  // Two relaxed increments per batch that ends (with telemetry).
   std::atomic<std::uint64_t> sum_ns{0};
   void observe(std::int64_t ns) noexcept;
 };
@@ -34,7 +35,6 @@ struct PathFigures {
     transfers.store(transfers.load(std::memory_order_relaxed) + t, std::memory_order_relaxed);
   }
 };
-inline constexpr std::size_t kPathFigures = 32;  // paths counted per worker (devices + tcp + shm)
 
 /// Handshakes the engine's listener (and its admission of peers) refused, by reason.
 struct Refusals {
@@ -59,6 +59,7 @@ struct MetricsSnapshot {
   std::vector<Path> paths;
   /// Transfers that ended other than ok, by TransferStatus.
   std::array<std::uint64_t, 16> failed{};
+  static_assert(static_cast<std::size_t>(TransferStatus::lease_expired) < 16, "a status past the array");
   /// Batches' submit-to-end times (EngineConfig::telemetry): per bucket (not cumulative).
   std::array<std::uint64_t, LatencyHistogram::kBuckets + 1> batch_buckets{};
   std::uint64_t batch_sum_ns = 0;
@@ -77,11 +78,24 @@ struct MetricsSnapshot {
   };
   std::vector<Memory> memory;
   std::uint64_t leases_active = 0;
+  /// By peer name: what peers said their reads and writes moved on links they opened here
+  /// (a target's view of one-sided transfers); "" holds names beyond the engine's bound.
+  std::vector<std::pair<std::string, std::uint64_t>> served;
+};
+
+/// The rest series' last values (per top_peers): a peer that joins the named ones takes its
+/// bytes out of the rest, which as a counter must not go down; it stays at its last value
+/// until the peers still in it pass that.
+struct RestFloors {
+  std::uint64_t peers = 0;
+  std::uint64_t served = 0;
 };
 
 /// The snapshot in the text exposition format (version 0.0.4, which OpenMetrics scrapers also
-/// read): HELP and TYPE per family, `_total` counters, units in names, label values escaped;
-/// the `top_peers` busiest peers by bytes with their name, the rest summed under peer="other".
-[[nodiscard]] std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& options);
+/// read): HELP and TYPE per family, `_total` counters, units in names, label values escaped
+/// (and made UTF-8); the `top_peers` busiest peers by bytes with their name, the rest summed in
+/// the series without a peer label (never below `floors`, which it updates; null: none kept).
+[[nodiscard]] std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& options,
+                                         RestFloors* floors = nullptr);
 
 }  // namespace rdmakit::detail

@@ -113,7 +113,7 @@ std::vector<std::uint8_t> encode(const Message& m) {
     case Kind::withdraw: put_name(out, m.name); break;
     case Kind::synced:
     case Kind::credit: put(out, m.credits, 4); break;
-    case Kind::active: break;
+    case Kind::active: put(out, m.moved, 8); break;
     case Kind::lease:
       if (m.ranges.empty() || m.ranges.size() > kLeaseRangesPerMessage) {
         throw Error("engine lease", EMSGSIZE, fmt::format("{} ranges in one message (1..{})", m.ranges.size(), kLeaseRangesPerMessage));
@@ -224,7 +224,10 @@ Message decode(std::span<const std::uint8_t> bytes) {
       m.kind = kind == 4 ? Kind::synced : Kind::credit;
       m.credits = static_cast<std::uint32_t>(r.get(4, "credits"));
       break;
-    case 8: m.kind = Kind::active; break;
+    case 8:
+      m.kind = Kind::active;
+      m.moved = r.get(8, "moved");
+      break;
     case 5: {
       m.kind = Kind::notify;
       const auto n = static_cast<std::size_t>(r.get(2, "notification length"));

@@ -47,7 +47,7 @@ namespace rdmakit::detail::engine_wire {
 
 inline constexpr std::uint8_t kMagic = 0xE7;
 // 2: RAILS; 3: notification credits; 4: signed IDENT; 5: NOTIFY carries a request id; 6: leases
-inline constexpr std::uint8_t kVersion = 6;
+inline constexpr std::uint8_t kVersion = 7;  // 7: ACTIVE carries the bytes moved
 inline constexpr std::size_t kMaxName = 64;
 inline constexpr std::size_t kMaxNotify = 900;
 inline constexpr std::size_t kMaxRequestId = 64;
@@ -82,6 +82,7 @@ struct Message {
   std::uint32_t ttl_ms = 0;         // lease, renew, renewed
   std::uint32_t lease_ranges = 0;   // lease: how many ranges the whole lease has
   std::vector<LeaseWire> ranges;    // lease (name: the segment; region.addr and .access: its)
+  std::uint64_t moved = 0;          // active: bytes the initiator's reads and writes moved on the link, in all
 };
 
 inline Message ident(std::string name, std::uint64_t epoch) {
@@ -121,9 +122,10 @@ inline Message synced(std::uint32_t credits) {
   m.credits = credits;
   return m;
 }
-inline Message active() {
+inline Message active(std::uint64_t moved) {
   Message m;
   m.kind = Kind::active;
+  m.moved = moved;
   return m;
 }
 /// Cut to kMaxNotify bytes.

@@ -18,13 +18,15 @@ std::string Engine::metrics(const MetricsOptions& options) const {
   s.telemetry = impl_->cfg.telemetry;
   // Per path: each worker's figures summed (a worker serves the links of its devices, but a
   // peer's rails may span devices of several).
-  for (std::uint32_t d = 0; d < impl_->device_count() && d < detail::kPathFigures; ++d) {
+  for (std::uint32_t d = 0; d < impl_->device_count(); ++d) {
     detail::MetricsSnapshot::Path p;
     p.name = impl_->device_name(d);
     p.transport = impl_->is_soft(d) ? p.name : "rdma";
     for (const auto& w : impl_->workers) {
-      p.bytes += w->figures(d).bytes.load(std::memory_order_relaxed);
-      p.transfers += w->figures(d).transfers.load(std::memory_order_relaxed);
+      const detail::PathFigures* f = w->figures(d);
+      if (f == nullptr) continue;
+      p.bytes += f->bytes.load(std::memory_order_relaxed);
+      p.transfers += f->transfers.load(std::memory_order_relaxed);
     }
     // A transport the engine does not offer has no links: left out rather than shown at zero.
     if (impl_->is_soft(d) && p.transfers == 0 &&
@@ -69,8 +71,14 @@ std::string Engine::metrics(const MetricsOptions& options) const {
       it->bytes += b->handle.length;
     }
   }
+ {
+    std::lock_guard lock(impl_->served_mu);
+    s.served.assign(impl_->served.begin(), impl_->served.end());
+  }
   s.leases_active = s.counters.leases_granted - std::min(s.counters.leases_granted, s.counters.leases_ended);
-  return detail::render_metrics(s, options);
+  std::lock_guard lock(impl_->metrics_mu);
+  if (impl_->rest_floors.size() > 64) impl_->rest_floors.clear();  // callers that vary top_peers
+  return detail::render_metrics(s, options, &impl_->rest_floors[options.top_peers]);
 }
 
 EngineHealth Engine::health() const {

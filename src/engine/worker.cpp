@@ -49,6 +49,8 @@ Worker::Worker(Engine::Impl& e, std::uint32_t index) : e_(e), index_(index) {
   epoll_ = Fd(::epoll_create1(EPOLL_CLOEXEC));
   if (!epoll_) throw Error("epoll_create1", errno, "an engine worker");
   add_fd(epoll_.get(), wake_.get(), kWake);
+  figures_count_ = e.device_count();
+  figures_ = std::make_unique<PathFigures[]>(figures_count_);
   const auto& devices = e.rdma_devices;
   const std::uint32_t depth = e.cfg.link.send_depth + e.cfg.link.recv_depth;
   for (std::uint32_t d = 0; d < devices.size(); ++d) {
@@ -469,7 +471,7 @@ int Worker::poll_cqs(bool fresh_clock) noexcept {
   if (fresh_clock && !to_walk_.empty()) now_ = Clock::now();
   // The links' transfers that completed, each link walked once for all of this poll's
   // completions (on_completion).
-  const auto report_every = e_.cfg.idle_after / 4;
+  const auto report_every = active_every();
   for (Link* l : to_walk_) {
     walk(*l, l->walk_to, TransferStatus::ok, {});
     l->walk_to = 0;
@@ -484,20 +486,27 @@ int Worker::poll_cqs(bool fresh_clock) noexcept {
     for (Link* l : to_report_) tell_active(*l, now_);
     to_report_.clear();
   }
-  if (!to_break_.empty()) [[unlikely]] {
-    for (Link* l : to_break_) {
-      if (l->state != Link::State::closing) break_link(*l, l->impl.dp.failure());
-    }
-    to_break_.clear();
+  // One at a time, taken off first: breaking a link may run callbacks that drive this worker
+  // again (no worker threads), and a link reaped meanwhile leaves the list (close_link).
+  while (!to_break_.empty()) [[unlikely]] {
+    Link* l = to_break_.back();
+    to_break_.pop_back();
+    if (l->state != Link::State::closing) break_link_anyway(*l, [l] { return l->impl.dp.failure(); });
   }
   return got;
 }
 
+std::chrono::milliseconds Worker::active_every() const noexcept {
+  return std::min(e_.cfg.idle_after / 4, std::chrono::milliseconds{1000});
+}
+
 void Worker::report_active(Deadline now) noexcept {
-  const auto every = e_.cfg.idle_after / 4;
+  const auto every = active_every();
   next_report_ = now + every;
   for (auto& l : links_) {
-    if (l->initiated && ready(l.get()) && (l->in_flight > 0 || !l->backlog.empty()) && now - l->active_sent >= every) {
+    // Busy, or bytes moved since the last report (the peer's figures of this link catch up).
+    if (l->initiated && ready(l.get()) && (l->in_flight > 0 || !l->backlog.empty() || l->moved != l->moved_told) &&
+        now - l->active_sent >= every) {
       tell_active(*l, now);
     }
     // A peer that stopped reading its control channel: the link goes, on its own deadline.
@@ -510,7 +519,8 @@ void Worker::report_active(Deadline now) noexcept {
 
 void Worker::tell_active(Link& l, Deadline now) noexcept {
   l.active_sent = now;
-  send(l, ew::active());
+  l.moved_told = l.moved;
+  send(l, ew::active(l.moved));
 }
 
 // Waits on the worker's descriptors until `until` (not at all when it has passed): CQ events

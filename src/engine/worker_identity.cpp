@@ -44,10 +44,10 @@ bool Worker::check_identity(Link& l, const ew::Message& m) {
   // On a link this engine opened, a failure ends what waits for the peer (and a further rail is
   // not probed again); on one a peer opened, the peer is told why.
   const auto reject = [&](const std::string& why) {
-    e_.refused_identity.fetch_add(1, std::memory_order_relaxed);
     if (l.initiated) {
       wrong_engine(l, why);
     } else {
+      e_.refused_identity.fetch_add(1, std::memory_order_relaxed);  // a link a peer opened (metrics)
       refuse(l, why);
     }
     return false;

@@ -532,6 +532,7 @@ void Worker::close_link(Link& l) noexcept {
   }
   watch(l, false);
   std::erase(to_flush_, &l);
+  std::erase(to_break_, &l);
   l.windows.clear();  // revoked before the QP goes
   l.impl.close(std::chrono::milliseconds{500});
   if (l.initiated && l.peer->link == &l) l.peer->link = nullptr;

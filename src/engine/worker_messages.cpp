@@ -95,6 +95,12 @@ void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
     case ew::Kind::active:
       if (l.initiated) return break_link(l, "it reported activity on a link this engine opened");
       l.last_used = Clock::now();
+      // What it says it moved: only its own accounting (a peer may say anything), counted
+      // as it grows.
+      if (m.moved > l.moved) {
+        e_.add_served(l.peer_name, m.moved - l.moved);
+        l.moved = m.moved;
+      }
       break;
     case ew::Kind::credit:
       if (!l.initiated) return break_link(l, "it returned notification credits on a link it opened");

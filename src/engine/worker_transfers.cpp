@@ -452,7 +452,8 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
   l.in_flight -= walked;
   in_flight_ -= walked;
   l.bytes_out -= std::min(l.bytes_out, out);
-  if (s == TransferStatus::ok && path < kPathFigures) figures_[path].add(moved, walked);
+  if (s == TransferStatus::ok && path < figures_count_) figures_[path].add(moved, walked);
+  l.moved += moved;
   if (l.rail != nullptr && moved != 0) {
     l.rail->bytes.fetch_add(moved, std::memory_order_relaxed);
     if (slices != 0) l.rail->slices.fetch_add(slices, std::memory_order_relaxed);
@@ -623,7 +624,9 @@ void Worker::on_news(Link& l, const Completion& c, std::uint64_t seq, bool part)
         if (x->group != nullptr) l.rail->slices.fetch_add(1, std::memory_order_relaxed);
       }
       x->set_path(path_of(l.device));
-      if (l.device < kPathFigures) figures_[l.device].add(x->t->op <= TransferOp::write ? x->t->length : 0, 1);
+      const std::uint64_t bytes = x->t->op <= TransferOp::write ? x->t->length : 0;
+      if (l.device < figures_count_) figures_[l.device].add(bytes, 1);
+      l.moved += bytes;
       end(*x, TransferStatus::ok, {});
     } else if (c.status == IBV_WC_WR_FLUSH_ERR) {
       lost(l, *x, TransferStatus::peer_lost,

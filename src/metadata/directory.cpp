@@ -174,6 +174,7 @@ std::vector<DirectoryChange> Directory::poll() {
   std::optional<std::string> version;
   try {
     version = store_->version(engines_prefix(config_.cluster), call_deadline());
+    failure_.clear();  // the store answers again
     // Nothing changed since the last listing and nobody is missing: a listing would tell nothing.
     if (version && version == listed_version_ && missing_since_.empty()) return changes;
     listing = read_cluster(*store_, config_.cluster, call_deadline(), self_ ? self_->name : std::string{});

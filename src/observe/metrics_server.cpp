@@ -4,8 +4,11 @@
 // civetweb a larger embedded server than two read-only endpoints need).
 #include "rdmakit/metrics.hpp"
 
+#include <pthread.h>
+#include <signal.h>
 #include <sys/socket.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <thread>
@@ -24,6 +27,8 @@ struct MetricsServer::Impl {
   httplib::Server server;
   std::string host;
   std::uint16_t port = 0;
+  std::atomic<bool> done{false};  // the server's thread has left listen
+  std::atomic<bool> stopping{false};
   std::thread thread;
 };
 
@@ -32,11 +37,14 @@ MetricsServer::MetricsServer(const Engine& engine, const std::string& address, M
   const detail::HostPort at = detail::parse_host_port(address, 0);
   impl_->host = at.host.empty() ? "0.0.0.0" : at.host;
   httplib::Server& s = impl_->server;
-  // Scrapes are rare and cheap: two threads, and a client that stalls is dropped.
+  // Scrapes are rare and cheap: two threads, a client that stalls is dropped, and a connection
+  // serves one request (a kept-alive one would hold its thread: two scrapers would starve a
+  // health probe, and stop() would wait for them).
   s.new_task_queue = [] { return new httplib::ThreadPool(2); };
   s.set_read_timeout(5, 0);
   s.set_write_timeout(5, 0);
-  s.set_keep_alive_timeout(10);
+  s.set_keep_alive_max_count(1);
+  s.set_keep_alive_timeout(1);
   // httplib's default adds SO_REUSEPORT: a second server on the port would share it, scrapes
   // landing on either. One owner per port (SO_REUSEADDR only: a restart rebinds at once).
   s.set_socket_options([](socket_t sock) {
@@ -69,6 +77,7 @@ MetricsServer::MetricsServer(const Engine& engine, const std::string& address, M
     }
     res.set_content(j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n", "application/json");
   });
+  errno = 0;
   const int port = at.port == 0 ? s.bind_to_any_port(impl_->host) : (s.bind_to_port(impl_->host, at.port) ? at.port : -1);
   if (port <= 0) {
     throw Error("metrics server", errno != 0 ? errno : EADDRINUSE,
@@ -78,7 +87,16 @@ MetricsServer::MetricsServer(const Engine& engine, const std::string& address, M
   impl_->port = static_cast<std::uint16_t>(port);
   impl_->thread = std::thread([this] {
     detail::name_this_thread("rdmakit-metrics");
-    impl_->server.listen_after_bind();
+    // No signal lands here (nor in the pool's threads, started from this one): an EINTR in its
+    // accept() would end the server for good.
+    sigset_t all;
+    ::sigfillset(&all);
+    (void)::pthread_sigmask(SIG_BLOCK, &all, nullptr);
+    if (!impl_->server.listen_after_bind() && !impl_->stopping.load()) {
+      fmt::print(stderr, "rdmakit: the metrics endpoint on {}:{} stopped accepting (errno {})\n", impl_->host, impl_->port,
+                 errno);
+    }
+    impl_->done.store(true);
   });
   // stop() ends a server that runs, not one about to: the destructor may come at once.
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
@@ -88,7 +106,13 @@ MetricsServer::MetricsServer(const Engine& engine, const std::string& address, M
 }
 
 MetricsServer::~MetricsServer() {
-  impl_->server.stop();
+  impl_->stopping.store(true);
+  // stop() ends a server that runs: one that had not started yet is stopped once it has.
+  while (!impl_->done.load()) {
+    impl_->server.stop();
+    if (impl_->server.is_running() || impl_->done.load()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   if (impl_->thread.joinable()) impl_->thread.join();
 }
 

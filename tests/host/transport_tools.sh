@@ -12,8 +12,10 @@ trap '[ -z "$serve_pid" ] || kill $serve_pid 2>/dev/null; rm -rf "$dir"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
 port=$((20000 + $$ % 20000))
 
+mport=$((port + 2))
+bport=$((port + 3))
 "$bin" serve --name t --listen 127.0.0.1:$port --transport tcp --transport shm --expose kv:64M --json \
-  > "$dir/serve.json" 2> "$dir/serve.err" &
+  --metrics 127.0.0.1:$mport > "$dir/serve.json" 2> "$dir/serve.err" &
 serve_pid=$!
 for _ in $(seq 50); do grep -q serving "$dir/serve.json" 2>/dev/null && break; sleep 0.1; done
 grep -q '"transports":\["tcp","shm"\]' "$dir/serve.json" || fail "serve does not say it offers tcp and shm: $(cat "$dir/serve.json")"
@@ -29,6 +31,30 @@ for t in tcp shm; do
   done
   echo "ok: $t: 16 MiB batches of 1 MiB writes and reads, validated"
 done
+
+# The metrics endpoints (docs/observability.md), read by rdmakit stats while engine-bench runs:
+# the initiator's bytes per second under its peer, the target's under the client that moved
+# them (as it reports them), and /health.
+timeout 60 "$bin" engine-bench --peer t=127.0.0.1:$port --transport tcp --op write --block-size 1M --batch-size 16 \
+  --duration 4 --metrics 127.0.0.1:$bport --json > "$dir/bench.json" 2> "$dir/bench.err" &
+bench_pid=$!
+sleep 1.5
+"$bin" stats 127.0.0.1:$bport --json --interval 1 > "$dir/stats_bench.json" || fail "stats of engine-bench's endpoint"
+"$bin" stats 127.0.0.1:$mport --json --interval 1.5 > "$dir/stats_serve.json" || fail "stats of serve's endpoint"
+wait $bench_pid || fail "engine-bench with --metrics: $(cat "$dir/bench.err")"
+python3 - "$dir/stats_bench.json" "$dir/stats_serve.json" <<'PY' || fail "stats: $(cat "$dir/stats_bench.json" "$dir/stats_serve.json")"
+import json, sys
+bench, serve = (json.load(open(p)) for p in sys.argv[1:3])
+assert bench["health"] == "ok" and serve["health"] == "ok", (bench["health"], serve["health"])
+assert bench["bytes_per_s"] > 1e6, bench
+assert any(p["peer"] == "t" and p["bytes_per_s"] > 1e6 for p in bench["peers"]), bench["peers"]
+assert any(p["path"] == "tcp" and p["bytes_per_s"] > 1e6 for p in bench["paths"]), bench["paths"]
+assert any(p["bytes_per_s"] > 1e6 for p in serve["served"]), serve["served"]
+print("ok: stats: engine-bench %.0f MB/s to t; serve saw %.0f MB/s from %s" % (
+    bench["bytes_per_s"] / 1e6, serve["served"][0]["bytes_per_s"] / 1e6, serve["served"][0]["peer"]))
+PY
+"$bin" stats 127.0.0.1:$mport --count 1 --interval 0.2 | grep -q "rdmakit stats 127.0.0.1:$mport: engine t, health ok" \
+  || fail "stats' text view"
 
 # rdma only (the default) to a target that offers none: refused, saying what each side lists.
 if timeout 30 "$bin" engine-bench --peer t=127.0.0.1:$port --transport rdma --duration 1 > "$dir/none.out" 2>&1; then

@@ -82,8 +82,15 @@ TEST(Metrics, WhatMovedShowsUnderItsPeerAndPathAndPassesPromtool) {
   const std::string labels = "{engine=\"a\",path=\"" + path + "\",transport=\"" + transport + "\"}";
   EXPECT_EQ(value_of(m, "rdmakit_path_bytes_total" + labels), moved) << m;
   EXPECT_EQ(value_of(m, "rdmakit_path_transfers_total" + labels), 9) << m;
-  // The target: an accepted link, a listener.
-  const std::string mb = b.engine.metrics();
+  // The target: an accepted link, a listener, and what a told it moved (its ACTIVE reports, at
+  // most a second apart while bytes move).
+  std::string mb = b.engine.metrics();
+  const std::string served = "rdmakit_peer_served_bytes_total{engine=\"b\",peer=\"a\"}";
+  for (auto until = std::chrono::steady_clock::now() + 5s;
+       value_of(mb, served) != moved && std::chrono::steady_clock::now() < until; mb = b.engine.metrics()) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(value_of(mb, served), moved) << mb;
   EXPECT_EQ(promtool(mb), "") << mb;
   EXPECT_EQ(value_of(mb, "rdmakit_accepts_total{engine=\"b\"}"), 1);
   EXPECT_EQ(value_of(mb, "rdmakit_listening{engine=\"b\"}"), 1);
@@ -110,7 +117,9 @@ TEST(Metrics, TheServerServesMetricsAndHealth) {
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 200);
   EXPECT_NE(r->body.find("\"status\":\"ok\""), std::string::npos) << r->body;
-  EXPECT_EQ(c.Get("/nothing")->status, 404);
+  const auto none = c.Get("/nothing");
+  ASSERT_TRUE(none);
+  EXPECT_EQ(none->status, 404);
 
   auto cfg = config("late");
   cfg.listen_at_start = false;
@@ -122,7 +131,9 @@ TEST(Metrics, TheServerServesMetricsAndHealth) {
   EXPECT_EQ(r->status, 503);
   EXPECT_NE(r->body.find("not listening yet"), std::string::npos) << r->body;
   late.start_listening();
-  EXPECT_EQ(c2.Get("/health")->status, 200);
+  const auto up = c2.Get("/health");
+  ASSERT_TRUE(up);
+  EXPECT_EQ(up->status, 200);
   // A port taken: refused saying so.
   try {
     rdmakit::MetricsServer taken(b.engine, "127.0.0.1:" + std::to_string(server.port()));

@@ -43,7 +43,13 @@ TEST(EngineWire, EveryKindRoundTrips) {
   const ew::Message cr = ew::decode(ew::encode(ew::credit(7)));
   EXPECT_EQ(cr.kind, ew::Kind::credit);
   EXPECT_EQ(cr.credits, 7u);
-  EXPECT_EQ(ew::decode(ew::encode(ew::active())).kind, ew::Kind::active);
+  const ew::Message ac = ew::decode(ew::encode(ew::active(0x0123456789abcdefull)));
+  EXPECT_EQ(ac.kind, ew::Kind::active);
+  EXPECT_EQ(ac.moved, 0x0123456789abcdefull);
+  // An ACTIVE cut short (a peer of version 6 sent none) is refused, not read past its end.
+  std::vector<std::uint8_t> short_active = ew::encode(ew::active(5));
+  short_active.resize(short_active.size() - 1);
+  EXPECT_THROW((void)ew::decode(short_active), rdmakit::Error);
   const std::vector<std::uint8_t> note(900, 0x5a);
   EXPECT_EQ(ew::decode(ew::encode(ew::notify(note))).bytes, note);
   EXPECT_TRUE(ew::decode(ew::encode(ew::notify({}))).bytes.empty());
@@ -122,7 +128,7 @@ TEST(EngineWire, MalformedLeasesAreRefusedWithAReason) {
 
 TEST(EngineWire, FieldsAreBigEndianAtFixedOffsets) {
   const auto b = ew::encode(ew::segment("s", {0x1122334455667788, 0x10, 0xaabbccdd, Access::remote_write}));
-  const std::vector<std::uint8_t> want = {0xE7, 6, 2, 1, 's', 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88,
+  const std::vector<std::uint8_t> want = {0xE7, 7, 2, 1, 's', 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88,
                                           0, 0, 0, 0, 0, 0, 0, 0x10, 0xaa, 0xbb, 0xcc, 0xdd, 0, 0, 0, 4};
   EXPECT_EQ(b, want);
 }
@@ -133,8 +139,8 @@ TEST(EngineWire, MalformedMessagesAreRefusedWithAReason) {
   bad[0] = 0;
   EXPECT_NE(refusal(bad).find("bad magic"), std::string::npos);
   bad = good;
-  bad[1] = 5;  // before leases
-  EXPECT_NE(refusal(bad).find("version 5; this engine speaks 6"), std::string::npos);
+  bad[1] = 6;  // before ACTIVE carried the bytes moved
+  EXPECT_NE(refusal(bad).find("version 6; this engine speaks 7"), std::string::npos);
   bad = good;
   bad[2] = 14;
   EXPECT_NE(refusal(bad).find("unknown kind 14"), std::string::npos);

@@ -121,15 +121,15 @@ TEST(MetricsText, NamesAndLabelSetsAreStable) {
 TEST(MetricsText, LatencyBucketsHoldTheirRange) {
   LatencyHistogram h;
   h.observe(0);             // 0 us: the first bucket (le 1e-06)
-  h.observe(1'000);         // 1 us: the first
-  h.observe(1'001);         // 1.001 us -> 1 us after truncation: the first
-  h.observe(2'500);         // 2 us: le 2e-06
-  h.observe(3'000);         // 3 us: le 4e-06
+  h.observe(1'000);         // 1 us: the first (le is inclusive)
+  h.observe(1'001);         // just above 1 us: le 2e-06
+  h.observe(2'500);         // 2.5 us: le 4e-06
+  h.observe(4'000);         // 4 us: le 4e-06
   h.observe(1'000'000);     // 1 ms = 1000 us: le 1024e-06 (bucket 10)
   h.observe(60'000'000'000);  // a minute: +Inf
-  EXPECT_EQ(h.counts[0].load(), 3u);
+  EXPECT_EQ(h.counts[0].load(), 2u);
   EXPECT_EQ(h.counts[1].load(), 1u);
-  EXPECT_EQ(h.counts[2].load(), 1u);
+  EXPECT_EQ(h.counts[2].load(), 2u);
   EXPECT_EQ(h.counts[10].load(), 1u);
   EXPECT_EQ(h.counts[LatencyHistogram::kBuckets].load(), 1u);
   MetricsSnapshot s;
@@ -139,7 +139,7 @@ TEST(MetricsText, LatencyBucketsHoldTheirRange) {
   s.batch_sum_ns = h.sum_ns.load();
   const std::string text = render_metrics(s, {});
   EXPECT_EQ(promtool(text), "");
-  EXPECT_NE(text.find("rdmakit_batch_duration_seconds_bucket{engine=\"a\",le=\"1e-06\"} 3\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("rdmakit_batch_duration_seconds_bucket{engine=\"a\",le=\"1e-06\"} 2\n"), std::string::npos) << text;
   EXPECT_NE(text.find("rdmakit_batch_duration_seconds_bucket{engine=\"a\",le=\"+Inf\"} 7\n"), std::string::npos);
   EXPECT_NE(text.find("rdmakit_batch_duration_seconds_count{engine=\"a\"} 7\n"), std::string::npos);
   // Without telemetry there are no times: no histogram.
@@ -174,4 +174,37 @@ TEST(MetricsText, TheDashboardsQueriesParseAndNameExportedFamilies) {
   }
   EXPECT_GE(n, 8);
   EXPECT_EQ(rdmakit::testing_support::promtool("check rules", rules, "dashboard_rules.yml"), "") << rules;
+}
+
+// A peer that joins the named ones takes its bytes out of the rest: the rest, a counter, stays
+// where it was rather than going down. Gone rails are not listed beside their successors, and
+// a name that is not UTF-8 is made so (Prometheus refuses the whole scrape otherwise).
+TEST(MetricsText, TheRestNeverGoesDownAndLabelsStayValid) {
+  MetricsSnapshot s = thousand_peers();
+  s.peers.resize(3);  // peer-0, -1, -2: 2 x (1000 + i) bytes each
+  rdmakit::MetricsOptions o;
+  o.top_peers = 1;
+  rdmakit::detail::RestFloors floors;
+  const std::string e = "engine=\"kv \\\"0\\\"\\\\x\"";
+  std::string t = render_metrics(s, o, &floors);
+  EXPECT_NE(t.find("rdmakit_peer_bytes_total{" + e + "} 4002\n"), std::string::npos) << t.substr(0, 3000);
+  // peer-0 overtakes peer-2: the rest would be peer-1 + peer-2 = 2002 + 2004 = 4006; it grows.
+  s.peers[0].rails[0].bytes += 10000;
+  t = render_metrics(s, o, &floors);
+  EXPECT_NE(t.find("rdmakit_peer_bytes_total{" + e + "} 4006\n"), std::string::npos);
+  // peer-1 leaves the engine: the rest would drop to 2004; it stays at 4006.
+  s.peers.erase(s.peers.begin() + 1);
+  t = render_metrics(s, o, &floors);
+  EXPECT_NE(t.find("rdmakit_peer_bytes_total{" + e + "} 4006\n"), std::string::npos);
+  EXPECT_EQ(promtool(t), "");
+  // A restarted peer's old rail, gone, beside its new one on the same port: one series.
+  s.peers[0].rails[1].local = s.peers[0].rails[0].local;
+  s.peers[0].rails[1].state = "gone";
+  t = render_metrics(s, o, &floors);
+  EXPECT_EQ(lines_starting(t, "rdmakit_peer_rail_up{"), 1u) << t;
+  // Bytes that are not UTF-8 in a name: replaced, and promtool (which checks) accepts it.
+  s.peers[0].name = std::string("bad\xff\xc3(") + "\xe2\x82\xac";
+  t = render_metrics(s, o, &floors);
+  EXPECT_NE(t.find("peer=\"bad\xEF\xBF\xBD\xEF\xBF\xBD(\xe2\x82\xac\""), std::string::npos) << t.substr(0, 3000);
+  EXPECT_EQ(promtool(t), "");
 }

@@ -392,6 +392,7 @@ struct BenchOpts {
   bool validate = false;
   bool json = false;
   bool idle = false;
+  std::string metrics;  // [ADDR:]PORT of the /metrics and /health endpoint (empty: none)
 };
 
 struct PeerArg {
@@ -424,6 +425,8 @@ double cpu_seconds() {
 int run_engine_bench(const BenchOpts& o) {
   if (o.peers.empty()) throw Fail("give at least one --peer NAME=HOST:PORT (or NAME, with --metadata)");
   Engine engine(o.net.config(""));
+  std::optional<rdmakit::MetricsServer> metrics;
+  if (!o.metrics.empty()) metrics.emplace(engine, o.metrics);
   std::vector<PeerArg> peers;
   std::vector<RemoteSegment> segs;
   for (std::size_t i = 0; i < o.peers.size(); ++i) {
@@ -661,6 +664,7 @@ void add_engine_bench(CLI::App& app, std::function<int()>& run) {
                 "connect to every peer, then move nothing for --duration seconds: the CPU an engine with its links up "
                 "uses while idle");
   sub->add_flag("--json", o->json, "one JSON object");
+  sub->add_option("--metrics", o->metrics, "[ADDR:]PORT: serve /metrics and /health over HTTP there while it runs");
   sub->callback([o, &run] { run = guarded("engine-bench", [o] { return run_engine_bench(*o); }); });
 }
 

@@ -12,6 +12,7 @@
 #include "engine_cmds.hpp"
 #include "hello.hpp"
 #include "keygen.hpp"
+#include "stats.hpp"
 #include "metadata_options.hpp"
 #include "rdmakit/error.hpp"
 #include "rdmakit/version.hpp"
@@ -29,6 +30,7 @@ int main(int argc, char** argv) {
   rdmakit::tools::add_serve(app, run);
   rdmakit::tools::add_engine_bench(app, run);
   rdmakit::tools::add_peers(app, run);
+  rdmakit::tools::add_stats(app, run);
   CLI11_PARSE(app, argc, argv);
   try {
     return run();
