@@ -20,6 +20,7 @@
 
 #include "common/clock.hpp"
 #include "datapath/ring.hpp"
+#include "engine/metrics.hpp"
 #include "rdmakit/connection.hpp"
 #include "rdmakit/engine.hpp"
 
@@ -140,6 +141,7 @@ struct PlanState {
   };
   std::vector<Run> runs;
   bool atomics = false;  // some of its transfers are
+  SubmitTally tally;     // what each batch of it asks for (metrics), counted once
   std::vector<std::vector<std::uint32_t>> runs_of;  // by worker index: its runs
   std::vector<std::uint32_t> transfers_of;         // by worker index: the transfers of its runs
 };

@@ -260,6 +260,11 @@ bool Engine::Impl::start(BatchState& b, SubmitOptions&& options) {
   if (!b.note_only) {
     count.batches.fetch_add(1, std::memory_order_relaxed);
     count.transfers.fetch_add(b.size, std::memory_order_relaxed);
+    if (b.plan) {
+      submitted.add_tally(b.plan->tally);  // counted once, at prepare()
+    } else {
+      submitted.add_batch(b.size, [&](std::size_t i) -> const Transfer& { return *b.x[i].t; });
+    }
   }
   if (b.size != 0) return true;
   // Done at once, like any batch.

@@ -857,6 +857,7 @@ struct Engine::Impl {
   // (telemetry on); peers' links refused by the engine's admission (identity.hpp).
   std::array<std::atomic<std::uint64_t>, 16> failed_by_status{};
   detail::LatencyHistogram batch_latency;
+  detail::SubmitFigures submitted;
   std::atomic<std::uint64_t> refused_identity{0};
   // By peer name: the bytes peers said their reads and writes moved on links they opened here
   // (ACTIVE), summed over their links. Bounded: names beyond kServedNames count under "".

@@ -20,9 +20,23 @@ void LatencyHistogram::observe(std::int64_t ns) noexcept {
   sum_ns.fetch_add(ns <= 0 ? 0 : static_cast<std::uint64_t>(ns), std::memory_order_relaxed);
 }
 
+SubmitTally SubmitTally::of(std::span<const Transfer> t) {
+  std::array<std::uint64_t, SubmitFigures::kEntries> a{};
+  for (const Transfer& x : t) {
+    const std::size_t op = static_cast<std::size_t>(x.op) & (kOps - 1);
+    ++a[op];
+    a[kOps + op] += x.length;
+    ++a[2 * kOps + size_bucket(x.length)];
+  }
+  SubmitTally s;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != 0) s.nonzero.emplace_back(static_cast<std::uint16_t>(i), a[i]);
+  }
+  return s;
+}
+
 namespace {
 
-// A label value as the format wants it: backslash, double quote and newline escaped.
 // The length of the valid UTF-8 sequence at s[i] (0: not one). Prometheus refuses a scrape with
 // invalid UTF-8 in a label value, and peer names are any bytes but control characters.
 std::size_t utf8_at(std::string_view s, std::size_t i) {
@@ -40,6 +54,7 @@ std::size_t utf8_at(std::string_view s, std::size_t i) {
   return n;
 }
 
+// A label value as the format wants it: backslash, double quote and newline escaped.
 std::string escaped(std::string_view v) {
   std::string out;
   out.reserve(v.size());
@@ -127,6 +142,27 @@ std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& optio
       continue;  // (a status added after lease_expired: extend this bound)
     }
     t.sample("rdmakit_transfers_failed_total", {{"status", to_string(st)}}, s.failed[i]);
+  }
+  t.family("rdmakit_submitted_transfers_total", "counter", "Transfers batches asked for, by operation.");
+  for (std::size_t op = 0; op < kOps; ++op) {
+    t.sample("rdmakit_submitted_transfers_total", {{"op", to_string(static_cast<TransferOp>(op))}}, s.submitted[op]);
+  }
+  t.family("rdmakit_submitted_bytes_total", "counter", "Bytes batches asked to move, by operation (an atomic's: its 8).");
+  for (std::size_t op = 0; op < kOps; ++op) {
+    t.sample("rdmakit_submitted_bytes_total", {{"op", to_string(static_cast<TransferOp>(op))}}, s.submitted[kOps + op]);
+  }
+  t.family("rdmakit_transfer_size_bytes", "histogram", "Sizes of the transfers batches asked for.");
+  {
+    std::uint64_t cumulative = 0, sum = 0;
+    for (std::size_t op = 0; op < kOps; ++op) sum += s.submitted[kOps + op];
+    for (std::size_t b = 0; b < kSizeBuckets; ++b) {
+      cumulative += s.submitted[2 * kOps + b];
+      t.sample("rdmakit_transfer_size_bytes_bucket", {{"le", std::to_string(std::uint64_t{1} << b)}}, cumulative);
+    }
+    cumulative += s.submitted[2 * kOps + kSizeBuckets];
+    t.sample("rdmakit_transfer_size_bytes_bucket", {{"le", "+Inf"}}, cumulative);
+    t.sample("rdmakit_transfer_size_bytes_sum", {}, sum);
+    t.sample("rdmakit_transfer_size_bytes_count", {}, cumulative);
   }
   t.single("rdmakit_bytes_total", "counter", "Bytes moved by reads and writes that ended ok.", c.bytes);
   t.family("rdmakit_path_bytes_total", "counter",

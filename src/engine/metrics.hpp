@@ -4,9 +4,12 @@
 // are tested on snapshots of any size).
 #pragma once
 
+#include <algorithm>
 #include <array>
+#include <bit>
 #include <atomic>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -22,6 +25,52 @@ struct LatencyHistogram {
   // Two relaxed increments per batch that ends (with telemetry).
   std::atomic<std::uint64_t> sum_ns{0};
   void observe(std::int64_t ns) noexcept;
+};
+
+/// What batches asked for, by operation, and their transfers' sizes in log2 buckets of bytes
+/// (le 1 B .. 2 GiB, then +Inf): counted as a batch starts, the whole batch at once.
+inline constexpr std::size_t kOps = 4;  // TransferOp
+inline constexpr std::size_t kSizeBuckets = 32;
+[[nodiscard]] inline std::size_t size_bucket(std::uint64_t bytes) noexcept {
+  return bytes <= 1 ? 0 : std::min<std::size_t>(static_cast<std::size_t>(std::bit_width(bytes - 1)), kSizeBuckets);
+}
+/// One batch's (or a plan's) tally: the entries that are not zero, as (index, amount); index
+/// 0..3 transfers by op, 4..7 bytes by op, 8.. the size buckets.
+struct SubmitTally {
+  std::vector<std::pair<std::uint16_t, std::uint64_t>> nonzero;
+  static SubmitTally of(std::span<const Transfer> t);
+};
+struct SubmitFigures {
+  static constexpr std::size_t kEntries = 2 * kOps + kSizeBuckets + 1;
+  std::array<std::atomic<std::uint64_t>, kEntries> at{};
+  void add(std::uint16_t i, std::uint64_t v) noexcept { at[i].fetch_add(v, std::memory_order_relaxed); }
+  /// One batch's `n` transfers (`transfer_at(i)`: the i-th), counted on the stack, then added where not
+  /// zero: a batch of one adds three numbers, one of many a few more.
+  template <class At>
+  void add_batch(std::size_t n, At transfer_at) noexcept {
+    std::array<std::uint64_t, 2 * kOps> ops{};
+    std::array<std::uint32_t, kSizeBuckets + 1> sizes{};
+    std::uint64_t sizes_seen = 0;  // bit b: bucket b has some
+    for (std::size_t i = 0; i < n; ++i) {
+      const Transfer& t = transfer_at(i);
+      const std::size_t op = static_cast<std::size_t>(t.op) & (kOps - 1);
+      ++ops[op];
+      ops[kOps + op] += t.length;
+      const std::size_t b = size_bucket(t.length);
+      ++sizes[b];
+      sizes_seen |= std::uint64_t{1} << b;
+    }
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      if (ops[i] != 0) add(static_cast<std::uint16_t>(i), ops[i]);
+    }
+    for (; sizes_seen != 0; sizes_seen &= sizes_seen - 1) {
+      const auto b = static_cast<std::size_t>(std::countr_zero(sizes_seen));
+      add(static_cast<std::uint16_t>(2 * kOps + b), sizes[b]);
+    }
+  }
+  void add_tally(const SubmitTally& t) noexcept {
+    for (const auto& [i, v] : t.nonzero) add(i, v);
+  }
 };
 
 /// What ended ok on one path (a local RDMA device, or tcp or shm), summed by a worker as it
@@ -60,6 +109,8 @@ struct MetricsSnapshot {
   /// Transfers that ended other than ok, by TransferStatus.
   std::array<std::uint64_t, 16> failed{};
   static_assert(static_cast<std::size_t>(TransferStatus::lease_expired) < 16, "a status past the array");
+  /// What batches asked for (SubmitFigures::at).
+  std::array<std::uint64_t, SubmitFigures::kEntries> submitted{};
   /// Batches' submit-to-end times (EngineConfig::telemetry): per bucket (not cumulative).
   std::array<std::uint64_t, LatencyHistogram::kBuckets + 1> batch_buckets{};
   std::uint64_t batch_sum_ns = 0;

@@ -108,6 +108,7 @@ TransferPlan Engine::prepare(std::span<const Transfer> transfers) {
     ++plan->runs.back().n;
     ++plan->transfers_of[p->worker->index()];
   }
+  plan->tally = detail::SubmitTally::of(plan->transfers);
   return TransferPlan(std::move(plan));
 }
 

@@ -41,6 +41,7 @@ std::string Engine::metrics(const MetricsOptions& options) const {
     s.batch_buckets[i] = impl_->batch_latency.counts[i].load(std::memory_order_relaxed);
   }
   s.batch_sum_ns = impl_->batch_latency.sum_ns.load(std::memory_order_relaxed);
+  for (std::size_t i = 0; i < s.submitted.size(); ++i) s.submitted[i] = impl_->submitted.at[i].load(std::memory_order_relaxed);
   {
     std::lock_guard lock(impl_->listen_mu);
     if (const Listener* l = impl_->listener.get()) {

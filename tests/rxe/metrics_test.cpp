@@ -72,6 +72,23 @@ TEST(Metrics, WhatMovedShowsUnderItsPeerAndPathAndPassesPromtool) {
   EXPECT_EQ(value_of(m, "rdmakit_transfers_total{engine=\"a\"}"), 10);
   EXPECT_EQ(value_of(m, "rdmakit_transfers_failed_total{engine=\"a\",status=\"no_segment\"}"), 1);
   EXPECT_EQ(value_of(m, "rdmakit_batches_total{engine=\"a\"}"), 1);
+  // What the batch asked for, by operation and size (the failed one too).
+  EXPECT_EQ(value_of(m, "rdmakit_submitted_transfers_total{engine=\"a\",op=\"write\"}"), 9);
+  EXPECT_EQ(value_of(m, "rdmakit_submitted_transfers_total{engine=\"a\",op=\"read\"}"), 1);
+  EXPECT_EQ(value_of(m, "rdmakit_submitted_bytes_total{engine=\"a\",op=\"write\"}"), 8 * 65536 + 64);
+  EXPECT_EQ(value_of(m, "rdmakit_submitted_bytes_total{engine=\"a\",op=\"read\"}"), 4096);
+  EXPECT_EQ(value_of(m, "rdmakit_transfer_size_bytes_bucket{engine=\"a\",le=\"32\"}"), 0);
+  EXPECT_EQ(value_of(m, "rdmakit_transfer_size_bytes_bucket{engine=\"a\",le=\"64\"}"), 1);
+  EXPECT_EQ(value_of(m, "rdmakit_transfer_size_bytes_bucket{engine=\"a\",le=\"4096\"}"), 2);
+  EXPECT_EQ(value_of(m, "rdmakit_transfer_size_bytes_bucket{engine=\"a\",le=\"32768\"}"), 2);
+  EXPECT_EQ(value_of(m, "rdmakit_transfer_size_bytes_bucket{engine=\"a\",le=\"65536\"}"), 10);
+  EXPECT_EQ(value_of(m, "rdmakit_transfer_size_bytes_count{engine=\"a\"}"), 10);
+  // A plan's batches count as theirs: two reads of 4 KiB, submitted twice.
+  const auto plan = a.prepare(std::vector{xfer(TransferOp::read, src, 0, 4096, seg, 0), xfer(TransferOp::read, src, 4096, 4096, seg, 4096)});
+  for (int k = 0; k < 2; ++k) ASSERT_TRUE(a.submit(plan).wait(10s));
+  const std::string mp = a.metrics();
+  EXPECT_EQ(value_of(mp, "rdmakit_submitted_transfers_total{engine=\"a\",op=\"read\"}"), 5);
+  EXPECT_EQ(value_of(mp, "rdmakit_transfer_size_bytes_bucket{engine=\"a\",le=\"4096\"}"), 6);
   EXPECT_EQ(value_of(m, "rdmakit_batch_duration_seconds_count{engine=\"a\"}"), 1);
   EXPECT_EQ(value_of(m, "rdmakit_peer_linked{engine=\"a\",peer=\"b\"}"), 1);
   EXPECT_EQ(value_of(m, "rdmakit_registered_bytes{engine=\"a\",kind=\"host\"}"), 1 << 20);

@@ -100,7 +100,8 @@ TEST(MetricsText, NamesAndLabelSetsAreStable) {
   const std::string text = render_metrics(thousand_peers(), {});
   for (const char* family :
        {"rdmakit_build_info", "rdmakit_listening", "rdmakit_batches_total", "rdmakit_transfers_total",
-        "rdmakit_transfers_failed_total", "rdmakit_bytes_total", "rdmakit_path_bytes_total",
+        "rdmakit_transfers_failed_total", "rdmakit_submitted_transfers_total", "rdmakit_submitted_bytes_total",
+        "rdmakit_transfer_size_bytes", "rdmakit_peer_served_bytes_total", "rdmakit_bytes_total", "rdmakit_path_bytes_total",
         "rdmakit_path_transfers_total", "rdmakit_batch_duration_seconds", "rdmakit_peers", "rdmakit_links",
         "rdmakit_qps", "rdmakit_connects_total", "rdmakit_reconnects_total", "rdmakit_accepts_total",
         "rdmakit_evictions_total", "rdmakit_restarts_total", "rdmakit_handshakes_refused_total",
