@@ -208,7 +208,7 @@ void Engine::Impl::add_served(const std::string& peer, std::uint64_t bytes) {
   std::lock_guard lock(served_mu);
   auto it = served.find(peer);
   if (it == served.end()) it = served.emplace(served.size() < kServedNames ? peer : std::string{}, 0).first;
-  it->second += bytes;
+  it->second = bytes > ~it->second ? ~std::uint64_t{0} : it->second + bytes;  // a peer's figure: never wraps
 }
 
 void Engine::Impl::waited(std::chrono::nanoseconds took) noexcept {

@@ -25,8 +25,9 @@ SubmitTally SubmitTally::of(std::span<const Transfer> t) {
   for (const Transfer& x : t) {
     const std::size_t op = static_cast<std::size_t>(x.op) & (kOps - 1);
     ++a[op];
-    a[kOps + op] += x.length;
-    ++a[2 * kOps + size_bucket(x.length)];
+    const std::uint64_t len = counted_length(x);
+    a[kOps + op] += len;
+    ++a[2 * kOps + size_bucket(len)];
   }
   SubmitTally s;
   for (std::size_t i = 0; i < a.size(); ++i) {

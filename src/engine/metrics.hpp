@@ -31,6 +31,11 @@ struct LatencyHistogram {
 /// (le 1 B .. 2 GiB, then +Inf): counted as a batch starts, the whole batch at once.
 inline constexpr std::size_t kOps = 4;  // TransferOp
 inline constexpr std::size_t kSizeBuckets = 32;
+/// The bytes a transfer asks for, as counted: an atomic's 8, and no more than 2^48 (a length
+/// that large ends invalid, and must not wrap the counters).
+[[nodiscard]] inline std::uint64_t counted_length(const Transfer& t) noexcept {
+  return t.op >= TransferOp::fetch_add ? 8 : std::min<std::uint64_t>(t.length, std::uint64_t{1} << 48);
+}
 [[nodiscard]] inline std::size_t size_bucket(std::uint64_t bytes) noexcept {
   return bytes <= 1 ? 0 : std::min<std::size_t>(static_cast<std::size_t>(std::bit_width(bytes - 1)), kSizeBuckets);
 }
@@ -55,8 +60,9 @@ struct SubmitFigures {
       const Transfer& t = transfer_at(i);
       const std::size_t op = static_cast<std::size_t>(t.op) & (kOps - 1);
       ++ops[op];
-      ops[kOps + op] += t.length;
-      const std::size_t b = size_bucket(t.length);
+      const std::uint64_t len = counted_length(t);
+      ops[kOps + op] += len;
+      const std::size_t b = size_bucket(len);
       ++sizes[b];
       sizes_seen |= std::uint64_t{1} << b;
     }

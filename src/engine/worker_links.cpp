@@ -346,6 +346,11 @@ bool Worker::said_bye(Link& l, Deadline now) noexcept {
   if (!c.bye_queued) {
     c.bye_queued = true;
     try {
+      // What its transfers moved since the last report: the peer's per-peer figures are whole.
+      if (l.initiated && l.moved != l.moved_told) {
+        l.moved_told = l.moved;
+        c.queue_control(wire::MessageType::user, ew::encode(ew::active(l.moved)));
+      }
       c.queue_control(wire::MessageType::bye, {});
     } catch (...) {
       return true;  // out of memory: the close tells the peer without it

@@ -101,13 +101,15 @@ TEST(Metrics, WhatMovedShowsUnderItsPeerAndPathAndPassesPromtool) {
   EXPECT_EQ(value_of(m, "rdmakit_path_transfers_total" + labels), 9) << m;
   // The target: an accepted link, a listener, and what a told it moved (its ACTIVE reports, at
   // most a second apart while bytes move).
+  // (The batch's and the plan's two batches': everything a moved with b.)
+  const std::uint64_t all = moved + 2 * 2 * 4096;
   std::string mb = b.engine.metrics();
   const std::string served = "rdmakit_peer_served_bytes_total{engine=\"b\",peer=\"a\"}";
   for (auto until = std::chrono::steady_clock::now() + 5s;
-       value_of(mb, served) != moved && std::chrono::steady_clock::now() < until; mb = b.engine.metrics()) {
+       value_of(mb, served) != all && std::chrono::steady_clock::now() < until; mb = b.engine.metrics()) {
     std::this_thread::sleep_for(10ms);
   }
-  EXPECT_EQ(value_of(mb, served), moved) << mb;
+  EXPECT_EQ(value_of(mb, served), all) << mb;
   EXPECT_EQ(promtool(mb), "") << mb;
   EXPECT_EQ(value_of(mb, "rdmakit_accepts_total{engine=\"b\"}"), 1);
   EXPECT_EQ(value_of(mb, "rdmakit_listening{engine=\"b\"}"), 1);
@@ -158,4 +160,51 @@ TEST(Metrics, TheServerServesMetricsAndHealth) {
   } catch (const rdmakit::Error& e) {
     EXPECT_NE(std::string(e.what()).find("cannot listen on 127.0.0.1"), std::string::npos) << e.what();
   }
+}
+
+// The per-peer series stay bounded with 1,000 peers: three targets moved different amounts, 997
+// more are added and never linked. With top_peers 2 the two busiest are named, the third's
+// bytes are the rest, and the text has three per-peer byte series whatever the peer count.
+TEST(Metrics, AThousandPeersGiveBoundedSeries) {
+  Target t0("t0", 1 << 20), t1("t1", 1 << 20), t2("t2", 1 << 20);
+  Engine a(config("a"));
+  const Buffer src = a.allocate_memory(1 << 20);
+  std::uint64_t k = 1;
+  for (Target* t : {&t0, &t1, &t2}) {
+    a.add_peer(t->engine.info().name, at(t->engine));
+    const auto seg = a.segment(t->engine.info().name, "kv");
+    auto b = a.submit(std::vector{xfer(TransferOp::write, src, 0, 4096 * k, seg, 0)});
+    ASSERT_TRUE(b.wait(10s));
+    ASSERT_EQ(b.result(0).status, rdmakit::TransferStatus::ok) << b.result(0).reason;
+    k *= 2;
+  }
+  for (int i = 0; i < 997; ++i) a.add_peer("idle-" + std::to_string(i), "127.0.0.1:9");  // never linked
+  ASSERT_EQ(a.peers().size(), 1000u);
+  rdmakit::MetricsOptions o;
+  o.top_peers = 2;
+  std::string m = a.metrics(o);
+  for (auto until = std::chrono::steady_clock::now() + 2s;
+       value_of(m, "rdmakit_peer_bytes_total{engine=\"a\"}") != 4096 && std::chrono::steady_clock::now() < until;
+       m = a.metrics(o)) {
+    std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_EQ(value_of(m, "rdmakit_peer_bytes_total{engine=\"a\",peer=\"t2\"}"), 4 * 4096) << m.substr(0, 4000);
+  EXPECT_EQ(value_of(m, "rdmakit_peer_bytes_total{engine=\"a\",peer=\"t1\"}"), 2 * 4096);
+  EXPECT_EQ(value_of(m, "rdmakit_peer_bytes_total{engine=\"a\"}"), 4096);  // t0 and the 997 idle ones
+  std::size_t series = 0, linked = 0;
+  for (std::size_t at_ = m.find("\nrdmakit_peer_bytes_total{"); at_ != std::string::npos;
+       at_ = m.find("\nrdmakit_peer_bytes_total{", at_ + 1)) {
+    ++series;
+  }
+  for (std::size_t at_ = m.find("\nrdmakit_peer_linked{"); at_ != std::string::npos; at_ = m.find("\nrdmakit_peer_linked{", at_ + 1)) {
+    ++linked;
+  }
+  EXPECT_EQ(series, 3u);
+  EXPECT_EQ(linked, 2u);
+  EXPECT_EQ(value_of(m, "rdmakit_peers{engine=\"a\"}"), 1000);
+  EXPECT_EQ(value_of(m, "rdmakit_peers_linked{engine=\"a\"}"), 3);
+  EXPECT_EQ(promtool(m), "");
+  // The default bound names all three linked ones and 61 idle ones (by name, at 0 bytes).
+  const std::string all = a.metrics();
+  EXPECT_EQ(value_of(all, "rdmakit_peer_bytes_total{engine=\"a\",peer=\"t0\"}"), 4096);
 }

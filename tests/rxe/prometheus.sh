@@ -10,7 +10,15 @@ R=$1
 [ "$RDMAKIT_LAB_INDEX" = 0 ] || exit 0  # one VM does it all; the suite's other VM idles
 dir=$(mktemp -d)
 pids=
-trap 'kill $pids 2>/dev/null; ip link set eth1 up 2>/dev/null; rm -rf "$dir"' EXIT
+cleanup() {
+  kill $pids 2>/dev/null
+  ip link set eth1 up 2>/dev/null
+  sleep 0.2
+  rm -rf "$dir"
+}
+# Killed at its deadline too: the VM's next case must find eth1 up and the ports free.
+trap cleanup EXIT
+trap 'exit 1' INT TERM HUP
 fail() {
   echo "FAIL: $*"
   for f in serve.out prom.log a.json b.json; do [ -f "$dir/$f" ] && { echo "--- $f"; tail -15 "$dir/$f"; }; done
@@ -60,7 +68,7 @@ echo "ok: Prometheus scrapes serve's /metrics"
 
 # Run A: 8 s of 64 KiB writes, nothing failing.
 t0=$(date +%s.%N)
-timeout 60 "$R" engine-bench --peer "t=$ip0:7640" --op write --block-size 64K --batch-size 32 --duration 8 \
+timeout 20 "$R" engine-bench --peer "t=$ip0:7640" --op write --block-size 64K --batch-size 32 --duration 8 \
   --metrics 127.0.0.1:9465 --json > "$dir/a.json" 2>&1 || fail "engine-bench run A"
 t1=$(date +%s.%N)
 sleep 2.5  # the last scrapes
@@ -94,19 +102,20 @@ PY
 
 # Run B: its rail on rxe1 goes down 3 s in; the failover counter rises.
 t2=$(date +%s.%N)
-timeout 60 "$R" engine-bench --peer "t=$ip0:7640" --op write --block-size 64K --batch-size 32 --duration 8 \
+timeout 20 "$R" engine-bench --peer "t=$ip0:7640" --op write --block-size 64K --batch-size 32 --duration 8 \
   --metrics 127.0.0.1:9465 --json > "$dir/b.json" 2>&1 &
 bench=$!
+pids="$pids $bench"
 sleep 3
-before=$(query value 'rdmakit_rail_failures_total{job="bench"}' "$(date +%s.%N)")
+before=$(query value 'max(rdmakit_rail_failures_total{job="bench"})' "$(date +%s.%N)")
 ip link set eth1 down
 wait $bench || fail "engine-bench run B (its other rail carried on?)"
 ip link set eth1 up
 sleep 2.5
-# Just before the run ended (once its endpoint is gone, Prometheus marks its series stale).
-after=$(query value 'rdmakit_rail_failures_total{job="bench"}' "$(python3 -c "print($t2 + 7.5)")")
+# The most the run's series reached (once its endpoint is gone, Prometheus marks it stale).
+after=$(query value 'max(max_over_time(rdmakit_rail_failures_total{job="bench"}[20s]))' "$(date +%s.%N)")
 echo "run B: rdmakit_rail_failures_total before eth1 went down: $before; after: $after"
-[ "$before" = 0 ] || fail "rail failures before the rail went down: $before"
+case "$before" in 0|none) ;; *) fail "rail failures before the rail went down: $before" ;; esac
 case "$after" in none|0) fail "the failover counter did not rise: $after" ;; esac
 grep -q '"rails"' "$dir/b.json" || fail "run B's output has no rails"
 echo "ok: Prometheus saw the bench's rate, its peer, serve's client, and the failover"

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -90,14 +91,17 @@ double total(const Scrape& s, const std::string& name) {
   return v;
 }
 
-// Per second between two scrapes, per group (a counter that went down, a restart: its new value).
+// Per second between two scrapes, per group (a counter that went down, a restart: its new
+// value). A series the first scrape did not have (a peer that just joined the named ones) has
+// no rate yet: left out, as Prometheus would.
 std::map<std::vector<std::string>, double> rates(const Scrape& a, const Scrape& b, const std::string& name,
                                                  const std::vector<std::string>& by, double dt) {
-  auto before = group(a, name, by);
-  auto out = group(b, name, by);
-  for (auto& [k, v] : out) {
-    const double was = before.count(k) != 0 ? before[k] : 0;
-    v = (v >= was ? v - was : v) / dt;
+  const auto before = group(a, name, by);
+  std::map<std::vector<std::string>, double> out;
+  for (const auto& [k, v] : group(b, name, by)) {
+    const auto was = before.find(k);
+    if (was == before.end()) continue;
+    out[k] = (v >= was->second ? v - was->second : v) / dt;
   }
   return out;
 }
@@ -117,7 +121,9 @@ nlohmann::json view_json(const Scrape& a, const Scrape& b, double dt) {
   }
   j["engine"] = engine;
   j["interval_s"] = dt;
-  j["health"] = b.health_status == 200 ? "ok" : fmt::format("{} {}", b.health_status, b.health);
+  std::string health = b.health;
+  while (!health.empty() && (health.back() == '\n' || health.back() == '\r')) health.pop_back();
+  j["health"] = b.health_status == 200 ? "ok" : fmt::format("{} {}", b.health_status, health);
   auto one = [&](const char* name) {
     const double was = total(a, name), now = total(b, name);
     return (now >= was ? now - was : now) / dt;
@@ -139,7 +145,9 @@ nlohmann::json view_json(const Scrape& a, const Scrape& b, double dt) {
   auto peers = [&](const char* family) {
     nlohmann::json arr = nlohmann::json::array();
     for (const auto& [k, v] : rates(a, b, family, {"peer"}, dt)) arr.push_back({{"peer", k[0].empty() ? "(others)" : k[0]}, {"bytes_per_s", v}});
-    std::sort(arr.begin(), arr.end(), [](const auto& x, const auto& y) { return x["bytes_per_s"] > y["bytes_per_s"]; });
+    std::sort(arr.begin(), arr.end(), [](const auto& x, const auto& y) {
+      return x["bytes_per_s"].template get<double>() > y["bytes_per_s"].template get<double>();
+    });
     return arr;
   };
   j["peers"] = peers("rdmakit_peer_bytes_total");
@@ -185,10 +193,15 @@ int run_stats(const StatsOptions& o) {
   if (colon == std::string::npos || colon == 0) throw Fail(fmt::format("{}: give HOST:PORT of an engine's --metrics endpoint", o.endpoint));
   std::string host = o.endpoint.substr(0, colon);
   if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-  const int port = std::atoi(o.endpoint.c_str() + colon + 1);
-  if (port <= 0 || port > 65535) throw Fail(fmt::format("{}: the port must be 1..65535", o.endpoint));
+  unsigned port = 0;
+  const char* p = o.endpoint.c_str() + colon + 1;
+  const char* end = o.endpoint.c_str() + o.endpoint.size();
+  const auto [stop, ec] = std::from_chars(p, end, port);
+  if (ec != std::errc{} || stop != end || port == 0 || port > 65535 || host.empty() || host.find(']') != std::string::npos) {
+    throw Fail(fmt::format("{}: give HOST:PORT ([V6]:PORT), the port 1..65535", o.endpoint));
+  }
   if (!(o.interval >= 0.1 && o.interval <= 3600)) throw Fail("--interval: 0.1 .. 3600 seconds");
-  httplib::Client c(host, port);
+  httplib::Client c(host, static_cast<int>(port));
   c.set_connection_timeout(5, 0);
   c.set_read_timeout(5, 0);
   const auto wait = std::chrono::duration<double>(o.interval);
@@ -200,7 +213,7 @@ int run_stats(const StatsOptions& o) {
     const double dt = std::chrono::duration<double>(b.at - a.at).count();
     const nlohmann::json j = view_json(a, b, dt);
     if (o.json) {
-      fmt::print("{}\n", j.dump());
+      fmt::print("{}\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
       return 0;
     }
     if (tty) fmt::print("\x1b[H\x1b[2J");
@@ -232,6 +245,7 @@ std::vector<MetricSample> parse_exposition(const std::string& text) {
         const auto eq = line.find("=\"", i);
         if (eq == std::string::npos) throw Fail(fmt::format("a label without =\"...\": {}", line.substr(0, 200)));
         std::string key = line.substr(i, eq - i);
+        while (!key.empty() && key.front() == ' ') key.erase(0, 1);
         i = eq + 2;
         m.labels[std::move(key)] = label_value(line, i);
         if (i < line.size() && line[i] == ',') ++i;
