@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <bit>
 #include <numeric>
+#include <span>
 
 #include <fmt/format.h>
 
@@ -21,17 +22,11 @@ void LatencyHistogram::observe(std::int64_t ns) noexcept {
 }
 
 SubmitTally SubmitTally::of(std::span<const Transfer> t) {
-  std::array<std::uint64_t, SubmitFigures::kEntries> a{};
-  for (const Transfer& x : t) {
-    const std::size_t op = static_cast<std::size_t>(x.op) & (kOps - 1);
-    ++a[op];
-    const std::uint64_t len = counted_length(x);
-    a[kOps + op] += len;
-    ++a[2 * kOps + size_bucket(len)];
-  }
+  SubmitFigures f;  // counted as a batch of them would be, once
+  f.add_batch(t.size(), [&](std::size_t i) -> const Transfer& { return t[i]; });
   SubmitTally s;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (a[i] != 0) s.nonzero.emplace_back(static_cast<std::uint16_t>(i), a[i]);
+  for (std::size_t i = 0; i < f.at.size(); ++i) {
+    if (const std::uint64_t v = f.at[i].load(std::memory_order_relaxed); v != 0) s.nonzero.emplace_back(static_cast<std::uint16_t>(i), v);
   }
   return s;
 }
@@ -91,6 +86,22 @@ std::string number(double v) {
   return fmt::format("{}", v);
 }
 
+// A peer's figure, and where it came from (its index in the snapshot's list).
+struct Ranked {
+  std::string_view name;
+  std::uint64_t bytes = 0;
+  std::size_t index = 0;
+};
+
+// `items` busiest first, ties by name, for the first `top` (the rest unordered); returns how
+// many are named.
+std::size_t rank(std::vector<Ranked>& items, std::size_t top) {
+  const std::size_t named = std::min(top, items.size());
+  std::partial_sort(items.begin(), items.begin() + static_cast<std::ptrdiff_t>(named), items.end(),
+                    [](const Ranked& a, const Ranked& b) { return a.bytes != b.bytes ? a.bytes > b.bytes : a.name < b.name; });
+  return named;
+}
+
 class Text {
  public:
   explicit Text(const std::string& engine) : engine_(escaped(engine)) {}
@@ -114,6 +125,34 @@ class Text {
   void single(std::string_view name, std::string_view type, std::string_view help, std::uint64_t value) {
     family(name, type, help);
     sample(name, {}, value);
+  }
+  /// A histogram family: `per_bucket[i]` observations in bucket i (not cumulative; the last is
+  /// above every bound), bucket i's bound as `le(i)`, and the sum as written.
+  template <class Le>
+  void histogram(std::string_view name, std::string_view help, std::span<const std::uint64_t> per_bucket, Le le,
+                 const std::string& sum) {
+    family(name, "histogram", help);
+    const std::string bucket = std::string(name) + "_bucket";
+    std::uint64_t cumulative = 0;
+    for (std::size_t i = 0; i + 1 < per_bucket.size(); ++i) {
+      cumulative += per_bucket[i];
+      sample(bucket, {{"le", le(i)}}, cumulative);
+    }
+    cumulative += per_bucket.back();
+    sample(bucket, {{"le", "+Inf"}}, cumulative);
+    sample(std::string(name) + "_sum", {}, sum);
+    sample(std::string(name) + "_count", {}, cumulative);
+  }
+  /// A per-peer counter bounded as the options say: `ranked`'s named entries by name, the rest
+  /// (and `unnamed`: bytes of no name) in the series without a peer label, never below `floor`.
+  void bounded(std::string_view name, std::string_view help, const std::vector<Ranked>& ranked, std::size_t named,
+               std::uint64_t unnamed, std::uint64_t& floor) {
+    family(name, "counter", help);
+    for (std::size_t i = 0; i < named; ++i) sample(name, {{"peer", std::string(ranked[i].name)}}, ranked[i].bytes);
+    std::uint64_t rest = unnamed;
+    for (std::size_t i = named; i < ranked.size(); ++i) rest += ranked[i].bytes;
+    floor = std::max(floor, rest);
+    if (named < ranked.size() || floor != 0) sample(name, {}, floor);
   }
   std::string take() { return std::move(out_); }
 
@@ -152,19 +191,11 @@ std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& optio
   for (std::size_t op = 0; op < kOps; ++op) {
     t.sample("rdmakit_submitted_bytes_total", {{"op", to_string(static_cast<TransferOp>(op))}}, s.submitted[kOps + op]);
   }
-  t.family("rdmakit_transfer_size_bytes", "histogram", "Sizes of the transfers batches asked for.");
-  {
-    std::uint64_t cumulative = 0, sum = 0;
-    for (std::size_t op = 0; op < kOps; ++op) sum += s.submitted[kOps + op];
-    for (std::size_t b = 0; b < kSizeBuckets; ++b) {
-      cumulative += s.submitted[2 * kOps + b];
-      t.sample("rdmakit_transfer_size_bytes_bucket", {{"le", std::to_string(std::uint64_t{1} << b)}}, cumulative);
-    }
-    cumulative += s.submitted[2 * kOps + kSizeBuckets];
-    t.sample("rdmakit_transfer_size_bytes_bucket", {{"le", "+Inf"}}, cumulative);
-    t.sample("rdmakit_transfer_size_bytes_sum", {}, sum);
-    t.sample("rdmakit_transfer_size_bytes_count", {}, cumulative);
-  }
+  std::uint64_t asked = 0;
+  for (std::size_t op = 0; op < kOps; ++op) asked += s.submitted[kOps + op];
+  t.histogram("rdmakit_transfer_size_bytes", "Sizes of the transfers batches asked for.",
+              std::span(s.submitted).subspan(2 * kOps), [](std::size_t b) { return std::to_string(std::uint64_t{1} << b); },
+              std::to_string(asked));
   t.single("rdmakit_bytes_total", "counter", "Bytes moved by reads and writes that ended ok.", c.bytes);
   t.family("rdmakit_path_bytes_total", "counter",
            "Bytes of reads and writes that ended ok, by the local device or transport they took.");
@@ -174,17 +205,9 @@ std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& optio
     t.sample("rdmakit_path_transfers_total", {{"path", p.name}, {"transport", p.transport}}, p.transfers);
   }
   if (s.telemetry) {
-    t.family("rdmakit_batch_duration_seconds", "histogram", "Time from submit() to a batch's last transfer ending.");
-    std::uint64_t cumulative = 0;
-    for (std::size_t i = 0; i < LatencyHistogram::kBuckets; ++i) {
-      cumulative += s.batch_buckets[i];
-      t.sample("rdmakit_batch_duration_seconds_bucket", {{"le", number(static_cast<double>(std::uint64_t{1} << i) * 1e-6)}},
-               cumulative);
-    }
-    cumulative += s.batch_buckets[LatencyHistogram::kBuckets];
-    t.sample("rdmakit_batch_duration_seconds_bucket", {{"le", "+Inf"}}, cumulative);
-    t.sample("rdmakit_batch_duration_seconds_sum", {}, number(static_cast<double>(s.batch_sum_ns) * 1e-9));
-    t.sample("rdmakit_batch_duration_seconds_count", {}, cumulative);
+    t.histogram("rdmakit_batch_duration_seconds", "Time from submit() to a batch's last transfer ending.", s.batch_buckets,
+                [](std::size_t i) { return number(static_cast<double>(std::uint64_t{1} << i) * 1e-6); },
+                number(static_cast<double>(s.batch_sum_ns) * 1e-9));
   }
   t.single("rdmakit_plan_transfers_posted_total", "counter", "Transfers of prepared plans posted as built.", c.plan_posted);
   t.single("rdmakit_plan_builds_total", "counter", "Runs of plans built for a link.", c.plan_builds);
@@ -214,27 +237,20 @@ std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& optio
   t.single("rdmakit_slices_total", "counter", "Slices that sliced transfers were cut into.", c.slices);
 
   // Per peer, bounded: the busiest by bytes named, the rest summed in the series without a peer.
-  std::vector<const PeerInfo*> order;
-  order.reserve(s.peers.size());
-  std::vector<std::uint64_t> bytes_of(s.peers.size(), 0);
+  std::vector<Ranked> peers;
+  peers.reserve(s.peers.size());
   for (std::size_t i = 0; i < s.peers.size(); ++i) {
-    for (const auto& r : s.peers[i].rails) bytes_of[i] += r.bytes;
-    order.push_back(&s.peers[i]);
+    std::uint64_t b = 0;
+    for (const auto& r : s.peers[i].rails) b += r.bytes;
+    peers.push_back({s.peers[i].name, b, i});
   }
-  auto bytes = [&](const PeerInfo* p) { return bytes_of[static_cast<std::size_t>(p - s.peers.data())]; };
-  const std::size_t named = std::min(options.top_peers, order.size());
-  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(named), order.end(),
-                    [&](const PeerInfo* a, const PeerInfo* b) {
-                      return bytes(a) != bytes(b) ? bytes(a) > bytes(b) : a->name < b->name;
-                    });
-  t.family("rdmakit_peer_bytes_total", "counter",
-           "Bytes this engine's reads and writes moved with a peer: the busiest by name, the rest "
-           "summed in the series without a peer label.");
-  for (std::size_t i = 0; i < named; ++i) t.sample("rdmakit_peer_bytes_total", {{"peer", order[i]->name}}, bytes(order[i]));
-  std::uint64_t rest = 0;
-  for (std::size_t i = named; i < order.size(); ++i) rest += bytes(order[i]);
-  floor.peers = std::max(floor.peers, rest);
-  if (named < order.size() || floor.peers != 0) t.sample("rdmakit_peer_bytes_total", {}, floor.peers);
+  const std::size_t named = rank(peers, options.top_peers);
+  std::vector<const PeerInfo*> order;  // the named ones, busiest first
+  for (std::size_t i = 0; i < named; ++i) order.push_back(&s.peers[peers[i].index]);
+  t.bounded("rdmakit_peer_bytes_total",
+            "Bytes this engine's reads and writes moved with a peer: the busiest by name, the rest summed in the "
+            "series without a peer label.",
+            peers, named, 0, floor.peers);
   t.family("rdmakit_peer_linked", "gauge", "1 while a link to the peer is up (the peers named in rdmakit_peer_bytes_total).");
   for (std::size_t i = 0; i < named; ++i) t.sample("rdmakit_peer_linked", {{"peer", order[i]->name}}, order[i]->linked ? 1 : 0);
   t.single("rdmakit_peers_linked", "gauge", "Peers with a link up now.",
@@ -263,26 +279,19 @@ std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& optio
         [](const RailInfo& r) { return r.reposted; });
 
   // Served: what peers said they moved on the links they opened here, bounded the same way.
-  std::vector<const std::pair<std::string, std::uint64_t>*> by;
-  std::uint64_t served_rest = 0;
-  for (const auto& p : s.served) {
-    if (p.first.empty()) {
-      served_rest += p.second;  // names beyond the engine's bound
+  std::vector<Ranked> served;
+  std::uint64_t nameless = 0;  // names beyond the engine's bound
+  for (std::size_t i = 0; i < s.served.size(); ++i) {
+    if (s.served[i].first.empty()) {
+      nameless += s.served[i].second;
     } else {
-      by.push_back(&p);
+      served.push_back({s.served[i].first, s.served[i].second, i});
     }
   }
-  const std::size_t served_named = std::min(options.top_peers, by.size());
-  std::partial_sort(by.begin(), by.begin() + static_cast<std::ptrdiff_t>(served_named), by.end(), [](const auto* a, const auto* b) {
-    return a->second != b->second ? a->second > b->second : a->first < b->first;
-  });
-  for (std::size_t i = served_named; i < by.size(); ++i) served_rest += by[i]->second;
-  t.family("rdmakit_peer_served_bytes_total", "counter",
-           "Bytes peers' reads and writes moved on links they opened to this engine, as each peer reports "
-           "them (at most a second behind): the busiest by name, the rest in the series without a peer label.");
-  for (std::size_t i = 0; i < served_named; ++i) t.sample("rdmakit_peer_served_bytes_total", {{"peer", by[i]->first}}, by[i]->second);
-  floor.served = std::max(floor.served, served_rest);
-  if (served_named < by.size() || floor.served != 0) t.sample("rdmakit_peer_served_bytes_total", {}, floor.served);
+  t.bounded("rdmakit_peer_served_bytes_total",
+            "Bytes peers' reads and writes moved on links they opened to this engine, as each peer reports them (at "
+            "most a second behind): the busiest by name, the rest in the series without a peer label.",
+            served, rank(served, options.top_peers), nameless, floor.served);
 
   // Notifications.
   t.single("rdmakit_notifications_sent_total", "counter", "Notifications sent.", c.notifications_sent);
