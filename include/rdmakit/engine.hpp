@@ -527,6 +527,13 @@ struct DeviceRank {
   std::string why;     ///< "on NUMA node 0, the buffer's", ...
 };
 
+/// How one RDMA device reaches a buffer's memory (Engine::registration()).
+struct BufferPath {
+  std::string device;
+  RegistrationPath path = RegistrationPath::host_mr;
+  std::string detail;  ///< what was tried before this path, and why it did not work
+};
+
 /// A peer as this engine sees it (Engine::peers()).
 struct PeerInfo {
   std::string name{};
@@ -586,8 +593,29 @@ class Engine {
   /// cannot listen.
   void start_listening();
 
-  /// Registers caller-owned memory once on each device (it must outlive the engine).
+  /// Registers caller-owned memory once on each device (it must outlive the engine). Host
+  /// memory (pinned CUDA host memory too) by its address. GPU memory (a CUDA device pointer, a
+  /// framework's tensor) from one dma-buf export of it on each device that takes dma-buf MRs
+  /// (no nvidia-peermem needed), by its device pointer on the others (nvidia-peermem); its
+  /// transfers then rank the NICs by their PCI distance to that GPU. registration() says which
+  /// path each device took. Throws Error naming each refusal.
   Buffer register_memory(void* addr, std::size_t length);
+  /// Registers [offset, offset + length) of another driver's dma-buf (an accelerator's memory)
+  /// on each device: by ibv_reg_dmabuf_mr where every device takes it; else through one host
+  /// bounce buffer that every device registers, which stage_in()/stage_out() fill from and
+  /// copy back to the dma-buf (the exporter must allow mmap). The engine keeps its own dup of
+  /// `fd`. Throws Error naming the device that refused and why.
+  Buffer register_dmabuf(int fd, std::uint64_t offset, std::size_t length);
+  /// Bounce path (registration() says "bounce"): copies [offset, offset + length) of the
+  /// buffer's memory into what the NICs reach, before transfers send it or peers read it
+  /// (length 0: to the end). A no-op on every other path. Not concurrent with transfers of
+  /// that range. Throws Error for a bad range or an unknown buffer.
+  void stage_in(const Buffer& buffer, std::uint64_t offset = 0, std::uint64_t length = 0);
+  /// Bounce path: copies [offset, offset + length) back to the buffer's memory, after reads or
+  /// peers' writes into it have completed. A no-op on every other path.
+  void stage_out(const Buffer& buffer, std::uint64_t offset = 0, std::uint64_t length = 0);
+  /// How each RDMA device reaches the buffer (in device order; empty without RDMA devices).
+  [[nodiscard]] std::vector<BufferPath> registration(const Buffer& buffer) const;
   /// Allocates memory of spec.kind, owned by the engine, and registers it on every device (by
   /// its address: host memory, huge pages, CUDA host memory, GPU memory where nvidia-peermem
   /// lets it be registered so). With several devices, memory that only a dma-buf or a bounce

@@ -17,6 +17,21 @@
 
 namespace rdmakit::python {
 
+namespace {
+
+// RegistrationPath as Python names it: the enumerator's own name.
+const char* path_name(RegistrationPath p) {
+  switch (p) {
+    case RegistrationPath::host_mr: return "host_mr";
+    case RegistrationPath::dmabuf_mr: return "dmabuf_mr";
+    case RegistrationPath::device_mr: return "device_mr";
+    case RegistrationPath::bounce: return "bounce";
+  }
+  return "?";
+}
+
+}  // namespace
+
 Registration::~Registration() {
   if (held) {
     py::gil_scoped_acquire gil;
@@ -70,45 +85,49 @@ PyBuffer PyEngine::register_object(py::handle obj) {
   if (m.nbytes == 0) throw_buffer_error("register", "the object has no bytes");
   reg->readonly = m.readonly;
   reg->place = m.place;
-  auto start = reinterpret_cast<std::uintptr_t>(m.addr);
+  return claimed(reg, m.addr, m.nbytes, "register",
+                 [&](Engine& e) { return e.register_memory(m.addr, m.nbytes); });
+}
+
+PyBuffer PyEngine::register_dmabuf(int fd, std::uint64_t offset, std::uint64_t length) {
+  auto reg = std::make_shared<Registration>();
+  reg->place = MemoryPlace::dmabuf;
+  Buffer b = call([&](Engine& e) { return e.register_dmabuf(fd, offset, length); });
+  try {
+    return claimed(reg, b.addr, b.length, "register_dmabuf", [&](Engine&) { return b; });
+  } catch (...) {
+    call([&](Engine& e) { e.unregister_memory(b); });
+    throw;
+  }
+}
+
+PyBuffer PyEngine::claimed(const std::shared_ptr<Registration>& reg, void* addr, std::size_t nbytes,
+                           const char* verb, const std::function<Buffer(Engine&)>& registering) {
+  auto start = reinterpret_cast<std::uintptr_t>(addr);
   // Ranges registered with one engine must not overlap: a transfer's range is looked up by
   // address, and it must name one registration.
   auto next = regs_.lower_bound(start);
-  bool overlaps = (next != regs_.end() && next->first < start + m.nbytes);
+  bool overlaps = (next != regs_.end() && next->first < start + nbytes);
   if (next != regs_.begin()) {
     auto prev = std::prev(next);
     overlaps |= prev->first + prev->second->buffer.length > start;
   }
   if (overlaps) {
     throw_buffer_error(
-        "register", fmt::format("[{:#x}, +{}) overlaps memory already registered with this engine",
-                                start, m.nbytes),
+        verb, fmt::format("[{:#x}, +{}) overlaps memory already registered with this engine", start, nbytes),
         "register the whole object once and pass views or slices of it in transfers");
   }
   // The range is claimed before the GIL is let go for the registration, so a second thread
   // registering the same memory meanwhile sees the overlap.
-  reg->buffer.addr = m.addr;
-  reg->buffer.length = m.nbytes;
+  reg->buffer.addr = addr;
+  reg->buffer.length = nbytes;
   regs_.emplace(start, reg);
   // The claim goes again on failure, found anew: close() may have cleared the registrations while
   // the GIL was let go (an iterator kept across it would dangle).
-  const auto unclaim = [&] {
-    if (auto it = regs_.find(start); it != regs_.end() && it->second == reg) regs_.erase(it);
-  };
   try {
-    reg->buffer = call([&](Engine& e) { return e.register_memory(m.addr, m.nbytes); });
-  } catch (const Error& e) {
-    unclaim();
-    if (m.place != MemoryPlace::cuda) throw;
-    // A GPU tensor is registered by its device pointer, which the NIC reaches only through
-    // nvidia-peermem: say so rather than "not mapped memory of this process".
-    throw Error(e.op(), e.sys_errno(),
-                fmt::format("{} (GPU memory of CUDA device {}, by its device pointer)", e.detail(),
-                            m.device),
-                "registering a GPU tensor by its address needs the nvidia-peermem module "
-                "(modprobe nvidia-peermem; rdmakit doctor checks it)");
+    reg->buffer = call(registering);
   } catch (...) {
-    unclaim();
+    if (auto it = regs_.find(start); it != regs_.end() && it->second == reg) regs_.erase(it);
     throw;
   }
   return PyBuffer{reg};
@@ -510,7 +529,45 @@ void bind_engine(py::module_& m) {
            "lets go of its object. Refused while a segment exposes it.")
       .def("register", &PyEngine::register_object, py::arg("obj"),
            "Registers the memory of obj (buffer protocol or __dlpack__: bytearray, memoryview, "
-           "mmap, numpy array, torch tensor) once per device, and holds obj until close().")
+           "mmap, numpy array, torch tensor) once per device, and holds obj until close(). A CUDA "
+           "tensor goes by one dma-buf export where a device takes it, by its device pointer "
+           "(nvidia-peermem) elsewhere: registration() says which.")
+      .def("register_dmabuf", &PyEngine::register_dmabuf, py::arg("fd"), py::arg("offset"), py::arg("length"),
+           "Registers [offset, offset + length) of another driver's dma-buf fd (the engine keeps a dup): "
+           "directly where every device takes dma-buf MRs, else through one host bounce buffer that "
+           "stage_in()/stage_out() fill and copy back.")
+      .def(
+          "stage_in",
+          [](PyEngine& e, const PyBuffer& b, std::uint64_t offset, std::uint64_t length) {
+            e.call([&](Engine& x) { x.stage_in(b.reg->buffer, offset, length); });
+          },
+          py::arg("buffer"), py::arg("offset") = 0, py::arg("length") = 0,
+          "Bounce path: copies the memory's bytes into what the NICs reach, before transfers send "
+          "them or peers read them (length 0: to the end). A no-op on every other path.")
+      .def(
+          "stage_out",
+          [](PyEngine& e, const PyBuffer& b, std::uint64_t offset, std::uint64_t length) {
+            e.call([&](Engine& x) { x.stage_out(b.reg->buffer, offset, length); });
+          },
+          py::arg("buffer"), py::arg("offset") = 0, py::arg("length") = 0,
+          "Bounce path: copies bytes that reads or peers' writes left back to the memory. A no-op "
+          "on every other path.")
+      .def(
+          "registration",
+          [](PyEngine& e, const PyBuffer& b) {
+            py::list out;
+            for (const BufferPath& p : e.call([&](Engine& x) { return x.registration(b.reg->buffer); })) {
+              py::dict d;
+              d["device"] = p.device;
+              d["path"] = path_name(p.path);
+              d["detail"] = p.detail;
+              out.append(d);
+            }
+            return out;
+          },
+          py::arg("buffer"),
+          "[{'device', 'path', 'detail'}]: how each RDMA device reaches the buffer's memory (path: "
+          "host_mr, dmabuf_mr, device_mr or bounce), and what was tried before.")
       .def(
           "expose",
           [](PyEngine& e, std::string name, const PyBuffer& b, const std::string& access,

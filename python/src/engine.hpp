@@ -117,6 +117,7 @@ class PyEngine : public std::enable_shared_from_this<PyEngine> {
   std::vector<std::uint64_t> take_done();
 
   PyBuffer register_object(py::handle obj);
+  PyBuffer register_dmabuf(int fd, std::uint64_t offset, std::uint64_t length);
   /// Engine::unregister_memory, then lets go of the object (BufferError when `b` is not
   /// registered with this engine any more).
   void unregister(const PyBuffer& b, double timeout);
@@ -151,6 +152,10 @@ class PyEngine : public std::enable_shared_from_this<PyEngine> {
   // By start address, to find the registration a transfer's range lies in. Touched with the
   // GIL held only.
   std::map<std::uintptr_t, std::shared_ptr<Registration>> regs_;
+  // Claims [addr, +nbytes) for reg (refusing an overlap), then registers it with `registering`
+  // (the GIL let go); the claim goes again if that throws.
+  PyBuffer claimed(const std::shared_ptr<Registration>& reg, void* addr, std::size_t nbytes, const char* verb,
+                   const std::function<Buffer(Engine&)>& registering);
 };
 
 /// A function of rdmakit._aio (the asyncio glue), looked up once.

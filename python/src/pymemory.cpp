@@ -95,6 +95,8 @@ const char* to_string(MemoryPlace place) noexcept {
       return "cuda";
     case MemoryPlace::cuda_host:
       return "cuda-host";
+    case MemoryPlace::dmabuf:
+      return "dmabuf";
   }
   return "?";
 }
@@ -145,6 +147,12 @@ MemoryOf memory_of(py::handle obj, const char* what) {
     MemoryOf m;
     m.addr = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<std::uintptr_t>());
     m.nbytes = obj.attr("numel")().cast<std::size_t>() * obj.attr("element_size")().cast<std::size_t>();
+    // Where the bytes are, as the DLPack path says it (a pinned host tensor is host memory there
+    // too): a CUDA tensor's device pointer is no CPU address.
+    if (py::hasattr(obj, "is_cuda") && obj.attr("is_cuda").cast<bool>()) {
+      m.place = MemoryPlace::cuda;
+      m.device = obj.attr("get_device")().cast<int>();
+    }
     return m;
   }
   if (!py::hasattr(obj, "__dlpack__")) no_memory(obj, what);

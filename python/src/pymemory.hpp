@@ -19,7 +19,7 @@ namespace rdmakit::python {
 namespace py = pybind11;
 
 /// Where memory lives, as DLPack names it (only the kinds rdmakit can register).
-enum class MemoryPlace : std::uint8_t { host, cuda, cuda_host };
+enum class MemoryPlace : std::uint8_t { host, cuda, cuda_host, dmabuf };
 const char* to_string(MemoryPlace place) noexcept;
 
 /// The bytes of a Python object: address, length, and whether the object lets them be written.

@@ -43,10 +43,10 @@ void bind_transfers(py::module_& m) {
       .def("__len__", [](const PyBuffer& b) { return b.reg->buffer.length; })
       .def_property_readonly("readonly", [](const PyBuffer& b) { return b.reg->readonly; })
       .def_property_readonly("memory", [](const PyBuffer& b) { return to_string(b.reg->place); },
-                             "Where the memory is: \"host\", \"cuda\" or \"cuda-host\".")
+                             "Where the memory is: \"host\", \"cuda\", \"cuda-host\" or \"dmabuf\".")
       .def_property_readonly(
-          "obj", [](const PyBuffer& b) { return b.reg->held->object(); },
-          "The object whose memory this is.")
+          "obj", [](const PyBuffer& b) { return b.reg->held ? b.reg->held->object() : py::object(py::none()); },
+          "The object whose memory this is (None for a dma-buf).")
       .def("__repr__", [](const PyBuffer& b) {
         return fmt::format("<rdmakit.Buffer {} bytes of {} memory at {:#x}{}>",
                            b.reg->buffer.length, to_string(b.reg->place),

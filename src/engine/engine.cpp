@@ -13,8 +13,6 @@
 #include "bootstrap/auth.hpp"
 #include "engine/admission.hpp"
 #include "engine/impl.hpp"
-#include "engine/locality.hpp"
-#include "memory/cuda.hpp"
 #include "engine/metadata.hpp"
 #include "engine/protocol.hpp"
 #include "engine/rails.hpp"
@@ -122,80 +120,6 @@ std::uint16_t Engine::port() const noexcept { return impl_->listen_port.load(std
 
 void Engine::start_listening() { impl_->start_listening(); }
 
-namespace {
-
-// Engine buffers: with windows, no remote access of their own (peers get windows only), and
-// binding allowed; without, every remote access (the region's key is what peers get).
-Access buffer_access(bool windows) {
-  return windows ? Access::local_write | detail::kMwBind : Access::local_write | detail::kAllRemote;
-}
-
-}  // namespace
-
-Buffer Engine::register_memory(void* addr, std::size_t length) {
-  auto rec = std::make_unique<detail::BufferRec>();
-  if (addr == nullptr || length == 0) throw Error("register_memory", EINVAL, "an empty buffer");
-  for (const auto& pd : impl_->pds) {
-    rec->regions.emplace_back(MemoryRegion::Impl::wrap(detail::register_region(pd, addr, length, buffer_access(impl_->windows))));
-  }
-  rec->handle.addr = addr;
-  rec->handle.length = length;
-  return impl_->publish(std::move(rec));
-}
-
-Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
-  auto rec = std::make_unique<detail::BufferRec>();
-  rec->kind = spec.kind;
-  if (impl_->pds.empty()) {
-    // No RDMA device (tcp and shm only): memory the CPU reaches, owned by the buffer's record.
-    if (spec.kind != MemoryKind::host) {
-      throw Error("allocate_memory", ENOTSUP,
-                  fmt::format("{} memory without an RDMA device: this engine's transports (tcp, shm) copy with the "
-                              "CPU, and allocate_memory() gives them host memory",
-                              to_string(spec.kind)),
-                  "allocate it yourself and register_memory() it, or use MemoryKind::host");
-    }
-    auto impl = std::make_unique<MemoryRegion::Impl>();
-    impl->memory = detail::allocate_pages(length);
-    impl->addr = impl->cpu = impl->memory.get();
-    impl->length = length;
-    impl->access = Access::local_write;
-    rec->soft.emplace(MemoryRegion::Impl::wrap(std::move(impl)));
-    rec->handle.addr = rec->soft->data();
-    rec->handle.length = length;
-    return impl_->publish(std::move(rec));
-  }
-  rec->regions.reserve(impl_->pds.size());  // `first` below stays valid
-  // The first device allocates (and owns) the memory; the others register the same bytes by
-  // their address (host memory, huge pages, CUDA host memory, and GPU memory where the first
-  // took it by address too: what nvidia-peermem makes work).
-  rec->regions.emplace_back(MemoryRegion::Impl::wrap(
-      detail::allocate_region(impl_->pds[0], length, buffer_access(impl_->windows), spec)));
-  const MemoryRegion& first = *rec->regions[0];
-  if (impl_->pds.size() > 1 && first.path() != RegistrationPath::host_mr &&
-      first.path() != RegistrationPath::device_mr) {
-    throw Error("allocate_memory", ENOTSUP,
-                fmt::format("{} memory took the {} path on {}, which the engine's other devices cannot share",
-                            to_string(spec.kind), to_string(first.path()), impl_->rdma_devices[0]->name()),
-                "register_memory() registers a host or GPU address on every device; memory that only a "
-                "dma-buf or a bounce buffer reaches is shared by one device only, today");
-  }
-  for (std::size_t d = 1; d < impl_->pds.size(); ++d) {
-    rec->regions.emplace_back(MemoryRegion::Impl::wrap(
-        detail::register_region(impl_->pds[d], first.local().addr(), length, buffer_access(impl_->windows))));
-  }
-  rec->handle.addr = first.data();
-  rec->handle.length = length;
-  if (spec.kind == MemoryKind::cuda) rec->gpu_pci = detail::pci_path_of_bus(detail::cuda_pci_bus_id(spec.gpu));
-  return impl_->publish(std::move(rec));
-}
-
-std::vector<DeviceRank> Engine::locality(const Buffer& buffer) const {
-  const auto b = impl_->buffer_for(buffer, "locality");
-  if (b->retired.load()) throw Error("locality", EINVAL, fmt::format("buffer {} was unregistered", buffer.id));
-  return detail::rank_devices(impl_->rdma_devices, b->numa_node, b->gpu_pci);
-}
-
 void Engine::expose(std::string name, const Buffer& buffer, Access access, std::uint64_t offset, std::uint64_t length) {
   impl_->expose(std::move(name), buffer, access, offset, length, {});
 }
@@ -290,6 +214,9 @@ void Engine::unregister_memory(const Buffer& buffer, std::chrono::milliseconds t
     if (b->released.exchange(true)) return;  // another call released it meanwhile
     b->slices.clear();
     b->regions.clear();  // deregistered on every device
+    std::lock_guard staging(b->stage_mu);  // then what they stood for, once no copy uses it
+    b->bounce.reset();
+    b->home.reset();
   }
   impl_->reclaim_buffer(buffer.id);
 }

@@ -41,6 +41,7 @@
 #include "transport/soft/device.hpp"
 #include "verbs/device_layer.hpp"
 #include "verbs/handles.hpp"
+#include "verbs/memory_impl.hpp"
 
 namespace rdmakit::detail {
 
@@ -79,6 +80,12 @@ struct RailState {
 /// A registered buffer: one region per RDMA device (index as in the device layer), and for the
 /// tcp and shm transports its bytes by address.
 struct BufferRec {
+  // What the regions stand for, declared before them so that it goes after them: a caller's
+  // dma-buf (its dup and CPU mapping) and, on the bounce path, the host copy every device
+  // registered. stage_mu keeps staging copies and their release apart.
+  std::unique_ptr<MemorySource> home;
+  OwnedMemory bounce;
+  std::mutex stage_mu;
   Buffer handle;
   std::vector<std::optional<MemoryRegion>> regions;
   // The buffer as tcp and shm links reach it (no registration: lkey 0); the owner of the memory

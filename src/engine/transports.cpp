@@ -211,29 +211,11 @@ ibv_pd* Engine::Impl::pd_of(std::uint32_t d) const noexcept {
   return d < rdma_count ? pds[d]->pd.get() : soft[d - rdma_count]->pd();
 }
 
-namespace {
-
-// Whether the CPU reaches [addr, +len): a GPU pointer registered by address (cudaMalloc memory
-// where nvidia-peermem lets a NIC take it) is no CPU address, and copying it would fault. The
-// kernel says so without a fault: a copy of its first and last byte into this process.
-bool cpu_reaches(const void* addr, std::size_t len) {
-  if (addr == nullptr || len == 0) return false;
-  char probe[2];
-  for (std::size_t at : {std::size_t{0}, len - 1}) {
-    iovec local{probe, 1};
-    iovec remote{const_cast<char*>(static_cast<const char*>(addr)) + at, 1};
-    if (::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0) != 1) return false;
-  }
-  return true;
-}
-
-}  // namespace
-
 void Engine::Impl::soft_slices(detail::BufferRec& rec) const {
   if (!rec.soft) {
     // The CPU's view of the bytes: none for GPU memory (those links then refuse its transfers).
     void* cpu = rec.regions.empty() ? rec.handle.addr : rec.regions[0]->data();
-    if (!cpu_reaches(cpu, rec.handle.length)) cpu = nullptr;
+    if (!detail::cpu_reaches(cpu, rec.handle.length)) cpu = nullptr;
     auto impl = std::make_unique<MemoryRegion::Impl>();
     impl->addr = cpu;
     impl->cpu = cpu;

@@ -47,6 +47,7 @@ class CudaApi {
     // CUDA 11.7+; older drivers lack it and the dma-buf path is skipped.
     handle_for_range = reinterpret_cast<decltype(handle_for_range)>(::dlsym(lib_, "cuMemGetHandleForAddressRange"));
     pci_bus_id = reinterpret_cast<decltype(pci_bus_id)>(::dlsym(lib_, "cuDeviceGetPCIBusId"));
+    pointer_attribute = reinterpret_cast<decltype(pointer_attribute)>(::dlsym(lib_, "cuPointerGetAttribute"));
   }
   CudaApi(const CudaApi&) = delete;
   CudaApi& operator=(const CudaApi&) = delete;
@@ -91,6 +92,7 @@ class CudaApi {
   Result (*error_name)(Result, const char**) = nullptr;
   Result (*handle_for_range)(void*, DevicePtr, std::size_t, int, unsigned long long) = nullptr;
   Result (*pci_bus_id)(char*, int, cuda::Device) = nullptr;  // optional: locality only
+  Result (*pointer_attribute)(void*, int, DevicePtr) = nullptr;  // optional: caller-owned GPU memory
 
  private:
   template <typename F>
@@ -142,6 +144,101 @@ std::string cuda_pci_bus_id(int gpu) noexcept {
   } catch (...) {
     return {};
   }
+}
+
+std::optional<CudaPointer> cuda_pointer(const void* addr) noexcept {
+  try {
+    CudaApi api;
+    if (api.pointer_attribute == nullptr || api.init(0) != kSuccess) return std::nullopt;
+    const auto p = reinterpret_cast<DevicePtr>(addr);
+    unsigned type = 0;
+    CudaPointer where;
+    if (api.pointer_attribute(&type, kPointerMemoryType, p) != kSuccess || type != kMemoryTypeDevice ||
+        api.pointer_attribute(&where.gpu, kPointerDeviceOrdinal, p) != kSuccess) {
+      return std::nullopt;
+    }
+    if (api.pointer_attribute(&where.base, kPointerRangeStart, p) != kSuccess ||
+        api.pointer_attribute(&where.size, kPointerRangeSize, p) != kSuccess) {
+      where.base = 0;
+      where.size = 0;
+    }
+    return where;
+  } catch (...) {
+    return std::nullopt;  // no driver
+  }
+}
+
+CudaRangeExport::CudaRangeExport(const void* addr, std::size_t length, const CudaPointer& where) {
+  try {
+    CudaApi api;
+    if (api.handle_for_range == nullptr) {
+      why_ = "the driver has no cuMemGetHandleForAddressRange (CUDA < 11.7)";
+      return;
+    }
+    // The driver exports whole pages; those around the range must lie in its allocation.
+    const auto page = static_cast<DevicePtr>(::sysconf(_SC_PAGESIZE));
+    const auto p = reinterpret_cast<DevicePtr>(addr);
+    const DevicePtr start = p / page * page;
+    const DevicePtr end = (p + length + page - 1) / page * page;
+    if (where.size != 0 && (start < where.base || end > where.base + where.size)) {
+      why_ = fmt::format("the whole pages around it, [{:#x}, {:#x}), pass its allocation [{:#x}, +{})", start, end,
+                         where.base, where.size);
+      return;
+    }
+    cuda::Device dev = 0;
+    Context ctx = nullptr;
+    api.check(api.device_get(&dev, where.gpu), "cuDeviceGet");
+    api.check(api.ctx_retain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+    Result r = kSuccess;
+    {
+      const Pushed on(api, ctx);
+      r = api.handle_for_range(&fd_, start, static_cast<std::size_t>(end - start), kRangeHandleDmaBufFd, 0);
+    }
+    (void)api.ctx_release(dev);
+    if (r != kSuccess || fd_ < 0) {
+      fd_ = -1;
+      why_ = fmt::format("cuMemGetHandleForAddressRange({} bytes): {}", end - start, api.name(r));
+      return;
+    }
+    offset_ = p - start;
+  } catch (const Error& e) {
+    why_ = e.what();
+  }
+}
+
+CudaRangeExport::~CudaRangeExport() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::unique_ptr<MemoryRegion::Impl> register_gpu(std::shared_ptr<DeviceResources> dev, void* addr, std::size_t length,
+                                                 Access access, const CudaRangeExport& dmabuf, int gpu) {
+  const unsigned flags = mr_access_flags(access);
+  const auto iova = reinterpret_cast<std::uint64_t>(addr);  // peers address it as the caller does
+  std::string why = dmabuf.why();
+  if (dmabuf.fd() >= 0) {
+    errno = 0;
+    MrPtr mr(ibv_reg_dmabuf_mr(dev->pd.get(), dmabuf.offset(), length, iova, dmabuf.fd(), static_cast<int>(flags)));
+    if (mr) {
+      return adopt_mr(std::move(dev), std::move(mr), access, length, nullptr, RegistrationPath::dmabuf_mr,
+                      "the caller's GPU memory, exported as a dma-buf (cuMemGetHandleForAddressRange)", nullptr);
+    }
+    const int err = errno;
+    why = fmt::format("ibv_reg_dmabuf_mr: {}{}", errno_name(err),
+                      err == EOPNOTSUPP ? " (the device cannot register dma-buf MRs)" : "");
+  }
+  errno = 0;
+  MrPtr mr(ibv_reg_mr(dev->pd.get(), addr, length, flags));
+  if (mr) {
+    return adopt_mr(std::move(dev), std::move(mr), access, length, nullptr, RegistrationPath::device_mr,
+                    why + "; ibv_reg_mr on the device pointer worked (nvidia-peermem)", nullptr);
+  }
+  const int err = errno;
+  throw Error("register_memory", err,
+              fmt::format("{} bytes of GPU memory of CUDA device {} at {} on {}: {}; ibv_reg_mr on the device pointer: {}",
+                          length, gpu, addr, ibv_get_device_name(dev->ctx()->device), why, errno_name(err)),
+              "the NIC reaches GPU memory through dma-buf (a NIC and kernel that take it: mlx5, Linux 5.12+, CUDA "
+              "11.7+ with the open kernel modules) or nvidia-peermem (modprobe nvidia-peermem); rdmakit doctor "
+              "checks both");
 }
 
 CudaMemory::CudaMemory(int gpu, std::size_t length)

@@ -13,6 +13,12 @@ static_assert(std::is_same_v<Context, CUcontext> || sizeof(Context) == sizeof(CU
 static_assert(sizeof(Result) == sizeof(CUresult) && kSuccess == CUDA_SUCCESS);
 static_assert(kRangeHandleDmaBufFd == CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD);
 static_assert(kHostAllocPortable == CU_MEMHOSTALLOC_PORTABLE);
+static_assert(kPointerMemoryType == CU_POINTER_ATTRIBUTE_MEMORY_TYPE);
+static_assert(kPointerDeviceOrdinal == CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL);
+static_assert(kPointerRangeStart == CU_POINTER_ATTRIBUTE_RANGE_START_ADDR);
+static_assert(kPointerRangeSize == CU_POINTER_ATTRIBUTE_RANGE_SIZE);
+static_assert(kMemoryTypeDevice == CU_MEMORYTYPE_DEVICE);
+static_assert(std::is_same_v<decltype(&::cuPointerGetAttribute), CUresult (*)(void*, CUpointer_attribute, CUdeviceptr)>);
 // The versioned symbols dlsym asks for exist with these signatures.
 [[maybe_unused]] constexpr auto alloc = &::cuMemAlloc_v2;
 [[maybe_unused]] constexpr auto dtoh = &::cuMemcpyDtoH_v2;

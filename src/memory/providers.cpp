@@ -135,6 +135,50 @@ std::unique_ptr<MemoryRegion::Impl> bounce_region(std::shared_ptr<DeviceResource
   return impl;
 }
 
+DmabufRegistration register_dmabuf(const std::vector<std::shared_ptr<DeviceResources>>& devs, int fd,
+                                   std::uint64_t offset, std::size_t length, Access access) {
+  DmabufRegistration r;
+  auto src = std::make_unique<DmabufSource>(fd, offset, length);
+  // One iova on every device (peers address the buffer by it): the CPU mapping's address when
+  // there is one, so data() and the MRs' addresses agree.
+  const std::uint64_t iova = src->cpu != nullptr ? reinterpret_cast<std::uint64_t>(src->cpu) : offset;
+  // Without an RDMA device, the software transports copy with the CPU: from the bounce buffer,
+  // staged as the NICs' would be, never from the mapping unbracketed.
+  std::string refused = devs.empty() ? "no RDMA device" : "";
+  for (const auto& dev : devs) {
+    errno = 0;
+    MrPtr mr(ibv_reg_dmabuf_mr(dev->pd.get(), offset, length, iova, src->fd, static_cast<int>(mr_access_flags(access))));
+    if (!mr) {
+      const int err = errno;
+      refused = fmt::format("ibv_reg_dmabuf_mr on {}: {}{}", ibv_get_device_name(dev->ctx()->device), errno_name(err),
+                            err == EOPNOTSUPP ? " (the device cannot register dma-buf MRs)" : "");
+      break;
+    }
+    r.regions.push_back(adopt_mr(dev, std::move(mr), access, length, nullptr, RegistrationPath::dmabuf_mr,
+                                 "the device registered the dma-buf directly", src->cpu));
+  }
+  if (!refused.empty()) {
+    // One device that cannot take it: all of them share one copy, so every device (and every
+    // peer, whichever rail it comes by) sees the same bytes.
+    r.regions.clear();
+    if (src->cpu == nullptr) {
+      throw Error("register_dmabuf", EOPNOTSUPP, refused + "; and no bounce buffer either: " + src->map_error,
+                  "the exporter must allow mmap for the bounce path, or every device must take dma-buf MRs");
+    }
+    r.bounce = allocate_pages(length);
+    for (const auto& dev : devs) {
+      auto impl = register_region(dev, r.bounce.get(), length, access);
+      impl->path = RegistrationPath::bounce;
+      impl->path_detail = refused + "; every device registers one host bounce buffer (stage_in/stage_out copy "
+                                    "through the dma-buf's CPU mapping)";
+      r.regions.push_back(std::move(impl));
+    }
+  }
+  for (auto& impl : r.regions) impl->kind = MemoryKind::dmabuf;
+  r.source = std::move(src);
+  return r;
+}
+
 std::unique_ptr<MemoryRegion::Impl> allocate_region(std::shared_ptr<DeviceResources> dev, std::size_t length,
                                                     Access access, const MemorySpec& spec) {
   std::unique_ptr<MemoryRegion::Impl> impl;

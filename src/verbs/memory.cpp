@@ -1,6 +1,7 @@
 #include "verbs/memory_impl.hpp"
 
 #include <sys/resource.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -150,6 +151,18 @@ std::unique_ptr<MemoryRegion::Impl> adopt_mr(std::shared_ptr<DeviceResources> de
   impl->path = path;
   impl->path_detail = std::move(why);
   return impl;
+}
+
+bool cpu_reaches(const void* addr, std::size_t len) noexcept {
+  if (addr == nullptr || len == 0) return false;
+  // A copy of its first and last byte into this process.
+  char probe[2];
+  for (std::size_t at : {std::size_t{0}, len - 1}) {
+    iovec local{probe, 1};
+    iovec remote{const_cast<char*>(static_cast<const char*>(addr)) + at, 1};
+    if (::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0) != 1) return false;
+  }
+  return true;
 }
 
 OwnedMemory allocate_pages(std::size_t length) {

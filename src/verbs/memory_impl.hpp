@@ -65,6 +65,20 @@ std::unique_ptr<MemoryRegion::Impl> bounce_region(std::shared_ptr<DeviceResource
 std::unique_ptr<MemoryRegion::Impl> allocate_region(std::shared_ptr<DeviceResources> dev,
                                                     std::size_t length, Access access,
                                                     const MemorySpec& spec);
+/// A caller's dma-buf, [offset, +length) of fd, registered on every device of `devs`
+/// (src/memory/): by ibv_reg_dmabuf_mr where all of them take it, else through one host bounce
+/// buffer registered on each (the exporter must allow mmap: stage_in/stage_out copy through
+/// the mapping). Throws Error naming the device that refused and why.
+struct DmabufRegistration {
+  std::unique_ptr<MemorySource> source;  // a dup of fd, and its CPU mapping when there is one
+  OwnedMemory bounce;                    // the bounce path's buffer, else empty
+  std::vector<std::unique_ptr<MemoryRegion::Impl>> regions;  // by device; declared last: go first
+};
+DmabufRegistration register_dmabuf(const std::vector<std::shared_ptr<DeviceResources>>& devs, int fd,
+                                   std::uint64_t offset, std::size_t length, Access access);
+/// Whether the CPU reaches [addr, +len): a GPU pointer (cudaMalloc memory) is no CPU address,
+/// and copying it would fault. The kernel says so without a fault.
+[[nodiscard]] bool cpu_reaches(const void* addr, std::size_t len) noexcept;
 /// Page-aligned, zeroed memory.
 OwnedMemory allocate_pages(std::size_t length);
 

@@ -4,8 +4,11 @@
 // Paths: the driver; device memory allocated zeroed; context handling across threads (the memory
 // is used from a thread that did not allocate it, and no thread's current context changes);
 // dma-buf export of a length that is not a whole number of pages; pinned host memory; staging
-// copies byte-exact; and, where an RDMA device exists, registration of GPU memory through it with
-// an RDMA WRITE into it and a READ back.
+// copies byte-exact; caller-owned GPU memory (a framework's tensor) told from host memory, its
+// allocation found, and the pages around a sub-range exported as one dma-buf; an engine
+// registering caller-owned GPU memory (through each RDMA device where there is one, with the path
+// each took); and, where an RDMA device exists, registration of GPU memory through it with an
+// RDMA WRITE into it and a READ back.
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -19,11 +22,15 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "engine/locality.hpp"
 #include "memory/cuda.hpp"
 #include "rdmakit/connection.hpp"
 #include "rdmakit/device.hpp"
+#include "rdmakit/engine.hpp"
 #include "rdmakit/error.hpp"
+#include "verbs/memory_impl.hpp"
 
 namespace {
 
@@ -188,6 +195,65 @@ int main(int argc, char** argv) {
     const std::string path = rdmakit::detail::pci_path_of_bus(id);
     if (path.empty()) return "no /sys/bus/pci/devices/" + id;
     std::printf("  GPU %d is %s at %s\n", gpu, id.c_str(), path.c_str());
+    return {};
+  });
+
+  // Caller-owned GPU memory: what the engine's register_memory() asks before registering it.
+  check("caller memory told apart", [&]() -> std::string {
+    CudaMemory m = CudaMemory::device(gpu, kOdd);
+    CudaMemory pinned = CudaMemory::host(gpu, 4096);
+    std::vector<std::uint8_t> host(4096);
+    auto* p = reinterpret_cast<void*>(m.device_ptr() + 5000);
+    if (rdmakit::detail::cpu_reaches(p, 4096)) return "the CPU reaches a device pointer";
+    if (!rdmakit::detail::cpu_reaches(host.data(), 4096)) return "the CPU does not reach host memory";
+    const auto where = rdmakit::detail::cuda_pointer(p);
+    if (!where) return "cuPointerGetAttribute did not call a device pointer GPU memory";
+    if (where->gpu != gpu) return "the pointer's device is " + std::to_string(where->gpu);
+    if (where->base != m.device_ptr() || where->size < kOdd) {
+      return fmt::format("its allocation is [{:#x}, +{}), allocated [{:#x}, +{})", where->base, where->size,
+                         m.device_ptr(), kOdd);
+    }
+    if (rdmakit::detail::cuda_pointer(host.data())) return "host memory was called GPU memory";
+    if (rdmakit::detail::cuda_pointer(pinned.host_ptr())) return "pinned host memory was called GPU memory";
+    return {};
+  });
+
+  check("caller dma-buf export", [&]() -> std::string {
+    CudaMemory m = CudaMemory::device(gpu, kOdd);
+    auto* p = reinterpret_cast<void*>(m.device_ptr() + 3 * 4096 + 100);
+    const auto where = rdmakit::detail::cuda_pointer(p);
+    if (!where) return "not GPU memory";
+    const rdmakit::detail::CudaRangeExport x(p, 65536, *where);
+    if (x.fd() < 0) return "export failed: " + x.why();
+    if (x.offset() != 100) return "the range starts at " + std::to_string(x.offset()) + " in its dma-buf, not 100";
+    std::printf("  [ptr + 12388, +64 KiB) exported as fd %d, at offset %llu\n", x.fd(),
+                static_cast<unsigned long long>(x.offset()));
+    // Pages past the allocation's end are refused before the driver is asked.
+    auto* end = reinterpret_cast<void*>(where->base + where->size - 100);
+    const rdmakit::detail::CudaRangeExport past(end, 200, *where);
+    if (past.fd() >= 0 || past.why().find("pass its allocation") == std::string::npos) {
+      return "a range past the allocation was exported: " + past.why();
+    }
+    return {};
+  });
+
+  check("engine registers it", [&]() -> std::string {
+    CudaMemory m = CudaMemory::device(gpu, kOdd);
+    rdmakit::EngineConfig cfg;
+    cfg.name = "gpu-check";
+    cfg.listen = "";
+    cfg.link.log = [](std::string_view) {};
+    if (rdmakit::list_devices().empty()) cfg.transports = {rdmakit::Transport::tcp};
+    rdmakit::Engine e(cfg);
+    const rdmakit::Buffer b = e.register_memory(reinterpret_cast<void*>(m.device_ptr()), kOdd);
+    for (const auto& path : e.registration(b)) {
+      std::printf("  %s: %s (%s)\n", path.device.c_str(), rdmakit::to_string(path.path), path.detail.c_str());
+      if (path.path != rdmakit::RegistrationPath::dmabuf_mr && path.path != rdmakit::RegistrationPath::device_mr) {
+        return "a device took neither dma-buf nor the device pointer";
+      }
+    }
+    if (e.registration(b).empty()) std::printf("  no RDMA device: registered for the software transports only\n");
+    e.unregister_memory(b);
     return {};
   });
 

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -145,6 +146,37 @@ struct SilentListener {
   SilentListener& operator=(const SilentListener&) = delete;
   int fd = -1;
   std::uint16_t port = 0;
+};
+
+// Lab --nics 2 (rxe0 on 198.18.0.0/24, rxe1 on 198.18.1.0/24): a target on each NIC's
+// address, "t0" and "t1", with a 64 KiB segment "kv".
+struct TwoNics {
+  const char* ip[2] = {std::getenv("RDMAKIT_LAB_IP0"), std::getenv("RDMAKIT_LAB_IP1")};
+  std::vector<std::unique_ptr<Target>> targets;
+  [[nodiscard]] bool present() const { return ip[0] != nullptr && ip[1] != nullptr; }
+  TwoNics() {
+    for (std::size_t k = 0; k < 2 && present(); ++k) {
+      rdmakit::EngineConfig tc = config("t" + std::to_string(k));
+      tc.listen = std::string(ip[k]) + ":0";
+      targets.push_back(std::make_unique<Target>(tc.name, 1 << 16, tc));
+    }
+  }
+  [[nodiscard]] std::string at(std::size_t k) const { return std::string(ip[k]) + ":" + std::to_string(targets[k]->engine.port()); }
+  // Writes `blocks` blocks of `src` (from 0) to t0 and t1 in turn, at the same offsets, and checks
+  // every byte arrived.
+  void write_to_both(rdmakit::Engine& a, const rdmakit::Buffer& src, std::uint64_t blocks, std::uint64_t block) const {
+    std::vector<rdmakit::Transfer> t;
+    for (std::uint64_t k = 0; k < blocks; ++k) {
+      t.push_back(xfer(rdmakit::TransferOp::write, src, k * block, block, a.segment(k % 2 == 0 ? "t0" : "t1", "kv"), k * block));
+    }
+    rdmakit::Batch b = a.submit(t);
+    ASSERT_TRUE(b.wait(std::chrono::seconds(10)));
+    ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
+    for (std::uint64_t k = 0; k < blocks; ++k) {
+      EXPECT_TRUE(same(static_cast<char*>(targets[k % 2]->buf.addr) + k * block, static_cast<char*>(src.addr) + k * block, block))
+          << "transfer " << k;
+    }
+  }
 };
 
 }  // namespace lab

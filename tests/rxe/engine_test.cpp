@@ -44,6 +44,7 @@ using lab::config;
 using lab::fill;
 using lab::same;
 using lab::Target;
+using lab::TwoNics;
 using lab::xfer;
 
 }  // namespace
@@ -721,36 +722,6 @@ TEST(Engine, GivingOneMorePeerAccessCostsTheSame) {
               static_cast<double>(cnt.window_bind_ns) / kLinks / 1000);
 }
 
-// Lab --nics 2 (rxe0 on 198.18.0.0/24, rxe1 on 198.18.1.0/24): a target on each NIC's
-// address, "t0" and "t1", with a 64 KiB segment "kv".
-struct TwoNics {
-  const char* ip[2] = {std::getenv("RDMAKIT_LAB_IP0"), std::getenv("RDMAKIT_LAB_IP1")};
-  std::vector<std::unique_ptr<Target>> targets;
-  [[nodiscard]] bool present() const { return ip[0] != nullptr && ip[1] != nullptr; }
-  TwoNics() {
-    for (std::size_t k = 0; k < 2 && present(); ++k) {
-      EngineConfig tc = config("t" + std::to_string(k));
-      tc.listen = std::string(ip[k]) + ":0";
-      targets.push_back(std::make_unique<Target>(tc.name, 1 << 16, tc));
-    }
-  }
-  [[nodiscard]] std::string at(std::size_t k) const { return std::string(ip[k]) + ":" + std::to_string(targets[k]->engine.port()); }
-  // Writes `blocks` blocks of `src` (from 0) to t0 and t1 in turn, at the same offsets, and checks
-  // every byte arrived.
-  void write_to_both(Engine& a, const Buffer& src, std::uint64_t blocks, std::uint64_t block) const {
-    std::vector<Transfer> t;
-    for (std::uint64_t k = 0; k < blocks; ++k) {
-      t.push_back(xfer(TransferOp::write, src, k * block, block, a.segment(k % 2 == 0 ? "t0" : "t1", "kv"), k * block));
-    }
-    Batch b = a.submit(t);
-    ASSERT_TRUE(b.wait(10s));
-    ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
-    for (std::uint64_t k = 0; k < blocks; ++k) {
-      EXPECT_TRUE(same(static_cast<char*>(targets[k % 2]->buf.addr) + k * block, static_cast<char*>(src.addr) + k * block, block))
-          << "transfer " << k;
-    }
-  }
-};
 
 // Two NICs (lab --nics 2: rxe0 on 198.18.0.0/24, rxe1 on 198.18.1.0/24): with one worker per
 // device, a peer is served by the worker of the device its address is reached through, its link

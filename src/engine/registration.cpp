@@ -1,0 +1,161 @@
+// How the engine registers memory: caller-owned host and GPU memory, another driver's dma-buf,
+// memory it allocates, and how a buffer ranks the devices (include/rdmakit/engine.hpp).
+#include <fcntl.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include <fmt/format.h>
+
+#include "engine/impl.hpp"
+#include "engine/locality.hpp"
+#include "memory/cuda.hpp"
+#include "rdmakit/error.hpp"
+#include "verbs/memory_impl.hpp"
+
+namespace rdmakit {
+
+namespace {
+
+// Engine buffers: with windows, no remote access of their own (peers get windows only), and
+// binding allowed; without, every remote access (the region's key is what peers get).
+Access buffer_access(bool windows) {
+  return windows ? Access::local_write | detail::kMwBind : Access::local_write | detail::kAllRemote;
+}
+
+}  // namespace
+
+Buffer Engine::register_memory(void* addr, std::size_t length) {
+  if (addr == nullptr || length == 0) throw Error("register_memory", EINVAL, "an empty buffer");
+  auto rec = std::make_unique<detail::BufferRec>();
+  const Access access = buffer_access(impl_->windows);
+  // An address the CPU cannot reach is asked of the CUDA driver (loaded only then): GPU memory
+  // goes by dma-buf where a device takes it, by its pointer elsewhere.
+  const auto gpu = detail::cpu_reaches(addr, length) ? std::nullopt : detail::cuda_pointer(addr);
+  if (gpu) {
+    rec->kind = MemoryKind::cuda;
+    if (!impl_->pds.empty()) {
+      const detail::CudaRangeExport dmabuf(addr, length, *gpu);
+      for (const auto& pd : impl_->pds) {
+        rec->regions.emplace_back(MemoryRegion::Impl::wrap(detail::register_gpu(pd, addr, length, access, dmabuf, gpu->gpu)));
+      }
+    }
+    rec->gpu_pci = detail::pci_path_of_bus(detail::cuda_pci_bus_id(gpu->gpu));
+  } else {
+    for (const auto& pd : impl_->pds) {
+      rec->regions.emplace_back(MemoryRegion::Impl::wrap(detail::register_region(pd, addr, length, access)));
+    }
+  }
+  rec->handle.addr = addr;
+  rec->handle.length = length;
+  return impl_->publish(std::move(rec));
+}
+
+Buffer Engine::register_dmabuf(int fd, std::uint64_t offset, std::size_t length) {
+  if (length == 0) throw Error("register_dmabuf", EINVAL, "an empty buffer");
+  if (::fcntl(fd, F_GETFD) < 0) throw Error("register_dmabuf", EBADF, fmt::format("fd {} is not open", fd));
+  auto rec = std::make_unique<detail::BufferRec>();
+  rec->kind = MemoryKind::dmabuf;
+  auto reg = detail::register_dmabuf(impl_->pds, fd, offset, length, buffer_access(impl_->windows));
+  for (auto& r : reg.regions) rec->regions.emplace_back(MemoryRegion::Impl::wrap(std::move(r)));
+  rec->home = std::move(reg.source);
+  rec->bounce = std::move(reg.bounce);
+  // The address every device's region has (the bounce buffer, or the dma-buf's iova).
+  rec->handle.addr = rec->bounce ? rec->bounce.get() : rec->regions[0]->local().addr();
+  rec->handle.length = length;
+  return impl_->publish(std::move(rec));
+}
+
+namespace {
+
+void stage(detail::BufferRec* b, const Buffer& buffer, std::uint64_t offset, std::uint64_t length, bool in,
+           const char* verb) {
+  const std::uint64_t size = b->handle.length;
+  if (length == 0) length = size - std::min(offset, size);
+  if (offset > size || length > size - offset || length == 0) {
+    throw Error(verb, EINVAL, fmt::format("[{}, +{}) is not inside buffer {} of {} bytes", offset, length, buffer.id, size));
+  }
+  std::lock_guard lock(b->stage_mu);
+  if (b->released.load()) throw Error(verb, EINVAL, fmt::format("buffer {} was unregistered", buffer.id));
+  if (!b->bounce) return;  // the NICs reach the memory itself
+  if (in) {
+    b->home->to_bounce(b->bounce.get(), offset, length);
+  } else {
+    b->home->from_bounce(b->bounce.get(), offset, length);
+  }
+}
+
+}  // namespace
+
+void Engine::stage_in(const Buffer& buffer, std::uint64_t offset, std::uint64_t length) {
+  stage(impl_->buffer_for(buffer, "stage_in").get(), buffer, offset, length, true, "stage_in");
+}
+
+void Engine::stage_out(const Buffer& buffer, std::uint64_t offset, std::uint64_t length) {
+  stage(impl_->buffer_for(buffer, "stage_out").get(), buffer, offset, length, false, "stage_out");
+}
+
+std::vector<BufferPath> Engine::registration(const Buffer& buffer) const {
+  const auto b = impl_->buffer_for(buffer, "registration");
+  std::vector<BufferPath> out;
+  std::lock_guard lock(impl_->mu);  // the regions go under it
+  for (std::size_t d = 0; d < b->regions.size(); ++d) {
+    out.push_back({impl_->rdma_devices[d]->name(), b->regions[d]->path(), b->regions[d]->path_detail()});
+  }
+  return out;
+}
+
+Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
+  auto rec = std::make_unique<detail::BufferRec>();
+  rec->kind = spec.kind;
+  if (impl_->pds.empty()) {
+    // No RDMA device (tcp and shm only): memory the CPU reaches, owned by the buffer's record.
+    if (spec.kind != MemoryKind::host) {
+      throw Error("allocate_memory", ENOTSUP,
+                  fmt::format("{} memory without an RDMA device: this engine's transports (tcp, shm) copy with the "
+                              "CPU, and allocate_memory() gives them host memory",
+                              to_string(spec.kind)),
+                  "allocate it yourself and register_memory() it, or use MemoryKind::host");
+    }
+    auto impl = std::make_unique<MemoryRegion::Impl>();
+    impl->memory = detail::allocate_pages(length);
+    impl->addr = impl->cpu = impl->memory.get();
+    impl->length = length;
+    impl->access = Access::local_write;
+    rec->soft.emplace(MemoryRegion::Impl::wrap(std::move(impl)));
+    rec->handle.addr = rec->soft->data();
+    rec->handle.length = length;
+    return impl_->publish(std::move(rec));
+  }
+  rec->regions.reserve(impl_->pds.size());  // `first` below stays valid
+  // The first device allocates (and owns) the memory; the others register the same bytes by
+  // their address (host memory, huge pages, CUDA host memory, and GPU memory where the first
+  // took it by address too: what nvidia-peermem makes work).
+  rec->regions.emplace_back(MemoryRegion::Impl::wrap(
+      detail::allocate_region(impl_->pds[0], length, buffer_access(impl_->windows), spec)));
+  const MemoryRegion& first = *rec->regions[0];
+  if (impl_->pds.size() > 1 && first.path() != RegistrationPath::host_mr &&
+      first.path() != RegistrationPath::device_mr) {
+    throw Error("allocate_memory", ENOTSUP,
+                fmt::format("{} memory took the {} path on {}, which the engine's other devices cannot share",
+                            to_string(spec.kind), to_string(first.path()), impl_->rdma_devices[0]->name()),
+                "register_memory() registers a host or GPU address on every device; memory that only a "
+                "dma-buf or a bounce buffer reaches is shared by one device only, today");
+  }
+  for (std::size_t d = 1; d < impl_->pds.size(); ++d) {
+    rec->regions.emplace_back(MemoryRegion::Impl::wrap(
+        detail::register_region(impl_->pds[d], first.local().addr(), length, buffer_access(impl_->windows))));
+  }
+  rec->handle.addr = first.data();
+  rec->handle.length = length;
+  if (spec.kind == MemoryKind::cuda) rec->gpu_pci = detail::pci_path_of_bus(detail::cuda_pci_bus_id(spec.gpu));
+  return impl_->publish(std::move(rec));
+}
+
+std::vector<DeviceRank> Engine::locality(const Buffer& buffer) const {
+  const auto b = impl_->buffer_for(buffer, "locality");
+  if (b->retired.load()) throw Error("locality", EINVAL, fmt::format("buffer {} was unregistered", buffer.id));
+  return detail::rank_devices(impl_->rdma_devices, b->numa_node, b->gpu_pci);
+}
+
+}  // namespace rdmakit
