@@ -210,11 +210,13 @@ void Engine::unregister_memory(const Buffer& buffer, std::chrono::milliseconds t
   }
   lock.unlock();
   {
+    // No staging copy runs from here on (one on another thread holds stage_mu only: this waits
+    // for it before taking the engine's lock, so nothing else waits meanwhile).
+    std::lock_guard staging(b->stage_mu);
     std::lock_guard reg(impl_->mu);
     if (b->released.exchange(true)) return;  // another call released it meanwhile
     b->slices.clear();
-    b->regions.clear();  // deregistered on every device
-    std::lock_guard staging(b->stage_mu);  // then what they stood for, once no copy uses it
+    b->regions.clear();  // deregistered on every device, then what they stood for
     b->bounce.reset();
     b->home.reset();
   }

@@ -82,7 +82,8 @@ struct RailState {
 struct BufferRec {
   // What the regions stand for, declared before them so that it goes after them: a caller's
   // dma-buf (its dup and CPU mapping) and, on the bounce path, the host copy every device
-  // registered. stage_mu keeps staging copies and their release apart.
+  // registered. stage_mu keeps staging copies and their release apart (taken before mu, never
+  // after it).
   std::unique_ptr<MemorySource> home;
   OwnedMemory bounce;
   std::mutex stage_mu;

@@ -77,12 +77,21 @@ void stage(detail::BufferRec* b, const Buffer& buffer, std::uint64_t offset, std
   }
   std::lock_guard lock(b->stage_mu);
   if (b->released.load()) throw Error(verb, EINVAL, fmt::format("buffer {} was unregistered", buffer.id));
-  if (!b->bounce) return;  // the NICs reach the memory itself
-  if (in) {
-    b->home->to_bounce(b->bounce.get(), offset, length);
-  } else {
-    b->home->from_bounce(b->bounce.get(), offset, length);
-  }
+  if (b->bounce) {
+    // A caller's dma-buf: one copy that every device registered.
+    if (in) {
+      b->home->to_bounce(b->bounce.get(), offset, length);
+    } else {
+      b->home->from_bounce(b->bounce.get(), offset, length);
+    }
+  } else if (!b->regions.empty() && b->regions[0]->path() == RegistrationPath::bounce) {
+    // Memory the engine allocated on its one device, which only a bounce buffer reaches.
+    if (in) {
+      b->regions[0]->stage_in(offset, length);
+    } else {
+      b->regions[0]->stage_out(offset, length);
+    }
+  }  // else the NICs reach the memory itself
 }
 
 }  // namespace
@@ -139,8 +148,9 @@ Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
     throw Error("allocate_memory", ENOTSUP,
                 fmt::format("{} memory took the {} path on {}, which the engine's other devices cannot share",
                             to_string(spec.kind), to_string(first.path()), impl_->rdma_devices[0]->name()),
-                "register_memory() registers a host or GPU address on every device; memory that only a "
-                "dma-buf or a bounce buffer reaches is shared by one device only, today");
+                "allocate it yourself and register it on every device: register_memory() for host or GPU memory "
+                "(GPU memory by one dma-buf export on each device that takes it), register_dmabuf() for a dma-buf; "
+                "or list one device in EngineConfig::devices");
   }
   for (std::size_t d = 1; d < impl_->pds.size(); ++d) {
     rec->regions.emplace_back(MemoryRegion::Impl::wrap(

@@ -7,6 +7,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -189,12 +190,13 @@ CudaRangeExport::CudaRangeExport(const void* addr, std::size_t length, const Cud
     Context ctx = nullptr;
     api.check(api.device_get(&dev, where.gpu), "cuDeviceGet");
     api.check(api.ctx_retain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+    // Released however this scope ends (a push that fails throws).
+    const std::unique_ptr<void, std::function<void(void*)>> retained(ctx, [&](void*) { (void)api.ctx_release(dev); });
     Result r = kSuccess;
     {
       const Pushed on(api, ctx);
       r = api.handle_for_range(&fd_, start, static_cast<std::size_t>(end - start), kRangeHandleDmaBufFd, 0);
     }
-    (void)api.ctx_release(dev);
     if (r != kSuccess || fd_ < 0) {
       fd_ = -1;
       why_ = fmt::format("cuMemGetHandleForAddressRange({} bytes): {}", end - start, api.name(r));

@@ -3,7 +3,9 @@
 #include <fcntl.h>
 #include <infiniband/verbs.h>
 #include <linux/dma-buf.h>
+#include <linux/magic.h>
 #include <sys/ioctl.h>
+#include <sys/vfs.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -81,28 +83,50 @@ struct DmabufSource final : MemorySource {
   void* map = nullptr;
   std::size_t map_len = 0;
   std::string map_error;
-  DmabufSource(int exporter_fd, std::uint64_t off, std::size_t len) : offset(off), length(len) {
+  void* reserved = nullptr;  // address space standing for the memory where it has no mapping
+  // Maps the range for the CPU at once unless `map` is false (map_now() later, if needed).
+  DmabufSource(int exporter_fd, std::uint64_t off, std::size_t len, bool map_it = true) : offset(off), length(len) {
     fd = ::fcntl(exporter_fd, F_DUPFD_CLOEXEC, 0);
     if (fd < 0) throw Error("dup(dma-buf fd)", errno, fmt::format("fd {}", exporter_fd), "is it an open dma-buf fd?");
     const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
-    const std::uint64_t start = off / page * page;
-    map_len = static_cast<std::size_t>(off - start + len);
-    void* p = ::mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(start));
-    if (p == MAP_FAILED) {
-      map_error = fmt::format("mmap of the dma-buf: {}", errno_name(errno));
-    } else {
-      map = p;
-      cpu = static_cast<char*>(p) + (off - start);
-    }
+    map_len = static_cast<std::size_t>(off - off / page * page + len);
+    if (map_it) map_now();
   }
   ~DmabufSource() override {
     if (map != nullptr) ::munmap(map, map_len);
+    if (reserved != nullptr) ::munmap(reserved, map_len);
     ::close(fd);
+  }
+  // The CPU's mapping of the range; false (map_error says why) when the exporter refuses one.
+  bool map_now() {
+    if (map != nullptr) return true;
+    const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+    const std::uint64_t start = offset / page * page;
+    void* p = ::mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(start));
+    if (p == MAP_FAILED) {
+      map_error = fmt::format("mmap of the dma-buf: {}", errno_name(errno));
+      return false;
+    }
+    map = p;
+    cpu = static_cast<char*>(p) + (offset - start);
+    return true;
+  }
+  // An address of this process's that nothing else uses, for an iova that must tell this memory
+  // from any other by address (inaccessible: no CPU touches the memory through it), with the
+  // offset's place in its page, as ibv_reg_dmabuf_mr wants.
+  std::uint64_t reserve() {
+    void* p = ::mmap(nullptr, map_len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw Error("mmap(PROT_NONE)", errno, fmt::format("{} bytes of address space", map_len));
+    reserved = p;
+    const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+    return reinterpret_cast<std::uint64_t>(p) + offset % page;
   }
   void sync(std::uint64_t flags) {
     dma_buf_sync s{flags};
-    while (::ioctl(fd, DMA_BUF_IOCTL_SYNC, &s) != 0 && errno == EINTR) {
+    int r = 0;
+    while ((r = ::ioctl(fd, DMA_BUF_IOCTL_SYNC, &s)) != 0 && errno == EINTR) {
     }
+    if (r != 0) throw Error("DMA_BUF_IOCTL_SYNC", errno, "bracketing a copy through the dma-buf's mapping");
   }
   void to_bounce(void* bounce, std::size_t off, std::size_t len) override {
     sync(DMA_BUF_SYNC_START | DMA_BUF_SYNC_READ);
@@ -138,10 +162,17 @@ std::unique_ptr<MemoryRegion::Impl> bounce_region(std::shared_ptr<DeviceResource
 DmabufRegistration register_dmabuf(const std::vector<std::shared_ptr<DeviceResources>>& devs, int fd,
                                    std::uint64_t offset, std::size_t length, Access access) {
   DmabufRegistration r;
-  auto src = std::make_unique<DmabufSource>(fd, offset, length);
-  // One iova on every device (peers address the buffer by it): the CPU mapping's address when
-  // there is one, so data() and the MRs' addresses agree.
-  const std::uint64_t iova = src->cpu != nullptr ? reinterpret_cast<std::uint64_t>(src->cpu) : offset;
+  struct statfs fs {};
+  if (::fstatfs(fd, &fs) != 0 || fs.f_type != DMA_BUF_MAGIC) {
+    throw Error("register_dmabuf", EINVAL, fmt::format("fd {} is not a dma-buf", fd),
+                "pass the fd an exporter gave (a DRM PRIME export, cuMemGetHandleForAddressRange, udmabuf, ...)");
+  }
+  // Not mapped unless the bounce path needs it: the NICs reach the memory themselves, and a CPU
+  // touching it (or a tcp link copying it) unbracketed could see stale bytes, or migrate it.
+  auto src = std::make_unique<DmabufSource>(fd, offset, length, false);
+  // One iova on every device (peers address the buffer by it), an address of this process's
+  // that no other buffer has.
+  const std::uint64_t iova = devs.empty() ? 0 : src->reserve();
   // Without an RDMA device, the software transports copy with the CPU: from the bounce buffer,
   // staged as the NICs' would be, never from the mapping unbracketed.
   std::string refused = devs.empty() ? "no RDMA device" : "";
@@ -155,13 +186,13 @@ DmabufRegistration register_dmabuf(const std::vector<std::shared_ptr<DeviceResou
       break;
     }
     r.regions.push_back(adopt_mr(dev, std::move(mr), access, length, nullptr, RegistrationPath::dmabuf_mr,
-                                 "the device registered the dma-buf directly", src->cpu));
+                                 "the device registered the dma-buf directly", nullptr));
   }
   if (!refused.empty()) {
     // One device that cannot take it: all of them share one copy, so every device (and every
     // peer, whichever rail it comes by) sees the same bytes.
     r.regions.clear();
-    if (src->cpu == nullptr) {
+    if (!src->map_now()) {
       throw Error("register_dmabuf", EOPNOTSUPP, refused + "; and no bounce buffer either: " + src->map_error,
                   "the exporter must allow mmap for the bounce path, or every device must take dma-buf MRs");
     }

@@ -49,7 +49,9 @@ void* MemoryRegion::home() const noexcept {
 namespace {
 // Whether a staging copy has anything to do; throws for a range outside the region.
 bool must_stage(const MemoryRegion::Impl& m, const char* op, std::size_t offset, std::size_t length) {
-  if (m.path != RegistrationPath::bounce) return false;
+  // A bounce region whose memory someone else stages (an engine's shared dma-buf copy) has no
+  // source of its own.
+  if (m.path != RegistrationPath::bounce || !m.source) return false;
   if (offset > m.length || length > m.length - offset) {
     throw Error(op, ERANGE, fmt::format("[{}, +{}) outside the region's {} bytes", offset, length, m.length));
   }

@@ -4,6 +4,7 @@
 // that stage_in/stage_out fill from and copy back to the dma-buf. (A device that takes dma-buf
 // MRs, and caller-owned GPU memory, need hardware the lab has not: tests/gpu/run.)
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstring>
@@ -113,6 +114,17 @@ TEST(EngineMemory, ACallersDmabufReachesEveryDeviceThroughOneBounceBuffer) {
   const Buffer into = b.engine.allocate_memory(kLen);
   run(b.engine, {xfer(TransferOp::read, into, 0, kLen, b.engine.segment("a", "dm"), 0)});
   EXPECT_TRUE(same(into.addr, v->map, kLen));
+  // An fd that is no dma-buf is refused by name.
+  const int memfd = ::memfd_create("not-a-dmabuf", MFD_CLOEXEC);
+  ASSERT_GE(memfd, 0);
+  ASSERT_EQ(::ftruncate(memfd, kLen), 0);
+  try {
+    (void)a.register_dmabuf(memfd, 0, kLen);
+    ADD_FAILURE() << "a memfd was taken for a dma-buf";
+  } catch (const rdmakit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is not a dma-buf"), std::string::npos) << e.what();
+  }
+  ::close(memfd);
   // A range past the buffer is refused, and so is staging an unregistered buffer.
   EXPECT_THROW(a.stage_in(d, kLen - 10, 20), rdmakit::Error);
   a.withdraw("dm");
