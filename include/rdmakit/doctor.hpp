@@ -63,6 +63,10 @@ struct HostFacts {
   bool nvidia_gpu = false;      ///< /proc/driver/nvidia/gpus has an entry
   bool nvidia_peermem = false;  ///< the nvidia_peermem module is loaded
   int numa_nodes = 1;
+  /// What a fork() does to registered memory (ibv_is_fork_initialized): "unneeded" (the kernel
+  /// copies pinned pages for the child: Linux 5.13+ with rdma-core 35+), "enabled"
+  /// (ibv_fork_init or RDMAV_FORK_SAFE), or "disabled" (a child can take the parent's pages).
+  std::string fork_mode;
 };
 [[nodiscard]] HostFacts host_facts();
 

@@ -141,6 +141,11 @@ HostFacts host_facts() {
   h.nvidia_gpu = fs::is_directory("/proc/driver/nvidia/gpus", ec) &&
                  !fs::is_empty("/proc/driver/nvidia/gpus", ec);
   h.nvidia_peermem = fs::exists("/sys/module/nvidia_peermem", ec);
+  switch (ibv_is_fork_initialized()) {
+    case IBV_FORK_UNNEEDED: h.fork_mode = "unneeded"; break;
+    case IBV_FORK_ENABLED: h.fork_mode = "enabled"; break;
+    default: h.fork_mode = "disabled"; break;
+  }
   int nodes = 0;
   for (const auto& e : fs::directory_iterator("/sys/devices/system/node", ec)) {
     const std::string f = e.path().filename().string();

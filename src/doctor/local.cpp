@@ -174,8 +174,28 @@ Check gpu(const HostFacts& h, const DeviceInfo* d) {
                          dmabuf_text);
   if (!h.nvidia_peermem && !dmabuf) {
     c.verdict = Verdict::warn;
-    c.fix = "GPU memory can only move through a host bounce buffer: load nvidia_peermem "
-            "(modprobe nvidia_peermem), or use a NIC/driver with dma-buf support (mlx5, kernel 5.12+)";
+    c.fix = "caller-owned GPU memory (a framework's tensor) cannot be registered, and GPU memory the engine "
+            "allocates moves through a host bounce buffer: load nvidia_peermem (modprobe nvidia_peermem), or use "
+            "a NIC and kernel with dma-buf support (mlx5, Linux 5.12+, the open NVIDIA kernel modules)";
+  }
+  return c;
+}
+
+Check fork_safety(const HostFacts& h) {
+  Check c{"fork", "fork() beside registered memory", Verdict::ok, "", ""};
+  if (h.fork_mode == "unneeded") {
+    c.detail = fmt::format("the kernel ({}) copies pinned pages for a child: a process may fork, or run a "
+                           "subprocess, while it holds an engine",
+                           h.kernel);
+  } else if (h.fork_mode == "enabled") {
+    c.detail = "ibv_fork_init is on (RDMAV_FORK_SAFE): registered memory is not shared with a child";
+  } else {
+    c.verdict = Verdict::warn;
+    c.detail = fmt::format("this kernel ({}) and rdma-core ({}) leave registered pages shared copy-on-write with "
+                           "a child: after a fork the parent's next write to one can move it away from the NIC",
+                           h.kernel, h.rdma_core.empty() ? "unknown" : h.rdma_core);
+    c.fix = "run processes that fork (a Python subprocess, a shell-out) with RDMAV_FORK_SAFE=1, or use "
+            "Linux 5.13+ with rdma-core 35+";
   }
   return c;
 }
@@ -375,6 +395,7 @@ Report check_local(const Options& o) {
   r.checks.push_back(versions(h, d));
   r.checks.push_back(gpu(h, d));
   r.checks.push_back(numa(h, d));
+  r.checks.push_back(fork_safety(h));
   return r;
 }
 

@@ -50,6 +50,8 @@ assert [c["verdict"] for c in j["local"]["checks"]] == text, (text, j)
 assert j["exit_status"] == 0 and j["local"]["verdict"] == "ok", j
 w = [c for c in j["local"]["checks"] if c["id"] == "memory_windows"]
 assert len(w) == 1 and w[0]["verdict"] == "ok" and "type-2 memory windows" in w[0]["detail"], w
+f = [c for c in j["local"]["checks"] if c["id"] == "fork"]
+assert len(f) == 1 and f[0]["verdict"] == "ok" and "copies pinned pages for a child" in f[0]["detail"], f
 PY
 
 # Locked memory: with a 64 KiB limit and without CAP_IPC_LOCK (which exempts root from the

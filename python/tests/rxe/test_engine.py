@@ -81,6 +81,37 @@ def test_a_dmabuf_through_its_bounce_buffer(pair):
         os.close(dri)
 
 
+def test_subprocesses_started_mid_transfer_change_nothing(pair):
+    """fork + exec (subprocess.run) while transfers are in flight: every byte checked, each round."""
+    import subprocess
+    target, pool, init, seg = pair
+    src = np.zeros(1 << 20, dtype=np.uint8)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    init.register(src)
+    init.register(dst)
+    stop = threading.Event()
+    runs = []
+
+    def spawn():
+        while not stop.is_set():
+            runs.append(subprocess.run(["true"]).returncode)
+
+    t = threading.Thread(target=spawn)
+    t.start()
+    try:
+        for rnd in range(40):
+            src[:] = random_bytes(1 << 20, rnd)        # the parent writes its pages after forks
+            init.submit([rdmakit.write(src, seg)]).wait(10.0)
+            assert np.array_equal(pool[:1 << 20], src), f"round {rnd}"
+            dst[:] = 0
+            init.submit([rdmakit.read(dst, seg)]).wait(10.0)
+            assert np.array_equal(dst, src), f"round {rnd}"
+    finally:
+        stop.set()
+        t.join()
+    assert len(runs) > 5 and set(runs) == {0}, runs
+
+
 def test_numpy_write_then_read_back(pair):
     target, pool, init, seg = pair
     src = random_bytes(256 << 10, 1)
