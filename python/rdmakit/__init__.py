@@ -16,6 +16,11 @@ Buffers are anything with the buffer protocol (bytearray, memoryview, mmap, nump
 ``__dlpack__`` (torch tensors); they are never copied. See docs/python.md.
 """
 
+import atexit as _atexit
+import logging as _logging
+import threading as _threading
+
+from . import _rdmakit as _native
 from ._rdmakit import (  # noqa: F401
     Batch,
     Buffer,
@@ -51,3 +56,28 @@ __all__ = [
     "TimeoutError", "Transfer", "TransferError", "TransferOp", "TransferPlan", "__version__",
     "compare_swap", "connect", "fetch_add", "generate_identity", "memory_of", "read", "write",
 ]
+
+
+def _pump_logs():
+    # The library's log lines (a listener without a key, a peer refused, a rail down) go to the
+    # "rdmakit" logger: queued by whichever thread said them, logged from this one.
+    log = _logging.getLogger("rdmakit")
+    while not _log_stop.is_set():
+        for line in _native._log_lines(1.0):
+            log.warning("%s", line)
+
+
+def _drain_logs():
+    # Before the interpreter finalizes: the pump stops waiting and ends, then what is left is logged.
+    _log_stop.set()
+    _native._log_stop()
+    if _log_pump.is_alive():
+        _log_pump.join(2.0)
+    for line in _native._log_lines(0.0):
+        _logging.getLogger("rdmakit").warning("%s", line)
+
+
+_log_stop = _threading.Event()
+_log_pump = _threading.Thread(target=_pump_logs, name="rdmakit-log", daemon=True)
+_log_pump.start()
+_atexit.register(_drain_logs)

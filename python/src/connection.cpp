@@ -1,6 +1,7 @@
 // rdmakit.connect, rdmakit.Listener and rdmakit.Connection, over rdmakit::Connection: one peer,
 // posts and completions driven by the caller.
 #include "connection.hpp"
+#include "logs.hpp"
 
 #include <pybind11/stl.h>
 
@@ -86,6 +87,7 @@ ConnectionConfig config_from(const py::object& psk, std::string device, double h
   c.device = std::move(device);
   c.handshake_timeout = to_ms(handshake_timeout, "handshake_timeout");
   c.qps = qps;
+  c.log = python_log();
   return c;
 }
 

@@ -2,6 +2,7 @@
 // its binding. Buffers, segments, transfers and plans are bound in transfers.cpp, batches and
 // notifications in batch.cpp.
 #include "engine.hpp"
+#include "logs.hpp"
 
 #include <pybind11/stl.h>
 
@@ -40,6 +41,7 @@ Registration::~Registration() {
 }
 
 PyEngine::PyEngine(EngineConfig config) {
+  if (!config.link.log) config.link.log = python_log();
   py::gil_scoped_release nogil;
   engine_ = std::make_unique<Engine>(std::move(config));
 }
@@ -96,7 +98,11 @@ PyBuffer PyEngine::register_dmabuf(int fd, std::uint64_t offset, std::uint64_t l
   try {
     return claimed(reg, b.addr, b.length, "register_dmabuf", [&](Engine&) { return b; });
   } catch (...) {
-    call([&](Engine& e) { e.unregister_memory(b); });
+    try {
+      call([&](Engine& e) { e.unregister_memory(b); });
+    } catch (const std::exception&) {
+      // The engine closed meanwhile: the buffer went with it; the claim's error is the one to raise.
+    }
     throw;
   }
 }

@@ -4,6 +4,7 @@
 
 #include "connection.hpp"
 #include "engine.hpp"
+#include "logs.hpp"
 #include "errors.hpp"
 #include "pymemory.hpp"
 #include "rdmakit/identity.hpp"
@@ -17,6 +18,7 @@ PYBIND11_MODULE(_rdmakit, m) {
   m.attr("__version__") = rdmakit::version();
   register_errors(m);
   bind_engine(m);
+  bind_logs(m);
   bind_connection(m);
   m.def(
       "memory_of",

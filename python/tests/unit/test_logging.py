@@ -1,0 +1,32 @@
+"""The library's log lines reach Python's logging (logger "rdmakit"), from whichever thread said
+them, without the process's stderr in between."""
+import logging
+import time
+
+import rdmakit
+
+
+def test_a_keyless_listener_is_logged_to_the_rdmakit_logger():
+    got = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append(record)
+
+    h = Keep()
+    log = logging.getLogger("rdmakit")
+    log.addHandler(h)
+    try:
+        e = rdmakit.Engine(name="logged", listen="127.0.0.1:0", transports=["tcp"])
+        port = e.port
+        until = time.monotonic() + 5
+        while time.monotonic() < until and not any("without a pre-shared key" in r.getMessage() for r in got):
+            time.sleep(0.01)
+        e.close()
+    finally:
+        log.removeHandler(h)
+    lines = [r for r in got if "without a pre-shared key" in r.getMessage()]
+    assert lines, [r.getMessage() for r in got]
+    assert lines[0].name == "rdmakit" and lines[0].levelno == logging.WARNING
+    assert f"listening on port {port} without a pre-shared key" in lines[0].getMessage()
+    assert not lines[0].getMessage().startswith("rdmakit:")   # the logger's name says it
