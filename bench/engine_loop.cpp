@@ -11,13 +11,18 @@
 //   rdmakit_engine_loop engine ROUNDS BATCH HOST:PORT   (against `rdmakit serve --name t --expose kv:1M`)
 //   rdmakit_engine_loop plan ROUNDS BATCH HOST:PORT     (the same transfers as a plan, Engine::prepare)
 //   rdmakit_engine_loop lists ROUNDS BATCH HOST:PORT    (the same, by index into descriptor lists)
+// With RDMAKIT_LOOP_SCRAPE_MS=N, another thread reads Engine::metrics() every N ms meanwhile, as a
+// Prometheus scraper would (callgrind counts the loop's thread only: what a scrape costs the
+// data path, not what it costs itself).
 #include <infiniband/verbs.h>
 #include <time.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "connection/impl.hpp"
@@ -171,9 +176,26 @@ int main(int argc, char** argv) {
                           : mode == "lists" ? e.submit(rdmakit::TransferOp::write, local, indices, remote, indices)
                                             : e.submit(t);
     while (!warm.done()) (void)e.progress(std::chrono::milliseconds{1});
+    std::atomic<bool> stop{false};
+    unsigned long scrapes = 0;
+    std::thread scraper;
+    if (const char* ms = std::getenv("RDMAKIT_LOOP_SCRAPE_MS"); ms != nullptr && std::atoi(ms) > 0) {
+      const auto every = std::chrono::milliseconds{std::atoi(ms)};
+      scraper = std::thread([&] {
+        while (!stop.load()) {
+          if (!e.metrics().empty()) ++scrapes;
+          std::this_thread::sleep_for(every);
+        }
+      });
+    }
     empty = mode == "plan"    ? rdmakit_engine_plan_loop(&e, &plan, rounds)
             : mode == "lists" ? rdmakit_engine_lists_loop(&e, &local, &remote, &indices, rounds)
                               : rdmakit_engine_engine_loop(&e, &t, rounds);
+    stop = true;
+    if (scraper.joinable()) {
+      scraper.join();
+      std::printf("%lu scrapes of Engine::metrics() meanwhile\n", scrapes);
+    }
   }
   std::printf("%s: %lu rounds of %u, %lu empty polls\n", mode.c_str(), rounds, batch, empty);
   return 0;
