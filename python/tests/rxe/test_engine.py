@@ -81,8 +81,9 @@ def test_a_dmabuf_through_its_bounce_buffer(pair):
         os.close(dri)
 
 
-def test_subprocesses_started_mid_transfer_change_nothing(pair):
-    """fork + exec (subprocess.run) while transfers are in flight: every byte checked, each round."""
+def test_children_forked_mid_transfer_change_nothing(pair):
+    """os.fork() children that overwrite their copy of the registered arrays, and subprocesses
+    (fork + exec), while transfers are in flight: every byte checked, each round."""
     import subprocess
     target, pool, init, seg = pair
     src = np.zeros(1 << 20, dtype=np.uint8)
@@ -94,6 +95,12 @@ def test_subprocesses_started_mid_transfer_change_nothing(pair):
 
     def spawn():
         while not stop.is_set():
+            pid = os.fork()
+            if pid == 0:
+                src[:] = 0xEE                        # the child's copy only
+                dst[:] = 0xDD
+                os._exit(0)
+            runs.append(os.waitpid(pid, 0)[1])
             runs.append(subprocess.run(["true"]).returncode)
 
     t = threading.Thread(target=spawn)
