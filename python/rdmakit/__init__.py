@@ -18,6 +18,7 @@ Buffers are anything with the buffer protocol (bytearray, memoryview, mmap, nump
 
 import atexit as _atexit
 import logging as _logging
+import os as _os
 import threading as _threading
 
 from . import _rdmakit as _native
@@ -58,26 +59,53 @@ __all__ = [
 ]
 
 
-def _pump_logs():
+def _pump_logs(stop):
     # The library's log lines (a listener without a key, a peer refused, a rail down) go to the
     # "rdmakit" logger: queued by whichever thread said them, logged from this one.
     log = _logging.getLogger("rdmakit")
-    while not _log_stop.is_set():
+    while not stop.is_set():
         for line in _native._log_lines(1.0):
-            log.warning("%s", line)
+            try:
+                log.warning("%s", line)
+            except Exception:  # noqa: BLE001 - a handler or filter of the application's failed
+                pass
+
+
+_log_lock = _threading.Lock()
+_log_pump = None
+_log_stop = None
+
+
+def _start_log_pump():
+    """Started by the first engine or connection (and again in a forked child that makes one)."""
+    global _log_pump, _log_stop
+    with _log_lock:
+        if _log_pump is not None and _log_pump.is_alive():
+            return
+        _log_stop = _threading.Event()
+        _log_pump = _threading.Thread(target=_pump_logs, args=(_log_stop,), name="rdmakit-log", daemon=True)
+        _log_pump.start()
 
 
 def _drain_logs():
-    # Before the interpreter finalizes: the pump stops waiting and ends, then what is left is logged.
-    _log_stop.set()
+    # Before the interpreter finalizes: the pump stops waiting and ends (a daemon thread taking
+    # the GIL back during finalization would abort the process), then what is left is logged;
+    # lines said after this go to stderr.
+    if _log_stop is not None:
+        _log_stop.set()
     _native._log_stop()
-    if _log_pump.is_alive():
+    if _log_pump is not None and _log_pump.is_alive():
         _log_pump.join(2.0)
     for line in _native._log_lines(0.0):
         _logging.getLogger("rdmakit").warning("%s", line)
 
 
-_log_stop = _threading.Event()
-_log_pump = _threading.Thread(target=_pump_logs, name="rdmakit-log", daemon=True)
-_log_pump.start()
+def _after_fork_in_child():
+    # The parent's pump thread is not in the child (nor its lock's holder): start afresh there.
+    global _log_pump, _log_lock
+    _log_lock = _threading.Lock()
+    _log_pump = None
+
+
 _atexit.register(_drain_logs)
+_os.register_at_fork(after_in_child=_after_fork_in_child)

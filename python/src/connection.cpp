@@ -87,6 +87,7 @@ ConnectionConfig config_from(const py::object& psk, std::string device, double h
   c.device = std::move(device);
   c.handshake_timeout = to_ms(handshake_timeout, "handshake_timeout");
   c.qps = qps;
+  start_log_pump();
   c.log = python_log();
   return c;
 }

@@ -41,7 +41,10 @@ Registration::~Registration() {
 }
 
 PyEngine::PyEngine(EngineConfig config) {
-  if (!config.link.log) config.link.log = python_log();
+  if (!config.link.log) {
+    start_log_pump();
+    config.link.log = python_log();
+  }
   py::gil_scoped_release nogil;
   engine_ = std::make_unique<Engine>(std::move(config));
 }
@@ -400,8 +403,10 @@ void bind_engine(py::module_& m) {
                        const std::vector<std::string>& transports, std::uint32_t tcp_streams,
                        const std::string& shm_copy, double wait_spin, bool telemetry,
                        std::vector<std::string> devices, const std::string& gid, unsigned traffic_class,
-                       unsigned service_level, unsigned pkey_index, double ack_timeout, unsigned retry_count) {
+                       unsigned service_level, unsigned pkey_index, double ack_timeout, unsigned retry_count,
+                       std::vector<int> worker_cpus) {
              EngineConfig c;
+             c.worker_cpus = std::move(worker_cpus);
              c.devices = std::move(devices);
              set_fabric(c.link, gid, traffic_class, service_level, pkey_index, ack_timeout, retry_count);
              c.telemetry = telemetry;
@@ -451,12 +456,13 @@ void bind_engine(py::module_& m) {
            py::arg("telemetry") = EngineConfig{}.telemetry, py::arg("devices") = std::vector<std::string>{},
            py::arg("gid") = "", py::arg("traffic_class") = 0, py::arg("service_level") = 0, py::arg("pkey_index") = 0,
            py::arg("ack_timeout") = std::chrono::duration<double>(ConnectionConfig{}.ack_timeout).count(),
-           py::arg("retry_count") = ConnectionConfig{}.retry_count,
+           py::arg("retry_count") = ConnectionConfig{}.retry_count, py::arg("worker_cpus") = std::vector<int>{},
            "name: as peers know it (default host:pid). devices: the RDMA devices the engine uses (registers its "
            "memory on, makes its queues on, links through; default: every one). device: the one "
            "device every link takes (default: the route's, among `devices`). gid, traffic_class, service_level, "
            "pkey_index, ack_timeout (seconds), retry_count: every link's fabric settings (docs/hardware.md). listen: \"[host]:port\" (port 0: any; "
-           "empty: no listener). workers: progress threads (default one per device). psk: the "
+           "empty: no listener). workers: progress threads (default one per device). worker_cpus: the CPUs they "
+           "run on (worker i on worker_cpus[i % len]; default: anywhere). psk: the "
            "pre-shared key, bytes or a key file's path (both ends of a link hold the same). "
            "metadata: \"p2p\" (peers by address), \"redis://host:port\" or \"etcd://host:port\": "
            "the engine publishes itself there (in `cluster`, under a lease of `lease` seconds) "

@@ -1,6 +1,11 @@
 #include "logs.hpp"
 
+#include <pthread.h>
+
+#include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <new>
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
@@ -25,11 +30,21 @@ struct LogQueue {
 };
 
 // One per process, as the interpreter is; never destroyed, so a worker thread that logs while
-// the interpreter exits finds it still there.
+// the interpreter exits finds it still there. A forked child gets a fresh one: another thread
+// may have held the old one's mutex at the fork, and its waiters are not in the child.
+std::atomic<LogQueue*> the_queue{nullptr};
+
 LogQueue& queue() {
-  static auto* q = new LogQueue();
+  LogQueue* q = the_queue.load(std::memory_order_acquire);
+  if (q == nullptr) {
+    auto* fresh = new LogQueue();
+    if (the_queue.compare_exchange_strong(q, fresh, std::memory_order_acq_rel)) return *fresh;
+    delete fresh;  // another thread made it first: q is that one
+  }
   return *q;
 }
+
+void in_child() noexcept { the_queue.store(new (std::nothrow) LogQueue(), std::memory_order_release); }
 
 }  // namespace
 
@@ -38,6 +53,12 @@ std::function<void(std::string_view)> python_log() {
     LogQueue& q = queue();
     {
       std::lock_guard lock(q.m);
+      if (q.stopping) {
+        // After the exit hook drained the queue (an engine closed during finalization): as the
+        // library says it without Python.
+        std::fprintf(stderr, "rdmakit: %.*s\n", static_cast<int>(line.size()), line.data());
+        return;
+      }
       if (q.lines.size() >= kMaxLines) {
         ++q.dropped;
         return;
@@ -48,7 +69,11 @@ std::function<void(std::string_view)> python_log() {
   };
 }
 
+void start_log_pump() { pybind11::module_::import("rdmakit").attr("_start_log_pump")(); }
+
 void bind_logs(pybind11::module_& m) {
+  static const bool registered = ::pthread_atfork(nullptr, nullptr, in_child) == 0;
+  (void)registered;
   m.def(
       "_log_lines",
       [](double timeout) {
