@@ -112,6 +112,10 @@ struct EngineConfig {
   /// and sleeps on the completion channel when idle. Unset: one per RDMA device. 0: the caller
   /// drives progress() (then nothing moves between calls).
   std::optional<std::uint32_t> workers{};
+  /// The CPUs the worker threads run on: worker i on worker_cpus[i % size] (pinned, as
+  /// `taskset` would, to the NIC's NUMA node say). Empty: wherever the scheduler puts them.
+  /// A CPU this process may not run on is refused at construction (Error, EINVAL).
+  std::vector<int> worker_cpus{};
   /// How long Batch::wait() polls on the calling thread before it sleeps (latency against CPU).
   /// While the batch's worker thread is asleep, the waiter polls that worker's completions
   /// itself, so a small transfer costs the wire's round trip and no thread's wake-up. The spin

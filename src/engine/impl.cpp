@@ -1,5 +1,6 @@
 // The engine's internals: its registries of buffers and peers, its workers and devices, and the
 // threads that connect and accept links.
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
 #include <unistd.h>
@@ -121,6 +122,18 @@ Engine::Impl::Impl(EngineConfig c)
   if (!event_fd) throw Error("eventfd", errno, "the engine's descriptor");
   threads = cfg.workers.value_or(std::max<std::uint32_t>(rdma_count, 1));
   if (threads > 64) throw Error("engine config", EINVAL, fmt::format("{} workers (at most 64)", threads));
+  if (!cfg.worker_cpus.empty()) {
+    cpu_set_t runnable;
+    CPU_ZERO(&runnable);
+    if (::sched_getaffinity(0, sizeof runnable, &runnable) != 0) throw Error("sched_getaffinity", errno, "this process");
+    for (const int cpu : cfg.worker_cpus) {
+      if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(static_cast<std::size_t>(cpu), &runnable)) {
+        throw Error("engine config", EINVAL, fmt::format("worker_cpus: CPU {} is not one this process may run on", cpu),
+                    fmt::format("this process may run on {} CPUs (taskset -p {}, /proc/self/status Cpus_allowed_list)",
+                                CPU_COUNT(&runnable), ::getpid()));
+      }
+    }
+  }
   const std::uint32_t n = std::max<std::uint32_t>(threads, 1);
   for (std::uint32_t i = 0; i < n; ++i) workers.push_back(std::make_unique<Worker>(*this, i));
   if (threads > 0) {

@@ -2,6 +2,8 @@
 // Everything here runs on the worker's thread (or in progress()), except post(), attach() and
 // stop(). Its transfers are in worker_transfers.cpp, its links in worker_links.cpp, its rails in
 // worker_rails.cpp.
+#include <pthread.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <fcntl.h>
@@ -98,8 +100,20 @@ Worker::~Worker() { stop(); }
 
 void Worker::start() {
   threaded_ = true;
-  thread_ = std::thread([this] {
+  const std::vector<int>& cpus = e_.cfg.worker_cpus;
+  const int cpu = cpus.empty() ? -1 : cpus[index_ % cpus.size()];
+  thread_ = std::thread([this, cpu] {
     name_worker_thread(index_);
+    if (cpu >= 0) {
+      // The CPU was checked at construction: one the process may run on.
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(static_cast<std::size_t>(cpu), &set);
+      if (const int rc = ::pthread_setaffinity_np(::pthread_self(), sizeof set, &set); rc != 0) {
+        e_.cfg.link.log(fmt::format("engine {}: worker {} could not be pinned to CPU {}: {}", e_.name, index_, cpu,
+                                    errno_name(rc)));
+      }
+    }
     (void)run(Deadline::max(), true);
   });
 }

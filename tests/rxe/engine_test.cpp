@@ -1,6 +1,7 @@
 // Runs inside the lab: the engine against rxe. Engines in one process talk over loopback (each
 // has its own listener, PD and workers, as separate processes would); every byte is checked.
 #include <poll.h>
+#include <sched.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -243,6 +244,53 @@ TEST(Engine, ItsThreadsAreNamed) {
   EXPECT_GE(names["rdmakit-w1"], 1);
   EXPECT_GE(names["rdmakit-connect"], 2);
   EXPECT_GE(names["rdmakit-accept"], 1);
+}
+
+// Workers run on the CPUs they are given (worker i on worker_cpus[i % n]), each pinned to one;
+// a CPU the process may not use is refused at construction, naming it.
+TEST(Engine, WorkersRunOnTheCpusTheyAreGiven) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  ASSERT_EQ(::sched_getaffinity(0, sizeof allowed, &allowed), 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE && cpus.size() < 2; ++c) {
+    if (CPU_ISSET(static_cast<std::size_t>(c), &allowed)) cpus.push_back(c);
+  }
+  if (cpus.size() < 2) GTEST_SKIP() << "needs two CPUs this process may run on";
+  EngineConfig c = config("a");
+  c.workers = 3;
+  c.worker_cpus = {cpus[1], cpus[0]};
+  Engine a(c);
+  const std::map<std::string, int> want = {{"rdmakit-w0", cpus[1]}, {"rdmakit-w1", cpus[0]}, {"rdmakit-w2", cpus[1]}};
+  std::map<std::string, std::vector<int>> got;
+  for (int i = 0; i < 250 && got.size() < want.size(); ++i) {
+    got.clear();
+    for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+      std::ifstream comm(task.path() / "comm");
+      std::string name;
+      std::getline(comm, name);
+      if (!want.contains(name)) continue;
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      if (::sched_getaffinity(std::stoi(task.path().filename().string()), sizeof set, &set) != 0) continue;
+      std::vector<int> on;
+      for (int k = 0; k < CPU_SETSIZE; ++k) {
+        if (CPU_ISSET(static_cast<std::size_t>(k), &set)) on.push_back(k);
+      }
+      if (on.size() == 1) got[name] = on;  // pinned (a thread that just started may not be yet)
+    }
+    if (got.size() < want.size()) std::this_thread::sleep_for(20ms);
+  }
+  for (const auto& [name, cpu] : want) EXPECT_EQ(got[name], std::vector<int>{cpu}) << name;
+  EngineConfig bad = config("bad");
+  bad.worker_cpus = {CPU_SETSIZE + 5};
+  try {
+    Engine x(bad);
+    ADD_FAILURE() << "a CPU past the set was taken";
+  } catch (const rdmakit::Error& e) {
+    EXPECT_EQ(e.sys_errno(), EINVAL);
+    EXPECT_NE(std::string(e.what()).find("CPU 1029 is not one this process may run on"), std::string::npos) << e.what();
+  }
 }
 
 // The notification arrives after the data it announces: the target checks the bytes on receipt,

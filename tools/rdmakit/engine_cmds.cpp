@@ -48,6 +48,7 @@ struct EngineNet {
   std::string psk_file;
   std::string method = "tcp";
   unsigned workers = 0;  // 0: the engine's default, one per device
+  std::vector<int> worker_cpus;
   unsigned max_qps = 1024;
   unsigned rails = 0;  // 0: every port that reaches the peer
   std::vector<std::string> rail_devices;
@@ -94,6 +95,10 @@ struct EngineNet {
         ->check(CLI::IsMember({"auto", "attach", "ring"}))
         ->capture_default_str();
     app.add_option("--workers", workers, "progress threads (default: one per RDMA device)")->check(CLI::Range(1u, 64u));
+    app.add_option("--worker-cpus", worker_cpus,
+                   "the CPUs the workers run on, e.g. 2,3 (worker i on the i-th, round robin; default: anywhere)")
+        ->delimiter(',')
+        ->check(CLI::NonNegativeNumber);
     app.add_option("--wait-spin", wait_spin_us,
                    "microseconds a wait for a batch polls on its own thread before it sleeps (adapts to what waits "
                    "take, within this); 0: it sleeps at once")
@@ -121,6 +126,7 @@ struct EngineNet {
     if (!psk_file.empty()) c.link.psk = read_key_file(psk_file);
     if (!identity_file.empty()) c.identity = Identity::from_file(identity_file);
     if (workers != 0) c.workers = workers;
+    c.worker_cpus = worker_cpus;
     c.wait_spin = std::chrono::microseconds{wait_spin_us};
     c.max_qps = max_qps;
     c.rails.max = rails;
