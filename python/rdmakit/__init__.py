@@ -64,7 +64,10 @@ def _pump_logs(stop):
     # "rdmakit" logger: queued by whichever thread said them, logged from this one.
     log = _logging.getLogger("rdmakit")
     while not stop.is_set():
-        for line in _native._log_lines(1.0):
+        lines = _native._log_lines(1.0)
+        if lines is None:
+            return  # stopped: the exit hook ran
+        for line in lines:
             try:
                 log.warning("%s", line)
             except Exception:  # noqa: BLE001 - a handler or filter of the application's failed
@@ -74,13 +77,15 @@ def _pump_logs(stop):
 _log_lock = _threading.Lock()
 _log_pump = None
 _log_stop = None
+_log_closed = False
 
 
 def _start_log_pump():
-    """Started by the first engine or connection (and again in a forked child that makes one)."""
+    """Started by the first engine or connection (and again in a forked child that makes one);
+    never after the exit hook has run."""
     global _log_pump, _log_stop
     with _log_lock:
-        if _log_pump is not None and _log_pump.is_alive():
+        if _log_closed or (_log_pump is not None and _log_pump.is_alive()):
             return
         _log_stop = _threading.Event()
         _log_pump = _threading.Thread(target=_pump_logs, args=(_log_stop,), name="rdmakit-log", daemon=True)
@@ -91,17 +96,24 @@ def _drain_logs():
     # Before the interpreter finalizes: the pump stops waiting and ends (a daemon thread taking
     # the GIL back during finalization would abort the process), then what is left is logged;
     # lines said after this go to stderr.
-    if _log_stop is not None:
-        _log_stop.set()
+    global _log_closed
+    with _log_lock:
+        _log_closed = True
+        pump, stop = _log_pump, _log_stop
+    if stop is not None:
+        stop.set()
     _native._log_stop()
-    if _log_pump is not None and _log_pump.is_alive():
-        _log_pump.join(2.0)
-    for line in _native._log_lines(0.0):
-        _logging.getLogger("rdmakit").warning("%s", line)
+    if pump is not None and pump.is_alive():
+        pump.join(2.0)
+    for line in _native._log_lines(0.0) or []:
+        try:
+            _logging.getLogger("rdmakit").warning("%s", line)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _after_fork_in_child():
-    # The parent's pump thread is not in the child (nor its lock's holder): start afresh there.
+    # The parent's pump thread is not in the child (nor, maybe, its lock's holder): start afresh.
     global _log_pump, _log_lock
     _log_lock = _threading.Lock()
     _log_pump = None

@@ -7,6 +7,7 @@
 #include <string_view>
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 namespace rdmakit::python {
 
