@@ -114,7 +114,8 @@ struct EngineConfig {
   std::optional<std::uint32_t> workers{};
   /// The CPUs the worker threads run on: worker i on worker_cpus[i % size] (pinned, as
   /// `taskset` would, to the NIC's NUMA node say). Empty: wherever the scheduler puts them.
-  /// A CPU this process may not run on is refused at construction (Error, EINVAL).
+  /// A CPU this process may not run on (its cpuset, taskset) is refused at construction
+  /// (Error, EINVAL), and so is a list with workers = 0 (no worker threads to pin).
   std::vector<int> worker_cpus{};
   /// How long Batch::wait() polls on the calling thread before it sleeps (latency against CPU).
   /// While the batch's worker thread is asleep, the waiter polls that worker's completions

@@ -122,16 +122,15 @@ Engine::Impl::Impl(EngineConfig c)
   if (!event_fd) throw Error("eventfd", errno, "the engine's descriptor");
   threads = cfg.workers.value_or(std::max<std::uint32_t>(rdma_count, 1));
   if (threads > 64) throw Error("engine config", EINVAL, fmt::format("{} workers (at most 64)", threads));
-  if (!cfg.worker_cpus.empty()) {
-    cpu_set_t runnable;
-    CPU_ZERO(&runnable);
-    if (::sched_getaffinity(0, sizeof runnable, &runnable) != 0) throw Error("sched_getaffinity", errno, "this process");
-    for (const int cpu : cfg.worker_cpus) {
-      if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(static_cast<std::size_t>(cpu), &runnable)) {
-        throw Error("engine config", EINVAL, fmt::format("worker_cpus: CPU {} is not one this process may run on", cpu),
-                    fmt::format("this process may run on {} CPUs (taskset -p {}, /proc/self/status Cpus_allowed_list)",
-                                CPU_COUNT(&runnable), ::getpid()));
-      }
+  if (!cfg.worker_cpus.empty() && threads == 0) {
+    throw Error("engine config", EINVAL, "worker_cpus with workers = 0: there are no worker threads to pin",
+                "pin the thread that calls progress() yourself, or give the engine workers");
+  }
+  for (const int cpu : cfg.worker_cpus) {
+    // Whether the process may run there is the kernel's to say, as each worker is pinned.
+    if (cpu < 0 || cpu >= CPU_SETSIZE) {
+      throw Error("engine config", EINVAL, fmt::format("worker_cpus: CPU {} is not one this process may run on", cpu),
+                  fmt::format("CPUs are numbered 0 to {}", CPU_SETSIZE - 1));
     }
   }
   const std::uint32_t n = std::max<std::uint32_t>(threads, 1);

@@ -100,22 +100,24 @@ Worker::~Worker() { stop(); }
 
 void Worker::start() {
   threaded_ = true;
-  const std::vector<int>& cpus = e_.cfg.worker_cpus;
-  const int cpu = cpus.empty() ? -1 : cpus[index_ % cpus.size()];
-  thread_ = std::thread([this, cpu] {
+  thread_ = std::thread([this] {
     name_worker_thread(index_);
-    if (cpu >= 0) {
-      // The CPU was checked at construction: one the process may run on.
-      cpu_set_t set;
-      CPU_ZERO(&set);
-      CPU_SET(static_cast<std::size_t>(cpu), &set);
-      if (const int rc = ::pthread_setaffinity_np(::pthread_self(), sizeof set, &set); rc != 0) {
-        e_.cfg.link.log(fmt::format("engine {}: worker {} could not be pinned to CPU {}: {}", e_.name, index_, cpu,
-                                    errno_name(rc)));
-      }
-    }
     (void)run(Deadline::max(), true);
   });
+  // Pinned from here, so that a CPU the process may not run on (its cpuset, taskset) fails the
+  // engine's construction rather than leave the worker running anywhere.
+  const std::vector<int>& cpus = e_.cfg.worker_cpus;
+  if (cpus.empty()) return;
+  const int cpu = cpus[index_ % cpus.size()];
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(static_cast<std::size_t>(cpu), &set);
+  if (const int rc = ::pthread_setaffinity_np(thread_.native_handle(), sizeof set, &set); rc != 0) {
+    throw Error("engine config", EINVAL,
+                fmt::format("worker_cpus: CPU {} is not one this process may run on (pthread_setaffinity_np: {})", cpu,
+                            errno_name(rc)),
+                fmt::format("taskset -p {} and /proc/self/status (Cpus_allowed_list) say which it may", ::getpid()));
+  }
 }
 
 void Worker::post(Command c) {

@@ -109,14 +109,14 @@ timeout 40 "$R" engine-bench --peer "t=$ip0:7640" --op write --block-size 64K --
 bench=$!
 pids="$pids $bench"
 python3 - <<'PY' || fail "run B"
-import json, subprocess, sys, time, urllib.parse, urllib.request
+import http.client, json, subprocess, sys, time, urllib.parse, urllib.request
 def q(expr):
     u = "http://127.0.0.1:9090/api/v1/query?" + urllib.parse.urlencode({"query": expr, "time": "%.3f" % time.time()})
     try:
         with urllib.request.urlopen(u, timeout=5) as r:
             res = json.loads(r.read())["data"]["result"]
-    except OSError:
-        return None  # a slow answer in a loaded VM: asked again
+    except (OSError, http.client.HTTPException, ValueError, KeyError):
+        return None  # a slow, cut-short or odd answer in a loaded VM: asked again
     return float(res[0]["value"][1]) if res else None
 def until(what, cond, seconds):
     end = time.monotonic() + seconds

@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include <sched.h>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -98,7 +100,7 @@ struct EngineNet {
     app.add_option("--worker-cpus", worker_cpus,
                    "the CPUs the workers run on, e.g. 2,3 (worker i on the i-th, round robin; default: anywhere)")
         ->delimiter(',')
-        ->check(CLI::NonNegativeNumber);
+        ->check(CLI::Range(0, CPU_SETSIZE - 1));
     app.add_option("--wait-spin", wait_spin_us,
                    "microseconds a wait for a batch polls on its own thread before it sleeps (adapts to what waits "
                    "take, within this); 0: it sleeps at once")

@@ -87,3 +87,28 @@ def test_a_wait_polls_for_its_transfer_unless_wait_spin_is_zero(spin):
         assert (n["waits_spun"] > 0) == (spin > 0), n
     with pytest.raises(ValueError, match="wait_spin"):
         rdmakit.Engine(name="x", listen="", transports=["tcp"], wait_spin=2.0)
+
+
+def test_workers_are_pinned_to_the_cpus_given():
+    import os
+    import time
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    e = rdmakit.Engine(name="pinned", listen="", transports=["tcp"], workers=2, worker_cpus=[cpus[1], cpus[0]])
+    try:
+        want = {"rdmakit-w0": {cpus[1]}, "rdmakit-w1": {cpus[0]}}
+        got = {}
+        until = time.monotonic() + 5
+        while len(got) < len(want) and time.monotonic() < until:   # a thread names itself as it starts
+            for task in os.listdir("/proc/self/task"):
+                with open(f"/proc/self/task/{task}/comm") as f:
+                    name = f.read().strip()
+                if name in want:
+                    got[name] = os.sched_getaffinity(int(task))
+            time.sleep(0.01)
+        assert got == want
+    finally:
+        e.close()
+    with pytest.raises(rdmakit.Error, match="worker_cpus with workers = 0"):
+        rdmakit.Engine(name="none", listen="", transports=["tcp"], workers=0, worker_cpus=[cpus[0]])
