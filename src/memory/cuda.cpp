@@ -224,9 +224,7 @@ std::unique_ptr<MemoryRegion::Impl> register_gpu(std::shared_ptr<DeviceResources
       return adopt_mr(std::move(dev), std::move(mr), access, length, nullptr, RegistrationPath::dmabuf_mr,
                       "the caller's GPU memory, exported as a dma-buf (cuMemGetHandleForAddressRange)", nullptr);
     }
-    const int err = errno;
-    why = fmt::format("ibv_reg_dmabuf_mr: {}{}", errno_name(err),
-                      err == EOPNOTSUPP ? " (the device cannot register dma-buf MRs)" : "");
+    why = dmabuf_mr_refusal(errno);
   }
   errno = 0;
   MrPtr mr(ibv_reg_mr(dev->pd.get(), addr, length, flags));
@@ -358,7 +356,7 @@ std::unique_ptr<MemoryRegion::Impl> allocate_cuda(std::shared_ptr<DeviceResource
       return adopt_mr(std::move(dev), std::move(mr), access, length, std::move(src), RegistrationPath::dmabuf_mr,
                       "GPU memory exported as a dma-buf (cuMemGetHandleForAddressRange)", nullptr);
     }
-    why = fmt::format("ibv_reg_dmabuf_mr: {}", errno_name(errno));
+    why = dmabuf_mr_refusal(errno);
   }
   // 2. The device pointer itself: works when nvidia-peermem lets the kernel pin GPU memory.
   errno = 0;

@@ -81,6 +81,7 @@ struct DmabufSource final : MemorySource {
   std::uint64_t offset = 0;
   std::size_t length = 0;
   void* map = nullptr;
+  std::uint64_t map_start = 0;  // the page `offset` is in: mappings start there
   std::size_t map_len = 0;
   std::string map_error;
   void* reserved = nullptr;  // address space standing for the memory where it has no mapping
@@ -89,7 +90,8 @@ struct DmabufSource final : MemorySource {
     fd = ::fcntl(exporter_fd, F_DUPFD_CLOEXEC, 0);
     if (fd < 0) throw Error("dup(dma-buf fd)", errno, fmt::format("fd {}", exporter_fd), "is it an open dma-buf fd?");
     const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
-    map_len = static_cast<std::size_t>(off - off / page * page + len);
+    map_start = off / page * page;
+    map_len = static_cast<std::size_t>(off - map_start + len);
     if (map_it) map_now();
   }
   ~DmabufSource() override {
@@ -100,15 +102,13 @@ struct DmabufSource final : MemorySource {
   // The CPU's mapping of the range; false (map_error says why) when the exporter refuses one.
   bool map_now() {
     if (map != nullptr) return true;
-    const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
-    const std::uint64_t start = offset / page * page;
-    void* p = ::mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(start));
+    void* p = ::mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(map_start));
     if (p == MAP_FAILED) {
       map_error = fmt::format("mmap of the dma-buf: {}", errno_name(errno));
       return false;
     }
     map = p;
-    cpu = static_cast<char*>(p) + (offset - start);
+    cpu = static_cast<char*>(p) + (offset - map_start);
     return true;
   }
   // An address of this process's that nothing else uses, for an iova that must tell this memory
@@ -118,8 +118,7 @@ struct DmabufSource final : MemorySource {
     void* p = ::mmap(nullptr, map_len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) throw Error("mmap(PROT_NONE)", errno, fmt::format("{} bytes of address space", map_len));
     reserved = p;
-    const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
-    return reinterpret_cast<std::uint64_t>(p) + offset % page;
+    return reinterpret_cast<std::uint64_t>(p) + (offset - map_start);
   }
   void sync(std::uint64_t flags) {
     dma_buf_sync s{flags};
@@ -159,6 +158,11 @@ std::unique_ptr<MemoryRegion::Impl> bounce_region(std::shared_ptr<DeviceResource
   return impl;
 }
 
+std::string dmabuf_mr_refusal(int err, std::string_view device) {
+  return fmt::format("ibv_reg_dmabuf_mr{}{}: {} ({})", device.empty() ? "" : " on ", device, errno_name(err),
+                     err == EOPNOTSUPP ? "the device cannot register dma-buf MRs" : std::system_category().message(err));
+}
+
 DmabufRegistration register_dmabuf(const std::vector<std::shared_ptr<DeviceResources>>& devs, int fd,
                                    std::uint64_t offset, std::size_t length, Access access) {
   DmabufRegistration r;
@@ -180,9 +184,7 @@ DmabufRegistration register_dmabuf(const std::vector<std::shared_ptr<DeviceResou
     errno = 0;
     MrPtr mr(ibv_reg_dmabuf_mr(dev->pd.get(), offset, length, iova, src->fd, static_cast<int>(mr_access_flags(access))));
     if (!mr) {
-      const int err = errno;
-      refused = fmt::format("ibv_reg_dmabuf_mr on {}: {}{}", ibv_get_device_name(dev->ctx()->device), errno_name(err),
-                            err == EOPNOTSUPP ? " (the device cannot register dma-buf MRs)" : "");
+      refused = dmabuf_mr_refusal(errno, ibv_get_device_name(dev->ctx()->device));
       break;
     }
     r.regions.push_back(adopt_mr(dev, std::move(mr), access, length, nullptr, RegistrationPath::dmabuf_mr,
@@ -239,9 +241,7 @@ std::unique_ptr<MemoryRegion::Impl> allocate_region(std::shared_ptr<DeviceResour
         break;
       }
       const int err = errno;
-      const std::string why = fmt::format("ibv_reg_dmabuf_mr: {} ({})", errno_name(err),
-                                          err == EOPNOTSUPP ? "the device cannot register dma-buf MRs"
-                                                            : std::system_category().message(err));
+      const std::string why = dmabuf_mr_refusal(err);
       if (src->cpu == nullptr) {
         throw Error("register dma-buf", err, why + "; and no bounce buffer either: " + src->map_error,
                     "the exporter must allow mmap for the bounce path, or the NIC must support dma-buf");

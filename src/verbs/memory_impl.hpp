@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "rdmakit/memory.hpp"
 #include "verbs/device_layer.hpp"
@@ -65,6 +66,9 @@ std::unique_ptr<MemoryRegion::Impl> bounce_region(std::shared_ptr<DeviceResource
 std::unique_ptr<MemoryRegion::Impl> allocate_region(std::shared_ptr<DeviceResources> dev,
                                                     std::size_t length, Access access,
                                                     const MemorySpec& spec);
+/// Why ibv_reg_dmabuf_mr failed with `err`, as every dma-buf path says it:
+/// "ibv_reg_dmabuf_mr[ on DEVICE]: EOPNOTSUPP (the device cannot register dma-buf MRs)".
+[[nodiscard]] std::string dmabuf_mr_refusal(int err, std::string_view device = {});
 /// A caller's dma-buf, [offset, +length) of fd, registered on every device of `devs`
 /// (src/memory/): by ibv_reg_dmabuf_mr where all of them take it, else through one host bounce
 /// buffer registered on each (the exporter must allow mmap: stage_in/stage_out copy through
