@@ -556,8 +556,8 @@ struct PeerInfo {
   /// port, used or not (with the reason). Learnt from the peer when the link first came up.
   std::vector<RailInfo> rails{};
   /// The key its links must prove (Identity::public_key() text), and where it came from:
-  /// "given" (add_peer), "store" (its record), "pinned" (the first link that proved one), or
-  /// empty with no key (its links prove none: the cluster key is all that vouches for them).
+  /// "given" (add_peer), "info" (add_peer with its local_info()), "store" (its record),
+  /// "pinned" (the first link that proved one), or empty with no key (its links prove none: the cluster key is all that vouches for them).
   std::string public_key{};
   std::string key_source{};
 };
@@ -717,6 +717,21 @@ class Engine {
   /// when it restarts elsewhere). Throws Error naming the store when it has no such engine or
   /// does not answer within MetadataConfig::call_timeout, or when the engine has no store.
   void add_peer(std::string name);
+  /// What a peer needs to link to this engine, as bytes for a channel the application already
+  /// has (a serving system's ZMQ, HTTP or RPC side channel): the record the engine would publish
+  /// in a metadata store (versioned JSON, docs/compatibility.md), that is its name, epoch, public
+  /// key, endpoints, transports, rails and segments. Never a memory key or address: those travel
+  /// only in a link's authenticated handshake. Throws Error when the engine does not listen (yet):
+  /// no peer could link to it.
+  [[nodiscard]] std::vector<std::uint8_t> local_info() const;
+  /// Adds the engine whose local_info() `info` is, under `name` (the name it says it runs under;
+  /// another is refused, naming both), at the first endpoint it lists and bound to the public key
+  /// it names: its links must prove that key, as with add_peer's `public_key` (and with none named,
+  /// the first key a link proves is pinned). The bytes are as trustworthy as the channel that
+  /// carried them: an engine with a pre-shared key still links only with holders of the key,
+  /// whoever sent the info. Throws Error (EPROTO, naming what is wrong) for bytes that are not an
+  /// engine's info of this or the previous version, and as add_peer does.
+  void add_peer(std::string name, std::span<const std::uint8_t> info);
   /// Removes a peer: its links close (what is in flight fails as peer_lost), and its access to
   /// this engine's segments is revoked.
   void remove_peer(const std::string& name);

@@ -689,6 +689,23 @@ void bind_engine(py::module_& m) {
       .def("withdraw", [](PyEngine& e, const std::string& name) {
         e.call([&](Engine& x) { x.withdraw(name); });
       })
+      .def("local_info",
+           [](PyEngine& e) {
+             const std::vector<std::uint8_t> info = e.call([](Engine& x) { return x.local_info(); });
+             return py::bytes(reinterpret_cast<const char*>(info.data()), info.size());
+           },
+           "What a peer needs to link to this engine, as bytes for a channel the application already "
+           "has (ZMQ, HTTP, an RPC): the record it would publish in a metadata store, never a memory key. "
+           "The other side passes them to add_peer(name, info).")
+      .def("add_peer",
+           [](PyEngine& e, std::string name, py::bytes info) {
+             const std::string bytes = info;  // a copy: the call runs without the GIL
+             e.call([&](Engine& x) {
+               x.add_peer(std::move(name), std::span(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()));
+             });
+           },
+           py::arg("name"), py::arg("info"),
+           "Adds the engine whose local_info() `info` is, under its name, bound to the public key it names.")
       .def("add_peer",
            [](PyEngine& e, std::string name, std::optional<std::string> address, std::string public_key) {
              e.call([&](Engine& x) {

@@ -175,13 +175,14 @@ MetadataPlane::Health MetadataPlane::health() const {
   return health_;
 }
 
-md::EngineRecord MetadataPlane::self_record() const {
+md::EngineRecord engine_record(const Engine::Impl& e, const std::vector<std::string>& advertise,
+                               const std::function<void(std::size_t listed)>& truncated) {
   md::EngineRecord r;
-  r.name = e_.name;
-  r.epoch = e_.epoch;
-  r.public_key = e_.cfg.identity.public_key();
-  for (const wire::LinkTransport t : e_.offer) r.transports.emplace_back(wire::to_string(t));
-  for (const RailPort& p : local_rails(e_.catalog(), e_.cfg.link.gid, e_.cfg.rails.devices)) {
+  r.name = e.name;
+  r.epoch = e.epoch;
+  r.public_key = e.cfg.identity.public_key();
+  for (const wire::LinkTransport t : e.offer) r.transports.emplace_back(wire::to_string(t));
+  for (const RailPort& p : local_rails(e.catalog(), e.cfg.link.gid, e.cfg.rails.devices)) {
     md::RailRecord rail;
     rail.device = p.device;
     rail.port = p.port;
@@ -190,12 +191,11 @@ md::EngineRecord MetadataPlane::self_record() const {
     rail.subnet = p.prefix == 0 ? std::string{} : p.subnet();
     r.rails.push_back(std::move(rail));
   }
-  const MetadataConfig& mc = e_.cfg.metadata;
-  const Listener* l = e_.listening.load(std::memory_order_acquire);
-  if (!mc.advertise.empty()) {
-    r.endpoints = mc.advertise;
+  const Listener* l = e.listening.load(std::memory_order_acquire);
+  if (!advertise.empty()) {
+    r.endpoints = advertise;
   } else if (l != nullptr) {
-    const HostPort at = parse_host_port(e_.cfg.listen, 0);
+    const HostPort at = parse_host_port(e.cfg.listen, 0);
     auto add = [&](const std::string& host) {
       const std::string ep = HostPort{host, l->port()}.to_string();
       if (std::find(r.endpoints.begin(), r.endpoints.end(), ep) == r.endpoints.end()) r.endpoints.push_back(ep);
@@ -214,26 +214,33 @@ md::EngineRecord MetadataPlane::self_record() const {
       }
     }
   }
-  std::lock_guard lock(e_.mu);
+  std::lock_guard lock(e.mu);
   std::size_t bytes = 0;
-  for (const auto& [name, s] : e_.segments) {
+  for (const auto& [name, s] : e.segments) {
     // More than a record holds (in entries, or in bytes within etcd's default 1.5 MiB request,
     // counting a name's escapes at their worst): the rest are served over the links all the
     // same, not listed, and the log says so once.
     bytes += 2 * name.size() + 40;
     if (r.segments.size() == md::max_segments || bytes > md::max_segment_bytes) {
-      if (!truncated_.exchange(true)) {
-        e_.cfg.link.log(fmt::format("engine {}: its record in {} lists {} of its {} segments (a record holds "
-                                    "at most {} or about {} KiB of them); peers reach all of them over their links",
-                                    e_.name, shown_, r.segments.size(), e_.segments.size(), md::max_segments,
-                                    md::max_segment_bytes / 1024));
-      }
+      if (truncated) truncated(r.segments.size());
       break;
     }
-    const BufferRec* b = e_.buffer(s.buffer);
+    const BufferRec* b = e.buffer(s.buffer);
     r.segments.push_back({name, s.length, b != nullptr ? to_string(b->kind) : "host"});
   }
   return r;
+}
+
+md::EngineRecord MetadataPlane::self_record() const {
+  return engine_record(e_, e_.cfg.metadata.advertise, [this](std::size_t listed) {
+    if (truncated_.exchange(true)) return;
+    // More than a record holds: the rest are served over the links all the same, not listed,
+    // and the log says so once.
+    e_.cfg.link.log(fmt::format("engine {}: its record in {} lists {} of its {} segments (a record holds at most "
+                                "{} or about {} KiB of them); peers reach all of them over their links",
+                                e_.name, shown_, listed, e_.segments.size(), md::max_segments,
+                                md::max_segment_bytes / 1024));
+  });
 }
 
 void MetadataPlane::apply(const md::DirectoryChange& c) {

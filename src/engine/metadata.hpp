@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -25,6 +26,12 @@
 #include "rdmakit/engine.hpp"
 
 namespace rdmakit::detail {
+
+/// What `e` says about itself, in a store (MetadataPlane) or as Engine::local_info(): its name,
+/// epoch, key, transports, rails, endpoints (`advertise`, else the listener's addresses) and
+/// segments; `truncated` is told how many were listed when not every one fits.
+[[nodiscard]] metadata::EngineRecord engine_record(const Engine::Impl& e, const std::vector<std::string>& advertise,
+                                                   const std::function<void(std::size_t listed)>& truncated = {});
 
 class MetadataPlane {
  public:

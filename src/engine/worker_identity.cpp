@@ -22,6 +22,7 @@ std::string key_text(const std::vector<std::uint8_t>& key) {
 std::string source_text(const std::string& source) {
   if (source == "given") return "given to add_peer";
   if (source == "store") return "published in the store";
+  if (source == "info") return "named in the info given to add_peer";
   return "pinned when its first link proved it";
 }
 

@@ -24,7 +24,7 @@ constexpr std::size_t max_text = 256;
 
 [[noreturn]] void bad(const std::string& where, const std::string& why) {
   throw Error("metadata record", EPROTO, fmt::format("{}: {}", where, why),
-              "the entry was not written by an rdmakit engine of this version (or was altered)");
+              "it was not written by an rdmakit engine of this or the previous format version, or was altered on the way");
 }
 
 std::string text(const json& j, const char* field, const std::string& where) {
@@ -102,7 +102,7 @@ EngineRecord decode(std::string_view input, const std::string& where,
   EngineRecord r;
   r.name = text(j, "name", where);
   if (r.name != expected_name) {
-    bad(where, fmt::format("names engine \"{}\" under the key of \"{}\"", r.name, expected_name));
+    bad(where, fmt::format("is engine \"{}\"'s, not \"{}\"'s", r.name, expected_name));
   }
   r.epoch = number(j, "epoch", where);
   if (j.contains("identity")) {

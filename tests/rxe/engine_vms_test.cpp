@@ -3,8 +3,13 @@
 // it back and compares, then tells each peer (a notification after its writes); each VM checks
 // every byte the others wrote into its own memory once both have told it. Peers are added by
 // address, and again (tests/rxe/with_stores.sh) by name alone through Redis and through etcd.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -276,6 +281,110 @@ TEST(EngineVms, AnImpostorOnTheTargetsAddressIsRefused) {
   }
   EXPECT_GE(same_name, kTries);
   EXPECT_GE(other_name, kTries);
+}
+
+// The side channel a serving system already has (ZMQ, HTTP), here a plain TCP connection: VM 1
+// listens, VM 0 connects, each sends its bytes (length u32, then the bytes) and gets the other's.
+static std::vector<std::uint8_t> swap_over_tcp(bool listener, const std::string& other_ip,
+                                               const std::vector<std::uint8_t>& mine) {
+  constexpr std::uint16_t kSidePort = 7623;
+  int fd = -1;
+  if (listener) {
+    const int l = ::socket(AF_INET, SOCK_STREAM, 0);
+    const int on = 1;
+    ::setsockopt(l, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(kSidePort);
+    EXPECT_EQ(::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof a), 0) << std::strerror(errno);
+    EXPECT_EQ(::listen(l, 1), 0);
+    timeval tv{60, 0};
+    ::setsockopt(l, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);  // accept() gives up after a minute
+    fd = ::accept(l, nullptr, nullptr);
+    ::close(l);
+    if (fd >= 0) ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  } else {
+    for (int i = 0; i < 600 && fd < 0; ++i) {
+      fd = lab::raw_connect(other_ip, kSidePort, 60);
+      if (fd < 0) std::this_thread::sleep_for(100ms);
+    }
+  }
+  if (fd < 0) {
+    ADD_FAILURE() << "the side channel did not connect";
+    return {};
+  }
+  std::vector<std::uint8_t> out(4);
+  const auto n = static_cast<std::uint32_t>(mine.size());
+  std::vector<std::uint8_t> msg(4 + mine.size());
+  for (int k = 0; k < 4; ++k) msg[static_cast<std::size_t>(k)] = static_cast<std::uint8_t>(n >> (24 - 8 * k));
+  std::copy(mine.begin(), mine.end(), msg.begin() + 4);
+  EXPECT_TRUE(lab::send_bytes(fd, msg));
+  auto fill = [&](std::uint8_t* p, std::size_t len) {
+    for (std::size_t got = 0; got < len;) {
+      const ssize_t k = ::recv(fd, p + got, len - got, 0);
+      if (k <= 0) return false;
+      got += static_cast<std::size_t>(k);
+    }
+    return true;
+  };
+  if (!fill(out.data(), 4)) {
+    ::close(fd);
+    ADD_FAILURE() << "the side channel closed";
+    return {};
+  }
+  const std::uint32_t len = (std::uint32_t{out[0]} << 24) | (std::uint32_t{out[1]} << 16) | (std::uint32_t{out[2]} << 8) | out[3];
+  out.assign(std::min<std::uint32_t>(len, 4u << 20), 0);
+  if (!fill(out.data(), out.size())) out.clear();
+  ::close(fd);
+  return out;
+}
+
+// Issue 38, item 6: two VMs add each other from the bytes of local_info() carried over their own
+// side channel (no address typed, no store), link over rdma with a key and identities, and each
+// writes the other's segment; each link proves the key the info named.
+TEST(EngineVms, PeersAddedFromLocalInfo) {
+  const auto ips = lab_ips();
+  ASSERT_EQ(ips.size(), 2u) << "run in a lab of two VMs";
+  const auto me = static_cast<std::size_t>(std::atoi(std::getenv("RDMAKIT_LAB_INDEX")));
+  const std::size_t other = 1 - me;
+  rdmakit::EngineConfig c;
+  c.name = "info-" + std::to_string(me);
+  c.listen = ips[me] + ":7622";
+  c.link = lab::quiet();
+  c.link.psk.assign(32, 0x3c);
+  c.identity = rdmakit::Identity::generate();
+  Engine e(c);
+  const Buffer seg = e.allocate_memory(2 * 4096);
+  std::memset(seg.addr, 0, 2 * 4096);
+  e.expose("kv", seg, Access::remote_read | Access::remote_write);
+  const std::vector<std::uint8_t> theirs = swap_over_tcp(me == 1, ips[other], e.local_info());
+  ASSERT_FALSE(theirs.empty());
+  const std::string peer = "info-" + std::to_string(other);
+  e.add_peer(peer, theirs);
+  const rdmakit::PeerInfo added = e.peers().at(0);
+  EXPECT_EQ(added.address, ips[other] + ":7622");
+  EXPECT_EQ(added.key_source, "info");
+  EXPECT_EQ(added.public_key.rfind("ed25519:", 0), 0u) << added.public_key;
+  const Buffer src = e.allocate_memory(4096);
+  std::memset(src.addr, 0x40 + static_cast<int>(me), 4096);
+  const Transfer w{TransferOp::write, src, 0, 4096, e.segment(peer, "kv"), me * 4096};
+  rdmakit::SubmitOptions tell;
+  tell.notify = {'o', 'k'};
+  Batch b = e.submit({&w, 1}, std::move(tell));
+  ASSERT_TRUE(b.wait(60s));
+  ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
+  EXPECT_EQ(e.peers().at(0).transport, "rdma");
+  // The other's write has landed once its notification is here.
+  bool told = false;
+  for (int i = 0; i < 600 && !told; ++i) {
+    told = e.next_notification().has_value();
+    if (!told) std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_TRUE(told) << "no notification from " << peer;
+  const auto* mem = static_cast<const std::uint8_t*>(seg.addr) + other * 4096;
+  EXPECT_TRUE(std::all_of(mem, mem + 4096, [&](std::uint8_t v) { return v == 0x40 + other; })) << peer << "'s write";
+  // Stay until the other has had this side's notification (it leaves when it has).
+  std::this_thread::sleep_for(1s);
 }
 
 // Three VMs, VM 2 without an RDMA device (its rxe link deleted first, added back at the end):
