@@ -110,7 +110,7 @@ TEST(EngineRecord, BadInputIsRefusedWithTheReason) {
       {other_version, "format version 3"},
       {R"({"v":1,"name":"kv-server","epoch":1,"endpoints":[],"rails":[],"segments":[{"name":"s","length":1}]})", "\"memory\""},
       {R"({"v":2,"name":"kv-server","epoch":-1,"endpoints":[],"rails":[],"segments":[]})", "\"epoch\""},
-      {R"({"v":2,"name":"other","epoch":1,"endpoints":[],"rails":[],"segments":[]})", "names engine \"other\""},
+      {R"({"v":2,"name":"other","epoch":1,"endpoints":[],"rails":[],"segments":[]})", "is engine \"other\"'s, not \"kv-server\"'s"},
       {R"({"v":2,"name":"kv-server","epoch":1,"endpoints":[3],"rails":[],"segments":[]})", "endpoint"},
       {R"({"v":2,"name":"kv-server","epoch":1,"endpoints":[],"rails":[{"device":"d"}],"segments":[]})", "\"port\""},
       {R"({"v":2,"name":"kv-server","epoch":1,"endpoints":[],"rails":[],"segments":{}})", "\"segments\""},
