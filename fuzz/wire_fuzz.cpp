@@ -22,23 +22,25 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   // The exception-free check used on the data path agrees with the full one.
   if (quick.has_value() != full.has_value()) std::abort();
-  if (full && (quick->type != full->type || quick->length != full->length)) std::abort();
+  if (full && (quick->type != full->type || quick->length != full->length || quick->version != full->version)) std::abort();
   try {
     if (!full) return 0;
     const wire::Header h = *full;
     const auto payload = in.subspan(wire::kHeaderSize);
     if (h.type == wire::MessageType::hello) {
-      const wire::EndpointInfo e = wire::decode_hello(payload.first(std::min<std::size_t>(h.length, payload.size())));
-      const auto again = wire::encode_hello(e);
-      if (wire::decode_hello(std::span(again).subspan(wire::kHeaderSize)) != e) std::abort();
+      const wire::EndpointInfo e = wire::decode_hello(payload.first(std::min<std::size_t>(h.length, payload.size())), h.version);
+      const auto again = wire::encode_hello(e, h.version);
+      if (wire::decode_hello(std::span(again).subspan(wire::kHeaderSize), h.version) != e) std::abort();
     } else if (h.type == wire::MessageType::reject) {
       (void)wire::decode_reject(payload);
     }
   } catch (const Error&) {
   }
-  try {
-    (void)wire::decode_hello(in);  // the payload decoder on its own
-  } catch (const Error&) {
+  for (const std::uint16_t v : {wire::kPreviousVersion, wire::kVersion}) {
+    try {
+      (void)wire::decode_hello(in, v);  // the payload decoder on its own, in each version
+    } catch (const Error&) {
+    }
   }
   return 0;
 }

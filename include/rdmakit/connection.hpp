@@ -312,6 +312,9 @@ struct ConnectionInfo {
   /// "shm" (docs/engine.md, "Transports"), and why that one.
   std::string transport = "rdma";
   std::string transport_reason;
+  /// The bootstrap wire version the connection speaks: wire::kVersion, or wire::kPreviousVersion
+  /// with a peer of the previous rdmakit (docs/compatibility.md).
+  std::uint16_t wire_version = wire::kVersion;
   wire::EndpointInfo local;
   wire::EndpointInfo remote;
 };

@@ -552,6 +552,9 @@ struct PeerInfo {
   /// (the first both engines list and can use, or which were passed over and why).
   std::string transport{};
   std::string transport_reason{};
+  /// The bootstrap wire version its last link speaks: wire::kVersion, or wire::kPreviousVersion
+  /// with an engine of the previous rdmakit (docs/compatibility.md); 0 until linked.
+  std::uint16_t wire_version = 0;
   /// Its rails: the first is the port its address is reached through; then every other local
   /// port, used or not (with the reason). Learnt from the peer when the link first came up.
   std::vector<RailInfo> rails{};

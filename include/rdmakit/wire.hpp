@@ -1,7 +1,8 @@
 #pragma once
-// The bootstrap wire format, version 6. Every message is a 12-byte header followed by a payload;
-// every field has a fixed width and network byte order, and the decoder checks each one. No C
-// struct is ever copied onto the socket.
+// The bootstrap wire format, version 7 (and 6, the previous version, which this side still
+// speaks to a peer that does: docs/compatibility.md). Every message is a 12-byte header followed
+// by a payload; every field has a fixed width and network byte order, and the decoder checks
+// each one. No C struct is ever copied onto the socket.
 //
 //   header:  magic u32 "RDKT" | version u16 | type u16 | payload length u32
 //   HELLO:   qpn u32 | psn u32 | lid u16 | link layer u8 | gid type u8 | gid [16] |
@@ -10,17 +11,27 @@
 //            qpn u32, psn u32 (each 8 bytes) | regions: addr u64, length u64, rkey u32,
 //            access u32 (each 24 bytes) | with flag bit 1, a transport block: count u8 (1..8) |
 //            transports u8 [count] (1 rdma, 2 tcp, 3 shm) | host [16] | pid u32 |
-//            proof address u64 | proof [32] | token [32] | streams u8 | socket length u8
-//            (0..100) | socket name
-// Version 6 adds the transport block (engine links: the client's HELLO lists the transports it
-// offers, best first, the server's names the one it chose; when rdma is not among them the
-// HELLO's QP fields are zero and not read) and STREAM, the first message on a data stream of a
-// tcp or shm link: token [32] | index u16 (the token is the server HELLO's, so a stream joins
-// only the link whose sealed HELLO carried it). Version 5 adds an ephemeral X25519 key to each side's nonce (forward secrecy; a session only
-// its two ends can read, which engine identities sign); version 4 seals everything after the key
-// proof (SEALED below); version 3 added the flags (bit
-// 0: the sender's device serves remote atomics; other bits are refused); version 2 the QP list
-// (a connection may stripe over several QPs); version 1 had a reserved u16 where the QP count is.
+//            proof address u64 | proof [32] | token [32] | streams u8 | engine protocol u8
+//            (version 7 only) | socket length u8 (0..100) | socket name
+//
+// Versions. A connection speaks one version, the client's, if the server speaks it too: the
+// server answers in the version of the client's first message when it is its own or the one
+// before, and refuses any other with a REJECT in its own version naming both. A client whose
+// first message a server of the previous version refused that way connects again, once, in
+// that version. After the first message, every message of the connection carries its version
+// (sealed frames authenticate their header, so a version changed on the way fails to open).
+// Version 7 adds the engine protocol byte to the transport block: a client's is the highest
+// engine protocol it speaks, a server's the one the link speaks (a peer of version 6 speaks
+// engine protocol 7). Version 6 added the transport block (engine links: the client's HELLO
+// lists the transports it offers, best first, the server's names the one it chose; when rdma is
+// not among them the HELLO's QP fields are zero and not read) and STREAM, the first message on
+// a data stream of a tcp or shm link: token [32] | index u16 (the token is the server HELLO's,
+// so a stream joins only the link whose sealed HELLO carried it). Version 5 added an ephemeral
+// X25519 key to each side's nonce (forward secrecy; a session only its two ends can read, which
+// engine identities sign); version 4 sealed everything after the key proof (SEALED below);
+// version 3 added the flags (bit 0: the sender's device serves remote atomics; other bits are
+// refused); version 2 the QP list (a connection may stripe over several QPs); version 1 had a
+// reserved u16 where the QP count is.
 //   READY, BYE: empty.   REJECT: a UTF-8 reason.   USER: application bytes.   STREAM: above.
 //   With a pre-shared key K, before any HELLO (src/bootstrap/auth.cpp):
 //   AUTH_CHALLENGE (client): hello_c = nonce_c [32] | X25519 public key e_c [32]
@@ -48,7 +59,10 @@
 namespace rdmakit::wire {
 
 inline constexpr std::uint32_t kMagic = 0x52444b54;  // "RDKT"
-inline constexpr std::uint16_t kVersion = 6;
+/// The version this side speaks first.
+inline constexpr std::uint16_t kVersion = 7;
+/// The previous version, which this side still speaks to a peer that does (and no other).
+inline constexpr std::uint16_t kPreviousVersion = 6;
 inline constexpr std::size_t kHeaderSize = 12;
 inline constexpr std::size_t kHelloFixedSize = 42;
 inline constexpr std::size_t kRegionSize = 24;
@@ -61,8 +75,11 @@ inline constexpr std::size_t kMaxRegions = 1024;
 inline constexpr std::size_t kMaxTransports = 8;
 inline constexpr std::size_t kTokenSize = 32;
 inline constexpr std::size_t kMaxSocketName = 100;
-// Without the transports (a byte each) and the socket's name.
-inline constexpr std::size_t kTransportBlockSize = 1 + 16 + 4 + 8 + 32 + kTokenSize + 1 + 1;
+// Without the transports (a byte each) and the socket's name; version 6's has no engine protocol byte.
+inline constexpr std::size_t kTransportBlockSize = 1 + 16 + 4 + 8 + 32 + kTokenSize + 1 + 1 + 1;
+[[nodiscard]] constexpr std::size_t transport_block_size(std::uint16_t version) noexcept {
+  return version >= 7 ? kTransportBlockSize : kTransportBlockSize - 1;
+}
 inline constexpr std::size_t kStreamSize = kTokenSize + 2;
 /// Largest payload accepted; checked from the header before any payload is read.
 inline constexpr std::size_t kMaxPayload = kHelloFixedSize + (kMaxQps - 1) * kQpSize + kMaxRegions * kRegionSize +
@@ -87,6 +104,7 @@ inline constexpr std::uint16_t kLastMessageType = 10;
 struct Header {
   MessageType type = MessageType::hello;
   std::uint32_t length = 0;
+  std::uint16_t version = kVersion;  ///< kVersion or kPreviousVersion (decode_header refuses others)
 };
 
 /// One QP's address: its number and the first packet sequence number it sends.
@@ -125,6 +143,9 @@ struct TransportBlock {
   std::array<std::uint8_t, kTokenSize> token{};
   std::uint8_t streams = 0;
   std::string socket;
+  /// Version 7: the client's, the highest engine protocol it speaks; the server's, the one the
+  /// link speaks. A HELLO of version 6 has none (decoded as kEngineProtocolOfVersion6).
+  std::uint8_t engine_protocol = 0;
   [[nodiscard]] bool has(LinkTransport t) const noexcept {
     for (LinkTransport k : kinds) {
       if (k == t) return true;
@@ -163,23 +184,38 @@ struct EndpointInfo {
   friend bool operator==(const EndpointInfo&, const EndpointInfo&) = default;
 };
 
-/// The 12-byte header of a message of `type` with `length` payload bytes.
-[[nodiscard]] std::vector<std::uint8_t> encode_header(MessageType type, std::uint32_t length);
-/// A whole HELLO message (header and payload). Throws Error if `info` is not encodable.
-[[nodiscard]] std::vector<std::uint8_t> encode_hello(const EndpointInfo& info);
-/// A whole REJECT message; the reason is cut to 512 bytes.
-[[nodiscard]] std::vector<std::uint8_t> encode_reject(std::string_view reason);
+/// The engine protocol a peer of bootstrap version 6 speaks (its HELLO does not say).
+inline constexpr std::uint8_t kEngineProtocolOfVersion6 = 7;
 
-/// Validates and decodes a header: magic, version, known type, payload length within limits.
-/// Throws Error saying what was wrong.
+/// Whether this side speaks `version` (kVersion or kPreviousVersion).
+[[nodiscard]] constexpr bool speaks(std::uint16_t version) noexcept {
+  return version == kVersion || version == kPreviousVersion;
+}
+
+/// The 12-byte header of a message of `type` with `length` payload bytes, in `version`.
+[[nodiscard]] std::vector<std::uint8_t> encode_header(MessageType type, std::uint32_t length,
+                                                      std::uint16_t version = kVersion);
+/// A whole HELLO message (header and payload) in `version`. Throws Error if `info` is not
+/// encodable in it.
+[[nodiscard]] std::vector<std::uint8_t> encode_hello(const EndpointInfo& info, std::uint16_t version = kVersion);
+/// A whole REJECT message; the reason is cut to 512 bytes.
+[[nodiscard]] std::vector<std::uint8_t> encode_reject(std::string_view reason, std::uint16_t version = kVersion);
+
+/// Validates and decodes a header: magic, a version this side speaks, known type, payload
+/// length within limits. Throws Error saying what was wrong (another version: naming both).
 [[nodiscard]] Header decode_header(std::span<const std::uint8_t> bytes);
 /// The same checks without an exception (for the data path): nullopt when the header is invalid
 /// or shorter than kHeaderSize.
 [[nodiscard]] std::optional<Header> try_decode_header(std::span<const std::uint8_t> bytes) noexcept;
-/// Validates and decodes a HELLO payload (every field). Throws Error saying what was wrong.
-[[nodiscard]] EndpointInfo decode_hello(std::span<const std::uint8_t> payload);
+/// Validates and decodes a HELLO payload of `version` (every field). Throws Error saying what
+/// was wrong.
+[[nodiscard]] EndpointInfo decode_hello(std::span<const std::uint8_t> payload, std::uint16_t version = kVersion);
+/// Whether a REJECT (its header and reason) is a server's refusal of the version the client
+/// spoke, from a server of the previous version: the client may connect again in that one.
+[[nodiscard]] bool refused_version(const Header& reject, std::string_view reason, std::uint16_t spoken) noexcept;
 /// A whole STREAM message: the link's token and the stream's index.
-[[nodiscard]] std::vector<std::uint8_t> encode_stream(std::span<const std::uint8_t, kTokenSize> token, std::uint16_t index);
+[[nodiscard]] std::vector<std::uint8_t> encode_stream(std::span<const std::uint8_t, kTokenSize> token, std::uint16_t index,
+                                                      std::uint16_t version = kVersion);
 struct StreamHello {
   std::array<std::uint8_t, kTokenSize> token{};
   std::uint16_t index = 0;

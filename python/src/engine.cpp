@@ -765,6 +765,7 @@ void bind_engine(py::module_& m) {
                d["public_key"] = p.public_key;
                d["transport"] = p.transport;
                d["transport_reason"] = p.transport_reason;
+               d["wire_version"] = p.wire_version;
                d["key_source"] = p.key_source;
                py::list rails;
                for (const RailInfo& r : p.rails) {

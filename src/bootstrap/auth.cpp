@@ -107,6 +107,7 @@ std::unique_ptr<Session> authenticate_client(Channel& ch, std::span<const std::u
   const Hello mine = fresh_hello(eph);
   send_control(ch, nullptr, wire::MessageType::auth_challenge, mine, deadline);  // before any session
   const Message reply = recv_message(ch, deadline);
+  check_version_refusal(ch, reply, peer);
   if (reply.header.type == wire::MessageType::reject) {
     throw Error("bootstrap authentication", ECONNREFUSED,
                 fmt::format("{} refused: {}", peer, wire::decode_reject(reply.payload)),
@@ -123,7 +124,7 @@ std::unique_ptr<Session> authenticate_client(Channel& ch, std::span<const std::u
   if (!same(mac(key, kServerLabel, mine, theirs), their_mac)) {
     // Nothing more than that: the server is not the one we meant, or its key differs.
     try {
-      ch.send_all(wire::encode_reject("the server failed to prove it knows the pre-shared key"),
+      ch.send_all(wire::encode_reject("the server failed to prove it knows the pre-shared key", ch.send_version()),
                deadline_in(std::chrono::milliseconds{500}));
     } catch (const std::exception&) {
     }
@@ -136,7 +137,7 @@ std::unique_ptr<Session> authenticate_client(Channel& ch, std::span<const std::u
            "the server is not rdmakit, or tampers with the handshake");
   }
   send_control(ch, nullptr, wire::MessageType::auth_proof, mac(key, kClientLabel, mine, theirs), deadline);
-  return std::make_unique<Session>(key, mine, theirs, Role::client, dh.bytes);
+  return std::make_unique<Session>(key, mine, theirs, Role::client, dh.bytes, ch.send_version());
 }
 
 std::unique_ptr<Session> authenticate_server(Channel& ch, std::span<const std::uint8_t> key, const Message& first,
@@ -167,7 +168,7 @@ std::unique_ptr<Session> authenticate_server(Channel& ch, std::span<const std::u
       !same(mac(key, kClientLabel, theirs, mine), answer.payload)) {
     refuse(peer, "authentication failed", "the client does not know the pre-shared key");
   }
-  return std::make_unique<Session>(key, theirs, mine, Role::server, dh.bytes);
+  return std::make_unique<Session>(key, theirs, mine, Role::server, dh.bytes, ch.send_version());
 }
 
 }  // namespace rdmakit::detail

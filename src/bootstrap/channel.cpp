@@ -60,10 +60,29 @@ void TcpChannel::keepalive(std::chrono::milliseconds interval_ms, std::chrono::m
   }
 }
 
+VersionRefused::VersionRefused(const std::string& peer, std::uint16_t theirs, std::uint16_t spoken,
+                               const std::string& reason)
+    : Error("bootstrap handshake", EPROTONOSUPPORT,
+            fmt::format("{} speaks wire version {} and refused {}: {}", peer, theirs, spoken, reason),
+            "it runs the previous rdmakit: this side connects again in its version"),
+      version(theirs) {}
+
+void check_version_refusal(const Channel& ch, const Message& m, const std::string& peer) {
+  if (m.header.type != wire::MessageType::reject) return;
+  const std::string reason = wire::decode_reject(m.payload);
+  if (wire::refused_version(m.header, reason, ch.send_version())) throw VersionRefused(peer, m.header.version, ch.send_version(), reason);
+}
+
 Message recv_message(Channel& ch, Deadline deadline) {
   std::uint8_t head[wire::kHeaderSize];
   ch.recv_exact(head, deadline);
   Message m{wire::decode_header(head), {}};
+  if (ch.version() != 0 && m.header.version != ch.version() && m.header.type != wire::MessageType::reject) {
+    throw Error("bootstrap decode", EBADMSG,
+                fmt::format("a {} in wire version {} on a connection that speaks {}", wire::to_string(m.header.type),
+                            m.header.version, ch.version()),
+                "a connection keeps the version of its first message: the peer is not rdmakit, or is broken");
+  }
   m.payload.resize(m.header.length);
   ch.recv_exact(m.payload, deadline);
   return m;

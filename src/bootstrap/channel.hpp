@@ -51,9 +51,17 @@ class Channel {
   /// handshake's waits, so an engine or listener shutting down does not wait out its deadline.
   /// Cleared (nullptr) once the connection is handed over.
   void set_stop(std::shared_ptr<const Stop> stop) noexcept { stop_ = std::move(stop); }
+  /// The wire version the connection speaks (wire.hpp, "Versions"): the client's from its first
+  /// message on, the server's once it has read the client's first message; 0 before (a server's
+  /// refusal of a first message it could not read goes in wire::kVersion).
+  [[nodiscard]] std::uint16_t version() const noexcept { return version_; }
+  void set_version(std::uint16_t v) noexcept { version_ = v; }
+  /// The version a message sent now goes in.
+  [[nodiscard]] std::uint16_t send_version() const noexcept { return version_ != 0 ? version_ : wire::kVersion; }
 
  protected:
   std::shared_ptr<const Stop> stop_;
+  std::uint16_t version_ = 0;
 };
 
 /// The bootstrap socket as a channel.
@@ -74,7 +82,21 @@ class TcpChannel final : public Channel {
   Fd fd_;
 };
 
-/// One framed message: header validated, payload length checked before it is read.
+/// A server of the previous wire version refused the client's first message for its version
+/// (wire::refused_version): the client may connect again, once, in `version`.
+class VersionRefused : public Error {
+ public:
+  VersionRefused(const std::string& peer, std::uint16_t theirs, std::uint16_t spoken, const std::string& reason);
+  std::uint16_t version;
+};
+
+/// Throws VersionRefused when `m`, the answer to the client's first message on `ch`, is a
+/// previous-version server's refusal of its version.
+void check_version_refusal(const Channel& ch, const Message& m, const std::string& peer);
+
+/// One framed message: header validated, payload length checked before it is read. Once the
+/// channel has a version, a message in another is refused, except a REJECT (a server of the
+/// previous version refusing the client's first message: wire::refused_version).
 Message recv_message(Channel& ch, Deadline deadline);
 
 }  // namespace rdmakit::detail

@@ -16,8 +16,8 @@ namespace {
 using Key = std::array<std::uint8_t, kSessionKeySize>;
 
 // HKDF-SHA256 (RFC 5869) with one output block: extract with the nonces as salt, expand with a
-// label naming the direction. The version is in the salt, so another protocol version never
-// derives the same keys.
+// label naming the direction. The "v5" is the version that introduced this schedule: versions 6
+// and 7 keep it (a session's version is in every frame's authenticated header instead).
 constexpr std::string_view kSalt = "rdmakit v5 session";
 constexpr std::string_view kClientToServer = "rdmakit v5 client to server";
 constexpr std::string_view kServerToClient = "rdmakit v5 server to client";
@@ -63,7 +63,9 @@ void wipe(std::vector<std::uint8_t>& v) noexcept {
 }
 
 Session::Session(std::span<const std::uint8_t> psk, std::span<const std::uint8_t> client_hello,
-                 std::span<const std::uint8_t> server_hello, Role role, std::span<const std::uint8_t> dh) {
+                 std::span<const std::uint8_t> server_hello, Role role, std::span<const std::uint8_t> dh,
+                 std::uint16_t version)
+    : version_(version) {
   if (::sodium_init() < 0) throw Error("sodium_init", EIO, "libsodium could not initialise");
   std::vector<std::uint8_t> salt(kSalt.begin(), kSalt.end());
   salt.insert(salt.end(), client_hello.begin(), client_hello.end());
@@ -85,10 +87,10 @@ Session::~Session() {
 }
 
 std::vector<std::uint8_t> Session::seal(wire::MessageType type, std::span<const std::uint8_t> payload) {
-  std::vector<std::uint8_t> inner = wire::encode_header(type, static_cast<std::uint32_t>(payload.size()));
+  std::vector<std::uint8_t> inner = wire::encode_header(type, static_cast<std::uint32_t>(payload.size()), version_);
   inner.insert(inner.end(), payload.begin(), payload.end());
   const auto header = wire::encode_header(wire::MessageType::sealed,
-                                          static_cast<std::uint32_t>(inner.size() + kSealTagSize));
+                                          static_cast<std::uint32_t>(inner.size() + kSealTagSize), version_);
   std::vector<std::uint8_t> frame(header.size() + inner.size() + kSealTagSize);
   std::copy(header.begin(), header.end(), frame.begin());
   unsigned long long n = 0;
@@ -100,12 +102,12 @@ std::vector<std::uint8_t> Session::seal(wire::MessageType type, std::span<const 
 }
 
 std::optional<Message> Session::open(const wire::Header& outer, std::span<const std::uint8_t> sealed) noexcept {
-  if (outer.type != wire::MessageType::sealed || sealed.size() != outer.length ||
+  if (outer.type != wire::MessageType::sealed || outer.version != version_ || sealed.size() != outer.length ||
       sealed.size() < wire::kHeaderSize + kSealTagSize) {
     return std::nullopt;
   }
   try {
-    const auto header = wire::encode_header(wire::MessageType::sealed, outer.length);
+    const auto header = wire::encode_header(wire::MessageType::sealed, outer.length, version_);
     std::vector<std::uint8_t> inner(sealed.size() - kSealTagSize);
     unsigned long long n = 0;
     const auto nonce = nonce_of(rx_seq_);
@@ -114,7 +116,7 @@ std::optional<Message> Session::open(const wire::Header& outer, std::span<const 
       return std::nullopt;
     }
     const auto h = wire::try_decode_header(inner);
-    if (!h || h->type == wire::MessageType::sealed || h->length != inner.size() - wire::kHeaderSize) {
+    if (!h || h->type == wire::MessageType::sealed || h->version != version_ || h->length != inner.size() - wire::kHeaderSize) {
       return std::nullopt;
     }
     ++rx_seq_;
@@ -126,16 +128,17 @@ std::optional<Message> Session::open(const wire::Header& outer, std::span<const 
   }
 }
 
-std::vector<std::uint8_t> frame_control(Session* session, wire::MessageType type, std::span<const std::uint8_t> payload) {
+std::vector<std::uint8_t> frame_control(Session* session, wire::MessageType type, std::span<const std::uint8_t> payload,
+                                        std::uint16_t version) {
   if (session != nullptr) return session->seal(type, payload);
-  auto msg = wire::encode_header(type, static_cast<std::uint32_t>(payload.size()));
+  auto msg = wire::encode_header(type, static_cast<std::uint32_t>(payload.size()), version);
   msg.insert(msg.end(), payload.begin(), payload.end());
   return msg;
 }
 
 void send_control(Channel& ch, Session* session, wire::MessageType type, std::span<const std::uint8_t> payload,
                   Deadline deadline) {
-  ch.send_all(frame_control(session, type, payload), deadline);
+  ch.send_all(frame_control(session, type, payload, ch.send_version()), deadline);
 }
 
 Message recv_control(Channel& ch, Session* session, Deadline deadline, const std::string& peer) {

@@ -54,8 +54,11 @@ class Session {
   /// keys (`dh`), and what each side sent in the clear (`client_hello`, `server_hello`: nonce and
   /// ephemeral public key): HKDF-SHA256, extract with the hellos as salt over psk | dh, expand
   /// with a label per direction, and once more for binding().
+  /// `version`: the wire version of the connection, which every frame's headers carry (the
+  /// outer one authenticated, the inner one sealed): a frame in another fails to open.
   Session(std::span<const std::uint8_t> psk, std::span<const std::uint8_t> client_hello,
-          std::span<const std::uint8_t> server_hello, Role role, std::span<const std::uint8_t> dh);
+          std::span<const std::uint8_t> server_hello, Role role, std::span<const std::uint8_t> dh,
+          std::uint16_t version = wire::kVersion);
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
   ~Session();
@@ -71,6 +74,7 @@ class Session {
   /// sessions with two different bindings). Engine identities sign it (engine/identity.hpp), so
   /// a signature proves its holder is at the other end of this very session.
   [[nodiscard]] std::span<const std::uint8_t, kSessionKeySize> binding() const noexcept { return binding_; }
+  [[nodiscard]] std::uint16_t version() const noexcept { return version_; }
 
  private:
   std::array<std::uint8_t, kSessionKeySize> tx_{};
@@ -78,11 +82,14 @@ class Session {
   std::array<std::uint8_t, kSessionKeySize> binding_{};
   std::uint64_t tx_seq_ = 0;
   std::uint64_t rx_seq_ = 0;
+  std::uint16_t version_;
 };
 
 /// A control message as it goes on the channel: sealed when there is a session (taking its
 /// next sequence number: frames go out in the order they were made), plain otherwise.
-std::vector<std::uint8_t> frame_control(Session* session, wire::MessageType type, std::span<const std::uint8_t> payload);
+/// Plain ones in `version`; sealed ones in the session's.
+std::vector<std::uint8_t> frame_control(Session* session, wire::MessageType type, std::span<const std::uint8_t> payload,
+                                        std::uint16_t version);
 /// Sends a message on the control channel: sealed when there is a session, plain otherwise.
 void send_control(Channel& ch, Session* session, wire::MessageType type, std::span<const std::uint8_t> payload,
                   Deadline deadline);

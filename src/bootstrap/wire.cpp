@@ -90,16 +90,16 @@ const char* to_string(MessageType type) noexcept {
   return "?";
 }
 
-std::vector<std::uint8_t> encode_header(MessageType type, std::uint32_t length) {
+std::vector<std::uint8_t> encode_header(MessageType type, std::uint32_t length, std::uint16_t version) {
   Writer w(kHeaderSize);
   w.u32(kMagic);
-  w.u16(kVersion);
+  w.u16(version);
   w.u16(static_cast<std::uint16_t>(type));
   w.u32(length);
   return w.take();
 }
 
-std::vector<std::uint8_t> encode_hello(const EndpointInfo& info) {
+std::vector<std::uint8_t> encode_hello(const EndpointInfo& info, std::uint16_t version) {
   if (info.qp_count() > kMaxQps) {
     throw Error("bootstrap encode", E2BIG, fmt::format("{} QPs; at most {}", info.qp_count(), kMaxQps));
   }
@@ -126,9 +126,9 @@ std::vector<std::uint8_t> encode_hello(const EndpointInfo& info) {
   }
   const auto payload = static_cast<std::uint32_t>(
       kHelloFixedSize + info.extra_qps.size() * kQpSize + info.regions.size() * kRegionSize +
-      (info.transport ? kTransportBlockSize + info.transport->kinds.size() + info.transport->socket.size() : 0));
+      (info.transport ? transport_block_size(version) + info.transport->kinds.size() + info.transport->socket.size() : 0));
   Writer w(kHeaderSize + payload);
-  w.bytes(encode_header(MessageType::hello, payload));
+  w.bytes(encode_header(MessageType::hello, payload, version));
   w.u32(info.qpn);
   w.u32(info.psn);
   w.u16(info.lid);
@@ -162,15 +162,17 @@ std::vector<std::uint8_t> encode_hello(const EndpointInfo& info) {
     w.bytes(t.proof);
     w.bytes(t.token);
     w.u8(t.streams);
+    if (version >= 7) w.u8(t.engine_protocol);
     w.u8(static_cast<std::uint8_t>(t.socket.size()));
     w.bytes({reinterpret_cast<const std::uint8_t*>(t.socket.data()), t.socket.size()});
   }
   return w.take();
 }
 
-std::vector<std::uint8_t> encode_stream(std::span<const std::uint8_t, kTokenSize> token, std::uint16_t index) {
+std::vector<std::uint8_t> encode_stream(std::span<const std::uint8_t, kTokenSize> token, std::uint16_t index,
+                                        std::uint16_t version) {
   Writer w(kHeaderSize + kStreamSize);
-  w.bytes(encode_header(MessageType::stream, static_cast<std::uint32_t>(kStreamSize)));
+  w.bytes(encode_header(MessageType::stream, static_cast<std::uint32_t>(kStreamSize), version));
   w.bytes(token);
   w.u16(index);
   return w.take();
@@ -196,10 +198,10 @@ const char* to_string(LinkTransport t) noexcept {
   return "unknown";
 }
 
-std::vector<std::uint8_t> encode_reject(std::string_view reason) {
+std::vector<std::uint8_t> encode_reject(std::string_view reason, std::uint16_t version) {
   reason = reason.substr(0, 512);
   Writer w(kHeaderSize + reason.size());
-  w.bytes(encode_header(MessageType::reject, static_cast<std::uint32_t>(reason.size())));
+  w.bytes(encode_header(MessageType::reject, static_cast<std::uint32_t>(reason.size()), version));
   w.bytes({reinterpret_cast<const std::uint8_t*>(reason.data()), reason.size()});
   return w.take();
 }
@@ -215,14 +217,19 @@ Header decode_header(std::span<const std::uint8_t> bytes) {
            "the peer is not an rdmakit endpoint, or the port belongs to another service");
   }
   const std::uint16_t version = r.u16();
-  if (version != kVersion) {
-    reject(fmt::format("protocol version mismatch: peer speaks {}, this side speaks {}", version,
-                       kVersion),
-           "run the same rdmakit protocol version on both hosts");
+  if (!speaks(version)) {
+    // "protocol version" as version 6 worded it: a client of a newer version that reads it in
+    // this side's REJECT (refused_version) connects again in this side's version.
+    reject(fmt::format("protocol version mismatch: peer speaks {}, this side speaks {} and {}", version,
+                       kPreviousVersion, kVersion),
+           version < kPreviousVersion
+               ? "each rdmakit speaks its own wire version and the one before (docs/compatibility.md): upgrade the peer"
+               : "each rdmakit speaks its own wire version and the one before (docs/compatibility.md): the peer is "
+                 "more than one version newer; upgrade this side");
   }
   const std::uint16_t type = r.u16();
   if (type < 1 || type > kLastMessageType) reject(fmt::format("unknown message type {}", type));
-  Header h{static_cast<MessageType>(type), r.u32()};
+  Header h{static_cast<MessageType>(type), r.u32(), version};
   if (h.length > max_payload(h.type)) {
     reject(fmt::format("oversized {} message: {} bytes (at most {})", to_string(h.type), h.length,
                        max_payload(h.type)));
@@ -237,14 +244,19 @@ std::optional<Header> try_decode_header(std::span<const std::uint8_t> bytes) noe
   const std::uint16_t version = r.u16();
   const std::uint16_t type = r.u16();
   const std::uint32_t length = r.u32();
-  if (magic != kMagic || version != kVersion || type < 1 || type > kLastMessageType ||
+  if (magic != kMagic || !speaks(version) || type < 1 || type > kLastMessageType ||
       length > max_payload(static_cast<MessageType>(type))) {
     return std::nullopt;
   }
-  return Header{static_cast<MessageType>(type), length};
+  return Header{static_cast<MessageType>(type), length, version};
 }
 
-EndpointInfo decode_hello(std::span<const std::uint8_t> payload) {
+bool refused_version(const Header& h, std::string_view reason, std::uint16_t spoken) noexcept {
+  return h.type == MessageType::reject && h.version < spoken && speaks(h.version) &&
+         reason.find("protocol version") != std::string_view::npos;
+}
+
+EndpointInfo decode_hello(std::span<const std::uint8_t> payload, std::uint16_t version) {
   if (payload.size() < kHelloFixedSize) {
     reject(fmt::format("truncated HELLO: {} bytes, at least {} needed", payload.size(),
                        kHelloFixedSize));
@@ -281,7 +293,7 @@ EndpointInfo decode_hello(std::span<const std::uint8_t> payload) {
     if (payload.size() <= want) reject("truncated HELLO: its transport block is missing");
     kinds = payload[want];
     if (kinds == 0 || kinds > kMaxTransports) reject(fmt::format("absurd transport count {} (1..{})", kinds, kMaxTransports));
-    want += kTransportBlockSize + kinds;
+    want += transport_block_size(version) + kinds;
     if (payload.size() < want) reject(fmt::format("truncated HELLO: its transport block needs {} bytes, got {}", want, payload.size()));
     socket = payload[want - 1];
     if (socket > kMaxSocketName) reject(fmt::format("absurd socket name length {} (at most {})", socket, kMaxSocketName));
@@ -332,6 +344,7 @@ EndpointInfo decode_hello(std::span<const std::uint8_t> payload) {
     r.bytes(t.proof);
     r.bytes(t.token);
     t.streams = r.u8();
+    t.engine_protocol = version >= 7 ? r.u8() : kEngineProtocolOfVersion6;
     (void)r.u8();
     t.socket.resize(socket);
     for (char& c : t.socket) {

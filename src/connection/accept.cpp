@@ -31,8 +31,12 @@ std::optional<Connection> Connection::Impl::accept(std::unique_ptr<detail::Chann
   // REJECT that says why: the client never sees a bare EOF.
   std::optional<wire::LinkTransport> soft;  // an engine link of the tcp or shm transport
   std::string why;
+  std::uint8_t engine_protocol = 0;
   try {
     detail::Message first = detail::recv_message(ch, deadline);
+    // The client's version is the connection's (it is one this side speaks: recv_message
+    // refused any other, naming both, and the REJECT goes in this side's own version).
+    ch.set_version(first.header.version);
     if (first.header.type == wire::MessageType::stream) {
       // A data stream of a tcp or shm link whose handshake runs on another thread: handed to
       // it by the token its sealed HELLO carried (a stream with any other goes).
@@ -57,11 +61,12 @@ std::optional<Connection> Connection::Impl::accept(std::unique_ptr<detail::Chann
                   "give both sides the same key");
     }
     detail::expect(first, wire::MessageType::hello, peer);
-    remote = wire::decode_hello(first.payload);
+    remote = wire::decode_hello(first.payload, ch.version());
     if (remote.transport) {
       if (hooks.transports.empty()) {
         throw Error("bootstrap handshake", EPROTO, "the peer offers transports (an engine's link) to a listener that is not an engine's");
       }
+      engine_protocol = Impl::agree_engine_protocol(hooks, *remote.transport, /*server=*/true);
       const auto k = choose_transport(hooks, *remote.transport, why);
       if (!k) {
         throw Error("transport", EPROTONOSUPPORT, fmt::format("no transport both engines offer and can use: {}", why),
@@ -73,13 +78,15 @@ std::optional<Connection> Connection::Impl::accept(std::unique_ptr<detail::Chann
       // A HELLO without a transport block is RDMA's (a plain Connection, a tool).
       throw Error("transport", EPROTONOSUPPORT, "the peer offers rdma only (a plain connection), and this engine does not offer it",
                   hooks.transports_note);
+    } else {
+      engine_protocol = hooks.engine_protocol_max;  // an engine's listener: what its IDENT must be in
     }
   } catch (const std::exception& e) {
     detail::send_reject(ch, session.get(), e.what());
     throw;
   }
   if (soft) return accept_soft(std::move(channel), peer, config, std::move(key), std::move(session), std::move(admission),
-                               std::move(budget), hooks, std::move(remote), *soft, why, deadline);
+                               std::move(budget), hooks, std::move(remote), *soft, why, deadline, engine_protocol);
   // The client chose how many QPs the connection has.
   ConnectionConfig mine = config;
   mine.qps = static_cast<std::uint32_t>(remote.qp_count());
@@ -92,6 +99,8 @@ std::optional<Connection> Connection::Impl::accept(std::unique_ptr<detail::Chann
     m.admission = std::move(admission);
     m.budget = std::move(budget);
     m.info.peer_address = peer;
+    m.info.wire_version = ch.version();
+    m.engine_protocol = engine_protocol;
     m.trace_hello("hello_received", remote);
     ch.keepalive(m.cfg.keepalive_interval, m.cfg.keepalive_timeout);
     m.open(ch);
@@ -119,10 +128,11 @@ std::optional<Connection> Connection::Impl::accept(std::unique_ptr<detail::Chann
   if (m.info.remote.transport) {  // an engine link over rdma: the server's HELLO says so
     m.info.local.transport.emplace();
     m.info.local.transport->kinds = {wire::LinkTransport::rdma};
+    m.info.local.transport->engine_protocol = engine_protocol;
     m.info.transport_reason = why;
   }
   try {
-    const auto hello = wire::encode_hello(m.info.local);
+    const auto hello = wire::encode_hello(m.info.local, m.info.wire_version);
     m.send_control(wire::MessageType::hello, std::span(hello).subspan(wire::kHeaderSize), deadline);
     m.trace_hello("hello_sent", m.info.local);
     detail::expect(detail::recv_control(*m.control, m.session.get(), deadline, peer),
@@ -140,13 +150,15 @@ Connection Connection::Impl::accept_soft(std::unique_ptr<detail::Channel> channe
                                          std::unique_ptr<detail::Session> session, std::shared_ptr<void> admission,
                                          std::shared_ptr<detail::PinBudget> budget, const detail::HandshakeHooks& hooks,
                                          wire::EndpointInfo remote, wire::LinkTransport kind, const std::string& why,
-                                         Deadline deadline) {
+                                         Deadline deadline, std::uint8_t engine_protocol) {
   Connection conn = wrap(std::make_unique<Impl>(config, std::move(key)));
   Impl& m = of(conn);
   m.hooks = hooks;
   m.admission = std::move(admission);
   m.budget = std::move(budget);
   m.info.peer_address = peer;
+  m.info.wire_version = channel->version();
+  m.engine_protocol = engine_protocol;
   m.trace_hello("hello_received", remote);
   channel->keepalive(m.cfg.keepalive_interval, m.cfg.keepalive_timeout);
   m.control = std::move(channel);
@@ -163,6 +175,7 @@ Connection Connection::Impl::accept_soft(std::unique_ptr<detail::Channel> channe
   wire::EndpointInfo& mine = m.info.local;
   mine.transport.emplace();  // nothing of this process: the choice, and where the streams go
   mine.transport->kinds = {kind};
+  mine.transport->engine_protocol = engine_protocol;
   mine.transport->token = token;
   mine.transport->streams = streams;
   if (shm) mine.transport->socket = hooks.shm_socket;
@@ -175,7 +188,7 @@ Connection Connection::Impl::accept_soft(std::unique_ptr<detail::Channel> channe
     hooks.streams->expect(token, streams);
     m.info.transport = wire::to_string(kind);
     m.info.transport_reason = why;
-    const auto hello = wire::encode_hello(mine);
+    const auto hello = wire::encode_hello(mine, m.info.wire_version);
     m.send_control(wire::MessageType::hello, std::span(hello).subspan(wire::kHeaderSize), deadline);
     m.trace_hello("hello_sent", mine);
     step = "data streams";

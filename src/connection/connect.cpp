@@ -51,6 +51,9 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
                                                      wire::LinkTransport::rdma) != hooks.transports.end();
   try {
     detail::Message reply;
+    // This side speaks its version first; a server of the previous one refuses it and is
+    // connected again, once, in that (wire.hpp, "Versions").
+    std::uint16_t speak = wire::kVersion;
     // A listener at its limits answers "busy": like a refused connect, that is worth retrying
     // until the deadline when the caller asked for retries (the QPs and HELLO are reused).
     for (;;) {
@@ -63,6 +66,8 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
           m.control = std::make_unique<detail::TcpChannel>(detail::tcp_connect(to, deadline, config.retry_refused, hooks.stop.get()));
         }
         m.control->set_stop(hooks.stop);  // cleared once connected
+        m.control->set_version(speak);
+        m.info.wire_version = speak;
         m.set_keepalive();
         m.session.reset();
         if (m.psk) {
@@ -81,6 +86,7 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
           // An engine link: the transports this side offers, best first; the server chooses.
           m.info.local.transport.emplace();
           m.info.local.transport->kinds = hooks.transports;
+          m.info.local.transport->engine_protocol = hooks.engine_protocol_max;
           // Where this process runs and its proof, only for a server that may take shm (none
           // when its data goes through a ring: the proof's address 0 says so).
           if (m.info.local.transport->has(wire::LinkTransport::shm)) {
@@ -89,12 +95,19 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
             if (!hooks.shm_ring) m.prove_host(*m.info.local.transport);
           }
         }
-        const auto hello = wire::encode_hello(m.info.local);
+        const auto hello = wire::encode_hello(m.info.local, speak);
         m.send_control(wire::MessageType::hello, std::span(hello).subspan(wire::kHeaderSize), deadline);
         m.trace_hello("hello_sent", m.info.local);
         reply = detail::recv_control(*m.control, m.session.get(), deadline, m.info.peer_address);
+        if (!m.session) detail::check_version_refusal(*m.control, reply, m.info.peer_address);
         detail::expect(reply, wire::MessageType::hello, m.info.peer_address);
         break;
+      } catch (const detail::VersionRefused& e) {
+        if (speak != wire::kVersion || !wire::speaks(e.version)) throw;
+        m.log(fmt::format("{} runs the previous rdmakit (wire version {}): connecting again in it", m.info.peer_address,
+                          e.version));
+        speak = e.version;
+        m.control.reset();
       } catch (const Error& e) {
         const bool busy = std::string_view(e.what()).find(detail::kBusyReason) != std::string_view::npos;
         if (!busy || !config.retry_refused || Clock::now() + std::chrono::milliseconds{100} >= deadline) throw;
@@ -104,7 +117,7 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
     }
     step = "QP transitions";
     try {
-      wire::EndpointInfo remote = wire::decode_hello(reply.payload);
+      wire::EndpointInfo remote = wire::decode_hello(reply.payload, speak);
       m.trace_hello("hello_received", remote);
       const wire::LinkTransport chosen = engine_link ? m.chosen_transport(remote) : wire::LinkTransport::rdma;
       if (chosen == wire::LinkTransport::rdma) {

@@ -32,7 +32,7 @@ void Connection::Impl::send_control(wire::MessageType type, std::span<const std:
 
 void Connection::Impl::queue_control(wire::MessageType type, std::span<const std::uint8_t> payload) {
   if (send_errno != 0) return;  // the channel failed: nothing more goes (the caller breaks the link)
-  std::vector<std::uint8_t> frame = detail::frame_control(session.get(), type, payload);
+  std::vector<std::uint8_t> frame = detail::frame_control(session.get(), type, payload, info.wire_version);
   out_queued += frame.size();
   if (control_waiting() == 0) {
     out_moved = detail::Clock::now();
@@ -124,7 +124,7 @@ void Connection::Impl::pump_control() noexcept {
     while (cfill >= wire::kHeaderSize) {
       const auto h = wire::try_decode_header({cbuf.data(), cfill});
       // A peer that garbles its control channel is treated as lost.
-      if (!h || h->length > cbuf.size() - wire::kHeaderSize) return gone(EPROTO);
+      if (!h || h->version != info.wire_version || h->length > cbuf.size() - wire::kHeaderSize) return gone(EPROTO);
       const std::size_t len = h->length;
       if (cfill < wire::kHeaderSize + len) break;
       const std::span<const std::uint8_t> body(cbuf.data() + wire::kHeaderSize, len);

@@ -147,6 +147,9 @@ struct HandshakeHooks {
   std::string shm_no_attach;
   /// What a tcp or shm link's queue pair is built on: the engine's device and a worker's CQ.
   std::function<Attachment(wire::LinkTransport)> attach_soft;
+  /// The engine protocols this side speaks (engine links): the lowest and the highest. A link
+  /// speaks the highest both do (wire.hpp: version 7 carries each side's in its HELLO).
+  std::uint8_t engine_protocol_min = 0, engine_protocol_max = 0;
   /// Requested when the engine shuts down: a handshake still waiting (a connect retried, a
   /// silent peer, streams that do not come) ends at once instead of at its deadline.
   std::shared_ptr<const Stop> stop;
@@ -172,6 +175,8 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   // A listener's budget for memory pinned during handshakes, and what this one holds of it.
   std::shared_ptr<detail::PinBudget> budget;
   std::uint64_t budget_held = 0;
+  /// An engine link's engine protocol, agreed in the handshake (0: not an engine link).
+  std::uint8_t engine_protocol = 0;
   ConnectionInfo info;
   detail::QpTimeouts timeouts;
   detail::QpPath path;  // the fabric settings its QPs get (cfg's traffic class, SL, P_Key index)
@@ -245,7 +250,7 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
                                 std::unique_ptr<detail::Session> session, std::shared_ptr<void> admission,
                                 std::shared_ptr<detail::PinBudget> budget, const detail::HandshakeHooks& hooks,
                                 wire::EndpointInfo remote, wire::LinkTransport kind, const std::string& why,
-                                detail::Deadline deadline);
+                                detail::Deadline deadline, std::uint8_t engine_protocol);
 
   // connection.cpp
   /// Opens the device, builds CQs and QPs (in INIT) and the data path, and fills in our
@@ -272,6 +277,10 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   [[nodiscard]] static std::optional<wire::LinkTransport> choose_transport(const detail::HandshakeHooks& hooks,
                                                                          const wire::TransportBlock& offer,
                                                                          std::string& why);
+  /// Engine links: the engine protocol the link speaks, from the peer's transport block (a
+  /// server: the client's highest; a client: the server's answer), or Error naming both sides'.
+  [[nodiscard]] static std::uint8_t agree_engine_protocol(const detail::HandshakeHooks& hooks,
+                                                          const wire::TransportBlock& theirs, bool server);
   /// shm, the client: what its HELLO says of its proof (`t`: where it lies in this process's
   /// memory, and with no key its hash); with a key, the proof is derived from the session, so
   /// no other process's memory can hold it.

@@ -85,7 +85,9 @@ struct Arrival {
   void refuse(const std::string& why) noexcept {
     if (cm) return cm->refuse(why);
     try {
-      detail::send_all(tcp.get(), wire::encode_reject(why), detail::deadline_in(std::chrono::milliseconds{20}));
+      // In the previous version, which every client this side serves can read (the
+      // reason is no version's refusal, so a newer client does not connect again for it).
+      detail::send_all(tcp.get(), wire::encode_reject(why, wire::kPreviousVersion), detail::deadline_in(std::chrono::milliseconds{20}));
     } catch (...) {
     }
   }

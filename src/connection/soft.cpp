@@ -234,6 +234,20 @@ void Connection::Impl::open_soft(wire::LinkTransport kind, std::vector<detail::F
 
 namespace rdmakit {
 
+std::uint8_t Connection::Impl::agree_engine_protocol(const detail::HandshakeHooks& hooks, const wire::TransportBlock& theirs,
+                                                    bool server) {
+  const std::uint8_t v = server ? std::min(theirs.engine_protocol, hooks.engine_protocol_max) : theirs.engine_protocol;
+  if (v < hooks.engine_protocol_min || v > hooks.engine_protocol_max) {
+    throw Error("engine protocol", EPROTONOSUPPORT,
+                fmt::format("the peer's engine {} protocol {}; this engine speaks {} to {}",
+                            server ? "speaks at most" : "chose", theirs.engine_protocol, hooks.engine_protocol_min,
+                            hooks.engine_protocol_max),
+                "each rdmakit speaks its own engine protocol and the one before (docs/compatibility.md): upgrade the "
+                "older engine");
+  }
+  return v;
+}
+
 wire::LinkTransport Connection::Impl::chosen_transport(const wire::EndpointInfo& remote) {
   const auto& offered = hooks.transports;
   if (!remote.transport || remote.transport->kinds.size() != 1 ||
@@ -244,6 +258,7 @@ wire::LinkTransport Connection::Impl::chosen_transport(const wire::EndpointInfo&
                 "run the same rdmakit version on both engines");
   }
   const wire::LinkTransport k = remote.transport->kinds[0];
+  engine_protocol = agree_engine_protocol(hooks, *remote.transport, /*server=*/false);
   std::string before;
   for (const wire::LinkTransport o : offered) {
     if (o == k) break;
@@ -278,7 +293,7 @@ void Connection::Impl::open_streams(const detail::HostPort& to, wire::EndpointIn
   for (std::uint16_t k = 0; k < t.streams; ++k) {
     // shm's stream is a local socket, so the server learns this process from the kernel.
     detail::Fd fd = shm ? detail::unix_connect(t.socket, deadline) : detail::tcp_connect(to, deadline, false, hooks.stop.get());
-    detail::send_all(fd.get(), wire::encode_stream(t.token, k), deadline, hooks.stop.get());
+    detail::send_all(fd.get(), wire::encode_stream(t.token, k, info.wire_version), deadline, hooks.stop.get());
     if (ring) {
       // Whatever listens at the abstract name gets every byte this link moves.
       detail::shm::require_own_user(fd.get(), "this engine's shm ring goes to no other user");

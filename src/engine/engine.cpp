@@ -436,6 +436,7 @@ std::vector<PeerInfo> Engine::peers() const {
       i.linked = p->up;
       i.transport = p->transport;
       i.transport_reason = p->transport_reason;
+      i.wire_version = p->wire_version;
       for (const auto& r : p->rails) {
         if (r->local.device.empty()) continue;  // the first, before its link came up
         i.rails.push_back({r->local.describe(), r->peer.device.empty() ? std::string{} : r->peer.describe(), r->state,

@@ -191,6 +191,7 @@ struct Peer {
   std::string last_error;
   std::uint64_t attempts = 0;
   std::string transport, transport_reason;  // its first rail's last link's (PeerInfo)
+  std::uint16_t wire_version = 0;           // the same link's (PeerInfo)
   // Leases the peer granted this engine (the worker writes them under `m`; it alone reads them
   // without): live ones, and the last ended ones, whose transfers end lease_expired.
   std::map<std::uint64_t, HeldRecord> held;

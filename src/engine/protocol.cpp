@@ -87,8 +87,8 @@ Message lease_end(std::uint64_t lease, const std::string& reason) {
   return m;
 }
 
-std::vector<std::uint8_t> encode(const Message& m) {
-  std::vector<std::uint8_t> out{kMagic, kVersion, static_cast<std::uint8_t>(m.kind)};
+std::vector<std::uint8_t> encode(const Message& m, std::uint8_t version) {
+  std::vector<std::uint8_t> out{kMagic, version, static_cast<std::uint8_t>(m.kind)};
   switch (m.kind) {
     case Kind::ident:
       put(out, m.epoch, 8);
@@ -179,12 +179,12 @@ std::vector<std::uint8_t> encode(const Message& m) {
   return out;
 }
 
-Message decode(std::span<const std::uint8_t> bytes) {
+Message decode(std::span<const std::uint8_t> bytes, std::uint8_t version) {
   Reader r{bytes};
   if (r.get(1, "magic") != kMagic) throw Error("engine message", EPROTO, "not an engine message (bad magic)");
-  if (const auto v = r.get(1, "version"); v != kVersion) {
-    throw Error("engine message", EPROTO, fmt::format("version {}; this engine speaks {}", v, kVersion),
-                "both engines must run the same rdmakit version");
+  if (const auto v = r.get(1, "version"); v != version) {
+    throw Error("engine message", EPROTO, fmt::format("version {} on a link that speaks {}", v, version),
+                "a link keeps the engine protocol its handshake agreed: the peer is not rdmakit, or is broken");
   }
   Message m;
   const auto kind = r.get(1, "kind");

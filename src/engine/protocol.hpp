@@ -1,5 +1,5 @@
 #pragma once
-// The engine's messages between two linked engines, version 6. They travel as application
+// The engine's messages between two linked engines, version 7. They travel as application
 // messages on the link's control channel (sealed there when the link has a key), each at most
 // Connection::max_message_size bytes, with fixed-width big-endian fields, every one checked:
 //
@@ -48,6 +48,10 @@ namespace rdmakit::detail::engine_wire {
 inline constexpr std::uint8_t kMagic = 0xE7;
 // 2: RAILS; 3: notification credits; 4: signed IDENT; 5: NOTIFY carries a request id; 6: leases
 inline constexpr std::uint8_t kVersion = 7;  // 7: ACTIVE carries the bytes moved
+/// The oldest this engine speaks. A link speaks the highest both engines do, agreed in its
+/// bootstrap HELLOs (wire.hpp, version 7: the engine protocol byte; a peer of wire version 6
+/// speaks 7); every message then carries it, and one in another version is refused.
+inline constexpr std::uint8_t kMinVersion = 7;
 inline constexpr std::size_t kMaxName = 64;
 inline constexpr std::size_t kMaxNotify = 900;
 inline constexpr std::size_t kMaxRequestId = 64;
@@ -173,10 +177,11 @@ inline Message renew(Kind kind, std::uint64_t lease, std::uint32_t ttl_ms) {
   return m;
 }
 
-/// Throws Error for a name or payload out of range.
-[[nodiscard]] std::vector<std::uint8_t> encode(const Message& m);
-/// Validates and decodes; throws Error saying what was wrong.
-[[nodiscard]] Message decode(std::span<const std::uint8_t> bytes);
+/// In the link's `version` (kMinVersion..kVersion). Throws Error for a name or payload out of range.
+[[nodiscard]] std::vector<std::uint8_t> encode(const Message& m, std::uint8_t version = kVersion);
+/// Validates and decodes a message of a link that speaks `version`; throws Error saying what
+/// was wrong (a message in another version: naming both).
+[[nodiscard]] Message decode(std::span<const std::uint8_t> bytes, std::uint8_t version = kVersion);
 /// Throws Error unless `name` is 1..64 bytes with no control characters.
 void check_name(const std::string& name, const char* what);
 

@@ -66,6 +66,7 @@ void Worker::link_up(Command& c) {
       l.rail->state = "connecting";
       p.transport = l.impl.info.transport;
       p.transport_reason = l.impl.info.transport_reason;
+      p.wire_version = l.impl.info.wire_version;
     }
     p.connecting = false;
     p.device.store(static_cast<int>(l.device), std::memory_order_relaxed);
@@ -266,7 +267,7 @@ void Worker::send(Link& l, const ew::Message& m) noexcept {
   if (l.state == Link::State::closing) return;
   std::vector<std::uint8_t> bytes;
   try {
-    bytes = ew::encode(m);
+    bytes = ew::encode(m, l.impl.engine_protocol);
   } catch (const std::exception& e) {
     // A message this engine cannot encode is its own bug, not the peer's: said, and not sent.
     return log(fmt::format("engine {}: a message to {} could not be encoded: {}", e_.name, l.impl.info.peer_address, e.what()));
@@ -349,7 +350,7 @@ bool Worker::said_bye(Link& l, Deadline now) noexcept {
       // What its transfers moved since the last report: the peer's per-peer figures are whole.
       if (l.initiated && l.moved != l.moved_told) {
         l.moved_told = l.moved;
-        c.queue_control(wire::MessageType::user, ew::encode(ew::active(l.moved)));
+        c.queue_control(wire::MessageType::user, ew::encode(ew::active(l.moved), l.impl.engine_protocol));
       }
       c.queue_control(wire::MessageType::bye, {});
     } catch (...) {

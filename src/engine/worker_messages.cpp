@@ -15,7 +15,7 @@ namespace ew = engine_wire;
 void Worker::on_message(Link& l, std::span<const std::uint8_t> bytes) {
   ew::Message m;
   try {
-    m = ew::decode(bytes);
+    m = ew::decode(bytes, l.impl.engine_protocol);
   } catch (const std::exception& ex) {
     return break_link(l, fmt::format("it sent a malformed engine message: {}", ex.what()));
   }

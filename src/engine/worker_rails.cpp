@@ -156,7 +156,7 @@ std::vector<std::uint8_t> Worker::rails_message(const Link& l) const {
   for (std::size_t i = 0; i < ports.size(); ++i) {
     if (ports[i].device == l.impl.info.device && ports[i].port == l.impl.info.port) here = static_cast<std::uint8_t>(i);
   }
-  return ew::encode(ew::rails(port, here, std::move(ports)));
+  return ew::encode(ew::rails(port, here, std::move(ports)), l.impl.engine_protocol);
 }
 
 void Worker::on_rails(Link& l, const ew::Message& m) {

@@ -140,7 +140,7 @@ TEST(EngineWire, MalformedMessagesAreRefusedWithAReason) {
   EXPECT_NE(refusal(bad).find("bad magic"), std::string::npos);
   bad = good;
   bad[1] = 6;  // before ACTIVE carried the bytes moved
-  EXPECT_NE(refusal(bad).find("version 6; this engine speaks 7"), std::string::npos);
+  EXPECT_NE(refusal(bad).find("version 6 on a link that speaks 7"), std::string::npos);
   bad = good;
   bad[2] = 14;
   EXPECT_NE(refusal(bad).find("unknown kind 14"), std::string::npos);

@@ -63,8 +63,8 @@ TEST(Wire, RoundTrip) {
 
 TEST(Wire, FieldsAreBigEndianAtFixedOffsets) {
   const auto msg = encode_hello(sample());
-  // "RDKT", version 6, type HELLO, then the payload length.
-  const std::vector<std::uint8_t> header = {'R', 'D', 'K', 'T', 0, 6, 0, 1, 0, 0, 0, 90};
+  // "RDKT", version 7, type HELLO, then the payload length.
+  const std::vector<std::uint8_t> header = {'R', 'D', 'K', 'T', 0, 7, 0, 1, 0, 0, 0, 90};
   EXPECT_EQ(std::vector<std::uint8_t>(msg.begin(), msg.begin() + 12), header);
   const std::uint8_t* p = msg.data() + kHeaderSize;
   EXPECT_EQ((std::vector<std::uint8_t>{p, p + 8}),
@@ -281,17 +281,20 @@ TEST(Wire, Compatibility) {
 
 namespace {
 
-// The fuzzer's seed corpus is in the current format, so the fuzzer starts from messages that
-// decode rather than from ones the header check throws out.
+// The fuzzer's seed corpus is in the current format (the "-v7" files) and the previous one, so
+// the fuzzer starts from messages that decode rather than from ones the header check throws out.
 TEST(Wire, FuzzSeedCorpusDecodes) {
-  for (const char* name : {"hello", "hello-regions-qps", "hello-transports", "ready", "reject", "auth-challenge", "stream"}) {
+  for (const char* name : {"hello", "hello-regions-qps", "hello-transports", "ready", "reject", "auth-challenge", "stream",
+                           "hello-v7", "hello-regions-qps-v7", "hello-transports-v7", "ready-v7", "reject-v7",
+                           "auth-challenge-v7", "stream-v7"}) {
     std::ifstream in(std::string(RDMAKIT_SOURCE_DIR) + "/fuzz/corpus/wire/" + name, std::ios::binary);
     ASSERT_TRUE(in) << name;
     const std::vector<std::uint8_t> msg{std::istreambuf_iterator<char>(in), {}};
     const Header h = decode_header(msg);
     ASSERT_EQ(h.length, msg.size() - kHeaderSize) << name;
+    EXPECT_EQ(h.version, std::string_view(name).ends_with("-v7") ? 7 : 6) << name;
     if (h.type == MessageType::hello) {
-      EXPECT_NO_THROW((void)decode_hello(payload_of(msg))) << name;
+      EXPECT_NO_THROW((void)decode_hello(payload_of(msg), h.version)) << name;
     }
   }
 }

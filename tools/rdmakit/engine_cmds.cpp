@@ -181,7 +181,7 @@ nlohmann::json links_json(const std::vector<PeerInfo>& peers) {
   nlohmann::json out = nlohmann::json::array();
   for (const PeerInfo& p : peers) {
     out.push_back({{"peer", p.name}, {"linked", p.linked}, {"device", p.device}, {"transport", p.transport},
-                   {"reason", p.transport_reason}});
+                   {"reason", p.transport_reason}, {"wire_version", p.wire_version}});
   }
   return out;
 }
@@ -200,7 +200,12 @@ nlohmann::json rails_json(const std::vector<PeerInfo>& peers) {
 
 void print_rails(const std::vector<PeerInfo>& peers, std::uint64_t total) {
   for (const PeerInfo& p : peers) {
-    if (!p.transport.empty()) fmt::print("  link to {}: {} ({})\n", p.name, p.transport, p.transport_reason);
+    if (p.transport.empty()) continue;
+    // Only the previous version is worth a word: a link to an engine not upgraded yet.
+    const std::string old = p.wire_version != 0 && p.wire_version != wire::kVersion
+                                ? fmt::format("; wire version {}, the peer's (the previous rdmakit)", p.wire_version)
+                                : std::string{};
+    fmt::print("  link to {}: {} ({}{})\n", p.name, p.transport, p.transport_reason, old);
   }
   for (const PeerInfo& p : peers) {
     for (const RailInfo& r : p.rails) {

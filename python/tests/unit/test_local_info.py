@@ -31,6 +31,7 @@ def test_both_sides_added_from_info_move_bytes_and_prove_the_key_it_names():
         src_buf = client.register(src)
         client.submit([rdmakit.write(src, client.segment("kv-0", "kv"))]).wait(10.0)
         assert np.array_equal(pool, src)
+        assert client.peers()[0]["wire_version"] == 7   # both of this release
         # The other way: kv-0 adds the client from its info and reads from it.
         client.expose("src", src_buf, "r")
         kv0.add_peer("client", client.local_info())
