@@ -198,11 +198,15 @@ inline constexpr std::uint8_t kEngineProtocolOfVersion6 = 7;
 /// A whole HELLO message (header and payload) in `version`. Throws Error if `info` is not
 /// encodable in it.
 [[nodiscard]] std::vector<std::uint8_t> encode_hello(const EndpointInfo& info, std::uint16_t version = kVersion);
-/// A whole REJECT message; the reason is cut to 512 bytes.
+/// The longest reason a REJECT carries. A REJECT of at most this many bytes is read in any
+/// version (decode_header), so every client can read every listener's refusal.
+inline constexpr std::size_t kMaxRejectReason = 512;
+/// A whole REJECT message; the reason is cut to kMaxRejectReason bytes.
 [[nodiscard]] std::vector<std::uint8_t> encode_reject(std::string_view reason, std::uint16_t version = kVersion);
 
-/// Validates and decodes a header: magic, a version this side speaks, known type, payload
-/// length within limits. Throws Error saying what was wrong (another version: naming both).
+/// Validates and decodes a header: magic, a version this side speaks (a REJECT of at most
+/// kMaxRejectReason bytes: any version), known type, payload length within limits. Throws Error
+/// saying what was wrong (another version: naming both).
 [[nodiscard]] Header decode_header(std::span<const std::uint8_t> bytes);
 /// The same checks without an exception (for the data path): nullopt when the header is invalid
 /// or shorter than kHeaderSize.

@@ -698,11 +698,16 @@ void bind_engine(py::module_& m) {
            "has (ZMQ, HTTP, an RPC): the record it would publish in a metadata store, never a memory key. "
            "The other side passes them to add_peer(name, info).")
       .def("add_peer",
-           [](PyEngine& e, std::string name, py::bytes info) {
-             const std::string bytes = info;  // a copy: the call runs without the GIL
-             e.call([&](Engine& x) {
-               x.add_peer(std::move(name), std::span(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()));
-             });
+           [](PyEngine& e, std::string name, py::buffer info) {
+             // Any bytes-like object (bytes, bytearray, memoryview, a ZMQ frame's buffer), copied:
+             // the call runs without the GIL.
+             const py::buffer_info b = info.request();
+             if (b.ndim > 1 || (b.ndim == 1 && b.strides[0] != b.itemsize)) {
+               throw Error("add_peer", EINVAL, "the info must be contiguous bytes (as local_info() returned them)");
+             }
+             const auto* p = static_cast<const std::uint8_t*>(b.ptr);
+             const std::vector<std::uint8_t> bytes(p, p + b.size * b.itemsize);
+             e.call([&](Engine& x) { x.add_peer(std::move(name), bytes); });
            },
            py::arg("name"), py::arg("info"),
            "Adds the engine whose local_info() `info` is, under its name, bound to the public key it names.")

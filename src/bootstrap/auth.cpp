@@ -3,6 +3,7 @@
 
 #include <sodium.h>
 
+#include <algorithm>
 #include <array>
 #include <vector>
 #include <cerrno>
@@ -131,6 +132,15 @@ std::unique_ptr<Session> authenticate_client(Channel& ch, std::span<const std::u
     refuse(peer, "the server failed to prove it knows the pre-shared key",
            "the server uses another key (or is not the intended server): give both sides the same key");
   }
+  // This client speaks an older version only after a refusal of its own: a server that says (under
+  // its MAC) that it speaks a newer one did not send that refusal.
+  if (ch.send_version() < wire::kVersion &&
+      std::equal(kDowngradeMarker.begin(), kDowngradeMarker.end(), theirs.begin() + kNonceSize - kDowngradeMarker.size())) {
+    refuse(peer,
+           fmt::format("the server speaks a wire version newer than {}, yet this client's version {} was refused on the "
+                       "way: the refusal was forged (a downgrade)", ch.send_version(), wire::kVersion),
+           "something between the two hosts rewrites the handshake: nothing was exchanged; find it");
+  }
   Shared dh;
   if (!shared_secret(eph, theirs, dh)) {
     refuse(peer, "the server's ephemeral key is of low order (it would force a known shared secret)",
@@ -157,7 +167,10 @@ std::unique_ptr<Session> authenticate_server(Channel& ch, std::span<const std::u
   const Ephemeral eph;
   Shared dh;
   if (!shared_secret(eph, theirs, dh)) refuse(peer, "its ephemeral key is of low order (it would force a known shared secret)");
-  const Hello mine = fresh_hello(eph);
+  Hello mine = fresh_hello(eph);
+  if (ch.send_version() < wire::kVersion) {
+    std::copy(kDowngradeMarker.begin(), kDowngradeMarker.end(), mine.begin() + kNonceSize - kDowngradeMarker.size());
+  }
   std::array<std::uint8_t, kHelloSize + kMacSize> response{};
   const Mac proof = mac(key, kServerLabel, theirs, mine);
   std::copy(mine.begin(), mine.end(), response.begin());

@@ -6,6 +6,7 @@
 // else crosses the wire. After the proof, everything travels sealed in the session it yields
 // (session.hpp), so a relay that forwarded the proof can neither read nor inject anything.
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -20,6 +21,11 @@ inline constexpr std::size_t kNonceSize = 32;
 inline constexpr std::size_t kMacSize = 32;
 /// A side's hello: its nonce and its ephemeral X25519 public key.
 inline constexpr std::size_t kHelloSize = 2 * kNonceSize;
+/// The last bytes of a server's nonce when it answers in a version older than its own (as TLS
+/// 1.3 marks its random): the nonce is under the server's MAC, so a client that fell back to
+/// that version because its own was refused learns that the refusal was forged (a downgrade).
+/// Clients of the older version never look at it.
+inline constexpr std::array<std::uint8_t, 8> kDowngradeMarker = {'R', 'D', 'K', 'T', 'D', 'O', 'W', 'N'};
 /// Shorter keys are refused: 16 random bytes is the least that resists guessing.
 inline constexpr std::size_t kMinKeySize = 16;
 /// A key file larger than this is not a key.

@@ -76,6 +76,13 @@ void check_version_refusal(const Channel& ch, const Message& m, const std::strin
 Message recv_message(Channel& ch, Deadline deadline) {
   std::uint8_t head[wire::kHeaderSize];
   ch.recv_exact(head, deadline);
+  // A server's first read: the client's version is the connection's from its header on, so a
+  // refusal of what follows (an unknown type, an oversized or cut payload) is in a version the
+  // client reads.
+  const auto version = static_cast<std::uint16_t>((head[4] << 8) | head[5]);
+  if (ch.version() == 0 && wire::speaks(version) && head[0] == 'R' && head[1] == 'D' && head[2] == 'K' && head[3] == 'T') {
+    ch.set_version(version);
+  }
   Message m{wire::decode_header(head), {}};
   if (ch.version() != 0 && m.header.version != ch.version() && m.header.type != wire::MessageType::reject) {
     throw Error("bootstrap decode", EBADMSG,

@@ -199,7 +199,7 @@ const char* to_string(LinkTransport t) noexcept {
 }
 
 std::vector<std::uint8_t> encode_reject(std::string_view reason, std::uint16_t version) {
-  reason = reason.substr(0, 512);
+  reason = reason.substr(0, kMaxRejectReason);
   Writer w(kHeaderSize + reason.size());
   w.bytes(encode_header(MessageType::reject, static_cast<std::uint32_t>(reason.size()), version));
   w.bytes({reinterpret_cast<const std::uint8_t*>(reason.data()), reason.size()});
@@ -217,7 +217,14 @@ Header decode_header(std::span<const std::uint8_t> bytes) {
            "the peer is not an rdmakit endpoint, or the port belongs to another service");
   }
   const std::uint16_t version = r.u16();
-  if (!speaks(version)) {
+  // A REJECT is read whatever its version (its layout never changes): so a listener too busy to
+  // read a client's first message can refuse it in the oldest version it speaks, and clients of
+  // every version it serves, and of versions after them, learn why.
+  const std::uint32_t length = (std::uint32_t{bytes[8]} << 24) | (std::uint32_t{bytes[9]} << 16) |
+                               (std::uint32_t{bytes[10]} << 8) | bytes[11];
+  const bool any_reject = bytes[6] == 0 && bytes[7] == static_cast<std::uint8_t>(MessageType::reject) &&
+                          length <= kMaxRejectReason;
+  if (!speaks(version) && !any_reject) {
     // "protocol version" as version 6 worded it: a client of a newer version that reads it in
     // this side's REJECT (refused_version) connects again in this side's version.
     reject(fmt::format("protocol version mismatch: peer speaks {}, this side speaks {} and {}", version,

@@ -242,7 +242,7 @@ std::uint8_t Connection::Impl::agree_engine_protocol(const detail::HandshakeHook
                 fmt::format("the peer's engine {} protocol {}; this engine speaks {} to {}",
                             server ? "speaks at most" : "chose", theirs.engine_protocol, hooks.engine_protocol_min,
                             hooks.engine_protocol_max),
-                "each rdmakit speaks its own engine protocol and the one before (docs/compatibility.md): upgrade the "
+                "engine links agree the highest engine protocol both speak (docs/compatibility.md): upgrade the "
                 "older engine");
   }
   return v;

@@ -19,11 +19,9 @@ std::vector<std::uint8_t> Engine::local_info() const {
                             e.cfg.listen.empty() ? "has no listener" : "is not listening yet"),
                 e.cfg.listen.empty() ? "set EngineConfig::listen" : "call start_listening() first");
   }
-  const std::string text = detail::metadata::encode(
-      detail::engine_record(e, e.cfg.metadata.advertise, [&](std::size_t listed) {
-        e.cfg.link.log(fmt::format("engine {}: its local_info lists {} of its segments (at most {}); peers reach "
-                                   "all of them over their links", e.name, listed, detail::metadata::max_segments));
-      }));
+  // Past what a record holds, the segments are not listed (the peer learns every one on its
+  // link all the same): docs/engine.md says so; no log line per call.
+  const std::string text = detail::metadata::encode(detail::engine_record(e, e.cfg.metadata.advertise));
   return {text.begin(), text.end()};
 }
 
@@ -41,6 +39,11 @@ void Engine::add_peer(std::string name, std::span<const std::uint8_t> info) {
   if (r.endpoints.empty()) {
     throw Error("add_peer", EADDRNOTAVAIL, fmt::format("{}: engine '{}' lists no endpoint", where, r.name),
                 "its info was taken before it listened, or it advertises none (MetadataConfig::advertise)");
+  }
+  if (r.public_key.empty() && impl_->psk) {
+    // Nothing to bind it to: its first link's key will be pinned (trust on first use).
+    impl_->cfg.link.log(fmt::format("engine {}: the info given for peer '{}' names no public key: the key its first "
+                                    "link proves is pinned", impl_->name, name));
   }
   (void)impl_->add_peer(std::move(name), r.endpoints.front(), /*from_store=*/false, r.public_key, "info");
 }

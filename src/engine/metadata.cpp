@@ -176,7 +176,7 @@ MetadataPlane::Health MetadataPlane::health() const {
 }
 
 md::EngineRecord engine_record(const Engine::Impl& e, const std::vector<std::string>& advertise,
-                               const std::function<void(std::size_t listed)>& truncated) {
+                               const std::function<void(std::size_t listed, std::size_t all)>& truncated) {
   md::EngineRecord r;
   r.name = e.name;
   r.epoch = e.epoch;
@@ -214,32 +214,35 @@ md::EngineRecord engine_record(const Engine::Impl& e, const std::vector<std::str
       }
     }
   }
-  std::lock_guard lock(e.mu);
-  std::size_t bytes = 0;
-  for (const auto& [name, s] : e.segments) {
-    // More than a record holds (in entries, or in bytes within etcd's default 1.5 MiB request,
-    // counting a name's escapes at their worst): the rest are served over the links all the
-    // same, not listed, and the log says so once.
-    bytes += 2 * name.size() + 40;
-    if (r.segments.size() == md::max_segments || bytes > md::max_segment_bytes) {
-      if (truncated) truncated(r.segments.size());
-      break;
+  bool cut = false;
+  std::size_t all = 0;
+  {
+    std::lock_guard lock(e.mu);
+    all = e.segments.size();
+    std::size_t bytes = 0;
+    for (const auto& [name, s] : e.segments) {
+      // More than a record holds (in entries, or in bytes within etcd's default 1.5 MiB request,
+      // counting a name's escapes at their worst): the rest are served over the links all the
+      // same, not listed.
+      bytes += 2 * name.size() + 40;
+      if (r.segments.size() == md::max_segments || bytes > md::max_segment_bytes) {
+        cut = true;
+        break;
+      }
+      const BufferRec* b = e.buffer(s.buffer);
+      r.segments.push_back({name, s.length, b != nullptr ? to_string(b->kind) : "host"});
     }
-    const BufferRec* b = e.buffer(s.buffer);
-    r.segments.push_back({name, s.length, b != nullptr ? to_string(b->kind) : "host"});
   }
+  if (cut && truncated) truncated(r.segments.size(), all);  // outside the lock: it may log
   return r;
 }
 
 md::EngineRecord MetadataPlane::self_record() const {
-  return engine_record(e_, e_.cfg.metadata.advertise, [this](std::size_t listed) {
-    if (truncated_.exchange(true)) return;
-    // More than a record holds: the rest are served over the links all the same, not listed,
-    // and the log says so once.
+  return engine_record(e_, e_.cfg.metadata.advertise, [this](std::size_t listed, std::size_t all) {
+    if (truncated_.exchange(true)) return;  // said once
     e_.cfg.link.log(fmt::format("engine {}: its record in {} lists {} of its {} segments (a record holds at most "
                                 "{} or about {} KiB of them); peers reach all of them over their links",
-                                e_.name, shown_, listed, e_.segments.size(), md::max_segments,
-                                md::max_segment_bytes / 1024));
+                                e_.name, shown_, listed, all, md::max_segments, md::max_segment_bytes / 1024));
   });
 }
 

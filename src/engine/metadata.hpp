@@ -29,9 +29,11 @@ namespace rdmakit::detail {
 
 /// What `e` says about itself, in a store (MetadataPlane) or as Engine::local_info(): its name,
 /// epoch, key, transports, rails, endpoints (`advertise`, else the listener's addresses) and
-/// segments; `truncated` is told how many were listed when not every one fits.
-[[nodiscard]] metadata::EngineRecord engine_record(const Engine::Impl& e, const std::vector<std::string>& advertise,
-                                                   const std::function<void(std::size_t listed)>& truncated = {});
+/// segments; `truncated` is told how many were listed of how many when not every one fits (after
+/// Engine::Impl::mu is released: it may log). Takes Engine::Impl::mu.
+[[nodiscard]] metadata::EngineRecord engine_record(
+    const Engine::Impl& e, const std::vector<std::string>& advertise,
+    const std::function<void(std::size_t listed, std::size_t all)>& truncated = {});
 
 class MetadataPlane {
  public:

@@ -163,6 +163,43 @@ TEST_P(Compat, AClientFallsBackToAPreviousVersionServer) {
   EXPECT_NE(refused.find("peer speaks 7, this side speaks 6"), std::string::npos) << refused;
 }
 
+// A server that refuses every version (a version-6 refusal of the client's 7, then the same
+// refusal of its 6): the client connects again once, not more, and says why it failed.
+TEST_P(Compat, AClientFallsBackOnlyOnce) {
+  const bool keyed = GetParam();
+  const int l = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  ::inet_pton(AF_INET, lab::here().c_str(), &a.sin_addr);
+  ASSERT_EQ(::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(l, 8), 0);
+  socklen_t len = sizeof a;
+  ::getsockname(l, reinterpret_cast<sockaddr*>(&a), &len);
+  timeval tv{1, 0};
+  ::setsockopt(l, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);  // accept() gives up 1 s after the last
+  int connections = 0;
+  std::thread server([&] {
+    for (int fd; (fd = ::accept(l, nullptr, nullptr)) >= 0; ::close(fd)) {
+      ++connections;
+      std::uint8_t head[12];
+      if (::recv(fd, head, sizeof head, MSG_WAITALL) != 12) continue;
+      const std::string why = "protocol version mismatch: peer speaks " + std::to_string((head[4] << 8) | head[5]) +
+                              ", this side speaks 6";
+      const auto reject = compat::v6::message(compat::v6::reject, std::vector<std::uint8_t>(why.begin(), why.end()));
+      (void)::send(fd, reject.data(), reject.size(), MSG_NOSIGNAL);
+    }
+  });
+  try {
+    Connection conn = Connection::connect(lab::here(ntohs(a.sin_port)), config(keyed));
+    ADD_FAILURE() << "connected";
+  } catch (const rdmakit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("peer speaks 6, this side speaks 6"), std::string::npos) << e.what();
+  }
+  server.join();
+  ::close(l);
+  EXPECT_EQ(connections, 2);
+}
+
 INSTANTIATE_TEST_SUITE_P(Keys, Compat, ::testing::Values(false, true),
                          [](const auto& p) { return p.param ? "keyed" : "keyless"; });
 

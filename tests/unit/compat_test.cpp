@@ -4,6 +4,7 @@
 // client fall back, and versions neither speaks refused naming both. Whole connections (a QP
 // in RTS against a version-6 peer) run in the lab (tests/rxe/compat_test.cpp).
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <string>
 #include <thread>
@@ -245,16 +246,58 @@ TEST(Compat, AConnectionKeepsItsVersion) {
   } catch (const rdmakit::Error& e) {
     EXPECT_NE(std::string(e.what()).find("a READY in wire version 7 on a connection that speaks 6"), std::string::npos) << e.what();
   }
+  // A sealed frame's version is authenticated: the same keys, its header rewritten to the other
+  // version (as a relay would), and it does not open, whichever version the receiver speaks.
   const std::array<std::uint8_t, 32> nc{1}, ns{2}, dh{3};
   d::Session six(kPsk, nc, ns, d::Role::client, dh, 6);
-  d::Session seven(kPsk, nc, ns, d::Role::server, dh, 7);
-  const auto frame = six.seal(wire::MessageType::user, std::vector<std::uint8_t>{9});
-  const auto h = wire::decode_header(frame);
-  EXPECT_FALSE(seven.open(h, std::span(frame).subspan(wire::kHeaderSize)).has_value());
+  auto frame = six.seal(wire::MessageType::user, std::vector<std::uint8_t>{9});
+  {
+    d::Session control(kPsk, nc, ns, d::Role::server, dh, 6);  // the frame as sent opens
+    EXPECT_TRUE(control.open(wire::decode_header(frame), std::span(frame).subspan(wire::kHeaderSize)).has_value());
+  }
+  frame[5] = 7;
+  for (const std::uint16_t v : {std::uint16_t{6}, std::uint16_t{7}}) {
+    d::Session receiver(kPsk, nc, ns, d::Role::server, dh, v);
+    // 6: the header says another version; 7: it says the receiver's, and the associated data
+    // (the header as the sender sealed it, in 6) does not match.
+    EXPECT_FALSE(receiver.open(wire::decode_header(frame), std::span(frame).subspan(wire::kHeaderSize)).has_value()) << v;
+  }
   const wire::Header busy{wire::MessageType::reject, 10, 6};
   EXPECT_FALSE(wire::refused_version(busy, "busy: 64 handshakes in progress", 7));
   EXPECT_TRUE(wire::refused_version(busy, "... protocol version mismatch: peer speaks 7, this side speaks 6", 7));
   EXPECT_FALSE(wire::refused_version(busy, "... protocol version mismatch", 6));  // no older version to fall to
+  // A REJECT is read in any version (a busy listener refuses before it reads the client's);
+  // nothing else is.
+  EXPECT_EQ(wire::decode_header(wire::encode_reject("busy: later", 9)).version, 9);
+  EXPECT_THROW((void)wire::decode_header(wire::encode_header(wire::MessageType::ready, 0, 9)), rdmakit::Error);
+  EXPECT_THROW((void)wire::decode_header(wire::encode_header(wire::MessageType::reject, 4096, 9)), rdmakit::Error);
+}
+
+// A client that fell back to version 6 because its version 7 was refused, and a server that
+// speaks 7: the server's nonce says so under its MAC, and the client refuses it (someone forged
+// the refusal). Version 6 clients never look at that nonce's tail (the frozen client above was
+// served by a marking server).
+TEST(Compat, AForgedRefusalThatDowngradesAKeyedClientIsDetected) {
+  Pair p;
+  std::thread server([&] {
+    try {
+      const auto deadline = d::deadline_in(5s);
+      d::TcpChannel ch{d::Fd(::dup(p.theirs))};
+      const d::Message first = d::recv_message(ch, deadline);  // version 6: the channel's from here on
+      (void)d::authenticate_server(ch, kPsk, first, deadline, "client");
+    } catch (const std::exception&) {
+      // The client refuses it: its proof never comes.
+    }
+  });
+  p.ours->set_version(6);  // as after a VersionRefused
+  try {
+    (void)d::authenticate_client(*p.ours, kPsk, d::deadline_in(5s), "server");
+    ADD_FAILURE() << "the downgrade went unnoticed";
+  } catch (const rdmakit::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the refusal was forged (a downgrade)"), std::string::npos) << e.what();
+  }
+  ::shutdown(p.theirs, SHUT_RDWR);
+  server.join();
 }
 
 }  // namespace

@@ -23,8 +23,10 @@ def test_both_sides_added_from_info_move_bytes_and_prove_the_key_it_names():
         record = json.loads(info)
         assert record["name"] == "kv-0" and record["endpoints"] == [f"127.0.0.1:{kv0.port}"]
         assert record["identity"] == kv0.info()["public_key"] and record["segments"][0][0] == "kv"
-        assert b"rkey" not in info and str(pool.ctypes.data) not in info.decode()   # no memory key, no address
-        client.add_peer("kv-0", info)
+        # No memory key or address: the record's fields, and nothing else.
+        assert set(record) == {"v", "name", "epoch", "endpoints", "rails", "segments", "transports", "identity"}
+        assert str(pool.ctypes.data) not in info.decode()
+        client.add_peer("kv-0", bytearray(info))   # any bytes-like object
         peer = client.peers()[0]
         assert peer["key_source"] == "info" and peer["public_key"] == kv0.info()["public_key"]
         src = np.arange(4096, dtype=np.uint8)
@@ -34,7 +36,7 @@ def test_both_sides_added_from_info_move_bytes_and_prove_the_key_it_names():
         assert client.peers()[0]["wire_version"] == 7   # both of this release
         # The other way: kv-0 adds the client from its info and reads from it.
         client.expose("src", src_buf, "r")
-        kv0.add_peer("client", client.local_info())
+        kv0.add_peer("client", memoryview(client.local_info()))
         back = np.zeros(4096, dtype=np.uint8)
         kv0.register(back)
         kv0.submit([rdmakit.read(back, kv0.segment("client", "src"))]).wait(10.0)
