@@ -53,6 +53,22 @@ rdmakit::ConnectionConfig config(bool keyed) {
   return c;
 }
 
+// A plain TCP listener on here() at a free port (the version-6 server's), or -1.
+int listen_here(std::uint16_t* port) {
+  const int l = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  ::inet_pton(AF_INET, lab::here().c_str(), &a.sin_addr);
+  socklen_t len = sizeof a;
+  if (::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(l, 8) != 0 ||
+      ::getsockname(l, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    ::close(l);
+    return -1;
+  }
+  *port = ntohs(a.sin_port);
+  return l;
+}
+
 class Compat : public ::testing::TestWithParam<bool> {};
 
 // A client of version 6 connects to this version's listener: served in version 6 throughout.
@@ -106,15 +122,9 @@ TEST_P(Compat, APreviousVersionClientIsServedInItsVersion) {
 // This version's client and a server of version 6: refused in version 7, connected again in 6.
 TEST_P(Compat, AClientFallsBackToAPreviousVersionServer) {
   const bool keyed = GetParam();
-  const int l = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  ::inet_pton(AF_INET, lab::here().c_str(), &a.sin_addr);
-  ASSERT_EQ(::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  ASSERT_EQ(::listen(l, 4), 0);
-  socklen_t len = sizeof a;
-  ::getsockname(l, reinterpret_cast<sockaddr*>(&a), &len);
-  const std::uint16_t port = ntohs(a.sin_port);
+  std::uint16_t port = 0;
+  const int l = listen_here(&port);
+  ASSERT_GE(l, 0);
   std::string refused, failed;
   std::vector<std::uint8_t> got;
   std::thread server([&] {
@@ -167,14 +177,9 @@ TEST_P(Compat, AClientFallsBackToAPreviousVersionServer) {
 // refusal of its 6): the client connects again once, not more, and says why it failed.
 TEST_P(Compat, AClientFallsBackOnlyOnce) {
   const bool keyed = GetParam();
-  const int l = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  ::inet_pton(AF_INET, lab::here().c_str(), &a.sin_addr);
-  ASSERT_EQ(::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  ASSERT_EQ(::listen(l, 8), 0);
-  socklen_t len = sizeof a;
-  ::getsockname(l, reinterpret_cast<sockaddr*>(&a), &len);
+  std::uint16_t port = 0;
+  const int l = listen_here(&port);
+  ASSERT_GE(l, 0);
   timeval tv{1, 0};
   ::setsockopt(l, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);  // accept() gives up 1 s after the last
   int connections = 0;
@@ -190,7 +195,7 @@ TEST_P(Compat, AClientFallsBackOnlyOnce) {
     }
   });
   try {
-    Connection conn = Connection::connect(lab::here(ntohs(a.sin_port)), config(keyed));
+    Connection conn = Connection::connect(lab::here(port), config(keyed));
     ADD_FAILURE() << "connected";
   } catch (const rdmakit::Error& e) {
     EXPECT_NE(std::string(e.what()).find("peer speaks 6, this side speaks 6"), std::string::npos) << e.what();
