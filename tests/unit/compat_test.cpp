@@ -20,7 +20,9 @@
 #include "rdmakit/error.hpp"
 #include "rdmakit/wire.hpp"
 
-namespace {
+// Named, not anonymous: the unit tests are compiled in unity batches, where another file's
+// anonymous Pair or kPsk would be this one's.
+namespace compat_unit {
 
 namespace d = rdmakit::detail;
 namespace wire = rdmakit::wire;
@@ -300,4 +302,4 @@ TEST(Compat, AForgedRefusalThatDowngradesAKeyedClientIsDetected) {
   server.join();
 }
 
-}  // namespace
+}  // namespace compat_unit
