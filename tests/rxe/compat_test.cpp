@@ -53,22 +53,6 @@ rdmakit::ConnectionConfig config(bool keyed) {
   return c;
 }
 
-// A plain TCP listener on here() at a free port (the version-6 server's), or -1.
-int listen_here(std::uint16_t* port) {
-  const int l = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  ::inet_pton(AF_INET, lab::here().c_str(), &a.sin_addr);
-  socklen_t len = sizeof a;
-  if (::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(l, 8) != 0 ||
-      ::getsockname(l, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    ::close(l);
-    return -1;
-  }
-  *port = ntohs(a.sin_port);
-  return l;
-}
-
 class Compat : public ::testing::TestWithParam<bool> {};
 
 // A client of version 6 connects to this version's listener: served in version 6 throughout.
@@ -123,7 +107,7 @@ TEST_P(Compat, APreviousVersionClientIsServedInItsVersion) {
 TEST_P(Compat, AClientFallsBackToAPreviousVersionServer) {
   const bool keyed = GetParam();
   std::uint16_t port = 0;
-  const int l = listen_here(&port);
+  const int l = lab::listen_tcp(lab::here(), &port);
   ASSERT_GE(l, 0);
   std::string refused, failed;
   std::vector<std::uint8_t> got;
@@ -178,7 +162,7 @@ TEST_P(Compat, AClientFallsBackToAPreviousVersionServer) {
 TEST_P(Compat, AClientFallsBackOnlyOnce) {
   const bool keyed = GetParam();
   std::uint16_t port = 0;
-  const int l = listen_here(&port);
+  const int l = lab::listen_tcp(lab::here(), &port);
   ASSERT_GE(l, 0);
   timeval tv{1, 0};
   ::setsockopt(l, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);  // accept() gives up 1 s after the last

@@ -166,6 +166,22 @@ inline int open_fds() {
   return n;
 }
 
+/// A TCP listening socket on IPv4 address `ip` at a free port (set in `port`), or -1.
+inline int listen_tcp(const std::string& ip, std::uint16_t* port) {
+  const int l = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  ::inet_pton(AF_INET, ip.c_str(), &a.sin_addr);
+  socklen_t len = sizeof a;
+  if (::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(l, 16) != 0 ||
+      ::getsockname(l, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    ::close(l);
+    return -1;
+  }
+  *port = ntohs(a.sin_port);
+  return l;
+}
+
 /// A blocking TCP connection to ip:port with a receive timeout; -1 on failure.
 inline int raw_connect(const std::string& ip, std::uint16_t port, int recv_timeout_s = 5) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);

@@ -218,16 +218,10 @@ TEST(EngineLatency, APeerLostWhileWaitersPollEndsTheirTransfers) {
 // peer's listener accepts and never answers): the wait ends with the batch (the engine closed),
 // and the destructor does not wait out the spin.
 TEST(EngineLatency, DestroyingTheEngineWhileAThreadPollsEndsTheWait) {
-  const int silent = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  std::uint16_t silent_port = 0;
+  const int silent = lab::listen_tcp("127.0.0.1", &silent_port);
   ASSERT_GE(silent, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof sa;
-  ASSERT_EQ(::bind(silent, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
-  ASSERT_EQ(::listen(silent, 16), 0);
-  ASSERT_EQ(::getsockname(silent, reinterpret_cast<sockaddr*>(&sa), &len), 0);
-  const std::string address = "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
+  const std::string address = "127.0.0.1:" + std::to_string(silent_port);
   std::optional<Batch> batch;
   std::atomic<bool> returned{false}, ended{false};
   std::thread waiter;
