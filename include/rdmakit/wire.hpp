@@ -104,7 +104,8 @@ inline constexpr std::uint16_t kLastMessageType = 10;
 struct Header {
   MessageType type = MessageType::hello;
   std::uint32_t length = 0;
-  std::uint16_t version = kVersion;  ///< kVersion or kPreviousVersion (decode_header refuses others)
+  /// kVersion or kPreviousVersion (decode_header refuses others, but for a REJECT: any).
+  std::uint16_t version = kVersion;
 };
 
 /// One QP's address: its number and the first packet sequence number it sends.
@@ -208,7 +209,8 @@ inline constexpr std::size_t kMaxRejectReason = 512;
 /// kMaxRejectReason bytes: any version), known type, payload length within limits. Throws Error
 /// saying what was wrong (another version: naming both).
 [[nodiscard]] Header decode_header(std::span<const std::uint8_t> bytes);
-/// The same checks without an exception (for the data path): nullopt when the header is invalid
+/// The same checks without an exception, and without decode_header's REJECT of any version (for
+/// the data path, after the handshake): nullopt when the header is invalid
 /// or shorter than kHeaderSize.
 [[nodiscard]] std::optional<Header> try_decode_header(std::span<const std::uint8_t> bytes) noexcept;
 /// Validates and decodes a HELLO payload of `version` (every field). Throws Error saying what

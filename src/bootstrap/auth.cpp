@@ -136,10 +136,15 @@ std::unique_ptr<Session> authenticate_client(Channel& ch, std::span<const std::u
   // its MAC) that it speaks a newer one did not send that refusal.
   if (ch.send_version() < wire::kVersion &&
       std::equal(kDowngradeMarker.begin(), kDowngradeMarker.end(), theirs.begin() + kNonceSize - kDowngradeMarker.size())) {
-    refuse(peer,
-           fmt::format("the server speaks a wire version newer than {}, yet this client's version {} was refused on the "
-                       "way: the refusal was forged (a downgrade)", ch.send_version(), wire::kVersion),
-           "something between the two hosts rewrites the handshake: nothing was exchanged; find it");
+    // Told, so the server's operator sees it too; the client may try once more in its own version.
+    try {
+      ch.send_all(wire::encode_reject("the client refused: this server speaks a newer wire version than it was asked "
+                                      "in, after the client's own was refused (a downgrade, or a mixed fleet)",
+                                      ch.send_version()),
+                  deadline_in(std::chrono::milliseconds{500}));
+    } catch (const std::exception&) {
+    }
+    throw NewerServer(peer, ch.send_version());
   }
   Shared dh;
   if (!shared_secret(eph, theirs, dh)) {

@@ -67,6 +67,14 @@ VersionRefused::VersionRefused(const std::string& peer, std::uint16_t theirs, st
             "it runs the previous rdmakit: this side connects again in its version"),
       version(theirs) {}
 
+NewerServer::NewerServer(const std::string& peer, std::uint16_t spoken)
+    : Error("bootstrap authentication", EACCES,
+            fmt::format("{}: the server speaks a wire version newer than {}, yet this client's version {} was refused "
+                        "before: the refusal was forged (a downgrade), or came from another process at the same address",
+                        peer, spoken, wire::kVersion),
+            "behind a load balancer or virtual IP whose backends run different rdmakit versions, finish the upgrade; "
+            "otherwise something between the two hosts rewrites the handshake") {}
+
 void check_version_refusal(const Channel& ch, const Message& m, const std::string& peer) {
   if (m.header.type != wire::MessageType::reject) return;
   const std::string reason = wire::decode_reject(m.payload);

@@ -90,6 +90,16 @@ class VersionRefused : public Error {
   std::uint16_t version;
 };
 
+/// A keyed server answered a client that had fallen back to an older version, and says (its
+/// nonce's mark, under its MAC) that it speaks a newer one: the refusal that made the client fall
+/// back was forged, or came from another process behind the same address (a mixed fleet behind a
+/// load balancer, a node upgraded between the two tries). The client may connect again, once, in
+/// its own version.
+class NewerServer : public Error {
+ public:
+  NewerServer(const std::string& peer, std::uint16_t spoken);
+};
+
 /// Throws VersionRefused when `m`, the answer to the client's first message on `ch`, is a
 /// previous-version server's refusal of its version.
 void check_version_refusal(const Channel& ch, const Message& m, const std::string& peer);

@@ -36,7 +36,7 @@ std::optional<Connection> Connection::Impl::accept(std::unique_ptr<detail::Chann
     detail::Message first = detail::recv_message(ch, deadline);
     // The client's version is the connection's (it is one this side speaks: recv_message
     // refused any other, naming both, and the REJECT goes in this side's own version).
-    ch.set_version(first.header.version);
+    if (wire::speaks(first.header.version)) ch.set_version(first.header.version);  // (a REJECT may be in any)
     if (first.header.type == wire::MessageType::stream) {
       // A data stream of a tcp or shm link whose handshake runs on another thread: handed to
       // it by the token its sealed HELLO carried (a stream with any other goes).

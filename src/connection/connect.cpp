@@ -54,6 +54,11 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
     // This side speaks its version first; a server of the previous one refuses it and is
     // connected again, once, in that (wire.hpp, "Versions").
     std::uint16_t speak = wire::kVersion;
+    // A refusal of this side's version is believed on the first try only, and a server that says
+    // it is newer after that is tried once more in this side's version: two switches at most, so
+    // a forged refusal costs a connection, never a downgrade, and a mixed fleet behind one
+    // address still links.
+    int switches = 0;
     // A listener at its limits answers "busy": like a refused connect, that is worth retrying
     // until the deadline when the caller asked for retries (the QPs and HELLO are reused).
     for (;;) {
@@ -103,10 +108,17 @@ Connection Connection::Impl::connect(const std::string& host_port, const Connect
         detail::expect(reply, wire::MessageType::hello, m.info.peer_address);
         break;
       } catch (const detail::VersionRefused& e) {
-        if (speak != wire::kVersion || !wire::speaks(e.version)) throw;
+        if (switches != 0 || !wire::speaks(e.version)) throw;
         m.log(fmt::format("{} runs the previous rdmakit (wire version {}): connecting again in it", m.info.peer_address,
                           e.version));
         speak = e.version;
+        ++switches;
+        m.control.reset();
+      } catch (const detail::NewerServer& e) {
+        if (switches != 1) throw;
+        m.log(fmt::format("{}; connecting again in wire version {}", e.what(), wire::kVersion));
+        speak = wire::kVersion;
+        ++switches;
         m.control.reset();
       } catch (const Error& e) {
         const bool busy = std::string_view(e.what()).find(detail::kBusyReason) != std::string_view::npos;

@@ -260,8 +260,8 @@ TEST(Compat, AConnectionKeepsItsVersion) {
   frame[5] = 7;
   for (const std::uint16_t v : {std::uint16_t{6}, std::uint16_t{7}}) {
     d::Session receiver(kPsk, nc, ns, d::Role::server, dh, v);
-    // 6: the header says another version; 7: it says the receiver's, and the associated data
-    // (the header as the sender sealed it, in 6) does not match.
+    // 6: the header says another version; 7: it says the receiver's, but the associated data
+    // and the sealed inner header are the sender's, in 6 (either refuses it).
     EXPECT_FALSE(receiver.open(wire::decode_header(frame), std::span(frame).subspan(wire::kHeaderSize)).has_value()) << v;
   }
   const wire::Header busy{wire::MessageType::reject, 10, 6};
