@@ -209,6 +209,9 @@ inline constexpr std::size_t kMaxRejectReason = 512;
 /// kMaxRejectReason bytes: any version), known type, payload length within limits. Throws Error
 /// saying what was wrong (another version: naming both).
 [[nodiscard]] Header decode_header(std::span<const std::uint8_t> bytes);
+/// The version of a header with rdmakit's magic, whatever else it holds (nullopt: shorter than
+/// kHeaderSize, or another magic).
+[[nodiscard]] std::optional<std::uint16_t> header_version(std::span<const std::uint8_t> bytes) noexcept;
 /// The same checks without an exception, and without decode_header's REJECT of any version (for
 /// the data path, after the handshake): nullopt when the header is invalid
 /// or shorter than kHeaderSize.

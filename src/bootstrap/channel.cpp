@@ -87,10 +87,7 @@ Message recv_message(Channel& ch, Deadline deadline) {
   // A server's first read: the client's version is the connection's from its header on, so a
   // refusal of what follows (an unknown type, an oversized or cut payload) is in a version the
   // client reads.
-  const auto version = static_cast<std::uint16_t>((head[4] << 8) | head[5]);
-  if (ch.version() == 0 && wire::speaks(version) && head[0] == 'R' && head[1] == 'D' && head[2] == 'K' && head[3] == 'T') {
-    ch.set_version(version);
-  }
+  if (const auto v = wire::header_version(head); ch.version() == 0 && v && wire::speaks(*v)) ch.set_version(*v);
   Message m{wire::decode_header(head), {}};
   if (ch.version() != 0 && m.header.version != ch.version() && m.header.type != wire::MessageType::reject) {
     throw Error("bootstrap decode", EBADMSG,

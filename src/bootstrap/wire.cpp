@@ -217,13 +217,12 @@ Header decode_header(std::span<const std::uint8_t> bytes) {
            "the peer is not an rdmakit endpoint, or the port belongs to another service");
   }
   const std::uint16_t version = r.u16();
+  const std::uint16_t type = r.u16();
+  const std::uint32_t length = r.u32();
   // A REJECT is read whatever its version (its layout never changes): so a listener too busy to
   // read a client's first message can refuse it in the oldest version it speaks, and clients of
   // every version it serves, and of versions after them, learn why.
-  const std::uint32_t length = (std::uint32_t{bytes[8]} << 24) | (std::uint32_t{bytes[9]} << 16) |
-                               (std::uint32_t{bytes[10]} << 8) | bytes[11];
-  const bool any_reject = bytes[6] == 0 && bytes[7] == static_cast<std::uint8_t>(MessageType::reject) &&
-                          length <= kMaxRejectReason;
+  const bool any_reject = type == static_cast<std::uint16_t>(MessageType::reject) && length <= kMaxRejectReason;
   if (!speaks(version) && !any_reject) {
     // "protocol version" as version 6 worded it: a client of a newer version that reads it in
     // this side's REJECT (refused_version) connects again in this side's version.
@@ -234,14 +233,20 @@ Header decode_header(std::span<const std::uint8_t> bytes) {
                : "each rdmakit speaks its own wire version and the one before (docs/compatibility.md): the peer is "
                  "more than one version newer; upgrade this side");
   }
-  const std::uint16_t type = r.u16();
   if (type < 1 || type > kLastMessageType) reject(fmt::format("unknown message type {}", type));
-  Header h{static_cast<MessageType>(type), r.u32(), version};
+  Header h{static_cast<MessageType>(type), length, version};
   if (h.length > max_payload(h.type)) {
     reject(fmt::format("oversized {} message: {} bytes (at most {})", to_string(h.type), h.length,
                        max_payload(h.type)));
   }
   return h;
+}
+
+std::optional<std::uint16_t> header_version(std::span<const std::uint8_t> bytes) noexcept {
+  if (bytes.size() < kHeaderSize) return std::nullopt;
+  Reader r(bytes);
+  if (r.u32() != kMagic) return std::nullopt;
+  return r.u16();
 }
 
 std::optional<Header> try_decode_header(std::span<const std::uint8_t> bytes) noexcept {

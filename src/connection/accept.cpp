@@ -33,10 +33,9 @@ std::optional<Connection> Connection::Impl::accept(std::unique_ptr<detail::Chann
   std::string why;
   std::uint8_t engine_protocol = 0;
   try {
+    // From here on the channel speaks the client's version (recv_message took it from the first
+    // header, if this side speaks it; a refusal of any other goes in this side's own).
     detail::Message first = detail::recv_message(ch, deadline);
-    // The client's version is the connection's (it is one this side speaks: recv_message
-    // refused any other, naming both, and the REJECT goes in this side's own version).
-    if (wire::speaks(first.header.version)) ch.set_version(first.header.version);  // (a REJECT may be in any)
     if (first.header.type == wire::MessageType::stream) {
       // A data stream of a tcp or shm link whose handshake runs on another thread: handed to
       // it by the token its sealed HELLO carried (a stream with any other goes).
