@@ -124,11 +124,7 @@ std::unique_ptr<Session> authenticate_client(Channel& ch, std::span<const std::u
   const std::span<const std::uint8_t> their_mac(reply.payload.data() + kHelloSize, kMacSize);
   if (!same(mac(key, kServerLabel, mine, theirs), their_mac)) {
     // Nothing more than that: the server is not the one we meant, or its key differs.
-    try {
-      ch.send_all(wire::encode_reject("the server failed to prove it knows the pre-shared key", ch.send_version()),
-               deadline_in(std::chrono::milliseconds{500}));
-    } catch (const std::exception&) {
-    }
+    send_reject(ch, nullptr, "the server failed to prove it knows the pre-shared key");
     refuse(peer, "the server failed to prove it knows the pre-shared key",
            "the server uses another key (or is not the intended server): give both sides the same key");
   }
@@ -137,13 +133,9 @@ std::unique_ptr<Session> authenticate_client(Channel& ch, std::span<const std::u
   if (ch.send_version() < wire::kVersion &&
       std::equal(kDowngradeMarker.begin(), kDowngradeMarker.end(), theirs.begin() + kNonceSize - kDowngradeMarker.size())) {
     // Told, so the server's operator sees it too; the client may try once more in its own version.
-    try {
-      ch.send_all(wire::encode_reject("the client refused: this server speaks a newer wire version than it was asked "
-                                      "in, after the client's own was refused (a downgrade, or a mixed fleet)",
-                                      ch.send_version()),
-                  deadline_in(std::chrono::milliseconds{500}));
-    } catch (const std::exception&) {
-    }
+    send_reject(ch, nullptr,
+                "the client refused: this server speaks a newer wire version than it was asked in, after the "
+                "client's own was refused (a downgrade, or a mixed fleet)");
     throw NewerServer(peer, ch.send_version());
   }
   Shared dh;

@@ -141,6 +141,16 @@ void send_control(Channel& ch, Session* session, wire::MessageType type, std::sp
   ch.send_all(frame_control(session, type, payload, ch.send_version()), deadline);
 }
 
+void send_reject(Channel& ch, Session* session, const std::string& reason) noexcept {
+  try {
+    const auto msg = wire::encode_reject(reason);  // cut to its longest reason
+    send_control(ch, session, wire::MessageType::reject, std::span(msg).subspan(wire::kHeaderSize),
+                 deadline_in(std::chrono::milliseconds{500}));
+  } catch (const std::exception&) {
+    // The peer is gone or stalled: it learns nothing more either way.
+  }
+}
+
 Message recv_control(Channel& ch, Session* session, Deadline deadline, const std::string& peer) {
   Message m = recv_message(ch, deadline);
   if (session == nullptr) return m;

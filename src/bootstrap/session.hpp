@@ -93,6 +93,9 @@ std::vector<std::uint8_t> frame_control(Session* session, wire::MessageType type
 /// Sends a message on the control channel: sealed when there is a session, plain otherwise.
 void send_control(Channel& ch, Session* session, wire::MessageType type, std::span<const std::uint8_t> payload,
                   Deadline deadline);
+/// Sends a REJECT with `reason` (best effort, bounded to 500 ms; in the channel's version; sealed
+/// when there is a session); never throws.
+void send_reject(Channel& ch, Session* session, const std::string& reason) noexcept;
 /// Receives one message: with a session it must be a SEALED frame that opens (else Error naming
 /// what came: a message in the clear, or a frame that failed to authenticate).
 Message recv_control(Channel& ch, Session* session, Deadline deadline, const std::string& peer);

@@ -8,16 +8,6 @@
 
 namespace rdmakit::detail {
 
-void send_reject(Channel& ch, Session* session, const std::string& reason) noexcept {
-  try {
-    const auto msg = wire::encode_reject(reason);
-    send_control(ch, session, wire::MessageType::reject, std::span(msg).subspan(wire::kHeaderSize),
-                 deadline_in(std::chrono::milliseconds{500}));
-  } catch (const std::exception&) {
-    // The peer is gone or stalled: it learns nothing more either way.
-  }
-}
-
 void expect(const Message& m, wire::MessageType type, const std::string& peer) {
   if (m.header.type == wire::MessageType::reject) {
     throw Error("bootstrap handshake", ECONNREFUSED,

@@ -9,9 +9,6 @@
 
 namespace rdmakit::detail {
 
-/// Sends a REJECT with `reason` (best effort, bounded to 500 ms; sealed when there is a
-/// session); never throws.
-void send_reject(Channel& ch, Session* session, const std::string& reason) noexcept;
 /// Throws Error unless `m` is of `type`: the peer's reason when it is a REJECT, else what came.
 void expect(const Message& m, wire::MessageType type, const std::string& peer);
 
