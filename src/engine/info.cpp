@@ -21,7 +21,7 @@ std::vector<std::uint8_t> Engine::local_info() const {
   }
   // Past what a record holds, the segments are not listed (the peer learns every one on its
   // link all the same): docs/engine.md says so; no log line per call.
-  const std::string text = detail::metadata::encode(detail::engine_record(e, e.cfg.metadata.advertise));
+  const std::string text = detail::metadata::encode(detail::engine_record(e));
   return {text.begin(), text.end()};
 }
 

@@ -175,8 +175,7 @@ MetadataPlane::Health MetadataPlane::health() const {
   return health_;
 }
 
-md::EngineRecord engine_record(const Engine::Impl& e, const std::vector<std::string>& advertise,
-                               const std::function<void(std::size_t listed, std::size_t all)>& truncated) {
+md::EngineRecord engine_record(const Engine::Impl& e, std::size_t* segments) {
   md::EngineRecord r;
   r.name = e.name;
   r.epoch = e.epoch;
@@ -192,7 +191,7 @@ md::EngineRecord engine_record(const Engine::Impl& e, const std::vector<std::str
     r.rails.push_back(std::move(rail));
   }
   const Listener* l = e.listening.load(std::memory_order_acquire);
-  if (!advertise.empty()) {
+  if (const auto& advertise = e.cfg.metadata.advertise; !advertise.empty()) {
     r.endpoints = advertise;
   } else if (l != nullptr) {
     const HostPort at = parse_host_port(e.cfg.listen, 0);
@@ -214,36 +213,32 @@ md::EngineRecord engine_record(const Engine::Impl& e, const std::vector<std::str
       }
     }
   }
-  bool cut = false;
-  std::size_t all = 0;
-  {
-    std::lock_guard lock(e.mu);
-    all = e.segments.size();
-    std::size_t bytes = 0;
-    for (const auto& [name, s] : e.segments) {
-      // More than a record holds (in entries, or in bytes within etcd's default 1.5 MiB request,
-      // counting a name's escapes at their worst): the rest are served over the links all the
-      // same, not listed.
-      bytes += 2 * name.size() + 40;
-      if (r.segments.size() == md::max_segments || bytes > md::max_segment_bytes) {
-        cut = true;
-        break;
-      }
-      const BufferRec* b = e.buffer(s.buffer);
-      r.segments.push_back({name, s.length, b != nullptr ? to_string(b->kind) : "host"});
-    }
+  std::lock_guard lock(e.mu);
+  if (segments != nullptr) *segments = e.segments.size();
+  std::size_t bytes = 0;
+  for (const auto& [name, s] : e.segments) {
+    // More than a record holds (in entries, or in bytes within etcd's default 1.5 MiB request,
+    // counting a name's escapes at their worst): the rest are served over the links all the
+    // same, not listed.
+    bytes += 2 * name.size() + 40;
+    if (r.segments.size() == md::max_segments || bytes > md::max_segment_bytes) break;
+    const BufferRec* b = e.buffer(s.buffer);
+    r.segments.push_back({name, s.length, b != nullptr ? to_string(b->kind) : "host"});
   }
-  if (cut && truncated) truncated(r.segments.size(), all);  // outside the lock: it may log
   return r;
 }
 
 md::EngineRecord MetadataPlane::self_record() const {
-  return engine_record(e_, e_.cfg.metadata.advertise, [this](std::size_t listed, std::size_t all) {
-    if (truncated_.exchange(true)) return;  // said once
+  std::size_t all = 0;
+  md::EngineRecord r = engine_record(e_, &all);
+  // Not under Engine::Impl::mu (the log may call back into the engine), and said once.
+  if (r.segments.size() < all && !truncated_.exchange(true)) {
     e_.cfg.link.log(fmt::format("engine {}: its record in {} lists {} of its {} segments (a record holds at most "
                                 "{} or about {} KiB of them); peers reach all of them over their links",
-                                e_.name, shown_, listed, all, md::max_segments, md::max_segment_bytes / 1024));
-  });
+                                e_.name, shown_, r.segments.size(), all, md::max_segments,
+                                md::max_segment_bytes / 1024));
+  }
+  return r;
 }
 
 void MetadataPlane::apply(const md::DirectoryChange& c) {

@@ -14,7 +14,6 @@
 
 #include <atomic>
 #include <condition_variable>
-#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -28,12 +27,10 @@
 namespace rdmakit::detail {
 
 /// What `e` says about itself, in a store (MetadataPlane) or as Engine::local_info(): its name,
-/// epoch, key, transports, rails, endpoints (`advertise`, else the listener's addresses) and
-/// segments; `truncated` is told how many were listed of how many when not every one fits (after
-/// Engine::Impl::mu is released: it may log). Takes Engine::Impl::mu.
-[[nodiscard]] metadata::EngineRecord engine_record(
-    const Engine::Impl& e, const std::vector<std::string>& advertise,
-    const std::function<void(std::size_t listed, std::size_t all)>& truncated = {});
+/// epoch, key, transports, rails, endpoints (MetadataConfig::advertise, else the listener's
+/// addresses) and segments, as many as a record holds (`segments`, when given, is set to how many
+/// the engine has). Takes Engine::Impl::mu.
+[[nodiscard]] metadata::EngineRecord engine_record(const Engine::Impl& e, std::size_t* segments = nullptr);
 
 class MetadataPlane {
  public:
