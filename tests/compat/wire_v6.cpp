@@ -70,6 +70,15 @@ std::array<std::uint8_t, kMacSize> mac(std::span<const std::uint8_t> key, std::s
   return out;
 }
 
+// This side's hello (a nonce, then the X25519 public key of `secret`, drawn here).
+std::array<std::uint8_t, kHelloSize> fresh_hello(std::array<std::uint8_t, crypto_scalarmult_SCALARBYTES>& secret) {
+  ::randombytes_buf(secret.data(), secret.size());
+  std::array<std::uint8_t, kHelloSize> hello{};
+  ::randombytes_buf(hello.data(), kNonceSize);
+  ::crypto_scalarmult_base(hello.data() + kNonceSize, secret.data());
+  return hello;
+}
+
 }  // namespace
 
 std::vector<std::uint8_t> message(std::uint16_t type, std::span<const std::uint8_t> payload) {
@@ -249,10 +258,7 @@ bool Peer::serve_first(std::string* refused) {
 void Peer::authenticate_client() {
   if (psk_.empty()) return;
   std::array<std::uint8_t, crypto_scalarmult_SCALARBYTES> secret{};
-  ::randombytes_buf(secret.data(), secret.size());
-  std::array<std::uint8_t, kHelloSize> mine{};
-  ::randombytes_buf(mine.data(), kNonceSize);
-  ::crypto_scalarmult_base(mine.data() + kNonceSize, secret.data());
+  const auto mine = fresh_hello(secret);
   send_raw(message(auth_challenge, mine));
   const Received reply = recv_raw();
   if (reply.version != kVersion) fail("a reply in version " + std::to_string(reply.version));
@@ -263,27 +269,15 @@ void Peer::authenticate_client() {
   std::array<std::uint8_t, crypto_scalarmult_BYTES> dh{};
   if (::crypto_scalarmult(dh.data(), secret.data(), theirs.data() + kNonceSize) != 0) fail("low-order key");
   send_raw(message(auth_proof, mac(psk_, kClientLabel, mine, theirs)));
-  std::array<std::uint8_t, 32> prk{};
-  std::vector<std::uint8_t> salt(kSalt.begin(), kSalt.end());
-  salt.insert(salt.end(), mine.begin(), mine.end());
-  salt.insert(salt.end(), theirs.begin(), theirs.end());
-  hmac(salt, {psk_, dh}, prk.data());
-  const std::uint8_t one = 1;
-  hmac(prk, {bytes_of(kClientToServer), {&one, 1}}, tx_.data());
-  hmac(prk, {bytes_of(kServerToClient), {&one, 1}}, rx_.data());
+  derive_keys(mine, theirs, dh, /*client=*/true);
   ::sodium_memzero(secret.data(), secret.size());
   ::sodium_memzero(dh.data(), dh.size());
-  ::sodium_memzero(prk.data(), prk.size());
-  sealed_ = true;
 }
 
 void Peer::authenticate_server(const Received& challenge) {
   if (challenge.type != auth_challenge || challenge.payload.size() != kHelloSize) fail("no AUTH_CHALLENGE");
   std::array<std::uint8_t, crypto_scalarmult_SCALARBYTES> secret{};
-  ::randombytes_buf(secret.data(), secret.size());
-  std::array<std::uint8_t, kHelloSize> mine{};
-  ::randombytes_buf(mine.data(), kNonceSize);
-  ::crypto_scalarmult_base(mine.data() + kNonceSize, secret.data());
+  const auto mine = fresh_hello(secret);
   const std::span<const std::uint8_t> theirs(challenge.payload);
   std::array<std::uint8_t, crypto_scalarmult_BYTES> dh{};
   if (::crypto_scalarmult(dh.data(), secret.data(), theirs.data() + kNonceSize) != 0) fail("low-order key");
@@ -297,16 +291,23 @@ void Peer::authenticate_server(const Received& challenge) {
       ::crypto_verify_32(want.data(), answer.payload.data()) != 0) {
     fail("authentication failed");
   }
+  derive_keys(theirs, mine, dh, /*client=*/false);
+  ::sodium_memzero(secret.data(), secret.size());
+  ::sodium_memzero(dh.data(), dh.size());
+}
+
+// HKDF-SHA256 with one output block: extract with the label and both hellos as salt over
+// psk | dh, expand with a label per direction.
+void Peer::derive_keys(std::span<const std::uint8_t> client_hello, std::span<const std::uint8_t> server_hello,
+                       std::span<const std::uint8_t> dh, bool client) {
   std::vector<std::uint8_t> salt(kSalt.begin(), kSalt.end());
-  salt.insert(salt.end(), theirs.begin(), theirs.end());
-  salt.insert(salt.end(), mine.begin(), mine.end());
+  salt.insert(salt.end(), client_hello.begin(), client_hello.end());
+  salt.insert(salt.end(), server_hello.begin(), server_hello.end());
   std::array<std::uint8_t, 32> prk{};
   hmac(salt, {psk_, dh}, prk.data());
   const std::uint8_t one = 1;
-  hmac(prk, {bytes_of(kServerToClient), {&one, 1}}, tx_.data());
-  hmac(prk, {bytes_of(kClientToServer), {&one, 1}}, rx_.data());
-  ::sodium_memzero(secret.data(), secret.size());
-  ::sodium_memzero(dh.data(), dh.size());
+  hmac(prk, {bytes_of(kClientToServer), {&one, 1}}, client ? tx_.data() : rx_.data());
+  hmac(prk, {bytes_of(kServerToClient), {&one, 1}}, client ? rx_.data() : tx_.data());
   ::sodium_memzero(prk.data(), prk.size());
   sealed_ = true;
 }

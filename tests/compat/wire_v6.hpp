@@ -97,6 +97,9 @@ class Peer {
   Received recv_raw();
   void send_raw(const std::vector<std::uint8_t>& bytes);
   void authenticate_server(const Received& challenge);
+  /// Both directions' keys from the two hellos and the X25519 secret; sealed from here on.
+  void derive_keys(std::span<const std::uint8_t> client_hello, std::span<const std::uint8_t> server_hello,
+                   std::span<const std::uint8_t> dh, bool client);
 
   int fd_;
   std::vector<std::uint8_t> psk_;
