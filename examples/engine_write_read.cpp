@@ -18,7 +18,9 @@ using namespace std::chrono_literals;
 
 int main(int argc, char** argv) try {
   if (argc == 3 && std::string(argv[1]) == "--serve") {
-    rdmakit::EngineConfig cfg{.name = "server", .listen = std::string(":") + argv[2], .listen_at_start = false};
+    // No key in this example: a keyless engine serves other hosts only on an address it is given
+    // (every IPv4 address here); with EngineConfig::link.psk, ":PORT" would do.
+    rdmakit::EngineConfig cfg{.name = "server", .listen = std::string("0.0.0.0:") + argv[2], .listen_at_start = false};
     rdmakit::Engine engine(cfg);
     const rdmakit::Buffer inbox = engine.allocate_memory(4096);
     engine.expose("inbox", inbox, rdmakit::Access::remote_read | rdmakit::Access::remote_write);

@@ -5,7 +5,7 @@ One process holds a pool of fixed-size blocks and exposes it; another computes s
 the ones the first asked for straight into the pool (RDMA WRITE, zero-copy from a numpy array),
 and notifies which; the first checks them. Both sides run an asyncio loop: no thread, no polling.
 
-    kv_cache.py serve --listen :7660 [--count 1]     # the pool; exits after COUNT deliveries
+    kv_cache.py serve --listen 0.0.0.0:7660 [--count 1]     # the pool; exits after COUNT deliveries
     kv_cache.py send HOST:7660 --blocks 3,17,42      # writes those blocks and notifies
 """
 import argparse
@@ -65,7 +65,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve")
-    s.add_argument("--listen", default=":7660")
+    s.add_argument("--listen", default="0.0.0.0:7660")  # no key: every address must be named
     s.add_argument("--count", type=int, default=1, help="deliveries to take before exiting")
     c = sub.add_parser("send")
     c.add_argument("address")

@@ -70,7 +70,11 @@ struct EngineConfig {
   /// This engine's name, as its peers know it (1..64 bytes). Empty: "host:pid".
   std::string name{};
   /// Where peers connect to this engine ("[host]:port"; port 0: any free port, see
-  /// Engine::port()). Empty: no listener (this engine only initiates).
+  /// Engine::port()). Empty: no listener (this engine only initiates). No host (":port"): every
+  /// address, except for an engine without a key (link.psk empty), which then listens on
+  /// 127.0.0.1 only: a keyless listener serves whoever reaches it, so it reaches no other host
+  /// unless told an address here ("0.0.0.0:7600", "[::]:7600" or an interface's), which is the
+  /// opt-in (and logged). EngineInfo::listen says where it listens.
   std::string listen = ":0";
   /// Listen from construction on. A peer that links before a segment is exposed learns of it
   /// when it is, but a transfer it submits before that ends as no_segment: a target that must
@@ -490,6 +494,10 @@ struct EngineInfo {
   std::string name{};
   std::uint64_t epoch = 0;  ///< new at every start; peers recognise a restart by it
   std::uint16_t port = 0;   ///< 0: no listener
+  /// Where it listens ("host:port", EngineConfig::listen as it took effect; empty: nowhere), and
+  /// why when that is loopback only (a keyless engine given no address).
+  std::string listen{};
+  std::string listen_note{};
   std::vector<std::string> devices{};
   /// The transports it offers, best first ("rdma", "tcp", "shm"), and one line on each listed
   /// one it cannot offer (no RDMA device).

@@ -461,7 +461,7 @@ void bind_engine(py::module_& m) {
            "memory on, makes its queues on, links through; default: every one). device: the one "
            "device every link takes (default: the route's, among `devices`). gid, traffic_class, service_level, "
            "pkey_index, ack_timeout (seconds), retry_count: every link's fabric settings (docs/hardware.md). listen: \"[host]:port\" (port 0: any; "
-           "empty: no listener). workers: progress threads (default one per device). worker_cpus: the CPUs they "
+           "empty: no listener; no host: every address, or 127.0.0.1 only without a psk). workers: progress threads (default one per device). worker_cpus: the CPUs they "
            "run on (worker i on worker_cpus[i % len]; default: anywhere). psk: the "
            "pre-shared key, bytes or a key file's path (both ends of a link hold the same). "
            "metadata: \"p2p\" (peers by address), \"redis://host:port\" or \"etcd://host:port\": "
@@ -508,6 +508,8 @@ void bind_engine(py::module_& m) {
              d["public_key"] = i.public_key;
              d["transports"] = i.transports;
              d["transports_note"] = i.transports_note;
+             d["listen"] = i.listen;
+             d["listen_note"] = i.listen_note;
              d["metadata"] = i.metadata;
              return d;
            })

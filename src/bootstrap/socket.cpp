@@ -99,6 +99,17 @@ std::string HostPort::to_string() const {
                                              : fmt::format("{}:{}", host, port);
 }
 
+bool loopback_host(const std::string& host) noexcept {
+  if (host == "localhost") return true;
+  // Addresses only, parsed: a name that merely starts with "127." may resolve anywhere.
+  in_addr v4{};
+  if (::inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  if (::inet_pton(AF_INET6, host.c_str(), &v6) != 1) return false;
+  if (IN6_IS_ADDR_LOOPBACK(&v6)) return true;
+  return IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127;
+}
+
 HostPort parse_host_port(const std::string& text, std::uint16_t default_port) {
   HostPort hp{"", default_port};
   std::string port_text;

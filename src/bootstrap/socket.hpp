@@ -45,6 +45,9 @@ struct HostPort {
   [[nodiscard]] std::string to_string() const;
 };
 HostPort parse_host_port(const std::string& text, std::uint16_t default_port);
+/// "localhost", or an address in 127.0.0.0/8, ::1 or ::ffff:127.0.0.0/104 (a name is not resolved:
+/// false).
+[[nodiscard]] bool loopback_host(const std::string& host) noexcept;
 
 /// Connects to any address of `to` (IPv4 or IPv6), each attempt bounded by the deadline. With
 /// `retry_refused`, a refused connection is retried every 100 ms until the deadline. A requested

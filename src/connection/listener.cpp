@@ -391,10 +391,16 @@ Listener::Listener(std::unique_ptr<Impl> impl, const std::string& address, Liste
     // Each handshake will say why the devices cannot be opened.
   }
   if (!impl_->psk) {
-    impl_->log(fmt::format(
-        "listening on port {} without a pre-shared key: anyone who can reach this port can connect "
-        "and use the memory it advertises (set a key: --psk-file, ConnectionConfig::psk)",
-        impl_->port));
+    const std::string host = detail::parse_host_port(address, 0).host;
+    impl_->log(detail::loopback_host(host)
+                   ? fmt::format("listening on port {} without a pre-shared key, on {} only: any process of this host "
+                                 "can connect and use the memory it advertises (set a key: --psk-file, "
+                                 "ConnectionConfig::psk)",
+                                 impl_->port, host)
+                   : fmt::format("listening on port {} without a pre-shared key: anyone who can reach this port can "
+                                 "connect and use the memory it advertises (set a key: --psk-file, "
+                                 "ConnectionConfig::psk)",
+                                 impl_->port));
   }
   if (!impl_->wake) throw Error("eventfd", errno, "the listener's wake-up");
   impl_->acceptor = std::thread([this] { impl_->accept_loop(); });

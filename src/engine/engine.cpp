@@ -60,6 +60,12 @@ EngineInfo Engine::info() const {
   i.name = impl_->name;
   i.epoch = impl_->epoch;
   i.port = port();
+  if (!impl_->cfg.listen.empty()) {
+    // With the port it took (a listen of port 0 says which one once it listens).
+    const detail::HostPort at = detail::parse_host_port(impl_->cfg.listen, 0);
+    i.listen = detail::HostPort{at.host, i.port != 0 ? i.port : at.port}.to_string();
+  }
+  i.listen_note = impl_->listen_note;
   for (const auto& d : impl_->rdma_devices) i.devices.push_back(d->name());
   for (const wire::LinkTransport t : impl_->offer) i.transports.emplace_back(wire::to_string(t));
   i.transports_note = impl_->offer_note;

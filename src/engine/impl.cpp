@@ -11,6 +11,7 @@
 #include <cerrno>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "common/thread_name.hpp"
 #include "bootstrap/auth.hpp"
@@ -57,6 +58,7 @@ Engine::Impl::Impl(EngineConfig c)
   salt = fresh_epoch();
   leases_made = fresh_epoch() >> 1;  // lease ids start at a random point (their own: they are shown to peers)
   name = cfg.name.empty() ? default_name() : cfg.name;
+  if (!cfg.link.log) cfg.link.log = detail::default_log;  // before the first warning below
   detail::check_engine_name(name, "engine name");
   detail::check_key(cfg.link.psk);
   if (!cfg.identity.empty() && cfg.link.psk.empty()) {
@@ -102,9 +104,37 @@ Engine::Impl::Impl(EngineConfig c)
   cfg.link.qps = 1;
   cfg.link.recv_depth = 1;
   cfg.link.completion_events = false;
-  if (!cfg.link.log) cfg.link.log = detail::default_log;
   epoch = fresh_epoch();
   if (!cfg.link.psk.empty()) psk = std::make_shared<const detail::Secret>(cfg.link.psk);
+  if (!psk && !cfg.listen.empty()) {
+    // Protected by default (in the spirit of Redis's protected mode, though a remote peer here is
+    // refused by the TCP stack, not told why): a keyless listener serves whoever reaches it, so
+    // one given no address serves this host only. An address given is the opt-in.
+    const detail::HostPort at = detail::parse_host_port(cfg.listen, 0);
+    if (at.host.empty() && cfg.link.method == ConnectMethod::rdma_cm) {
+      // rdma_cm resolves a listener's address to an RDMA device, and none has 127.0.0.1.
+      throw Error("engine config", EINVAL,
+                  fmt::format("listen \"{}\" over rdma_cm without a key: a keyless engine serves whoever reaches it, "
+                              "so it listens on loopback unless given an address, and rdma_cm has no loopback",
+                              cfg.listen),
+                  "give link.psk (rdmakit keygen FILE; --psk-file), name the address to serve without a key "
+                  "(the host's or NIC's, or 0.0.0.0:PORT for every one), or listen = \"\" for an engine that only "
+                  "initiates");
+    }
+    if (at.host.empty()) {
+      cfg.listen = detail::HostPort{"127.0.0.1", at.port}.to_string();
+      listen_note = "127.0.0.1 only: the engine has no key (set link.psk, or name the address to serve other hosts "
+                    "without one, e.g. 0.0.0.0:PORT)";
+      if (store) {
+        cfg.link.log(fmt::format("engine {}: publishes {} to the metadata store, but listens on 127.0.0.1 only, "
+                                 "which only engines on this host reach: it has no key (set link.psk, or name the "
+                                 "address in listen)",
+                                 name, cfg.metadata.advertise.empty() ? std::string("127.0.0.1")
+                                                                      : fmt::format("{}", fmt::join(cfg.metadata.advertise, ", "))));
+      }
+    }
+    // An address named: the listener says, once it listens, who may reach it without a key.
+  }
 
   choose_transports();
   for (std::uint32_t d = 0; d < device_count(); ++d) gate->device_names.push_back(device_name(d));

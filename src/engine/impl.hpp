@@ -792,6 +792,7 @@ struct Engine::Impl {
   // streams that arrive at the listener for a link in its handshake.
   std::vector<wire::LinkTransport> offer;
   std::string offer_note;
+  std::string listen_note;  // EngineInfo::listen_note
   std::uint32_t rdma_count = 0;
   std::array<std::unique_ptr<detail::soft::Device>, 2> soft;
   wire::TransportBlock self;

@@ -203,8 +203,9 @@ md::EngineRecord engine_record(const Engine::Impl& e, std::size_t* segments) {
       add(at.host);
     } else {
       for (const md::RailRecord& rail : r.rails) {
-        if (rail.link_layer != "ethernet" || rail.gid.rfind("fe80:", 0) == 0) continue;
-        add(rail.gid.rfind("::ffff:", 0) == 0 ? rail.gid.substr(7) : rail.gid);
+        const bool v4 = rail.gid.rfind("::ffff:", 0) == 0;
+        if (rail.link_layer != "ethernet" || rail.gid.rfind("fe80:", 0) == 0 || !wildcard_serves(at.host, v4)) continue;
+        add(v4 ? rail.gid.substr(7) : rail.gid);
       }
       if (r.endpoints.empty()) {
         char host[256] = {};

@@ -67,6 +67,8 @@ Ip16 masked(Ip16 a, unsigned bits, bool v4) {
 
 bool wildcard_host(const std::string& host) { return host.empty() || host == "0.0.0.0" || host == "::" || host == "*"; }
 
+bool wildcard_serves(const std::string& host, bool v4) { return wildcard_host(host) && (v4 || host != "0.0.0.0"); }
+
 bool RailPort::v4() const noexcept { return mapped_v4(gid); }
 
 std::string RailPort::address() const {
@@ -117,7 +119,7 @@ std::vector<RailPort> local_rails(const std::vector<DeviceInfo>& catalog, const 
       // A link on it is bootstrapped at its own address, which the listener must accept on.
       const bool link_local = r.gid[0] == 0xfe && (r.gid[1] & 0xc0) == 0x80;
       if (listen_port != 0 && r.active && p.link_layer == LinkLayer::ethernet && !link_local &&
-          (wildcard_host(listen_host) || parse_ip16(listen_host) == r.gid)) {
+          (wildcard_serves(listen_host, r.v4()) || parse_ip16(listen_host) == r.gid)) {
         r.endpoint = HostPort{r.address(), listen_port}.to_string();
       }
       out.push_back(std::move(r));

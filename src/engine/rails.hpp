@@ -50,6 +50,9 @@ struct RailPort {
 
 /// Whether a listen host accepts on every address ("", "0.0.0.0", "::", "*").
 [[nodiscard]] bool wildcard_host(const std::string& host);
+/// Whether a listener on wildcard `host` accepts on an address of the family (`v4`): "0.0.0.0"
+/// binds IPv4 alone, no host and "::" both.
+[[nodiscard]] bool wildcard_serves(const std::string& host, bool v4);
 
 /// One rail a link to a peer should hold: a local port and the peer's port it reaches.
 struct RailPlan {

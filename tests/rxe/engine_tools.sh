@@ -13,7 +13,7 @@ set -- $RDMAKIT_LAB_IPS
 done_file=".engine-tools-done-$method-$RDMAKIT_LAB_RUN"
 fail() { echo "FAIL: $*"; exit 1; }
 if [ "$RDMAKIT_LAB_INDEX" = 0 ]; then
-  "$R" serve $cm --name target --listen 7630 --expose kv:16M --json > serve.out.$$ 2>&1 &
+  "$R" serve $cm --name target --listen 0.0.0.0:7630 --expose kv:16M --json > serve.out.$$ 2>&1 &
   pid=$!
   i=0
   until [ -e "$done_file" ]; do

@@ -61,7 +61,7 @@ static void all_to_all(const std::string& store) {
   const std::size_t n = ips.size();
   rdmakit::EngineConfig c;
   c.name = "vm" + std::to_string(me);
-  c.listen = ":7620";
+  c.listen = "0.0.0.0:7620";
   c.link = lab::quiet();
   if (!store.empty()) {
     c.metadata.uri = store;
@@ -413,7 +413,7 @@ TEST(EngineVms, AVmWithoutRdmaIsReachedOverTcpWhereListed) {
   } restore{me == 2, dev};
   rdmakit::EngineConfig c;
   c.name = "vm" + std::to_string(me);
-  c.listen = ":7640";
+  c.listen = "0.0.0.0:7640";
   c.link = lab::quiet();
   c.transports = {rdmakit::Transport::rdma, rdmakit::Transport::tcp};
   Engine e(c);

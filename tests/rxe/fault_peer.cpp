@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < count; ++i) {
       rdmakit::EngineConfig ec;
       ec.name = "s" + std::to_string(base + i);
-      ec.listen = ":" + std::to_string(base + i);
+      ec.listen = "0.0.0.0:" + std::to_string(base + i);
       ec.listen_at_start = false;
       ec.max_qps = 8;  // a small CQ each: the host runs many of them
       ec.link.log = [](std::string_view) {};
@@ -59,6 +59,7 @@ int main(int argc, char** argv) {
     // leases), then idles until it is killed.
     rdmakit::EngineConfig ec;
     ec.name = "holder";
+    ec.listen = "";  // it only initiates
     ec.link.log = [](std::string_view) {};
     ec.link.method = lab::test_method();
     ec.transports = lab::test_transports();
@@ -77,7 +78,7 @@ int main(int argc, char** argv) {
   if (mode == "engine" && argc == 4) {
     rdmakit::EngineConfig ec;
     ec.name = argv[3];
-    ec.listen = ":" + std::string(argv[2]);
+    ec.listen = "0.0.0.0:" + std::string(argv[2]);
     ec.link.log = [](std::string_view) {};
     ec.link.method = lab::test_method();
     ec.transports = lab::test_transports();

@@ -39,7 +39,7 @@ one_vm)
   expect "$out/client" 'server read back: "Hello from one VM"'
   check_negotiated "$out/server"
   check_negotiated "$out/client"
-  expect "$out/server" "without a pre-shared key: anyone who can reach this port"
+  expect "$out/server" "without a pre-shared key, on 127.0.0.1 only: any process of this host"
   # With a key file on both sides it works; a client with another key is refused, and says why.
   # rdmakit keygen writes one (mode 0600); any file of raw bytes with that mode is one too.
   "$R" keygen "$out/key" > "$out/keygen" 2>&1 || fail "keygen exited $?"

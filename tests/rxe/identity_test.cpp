@@ -1,9 +1,17 @@
 // Engine identities (issue 31): a link is used only when the engine at its other end proves the
 // key expected of the peer (given, published, or pinned on first use); a target binds a name to
 // the key that first linked under it; an IDENT's signature holds only for its own session.
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <thread>
@@ -211,6 +219,91 @@ TEST(EngineIdentity, AnIdentityNeedsTheClusterKey) {
     ADD_FAILURE() << "an identity without a pre-shared key was accepted";
   } catch (const rdmakit::Error& e) {
     EXPECT_NE(std::string(e.what()).find("without a pre-shared key"), std::string::npos) << e.what();
+  }
+}
+
+// A keyless engine serves whoever reaches its port, so one given no address listens on 127.0.0.1
+// only (and says so): engines on this host link with it, another address of this host is
+// refused. A key, or an address named, is the opt-in to every interface (the latter logged).
+// Over rdma_cm, which has no loopback, a keyless engine given no address is refused.
+TEST(EngineIdentity, AKeylessEngineGivenNoAddressServesThisHostOnly) {
+  EngineConfig open = config("open");
+  open.listen = ":0";
+  if (test_method() == rdmakit::ConnectMethod::rdma_cm) {
+    try {
+      Engine e(open);
+      ADD_FAILURE() << "a keyless rdma_cm engine without an address was started";
+    } catch (const rdmakit::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("rdma_cm has no loopback"), std::string::npos) << e.what();
+    }
+    return;
+  }
+  // An address of this host other than loopback, reachable only by a listener on every address.
+  std::string other;
+  ifaddrs* ifs = nullptr;
+  ASSERT_EQ(::getifaddrs(&ifs), 0);
+  for (const ifaddrs* i = ifs; i != nullptr && other.empty(); i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof text);
+    if (std::string(text).rfind("127.", 0) != 0) other = text;
+  }
+  ::freeifaddrs(ifs);
+  // In the lab there always is one; elsewhere (a container with loopback alone) the reach
+  // checks below are said to be skipped.
+  if (std::getenv("RDMAKIT_LAB_IP") != nullptr) {
+    ASSERT_FALSE(other.empty()) << "no IPv4 address other than loopback in the lab VM";
+  } else if (other.empty()) {
+    std::printf("no IPv4 address other than loopback: the checks that other addresses are refused are skipped\n");
+    RecordProperty("reach_checks", "skipped: no IPv4 address other than loopback");
+  }
+  const auto reaches = [](const std::string& ip, std::uint16_t port) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    ::inet_pton(AF_INET, ip.c_str(), &a.sin_addr);
+    const bool ok = ::connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0;
+    ::close(fd);
+    return ok;
+  };
+
+  Engine target(open);
+  const rdmakit::EngineInfo info = target.info();
+  EXPECT_EQ(info.listen, "127.0.0.1:" + std::to_string(target.port()));
+  EXPECT_NE(info.listen_note.find("127.0.0.1 only"), std::string::npos) << info.listen_note;
+  target.expose("kv", target.allocate_memory(4096), Access::remote_read | Access::remote_write);
+  Engine client(config("client"));
+  client.add_peer("open", "127.0.0.1:" + std::to_string(target.port()));
+  const Buffer src = client.allocate_memory(4096);
+  fill(src.addr, src.length, 3);
+  EXPECT_EQ(write_once(client, "open", src).status, TransferStatus::ok);
+  if (!other.empty()) {
+    EXPECT_FALSE(reaches(other, target.port())) << other << " reached a keyless loopback listener";
+  }
+
+  // A key: every address.
+  EngineConfig k = keyed("keyed");
+  k.listen = ":0";
+  Engine with_key(k);
+  EXPECT_EQ(with_key.info().listen, ":" + std::to_string(with_key.port()));
+  EXPECT_TRUE(with_key.info().listen_note.empty());
+  if (!other.empty()) {
+    EXPECT_TRUE(reaches(other, with_key.port())) << other;
+  }
+
+  // An address named: the keyless engine serves it, and says what that means (read before
+  // anything connects: the listener logs from its own threads).
+  std::vector<std::string> said;
+  EngineConfig named = config("named");
+  named.listen = "0.0.0.0:0";
+  named.link.log = [&said](std::string_view line) { said.emplace_back(line); };
+  Engine everywhere(named);
+  EXPECT_TRUE(std::any_of(said.begin(), said.end(),
+                          [](const std::string& l) { return l.find("without a pre-shared key: anyone") != std::string::npos; }))
+      << "no warning for a keyless listener on every address";
+  if (!other.empty()) {
+    EXPECT_TRUE(reaches(other, everywhere.port())) << other;
   }
 }
 

@@ -33,9 +33,9 @@ for u in redis://127.0.0.1:6399 etcd://127.0.0.1:2399; do
     i=$((i + 1)); [ $i -gt 300 ] && fail "$s never answered"
     sleep 0.1
   done
-  "$R" serve --name t1 --metadata "$u" --cluster lab --lease 2 --listen 7641 --expose kv:8M --json > "$d/t1.$s.out" 2>&1 &
+  "$R" serve --name t1 --metadata "$u" --cluster lab --lease 2 --listen 0.0.0.0:7641 --expose kv:8M --json > "$d/t1.$s.out" 2>&1 &
   t1=$!
-  "$R" serve --name t2 --metadata "$u" --cluster lab --lease 2 --listen 7642 --expose kv:8M --json > "$d/t2.$s.out" 2>&1 &
+  "$R" serve --name t2 --metadata "$u" --cluster lab --lease 2 --listen 0.0.0.0:7642 --expose kv:8M --json > "$d/t2.$s.out" 2>&1 &
   t2=$!
   pids="$pids $t1 $t2"
   i=0

@@ -27,7 +27,7 @@ fail() {
 set -- $RDMAKIT_LAB_IPS
 ip0=$1
 
-"$R" serve --name t --listen 7640 --expose kv:64M --metrics 127.0.0.1:9464 > "$dir/serve.out" 2>&1 &
+"$R" serve --name t --listen 0.0.0.0:7640 --expose kv:64M --metrics 127.0.0.1:9464 > "$dir/serve.out" 2>&1 &
 pids="$pids $!"
 cat > "$dir/prom.yml" <<EOF
 global: { scrape_interval: 1s, scrape_timeout: 900ms, evaluation_interval: 1s }

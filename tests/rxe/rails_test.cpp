@@ -46,7 +46,7 @@ bool two_nics() { return ip(0) != nullptr && ip(1) != nullptr; }
 EngineConfig config(const std::string& name) {
   EngineConfig c;
   c.name = name;
-  c.listen = ":0";  // every address: each NIC's rail is bootstrapped at its own
+  c.listen = "0.0.0.0:0";  // every address (keyless: named): each NIC's rail is bootstrapped at its own
   c.link = lab::quiet();
   return c;
 }
@@ -369,7 +369,7 @@ TEST(Rails, AcrossTwoVmsBothRailsCarryALargeTransfer) {
   if (ips.size() != 2 || !two_nics()) GTEST_SKIP() << "needs a lab of two VMs with two NICs each";
   const int me = std::atoi(std::getenv("RDMAKIT_LAB_INDEX"));
   EngineConfig c = config("vm" + std::to_string(me));
-  c.listen = ":7630";
+  c.listen = "0.0.0.0:7630";
   // VM 1 listens only once "kv" is exposed: VM 0 connects as soon as it can, and a segment
   // exposed after the link was made arrives by announcement, after VM 0's first lookup.
   c.listen_at_start = false;
@@ -464,7 +464,7 @@ TEST(Rails, ARestartedPeerThatNoLongerOffersARailLosesIt) {
   b.reset();  // it dies; its links with it
   ASSERT_GE(until_rail(a, "b", "rxe1", "down", 10s).count(), 0) << describe(peer_of(a, "b"));
   EngineConfig bc = config("b");
-  bc.listen = ":" + std::to_string(port);
+  bc.listen = "0.0.0.0:" + std::to_string(port);
   bc.rails.devices = {"rxe0"};
   Engine b2(bc);
   const Buffer seg = b2.allocate_memory(4096);

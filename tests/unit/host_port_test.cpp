@@ -38,6 +38,17 @@ TEST(HostPort, Forms) {
   EXPECT_EQ(parse_host_port("127.0.0.1:0", 1).port, 0);  // listen on any free port
 }
 
+TEST(HostPort, LoopbackIsAnAddressNotAPrefix) {
+  using rdmakit::detail::loopback_host;
+  for (const char* yes : {"localhost", "127.0.0.1", "127.1.2.3", "::1", "0:0:0:0:0:0:0:1", "::ffff:127.0.0.1"}) {
+    EXPECT_TRUE(loopback_host(yes)) << yes;
+  }
+  for (const char* no : {"", "0.0.0.0", "::", "198.18.0.1", "127.0.0.1.nip.io", "127.example", "::ffff:10.0.0.1",
+                         "fe80::1", "128.0.0.1"}) {
+    EXPECT_FALSE(loopback_host(no)) << no;
+  }
+}
+
 TEST(HostPort, Rejects) {
   EXPECT_THROW((void)parse_host_port("host:65536", 1), rdmakit::Error);
   EXPECT_THROW((void)parse_host_port("host:12x", 1), rdmakit::Error);

@@ -315,7 +315,14 @@ bool serve_commands(Engine& engine, std::string& pending, bool as_json) {
 int run_serve(const ServeOptions& o) {
   std::vector<Exposed> segs;
   for (const auto& t : o.expose) segs.push_back(parse_expose(t));
-  EngineConfig cfg = o.net.config(o.listen.find(':') == std::string::npos ? ":" + o.listen : o.listen);
+  // "PORT" alone is a port on every address (127.0.0.1 without a key); "HOST" alone, the host on
+  // serve's default port.
+  std::string listen = o.listen;
+  if (listen.find(':') == std::string::npos) {
+    const bool port = !listen.empty() && std::all_of(listen.begin(), listen.end(), [](char c) { return c >= '0' && c <= '9'; });
+    listen = port ? ":" + listen : listen + ":" + ServeOptions{}.listen;
+  }
+  EngineConfig cfg = o.net.config(listen);
   cfg.listen_at_start = false;  // every segment is offered from the first link on
   cfg.allowed_peers = o.allow;
   Engine engine(cfg);
@@ -333,13 +340,15 @@ int run_serve(const ServeOptions& o) {
     nlohmann::json segj = nlohmann::json::array();
     for (const Exposed& s : segs) segj.push_back({{"name", s.name}, {"size", s.size}, {"kind", to_string(s.spec.kind)}});
     fmt::print("{}\n", nlohmann::json{{"event", "serving"}, {"name", info.name}, {"epoch", fmt::format("{:#x}", info.epoch)},
-                                      {"port", info.port}, {"segments", segj}, {"memory_windows", info.memory_windows},
+                                      {"port", info.port}, {"listen", info.listen}, {"listen_note", info.listen_note},
+                                      {"segments", segj}, {"memory_windows", info.memory_windows},
                                       {"access_model", info.access_model}, {"metadata", info.metadata},
                                       {"rails", info.rails}, {"public_key", info.public_key},
                                       {"transports", info.transports}, {"transports_note", info.transports_note},
                                       {"metrics", metrics ? metrics->address() : std::string{}}}.dump());
   } else {
     fmt::print("rdmakit serve: engine {} (epoch {:#x}) listening on port {}\n", info.name, info.epoch, info.port);
+    if (!info.listen_note.empty()) fmt::print("  listener: {}\n", info.listen_note);
     for (const Exposed& s : segs) fmt::print("  segment {}: {} bytes of {} memory\n", s.name, s.size, to_string(s.spec.kind));
     fmt::print("  transports: {}{}\n", fmt::join(info.transports, ", "),
                info.transports_note.empty() ? "" : " (" + info.transports_note + ")");
@@ -634,7 +643,11 @@ void add_serve(CLI::App& app, std::function<int()>& run) {
   auto o = std::make_shared<ServeOptions>();
   auto* sub = app.add_subcommand("serve", "run an engine that exposes named segments to peers (a target)");
   o->net.add_to(*sub, /*publishing=*/true);
-  sub->add_option("--listen", o->listen, "[ADDR:]PORT to accept links on")->capture_default_str();
+  sub->add_option("--listen", o->listen,
+                  "[ADDR:]PORT (or ADDR alone) to accept links on; without ADDR every address, or 127.0.0.1 only "
+                  "without --psk-file (give 0.0.0.0:PORT to serve other hosts without a key; with --cm rdma_cm, "
+                  "which has no loopback, a keyless serve needs ADDR)")
+      ->capture_default_str();
   sub->add_option("--expose", o->expose, "NAME:SIZE[:KIND] (K, M, G; host, hugepage, cuda, cuda-host); repeatable")
       ->required();
   sub->add_option("--duration", o->duration, "stop after this many seconds (default: at SIGINT/SIGTERM)");

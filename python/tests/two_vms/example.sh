@@ -5,7 +5,7 @@ PY=$1
 ex=$(dirname "$0")/../../../examples/python/kv_cache.py
 set -- $RDMAKIT_LAB_IPS
 if [ "$RDMAKIT_LAB_INDEX" = 0 ]; then
-  out=$(timeout 60 "$PY" "$ex" serve --listen :7660) || { echo "FAIL: pool exited $?: $out"; exit 1; }
+  out=$(timeout 60 "$PY" "$ex" serve --listen 0.0.0.0:7660) || { echo "FAIL: pool exited $?: $out"; exit 1; }
   echo "$out"
   echo "$out" | grep -q "kv-worker delivered blocks \[3, 17, 42\]: all intact" || { echo "FAIL: pool output"; exit 1; }
 else

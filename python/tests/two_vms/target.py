@@ -11,7 +11,7 @@ import rdmakit
 
 
 async def main(port):
-    eng = rdmakit.Engine(name="target", listen=f":{port}")
+    eng = rdmakit.Engine(name="target", listen=f"0.0.0.0:{port}")
     pool = np.zeros(16 << 20, dtype=np.uint8)
     eng.expose("pool", eng.register(pool), "rw")
     print(f"target: serving 16 MiB on port {eng.port}", flush=True)

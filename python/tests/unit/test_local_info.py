@@ -95,3 +95,13 @@ def test_an_engine_that_does_not_listen_has_no_info():
             e.local_info()
         e.start_listening()
         assert json.loads(e.local_info())["endpoints"] == [f"127.0.0.1:{e.port}"]
+
+
+def test_a_keyless_engine_given_no_address_listens_on_loopback_only():
+    with rdmakit.Engine(name="open", transports=["tcp"]) as e:
+        info = e.info()
+        assert info["listen"] == f"127.0.0.1:{e.port}"
+        assert "127.0.0.1 only" in info["listen_note"]
+        assert json.loads(e.local_info())["endpoints"] == [f"127.0.0.1:{e.port}"]
+    with rdmakit.Engine(name="keyed", psk=PSK, transports=["tcp"]) as e:
+        assert e.info()["listen"] == f":{e.port}" and e.info()["listen_note"] == ""
