@@ -8,8 +8,8 @@ the decode side READs them by index with a notification (start_load_kv), checks 
 and releases the lease; the prefill side frees the blocks when the lease has ended
 (get_finished), by which time no read of them can land. A read on a released lease is refused.
 
-    kv_connector.py prefill --listen :7670 --decode HOST:7671 [--requests 8]
-    kv_connector.py decode --listen :7671 --prefill HOST:7670 [--requests 8]
+    kv_connector.py prefill --listen 0.0.0.0:7670 --decode HOST:7671 [--requests 8]
+    kv_connector.py decode --listen 0.0.0.0:7671 --prefill HOST:7670 [--requests 8]
     (--transport tcp on both: the same without RDMA)
 
 The decode side prints the time of the last request's load (all 256 blocks of every layer) and
@@ -135,6 +135,8 @@ def prefill(args):
         while req not in conn.get_finished():         # the decode side releases the lease
             assert time.monotonic() < until, f"request {req}: its lease never ended"
             time.sleep(0.001)
+    bye = next_note(engine)                           # the decode side's checks after the last release are done
+    assert bye.message == b"bye", bye.message
     print(f"prefill: {len(conn.finished)} requests finished, every lease ended before its blocks were reused",
           flush=True)
     engine.close()
@@ -185,6 +187,7 @@ def decode(args):
               f"{t['total_time'] * 1e3:.2f} ms ({moved / t['total_time'] / 1e9:.2f} GB/s, {t['transfers']} reads, "
               f"posted in {t['post_time'] * 1e3:.2f} ms), with the lease's arrival {took * 1e3:.2f} ms; "
               f"a read after release refused", flush=True)
+    engine.notify("prefill", b"bye").wait(TIMEOUT)    # its last read after release is refused: it may go
     print(f"decode: {args.requests} requests, {'every block intact' if not bad else f'{bad} WRONG'}", flush=True)
     engine.close()
     return 1 if bad else 0
@@ -194,11 +197,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="role", required=True)
     a = sub.add_parser("prefill")
-    a.add_argument("--listen", default=":7670")
+    a.add_argument("--listen", default="0.0.0.0:7670")  # no key: every address must be named
     a.add_argument("--decode", required=True)
     a.add_argument("--requests", type=int, default=8)
     b = sub.add_parser("decode")
-    b.add_argument("--listen", default=":7671")
+    b.add_argument("--listen", default="0.0.0.0:7671")
     b.add_argument("--prefill", required=True)
     b.add_argument("--requests", type=int, default=8)
     for q in (a, b):
