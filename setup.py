@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Builds rdmakit's extension module with the project's own CMake (the library and the module
 only: no tools, tests or benchmarks), so `pip install .` and `cmake --build` make the same thing.
 Metadata lives in pyproject.toml."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """How fast this host runs asyncio Python code: N rounds of a future resolved from a descriptor's
 readable callback (os.write to a pipe, the loop wakes, the callback reads and resolves, the task
 resumes), the shape of `await batch`. Prints the wall time per round; run under callgrind too

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Wall time per batch through the C++ engine: submit a batch of B 8-byte WRITEs to a peer engine
 // in the same process and wait for it, ROUNDS times (after a warm-up); with INFLIGHT, submit that
 // many batches, then wait for them all, per round. The baseline that bench/python-overhead sets

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // How long an engine link takes to come up (Engine::connect: the keyed handshake, the IDENTs, the
 // window on the target's segment announced, SYNCED), with the cluster key alone and with
 // identities on both sides (each IDENT signed, the other's verified and its key checked), taking

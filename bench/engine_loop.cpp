@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's cost per transfer, for callgrind: rounds of 8-byte RDMA WRITEs, once through raw
 // verbs (a chain of B requests in one ibv_post_send, signaled as the engine signals its chains:
 // every kSignalEvery-th (64) and the last, polled until

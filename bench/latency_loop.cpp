@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The raw verbs anchor of bench/compare-latency: one 8-byte RDMA WRITE or READ at a time, posted
 // signaled with ibv_post_send and busy-polled to its completion with ibv_poll_cq, on a loopback
 // connection's QP and CQ: the round trip a caller that posts and polls itself measures (what

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What a lease costs (docs/performance.md, "Leases"): two engines in one process over the
 // transport given (rdma in the lab, or tcp/shm), the target granting leases of N ranges to the
 // holder (every other block, so each range is a window of its own), timed from grant() to the holder knowing the lease (its windows bound and announced),

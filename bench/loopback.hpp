@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The instruction-count loops' connection: a client and a listener in the same process, the
 // listener advertising 4 KiB the client may write, the client holding 4 KiB of its own as the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The library's overhead per operation, for callgrind: the same 8-byte RDMA WRITE, posted and
 // completed one at a time, once through raw verbs and once through rdmakit, on the same QP and
 // CQ. Each loop is an extern "C" function of its own so callgrind can count it alone

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Wall time per batch through the Python binding (the twin of rdmakit_engine_batch_time): a
 batch of B 8-byte WRITEs to a peer engine in the same process, ROUNDS times after a warm-up.
 

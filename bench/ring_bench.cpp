@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The data path's own bookkeeping, without a device: recording a posted request in the WR ring
 // and retiring it from a completion (one by one, and 32 at a time as selective signaling does).
 // What ibv_post_send and ibv_poll_cq cost is the provider's; bench/callgrind-overhead measures

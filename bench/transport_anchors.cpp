@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The anchors of bench/compare-transports: an 8-byte ping-pong between two processes of this
 // host, over loopback TCP (TCP_NODELAY, blocking reads) or through shared memory (each side spins
 // on a word the other writes), one round trip at a time (the round trips' p50 and p99 in

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The bootstrap codec's cost: one HELLO per connection each way, so it bounds how fast a listener
 // can accept; the decoder also runs on every hostile byte a peer sends.
 #include <benchmark/benchmark.h>

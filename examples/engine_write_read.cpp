@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine in one program: `engine_write_read --serve PORT` exposes a segment "inbox";
 // `engine_write_read HOST:PORT` writes a greeting into it in one batch that carries a
 // notification, then reads it back (a prepared plan, submitted three times). The server prints

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The smallest complete rdmakit program: `write_and_read --listen PORT` on one host,
 // `write_and_read HOST:PORT` on the other. The client RDMA-WRITEs a greeting into the server's
 // buffer; the server waits until the client says BYE and prints what landed.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libFuzzer target for the bootstrap decoder: whatever bytes a peer sends, decoding either
 // succeeds or throws rdmakit::Error, never crashes or reads out of bounds, and what decodes
 // re-encodes to the same thing.

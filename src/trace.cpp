@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // TraceEvent formatting and the environment's default tracer (RDMAKIT_TRACE).
 #include "trace.hpp"
 

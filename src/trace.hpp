@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Tracing inside the library: events are built only when someone listens, and a tracer that
 // throws never disturbs the connection.

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """A KV-cache-style exchange between two engines.
 
 One process holds a pool of fixed-size blocks and exposes it; another computes some blocks, writes

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """A KV connector's calls in pull mode, between a prefill engine and a decode engine.
 
 The shape of vLLM's NixlConnector and MooncakeConnector: both sides register each layer's KV

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // rdmakit doctor: explain an RDMA setup before it fails. Local checks of this host, a comparison
 // of both sides of a connection, and a specific diagnosis (with a fix) for each failure class.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // An engine's long-term identity: an Ed25519 key pair. Its public key names the engine to its
 // peers (given to add_peer, published in the metadata store, pinned on first use); the secret

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The bootstrap wire format, version 7 (and 6, the previous version, which this side still
 // speaks to a peer that does: docs/compatibility.md). Every message is a 12-byte header followed

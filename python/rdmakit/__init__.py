@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """rdmakit: correct, fast and debuggable RDMA between hosts.
 
 The engine (many peers, memory registered once, batched asynchronous transfers)::

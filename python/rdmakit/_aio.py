@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """asyncio glue: ``await batch`` and ``async for note in engine.notifications()``.
 
 A reader in the event loop watches the engine's descriptor with ``loop.add_reader``: when it

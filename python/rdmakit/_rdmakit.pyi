@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Type stubs of the compiled module rdmakit._rdmakit (re-exported by the package rdmakit).
 import asyncio
 import builtins

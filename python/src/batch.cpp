@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit.Batch and rdmakit.Notification: a submit's transfers as they end (waited on, awaited
 // in asyncio, checked), and the messages that come with a peer's batches.
 #include <pybind11/stl.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit.connect, rdmakit.Listener and rdmakit.Connection, over rdmakit::Connection: one peer,
 // posts and completions driven by the caller.
 #include "connection.hpp"

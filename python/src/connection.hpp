@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit.connect, rdmakit.Listener and rdmakit.Connection.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit.Engine: the engine's own calls (registration, resolving transfers, submitting) and
 // its binding. Buffers, segments, transfers and plans are bound in transfers.cpp, batches and
 // notifications in batch.cpp.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit.Engine and what goes with it (Buffer, RemoteSegment, Transfer, TransferPlan, Batch,
 // Notification), over rdmakit::Engine.
 #pragma once

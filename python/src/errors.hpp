@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The module's exceptions: rdmakit.Error and its subclasses, raised from rdmakit::Error.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The library's log lines, on their way to Python's `logging` (logger "rdmakit"). Any thread
 // queues a line without touching Python (an engine's worker must never wait for the GIL); a

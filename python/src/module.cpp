@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The extension module rdmakit._rdmakit; the package rdmakit (python/rdmakit) re-exports it and
 // adds the asyncio glue.
 #include <pybind11/pybind11.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Conversions of Python arguments shared by the bindings: seconds to deadlines, keys.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Memory that Python objects hold: found through the buffer protocol or DLPack, and held (the
 // object referenced, its export kept open) for as long as rdmakit may touch it.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit.Buffer, RemoteSegment, Transfer (and the calls that make one), TransferOp and
 // TransferPlan: what a transfer is made of, as Python describes it.
 #include <pybind11/stl.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The authenticated bootstrap: with a pre-shared key both sides prove they know it (mutual
 // HMAC-SHA256 challenge-response over fresh nonces and ephemeral X25519 keys from both, whose

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The control channel a connection's handshake and later messages travel on: a reliable, ordered
 // byte stream with deadlines. Over TCP it is the bootstrap socket (TcpChannel); over rdma_cm it

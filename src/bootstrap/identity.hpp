@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // What the library needs of identities beyond the public class: checking a signature against a
 // public key's text.

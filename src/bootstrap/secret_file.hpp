@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Files that hold secrets (pre-shared keys, identities): read only when no one else could have
 // written or read them, written only as new files with the mode a secret needs.

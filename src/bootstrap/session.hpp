@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The keyed session: after the mutual proof of the pre-shared key, every control-channel message
 // travels sealed in an AEAD frame (XChaCha20-Poly1305, libsodium) under a key of its direction,

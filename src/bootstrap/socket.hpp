@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // TCP for the bootstrap and control channel. Every operation takes a deadline: nothing here can
 // block past it, whatever the peer does (stalls, trickles bytes, never answers).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The control channel over rdma_cm: a small RC QP of its own, connected by the CM, carrying a
 // byte stream in SENDs. Private to src/cm/ (cm.hpp is the layer's interface).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Connecting through the RDMA connection manager (librdmacm). The kernel resolves the peer's IP
 // address to a device, port and source GID, and a path (ARP and the routing table on RoCE, path

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Resolving, connecting and listening through the CM, and what each CM failure means.
 #include <arpa/inet.h>
 #include <fcntl.h>

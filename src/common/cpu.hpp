@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // What a thread that polls does between two looks: tells the core it spins (x86 `pause`, Arm
 // `yield`), which lets its hyperthread sibling run and saves the pipeline flush at the exit.

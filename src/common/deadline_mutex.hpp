@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // A mutex whose lock can wait until a deadline (std::lock_guard, std::unique_lock and their
 // try_lock_until/try_lock_for work with it), built on std::mutex and std::condition_variable.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // A first-in first-out queue of small values on one growing power-of-two ring: push and pop are
 // a store and an index (std::deque's are a dozen instructions and a block allocation every few

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Text <-> binary IP addresses, kept apart so the verbs layer can format GIDs without including
 // socket headers.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // A one-way "stop now" for blocking setup steps (a connect being retried, a handshake waiting for
 // a silent peer): once requested, every wait that was given it ends at once with ECANCELED

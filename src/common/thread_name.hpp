@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Names the library's threads as `top -H`, gdb and /proc/PID/task/*/comm show them.
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The listener's side of the handshake on an accepted socket: (authenticate) -> client HELLO ->
 // build QPs on the route the client came in by -> Setup -> RTS -> server HELLO -> READY.
 // Each side is in RTS before the other may post to it, and a malformed HELLO is refused before

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The public data-path calls: each forwards to the data path, whose hot path is inline, so a
 // post or poll is one function from the caller's call to the provider's.
 #include "connection/impl.hpp"

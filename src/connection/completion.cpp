@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What completions and refused posts say: status names, likely causes, one-line descriptions.
 #include <infiniband/verbs.h>
 

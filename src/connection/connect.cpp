@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The client's side of the handshake: TCP or rdma_cm connect -> (authenticate) -> open the device on the
 // route the kernel chose -> Setup -> HELLO exchange -> RTS -> READY.
 #include <sys/random.h>

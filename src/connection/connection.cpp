@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Connection's lifecycle: the verbs objects of one RC connection (open), joining them with the
 // peer's (finish), close, and the memory and information calls.
 #include <endian.h>

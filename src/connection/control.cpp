@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The control channel after the handshake: BYE, application messages, keepalive, and noticing
 // that the peer is gone. The data path never throws, so neither does reading it.
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Housekeeping for the data path's wait loop: the peer's control channel and the device's
 // async events, each of which may break the connection through the data path's one break
 // routine.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // What both handshakes (connect.cpp, accept.cpp) and the listener share.
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Connection's state, shared by its lifecycle (connection.cpp), control channel (control.cpp),
 // housekeeping (events.cpp), the two handshakes (connect.cpp, accept.cpp) and the public

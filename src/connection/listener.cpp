@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Listener: accepts on one thread (TCP connections, or rdma_cm connect requests), runs each
 // client's handshake on a thread of its own with its own deadline, and hands out the
 // connections whose handshake succeeded.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An engine link of the tcp or shm transport: the server's choice among the transports the
 // client offers, the data streams a link's handshake waits for, and the link's software queue
 // pair (src/transport/soft/) with the data path on it.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The data path's setup and its completion bookkeeping off the hot path: segmented requests'
 // parts, error completions (which break the connection), tracing.
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The data path: posting, the work-request rings, segmentation, completions, and the one break
 // and one drain routine. Connection uses it, and so will the engine: there is no second copy.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // How work ends: the one break routine, the one drain routine (every QP to ERR, plus a marker
 // that retires trailing unsignaled requests), close's settle-then-shut, and the wait loop with
 // its sleep on the completion channel.

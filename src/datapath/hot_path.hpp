@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The data path's hot path: posting one request, a prepared one or a chain, and taking
 // completions; inline, so a public post_* or poll is one function from the caller's call to the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Posting beyond the single-request fast path: batches, segmented (split or striped) requests
 // and receives. Nothing here allocates, throws or logs: a refused post is a PostResult.
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The bookkeeping of one work queue: what each posted work request was, in post order.
 

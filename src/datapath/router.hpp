@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // A CQ shared by many data paths (an engine worker's, serving every peer link on it): each
 // queue attached to it gets a tag, which its work requests carry in their wr_id (ring.hpp), and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the host itself says: netdevs and their addresses, limits, capabilities, huge pages,
 // versions, GPU drivers. Everything here reads the kernel's files or asks libc; nothing throws
 // for a missing file (a missing file is a finding).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit doctor's local checks. Each check says what it found and, unless all is well, one
 // concrete fix; a check that does not apply here says why (skip) instead of passing silently.
 #include <infiniband/verbs.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit doctor, two-sided: compare both sides of a connection, exercise it with a tiny WRITE,
 // READ and SEND, and turn each failure class into a diagnosis with a fix.
 #include <arpa/inet.h>

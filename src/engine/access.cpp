@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Who may reach this engine's memory: revoke() and allow() (admission.hpp says how an entry
 // matches a peer; Worker::check_identity admits links, Worker::revoke ends them).
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Who may link to an engine, and who a segment is for (EngineConfig::allowed_peers,
 // Engine::revoke, Engine::expose's peers): lists of entries, each an engine name ("kv-3"), a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A batch of transfers: its shared state (ended by the workers, one transfer at a time) and the
 // caller's Batch handle.
 #include <sys/eventfd.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // A batch's state and its transfers' (BatchState, Xfer), a worker's share of it, a sliced
 // transfer's group, and a prepared plan (PlanState): what Engine::submit builds and the workers

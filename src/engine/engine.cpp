@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's public calls (include/rdmakit/engine.hpp); its internals are in impl.cpp, its
 // batches in batch.cpp.
 #include <sys/eventfd.h>

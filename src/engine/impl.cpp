@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's internals: its registries of buffers and peers, its workers and devices, and the
 // threads that connect and accept links.
 #include <sched.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An engine's details as bytes for the application's own control plane (Engine::local_info),
 // and a peer added from them: the same record a metadata store holds, carried by whatever side
 // channel a serving system already has (vLLM's connectors send theirs over ZMQ).

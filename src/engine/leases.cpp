@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Leases, the application's side (leases.hpp): grant, end, the ends' queue; and the holder's
 // lease(), renew(), release(). The workers' side is worker_leases.cpp.
 #include <algorithm>

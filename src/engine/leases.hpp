@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Leases (Engine::grant): a peer's access to ranges of this engine's segments for a time, held
 // as memory windows on the peer's links, which go when the lease ends.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Descriptor lists (Engine::prepare_local, prepare_remote) and the submit that transfers
 // selections of them by index: what a KV connector prepares once per peer (a descriptor per
 // block and layer) and then moves a request's blocks by. Each position becomes a transfer of the

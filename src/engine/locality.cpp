@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Locality (locality.hpp).
 #include "engine/locality.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Locality: which devices a buffer's transfers prefer. GPU memory is ranked by PCIe distance
 // between the GPU and each NIC (the bridges between them in sysfs: a NIC behind the GPU's own

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The engine's use of a metadata store (EngineConfig::metadata): it publishes the engine's record
 // (name, epoch, endpoints, rails, segments) under a lease and keeps it there, finds peers by name,

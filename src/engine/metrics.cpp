@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The exposition text of a MetricsSnapshot (metrics.hpp), and the histogram the batches feed.
 #include "engine/metrics.hpp"
 

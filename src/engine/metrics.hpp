@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's figures for a scraper (Engine::metrics): what the workers and batches count
 // beside EngineCounters, a snapshot taken without touching the data path's locks, and its
 // rendering in Prometheus's text exposition format (kept apart, so that its bounds and syntax

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Prepared plans (Engine::prepare, submit(plan)): transfers checked once, cut into runs of one
 // operation between one buffer and one peer's segment; each run's verbs requests built once per
 // link and posted as they are, a chain per run, while the link and the segment are those they

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's messages between linked engines (protocol.hpp).
 #include "engine/protocol.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The engine's messages between two linked engines, version 7. They travel as application
 // messages on the link's control channel (sealed there when the link has a key), each at most

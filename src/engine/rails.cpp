@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Rails: which ports a peer link may use (rails.hpp).
 #include "engine/rails.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Rails: the ports a peer link may hold QPs on. A local port can carry a rail to a peer's port
 // when both have the same link layer and GIDs that reach each other (same address family and

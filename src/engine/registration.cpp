@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // How the engine registers memory: caller-owned host and GPU memory, another driver's dma-buf,
 // memory it allocates, and how a buffer ranks the devices (include/rdmakit/engine.hpp).
 #include <fcntl.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Engine::metrics() and Engine::health(): a snapshot of the engine's figures (metrics.hpp),
 // read from the counters, the workers' per-path figures and the registries, without any lock
 // the data path takes (the registries' mutex is the one peers() and info() take).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's transports (docs/engine.md, "Transports"): which it offers its peers' links, the
 // software devices of tcp and shm and a worker's CQ on them, and its buffers as those links
 // reach them. The choice per link is made in the handshake (src/connection/soft.cpp); the links

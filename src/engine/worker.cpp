@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An engine worker: its shared CQs, its thread and loop, and the commands other threads send it.
 // Everything here runs on the worker's thread (or in progress()), except post(), attach() and
 // stop(). Its transfers are in worker_transfers.cpp, its links in worker_links.cpp, its rails in

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Who is at the other end of a link: the IDENT a worker sends (signed with the engine's identity)
 // and the checks of the one it receives, against the peer that was meant (docs/security.md,
 // "Engine identities"). Runs on the worker's thread.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Leases on the workers (leases.hpp): the granting side binds a window per range on each link
 // the holder opened, announces them (LEASE) once bound, extends them (RENEW), and drops them when
 // the lease ends; the holding side keeps the ranges per link and slot, uses them for transfers

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An engine worker's links: connecting and breaking them, their windows and the segments
 // announced on them, sending control messages, eviction under the QP budget. Runs on the
 // worker's thread (or in progress()); the messages a peer sends are handled in

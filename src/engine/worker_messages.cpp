@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An engine worker's handling of the messages a linked engine sends (protocol.hpp): each checked
 // against the link's side and state before it is acted on, nothing before the peer's IDENT.
 // Runs on the worker's thread (or in progress()).

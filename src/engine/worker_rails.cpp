@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A worker's rails: which of a peer's links a transfer goes on, slicing, failover to another
 // rail, and probing a failed rail until it answers (docs/engine.md, "Rails"). Every rail of a
 // peer is on the peer's worker (it has a CQ on every device), so a sliced transfer and its

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An engine worker's transfers: checking and routing submitted ones, chains on a link's data
 // path, the transfers a completion ends, batches and their notifications. Runs on the worker's
 // thread (or in progress()); the worker's loop and commands are in worker.cpp, its links in

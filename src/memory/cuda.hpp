@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // CUDA memory, through the driver API loaded at run time (dlopen of libcuda.so.1): the library and
 // the tool build and run on machines without CUDA, and say so clearly when asked for GPU memory.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Compiled only where the CUDA toolkit's cuda.h is installed: checks that the types, constants
 // and symbols cuda.cpp loads at run time are the driver API's.
 #include <cuda.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Memory providers: host, huge pages, dma-buf and CUDA memory, each registered by the best path
 // the device allows, falling back instead of failing, and saying which path it took and why.
 #include <fcntl.h>

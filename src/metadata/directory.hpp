@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // An engine's view of its cluster in a store. It publishes the engine's own record under a lease
 // and keeps it there: refreshed every third of the lease, and put again by itself when the store

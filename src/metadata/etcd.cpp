@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The store on etcd, through its v3 API's JSON gateway (POST /v3/...), with libcurl: keys and
 // values travel base64-encoded, leases are etcd's own. With several endpoints, a call that cannot
 // reach one tries the next before its deadline.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // What an engine publishes about itself in a store, and where: one JSON record per engine under
 // rdmakit/<cluster>/engines/<name>, tied to the engine's lease. Never a key or an address of

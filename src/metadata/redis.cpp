@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The store on Redis, through hiredis' blocking API with a socket timeout set from each call's
 // deadline. Redis has no leases: a lease is the set of keys put under it, each with an expiry
 // (SET ... PX ttl) that refresh() extends (PEXPIRE); a key that is gone when refreshed (the

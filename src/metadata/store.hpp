@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // A key-value store that engines publish themselves in and find each other through: Redis
 // (hiredis) or etcd (its v3 JSON gateway over libcurl). What the engine needs of either, and

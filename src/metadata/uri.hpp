@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Where an engine's metadata lives: nowhere (p2p: peers by host:port, everything in the
 // handshake), a Redis server, or an etcd cluster. Parsed once from EngineConfig::metadata.

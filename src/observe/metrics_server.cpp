@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // MetricsServer: /metrics and /health over cpp-httplib (Debian's libcpp-httplib: a small,
 // well-kept server with a bounded thread pool and per-connection timeouts, and a client the
 // `stats` command uses too; libmicrohttpd would mean C callbacks and buffer management here,

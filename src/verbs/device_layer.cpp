@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The per-process device layer (see device_layer.hpp).
 #include "verbs/device_layer.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The per-process device layer: every RDMA device is opened once (one context, one async-event
 // stream, a cached copy of its ports and GID tables), however many connections and engines use

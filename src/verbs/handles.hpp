@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // One owner per verbs handle: a unique_ptr whose deleter is the matching destroy verb. Objects
 // that hold several of them declare them in creation order, so destruction (reverse member order)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "verbs/memory_impl.hpp"
 
 #include <sys/resource.h>

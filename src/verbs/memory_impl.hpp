@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // What a MemoryRegion owns. The device and PD are shared with the connection (or engine) that
 // made the region, so the PD outlives every MR registered in it whatever order the user drops

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Netdevs and RDMA devices: which netdev has an address, and which RDMA device (and port) a
 // netdev belongs to, read from sysfs. RoCE ports name their netdev in each GID entry; an

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The RC queue pair state machine: RESET -> INIT -> RTR -> RTS, one function per transition,
 // each with its attribute mask next to the attributes it covers (as rc_pingpong does). The

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // FROZEN: see wire_v6.hpp. Never change what this sends or accepts.
 #include "wire_v6.hpp"
 

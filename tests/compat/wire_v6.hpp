@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // FROZEN: rdmakit's bootstrap wire, version 6, as the release before version 7 spoke it
 // (include/rdmakit/wire.hpp and src/bootstrap/{wire,auth,session}.cpp at 6f8903f), written out

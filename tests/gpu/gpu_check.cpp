@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Checks rdmakit's CUDA paths end to end on a machine with an NVIDIA GPU, and prints one verdict
 // per path: PASS, FAIL (with what went wrong) or SKIP (with why it could not run here).
 //   rdmakit_gpu_check [GPU]          (tests/gpu/run builds and runs it)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Uses the installed headers and library: prints the version and formats an rdmakit::Error.
 #include <cerrno>
 #include <iostream>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside one lab VM: connections set up through rdma_cm (ConnectionConfig::method) with the
 // same guarantees as the TCP bootstrap: data on every QP, the pre-shared key, refusals with a
 // reason, a listener that keeps serving through foreign, silent and excess clients, peer loss

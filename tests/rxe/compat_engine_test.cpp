@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Engine links in the previous bootstrap wire version (docs/compatibility.md), on every CI run:
 // a proxy in front of a target refuses an initiator's connection in version 7 as a listener of
 // version 6 would, and forwards the rest to the target. Keyless, the initiator falls back and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Rolling upgrades against rxe (docs/compatibility.md): whole connections between this version
 // and a peer of the previous bootstrap wire, version 6, frozen in tests/compat/wire_v6.cpp. Its
 // side has no QP of its own (its HELLO names a QPN no QP holds): what is tested is that this

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside one lab VM: connections between a Listener and clients in the same process, over
 // the VM's rxe device and loopback TCP; with RDMAKIT_TEST_METHOD=rdma_cm through the CM to the
 // VM's own address (the cases about raw TCP bootstrap bytes are TCP's alone: cm_test sends the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside one lab VM: every operation with data validation, SGE lists, inline boundaries,
 // atomics from racing clients, posting at depth 1 and at the device maximum, event deadlines.
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside the lab: the per-process device layer. Each device is opened once whatever the
 // number of connections (each still has a PD of its own), a device event reaches every
 // connection it concerns whichever thread read it, and the cached GID tables follow the

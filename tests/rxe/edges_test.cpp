@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside the lab: the edges a review found (issue "Correct at every edge"), each against a
 // real kernel RDMA stack. One VM for most; the keepalive case needs two (rxe.library.two_vms runs
 // it, with netem silencing one of them).

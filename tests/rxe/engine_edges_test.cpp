@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside the lab: the engine at its edges (issue "The engine at every edge"): operator calls
 // in any order, any number of segments, handles that are not this engine's, notifications a
 // receiver does not take, ids reused for as long as an engine runs. Engines in one process talk

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside the lab: the engine against rxe. Engines in one process talk over loopback (each
 // has its own listener, PD and workers, as separate processes would); every byte is checked.
 #include <poll.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs in every VM of a lab with several VMs (rxe.library.three_vms): one engine per VM, all to
 // all. Each VM writes its own region of every other VM's segment from 8 threads at once, reads
 // it back and compares, then tells each peer (a notification after its writes); each VM checks

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The peer the fault tests kill: connects (or listens), advertises a 64 KiB buffer it lets the
 // other side read and write, keeps receives posted for SENDs, says "ready" on stdout, and serves
 // until it is killed (through rdma_cm with RDMAKIT_TEST_METHOD=rdma_cm). With try-connect, a client in a process of its own: one connect attempt

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside one lab VM: the faults users meet most, each under a deadline. A peer process
 // SIGKILLed mid-stream (both roles, WRITE/READ/SEND), the port going down, RNR, access
 // violations with a forged descriptor, local misuse, and recovery by reconnecting.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The library's own handshake hook (connection/impl.hpp, not public API), for tests that play a
 // peer whose parameters are corrupt or forged: the peer's HELLO is altered before it is used.

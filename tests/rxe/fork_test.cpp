@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside the lab: a process holding an engine forks while its transfers are in flight, as a
 // serving process does when it starts a subprocess. The children touch the registered memory
 // (their copy of it) or exec a program at once; the parent's every byte, sent and received, is

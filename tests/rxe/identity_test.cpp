@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Engine identities (issue 31): a link is used only when the engine at its other end proves the
 // key expected of the peer (given, published, or pinned on first use); a target binds a name to
 // the key that first linked under it; an IDENT's signature holds only for its own session.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside the lab: checks the environment every rxe test relies on (an rxe device with an
 // ACTIVE Ethernet port, RoCE v2 GIDs at the indexes the lab documents, the lab's variables).
 #include <arpa/inet.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Helpers the lab's gtest binaries share: device resource counts, open fds, raw bootstrap
 // sockets (to play a misbehaving peer byte by byte).

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Self-tests of lab/rdmakit-lab, one case per invocation (CTest runs each as its own test).
 
 Every case runs the real lab: qemu, the guest kernel, rdma_rxe, and the host's rdma-core tools.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One small transfer at a time (issue 34): a batch started on the submitting thread while its
 // worker's thread sleeps, and a wait that polls for its end itself before it sleeps. What these
 // check is that the shortcut is taken, that the bytes are right whoever posts and polls, and that

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Leases (Engine::grant): a peer reads ranges of a segment only while its lease lasts; when it
 // ends (expiry, release, end_lease, the holder's death, a withdrawal) its windows go first and
 // the granting engine is told after; a transfer on an ended lease ends lease_expired with none

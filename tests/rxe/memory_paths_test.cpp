@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside the lab: how the engine registers caller-owned memory that is not plain host
 // memory, against rxe. Another driver's dma-buf (vgem, the lab's stand-in for an accelerator):
 // rxe takes no dma-buf MR, so every device of the engine shares one registered bounce buffer

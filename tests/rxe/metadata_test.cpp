@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside the lab: engines that find each other through a real Redis or etcd (started by each
 // case on this VM), move validated data, drop a SIGKILLed peer within its lease and find its
 // restart by themselves, keep working through a store outage and re-publish into a store

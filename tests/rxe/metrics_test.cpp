@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An engine's figures for Prometheus (Engine::metrics, MetricsServer): what a batch moved shows
 // under its peer and path, failures under their status, the text passes promtool, and the HTTP
 // endpoint serves it and /health. Runs in the lab over rxe, and on the host over tcp and shm.

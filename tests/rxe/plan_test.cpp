@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside the lab: the engine's prepared plans (Engine::prepare, submit(plan)) against rxe.
 // A plan's requests are built once per link and posted as built; these cases change what they
 // were built for (the bytes, the queue's room, the segment, the buffer, the peer's process) and

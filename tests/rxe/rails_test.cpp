@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside a lab with two NICs per VM (--nics 2: rxe0 on 198.18.0.0/24, rxe1 on
 // 198.18.1.0/24): an engine's link to a peer holds a rail on each NIC, large transfers are sliced
 // over both, a rail taken down mid-stream fails over to the other and comes back, a NIC the peer

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // A man in the middle for the bootstrap: listens on a port, and for the one client that connects
 // opens its own connection to the real server and relays the bytes, frame by frame, in both

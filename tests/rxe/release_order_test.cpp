@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside the lab: the order a Connection releases its verbs objects in. This binary
 // interposes ibv_destroy_qp and ibv_dereg_mr (the library is linked statically into it, so its
 // calls resolve here; these forward to libibverbs) and records each call: a QP must be destroyed

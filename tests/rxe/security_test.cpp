@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside one lab VM: only the intended peer gets at registered memory. The authenticated
 // bootstrap refuses keyless and wrong-key peers before any parameter crosses the wire; rkeys are
 // scoped to one connection (its own PD) and die when it closes; a flood of connects is capped.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What serving systems' KV connectors do through the engine (runs in the lab over rxe, and on
 // the host over tcp and shm): a pull-mode read whose notification tells the target its blocks
 // may be reused, notifications on their own, request ids, per-batch telemetry, and cancel().

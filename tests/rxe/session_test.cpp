@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs inside one lab VM: the pre-shared key protects the whole session. A relay that forwards
 // the key proof gets nothing; a reader of the bootstrap traffic learns no address or rkey;
 // replayed, reordered, truncated or altered frames end the connection and nothing else; an

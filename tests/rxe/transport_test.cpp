@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Transports per link (issue 33): which one a link takes and why, never one that was not listed,
 // an engine without RDMA that says how to run anyway, and a peer that dies or stops mid-batch
 // over tcp and shm as over rdma. These run on the host (RDMAKIT_TEST_TRANSPORT=tcp or shm): the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // promtool (Debian's prometheus package; scripts/install-deps installs it) on a file the test
 // writes: the exposition text's and the dashboard's checks, in the unit and the engine tests.
 #pragma once

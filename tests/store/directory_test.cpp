@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The Directory (src/metadata/directory.hpp) against real Redis and etcd: engines find each
 // other, a dead engine goes within its lease, a restarted one is seen with its new epoch, a store
 // restarted empty gets every entry back within a refresh interval without anyone being dropped,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // 1,000 engines in one store, simulated by one process publishing their records under one lease
 // (each as an engine's would be: two rails, four segments): all are listed and decoded, and a
 // lookup by name is timed. Prints what an engine's listing costs (time, bytes) and the lookup

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Real store servers for the store tests (redis-server, etcd from Debian), started on free ports
 // of 127.0.0.1 with their data in a scratch directory, and a fake server that answers garbage.

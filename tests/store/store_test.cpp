@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The metadata stores' clients (src/metadata) against real servers started here: Redis and etcd
 // each run every case. Leases expire, survive refreshes and are lost when the store restarts
 // empty; a stopped store, one that answers garbage, closes mid-reply or never answers fails each

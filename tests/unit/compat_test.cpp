@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Rolling upgrades (docs/compatibility.md): this version's bootstrap against the previous
 // version's, frozen in tests/compat/wire_v6.cpp, over a socket pair: the key exchange and sealed
 // frames both ways in version 6, a previous-version server's refusal that makes this side's

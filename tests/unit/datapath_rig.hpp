@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // A connected data path over the fake provider (fake_verbs.hpp), shared by the data path's unit
 // tests (datapath_test.cpp, prepared_test.cpp).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The data path's bookkeeping against the fake provider (fake_verbs.hpp): selective signaling,
 // segmented requests and partial posts, the one break and one drain routine, settle before
 // close, and the sleep on the completion channel. Deterministic and without a VM; what a real

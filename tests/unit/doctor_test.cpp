@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The doctor's judgements that need no device: comparing two sides, diagnosing failures, the
 // overall verdict.
 #include "rdmakit/doctor.hpp"

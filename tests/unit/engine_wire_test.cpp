@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's messages between linked engines (src/engine/protocol.hpp): every kind round-trips,
 // and every malformed field is refused with a reason, never half-read.
 #include <cstdint>

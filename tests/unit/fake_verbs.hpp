@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // A fake verbs provider for unit tests of the data path's bookkeeping (rings, segmentation,
 // partial posts, drain markers, breaks, wake-ups). It plugs in where a real provider does: its

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's queues (common/fifo.hpp): order kept across growth, pushes at the front (a
 // transfer put back when its queue was full) before and after wrapping.
 #include <gtest/gtest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Engine identities: key pairs and their files, the public key's text, signatures, what an IDENT
 // carries and what its signature covers, and the session binding both ends share.
 #include "rdmakit/identity.hpp"

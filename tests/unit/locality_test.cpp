@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Locality (src/engine/locality.hpp): PCIe distance between sysfs paths, and a host buffer's NUMA
 // node as the kernel reports it.
 #include <cstdlib>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Memory providers that need no RDMA device to judge: what this host can provide.
 #include <cstdio>
 #include <fstream>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine record's format: it round-trips, and anything else from a store is refused clearly.
 #include <string>
 #include <string_view>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Parsing of EngineConfig::metadata URIs.
 #include <gtest/gtest.h>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The exposition text of an engine's figures (engine/metrics.hpp), on snapshots of any size:
 // promtool accepts it, the per-peer series stay bounded with 1,000 peers, names with quotes
 // and backslashes are escaped, and the latency histogram's buckets are where they belong.

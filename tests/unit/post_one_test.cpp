@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The one-request paths (post_write & co., post(prepared), poll of one) against the fake provider:
 // what their inline cases remember between calls (the caller's region checked last, the opcode's
 // WR, a prepared request's fast generation, the caller's completion entry) never lets a request

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Prepared requests (Connection::prepare, DataPath::prepare/post_prepared) against the fake
 // provider: what is checked once and what every post still checks, the handles' lifetime,
 // selective signaling, and a provider's refusal. What a real device does with them is tested in

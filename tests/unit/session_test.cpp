@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The keyed session: frames open only in order, only in their direction, only unaltered, and
 // only with keys from the same PSK and nonces. The key file format and checks.
 #include "bootstrap/session.hpp"

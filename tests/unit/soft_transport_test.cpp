@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The software RC queue pairs of the tcp and shm transports (src/transport/soft/), driven by the
 // data path itself over real sockets: what the engine's links do with them, without a VM. A
 // socketpair per stream (tcp's streams are TCP sockets; the frames are the same), and for shm the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit devices and rdmakit doctor: thin fronts over list_devices() and rdmakit::doctor.
 #include "devices.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit serve and rdmakit engine-bench: thin fronts over rdmakit::Engine. `serve` is a target
 // that exposes named segments; `engine-bench` drives batches at one or more targets from several
 // threads, shaped like Mooncake's transfer_engine_bench, and reports GB/s, transfers/s, batch

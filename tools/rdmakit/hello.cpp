@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit hello: the seed program, done right. The client RDMA-WRITEs its message into the
 // server's buffer and signals with WRITE_WITH_IMM (the immediate carries the length, so the
 // server knows the data is there: no race); the server prints it, RDMA-READs the client's buffer

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit keygen FILE: writes a fresh 32-byte pre-shared key (raw bytes, the format read_key_file
 // reads) to a new file with mode 0600, for --psk-file on both hosts. With --identity, an engine's
 // identity instead (Identity::save: FILE, mode 0600, and its public key in FILE.pub).

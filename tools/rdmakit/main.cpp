@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit: the command-line front of the library. Each subcommand is a thin layer over the public
 // API: the tool has no private path into the library.
 #include <cstdio>

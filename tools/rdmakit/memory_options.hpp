@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // --mem and --gpu for the subcommands that move data: which memory rdmakit allocates, and for
 // --mem dmabuf a dma-buf to allocate it from.

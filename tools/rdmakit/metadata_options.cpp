@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // --metadata and friends, and `rdmakit peers`: a thin front over rdmakit::list_engines.
 #include "metadata_options.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The options that say where engines find each other (--metadata, --cluster, --lease), shared by
 // serve, engine-bench and peers.

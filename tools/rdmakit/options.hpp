@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Options every connecting subcommand shares (device, port, GID, timeouts), mapped onto the
 // library's ConnectionConfig.

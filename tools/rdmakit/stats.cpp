@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit stats: scrapes an engine's /metrics endpoint (rdmakit serve --metrics, engine-bench
 // --metrics, a MetricsServer) twice an interval apart and shows what moved per second: in all,
 // per path (NIC or transport), per peer (this engine's transfers, and what peers moved on links

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // A dma-buf from vgem, the kernel's virtual GEM driver: the lab's stand-in for an accelerator's
 // exporter (rdmakit hello/bench --mem dmabuf, and the engine's dma-buf tests).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """CUDA tensors through the Python package, on a machine with a GPU (tests/gpu/run runs these
 there; everywhere else they skip): what memory_of says of device tensors, either way it finds
 their memory; registration by device pointer; pinned host tensors moved over tcp and shm

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """rdmakit.connect / Listener / Connection against rxe, both ends in one process."""
 import os
 import threading

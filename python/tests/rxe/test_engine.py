@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The engine from Python against rxe, two engines in one process (run inside a lab VM):
 every byte checked at both ends, since both are here."""
 import asyncio

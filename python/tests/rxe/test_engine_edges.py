@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The engine's Python edges against rxe (inside a lab VM): an awaited batch whose engine nobody
 else references, registrations racing close(), handles of another engine, bounded
 notifications."""

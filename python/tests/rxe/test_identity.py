@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Engine identities and access from Python (issue 31): an identity file made by
 generate_identity, a peer's key given to add_peer, a target that revokes and allows a client,
 and a segment exposed for one peer only. Two or more engines in one process, in a lab VM."""

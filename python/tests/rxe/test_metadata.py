@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Engines from Python finding each other by name through a real Redis server (started here, in
 the lab VM): the metadata keywords, add_peer by name, directory(), and the store's errors."""
 import socket

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The target side of the two-VM tests: exposes a pool, and for every notification "check OFF LEN
 SHA256" verifies its own bytes; exits 0 when "bye" comes and every check passed (60 s deadline).
 Usage: target.py PORT"""

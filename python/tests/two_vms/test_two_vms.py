@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The initiator side of the two-VM tests (target.py runs on the other VM): numpy, torch,
 bytearray and mmap sources written to the other VM's engine, read back and compared here, and
 each write's bytes checked there (its SHA-256 travels in the batch's notification)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Leases from Python, on the host over tcp (the lab runs the C++ cases over rxe,
 tests/rxe/lease_test.cpp): the prefill side grants the decode side a lease on the blocks of a
 request; the decode side reads them while it lasts, renews it, and is refused once it ended."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Peers added from each other's local_info() (issue 38, item 6): the bytes a serving system
 carries over its own side channel. On the host over tcp; across two lab VMs over rdma in
 tests/rxe/engine_vms_test.cpp (EngineVms.PeersAddedFromLocalInfo)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The library's log lines reach Python's logging (logger "rdmakit"), from whichever thread said
 them, without the process's stderr in between."""
 import logging

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What rdmakit makes of Python objects' memory, and its exceptions: no device needed."""
 import builtins
 import mmap

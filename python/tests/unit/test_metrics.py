@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The engine's figures for Prometheus from Python, on the host over tcp: metrics() after a
 batch names its peer and path, health(), and serve_metrics()'s HTTP endpoint (/metrics,
 /health), stopped by stop_metrics() and by close()."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A KV connector's calls through the engine, on the host over tcp (the lab runs the same calls
 over rxe in C++, tests/rxe/serving_test.cpp): a pull-mode read whose notification frees the
 prefill side's blocks, with a request id; a notification on its own, awaited; telemetry; and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Two Python processes on a host without RDMA, as a newcomer tries it first: one serves a numpy
 pool over tcp (or shm), the other writes into it and reads it back (issue 33, the README's
 "Without RDMA")."""

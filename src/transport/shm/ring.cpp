@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // shm's ring (ring.hpp): a sealed memfd, handed over the link's local socket and mapped by both.
 #include "transport/shm/ring.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // shm's second way to move data (docs/engine.md, "Transports"): where this kernel lets no process
 // copy from another (Yama's ptrace_scope of 1 or more, the default of Ubuntu), or where an engine

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A software RC device's objects (device.hpp): the context's ops table, the PD, CQs and windows.
 #include "transport/soft/device.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // A software RC "device": the verbs objects a link that runs over a byte stream instead of a NIC
 // is made of. The data path (src/datapath/) posts and polls through an ibv_context's ops table

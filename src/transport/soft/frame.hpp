@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The data streams' wire format, version 1: what one software RC queue pair (qp.hpp) sends the
 // other over a byte stream (TCP) to do what a NIC does for RDMA: a WRITE, READ or atomic aimed

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A software RC queue pair (qp.hpp): its life, the requester, and how it fails. Its streams'
 // I/O and the responder are in streams.cpp.
 #include "transport/soft/qp.hpp"

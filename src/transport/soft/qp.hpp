@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // A software RC queue pair: the requester and the responder a NIC would be, over byte streams.
 //

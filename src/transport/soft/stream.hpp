@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // What a software queue pair (qp.hpp) keeps per stream, shared by its requester (qp.cpp) and
 // its stream I/O and responder (streams.cpp). Internal to transport/soft.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A software RC queue pair's streams (qp.hpp): reading frames into registered memory, serving
 // the peer's requests against the windows bound on this queue pair, sending in turns.
 #include "transport/soft/qp.hpp"

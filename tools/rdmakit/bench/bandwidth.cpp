@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit bench: bandwidth, as perftest measures it (ib_*_bw), through the public API.
 #include "bench/bench.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #pragma once
 // rdmakit bench's parts, shared by its files: the options, one measurement phase and its
 // result, the data patterns and control messages (protocol.cpp), bandwidth (bandwidth.cpp),

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit bench: latency, as perftest measures it (ib_*_lat), through the public API.
 #include "bench/bench.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit bench: perftest's measurements (ib_{write,read,send,atomic}_{bw,lat}) through the
 // public library API only, so what it measures is what a user of the library gets. Its options.
 #include "bench.hpp"

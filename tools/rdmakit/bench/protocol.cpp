@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit bench: the data patterns that validation checks, the control messages, a phase on the
 // wire.
 #include "bench/bench.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit bench: the report, in perftest's columns, or JSON.
 #include "bench/bench.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // rdmakit bench: the client and the server, phase by phase.
 #include "bench/bench.hpp"
 
