@@ -54,8 +54,7 @@ detail::BatchState::BatchState(Engine::Impl* e, std::span<const Transfer> t)
 }
 
 detail::BatchState::BatchState(Engine::Impl* e, std::uint32_t n) : size(n), engine(e) {
-  allocate_entries();
-  for (std::uint32_t i = 0; i < size; ++i) new (x + i) Xfer(*new (owned + i) Transfer, this, i);
+  allocate_entries();  // the caller constructs each entry and its transfer (once, not twice)
   remaining.store(size, std::memory_order_relaxed);
   gate = e->gate;
 }

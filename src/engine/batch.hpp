@@ -203,8 +203,10 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   /// A batch of `plan` (which it keeps), its entries in `*entries` (the batch's own allocation:
   /// Engine::submit(plan)).
   BatchState(Engine::Impl* e, std::shared_ptr<PlanState> plan, Xfer* const* entries);
-  /// `n` transfers for the caller to fill in (owned[0..n)), each entry pointing at its own; the
-  /// caller sets `atomics` when it fills in one (descriptor lists never do).
+  /// Room for `n` entries and transfers, unconstructed: the caller constructs transfer k at
+  /// owned[k] and entry k at x[k] (pointing at it) before the batch is launched, and sets
+  /// `atomics` when one is (descriptor lists never are). A batch dropped part way (the caller
+  /// threw) frees them unread: both are trivially destructible.
   BatchState(Engine::Impl* e, std::uint32_t n);
   ~BatchState();
   BatchState(const BatchState&) = delete;

@@ -5,6 +5,7 @@
 // batch, as submit(span) would have it; only the indices and the pairs' lengths are checked here.
 #include <cerrno>
 #include <limits>
+#include <new>
 
 #include <fmt/format.h>
 
@@ -105,7 +106,9 @@ Batch Engine::submit(TransferOp op, const DescriptorList& local, std::span<const
   const std::vector<RemoteDescriptor>& r = remote.state_->remotes;
   const auto n = static_cast<std::uint32_t>(local_indices.size());
   auto state = std::make_shared<detail::BatchState>(impl_.get(), n);
-  Transfer* t = state->owned;
+  detail::BatchState* const batch = state.get();
+  Transfer* const t = state->owned;
+  detail::Xfer* const x = state->x;
   for (std::uint32_t k = 0; k < n; ++k) {
     const std::uint32_t i = local_indices[k], j = remote_indices[k];
     if (i >= l.size() || j >= r.size()) [[unlikely]] {
@@ -121,12 +124,9 @@ Batch Engine::submit(TransferOp op, const DescriptorList& local, std::span<const
                   fmt::format("position {}: local descriptor {} is {} bytes, remote descriptor {} is {}", k, i, a.length, j,
                               b.length));
     }
-    t[k].op = op;
-    t[k].local = a.buffer;
-    t[k].local_offset = a.offset;
-    t[k].length = a.length;
-    t[k].remote = b.segment;
-    t[k].remote_offset = b.offset;
+    new (x + k) detail::Xfer(*new (t + k) Transfer{.op = op, .local = a.buffer, .local_offset = a.offset, .length = a.length,
+                                                 .remote = b.segment, .remote_offset = b.offset},
+                             batch, k);
   }
   return impl_->launch(std::move(state), std::move(options));
 }

@@ -6,11 +6,15 @@
 
 #include "../shared/promtool.hpp"
 
+#include <array>
 #include <cctype>
+#include <cstdint>
+#include <iterator>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -210,3 +214,43 @@ TEST(MetricsText, TheRestNeverGoesDownAndLabelsStayValid) {
   EXPECT_NE(t.find("peer=\"bad\xEF\xBF\xBD\xEF\xBF\xBD(\xe2\x82\xac\""), std::string::npos) << t.substr(0, 3000);
   EXPECT_EQ(promtool(t), "");
 }
+
+namespace metrics_tally_test {
+
+// A batch is counted by runs of one operation and length: the figures are those of counting each
+// transfer on its own, whatever the runs (one, none longer than one, atomics, lengths past 2^48).
+TEST(MetricsTally, ABatchCountedByRunsCountsEachTransfer) {
+  using rdmakit::Transfer;
+  using rdmakit::TransferOp;
+  using rdmakit::detail::counted_length;
+  using rdmakit::detail::kOps;
+  using rdmakit::detail::size_bucket;
+  using rdmakit::detail::SubmitFigures;
+  std::uint64_t seed = 7;
+  const auto next = [&seed] {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    return seed >> 33;
+  };
+  for (int round = 0; round < 200; ++round) {
+    std::vector<Transfer> t(next() % 300);
+    const std::uint64_t lengths[] = {1, 8, 4096, 65536, 65537, 0, std::uint64_t{1} << 50};
+    for (Transfer& x : t) {
+      x.op = static_cast<TransferOp>(next() % (round % 3 == 0 ? 1 : kOps));  // some rounds one op
+      x.length = lengths[next() % (round % 5 == 0 ? 1 : std::size(lengths))];  // some one length
+    }
+    SubmitFigures runs;
+    runs.add_batch(t.size(), [&](std::size_t i) -> const Transfer& { return t[i]; });
+    std::array<std::uint64_t, SubmitFigures::kEntries> each{};
+    for (const Transfer& x : t) {
+      const std::size_t op = static_cast<std::size_t>(x.op);
+      ++each[op];
+      each[kOps + op] += counted_length(x);
+      ++each[2 * kOps + size_bucket(counted_length(x))];
+    }
+    for (std::size_t i = 0; i < each.size(); ++i) {
+      ASSERT_EQ(runs.at[i].load(), each[i]) << "round " << round << ", entry " << i << ", " << t.size() << " transfers";
+    }
+  }
+}
+
+}  // namespace metrics_tally_test
