@@ -9,9 +9,9 @@
 #include <array>
 #include <cctype>
 #include <cstdint>
-#include <iterator>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -232,17 +232,18 @@ TEST(MetricsTally, ABatchCountedByRunsCountsEachTransfer) {
     return seed >> 33;
   };
   for (int round = 0; round < 200; ++round) {
-    std::vector<Transfer> t(next() % 300);
+    std::vector<Transfer> t(round == 0 ? 0 : next() % 300);
     const std::uint64_t lengths[] = {1, 8, 4096, 65536, 65537, 0, std::uint64_t{1} << 50};
     for (Transfer& x : t) {
-      x.op = static_cast<TransferOp>(next() % (round % 3 == 0 ? 1 : kOps));  // some rounds one op
+      // Some rounds one op; some with values past the last op (counted as masked, before checked).
+      x.op = static_cast<TransferOp>(next() % (round % 3 == 0 ? 1 : round % 7 == 0 ? 2 * kOps : kOps));
       x.length = lengths[next() % (round % 5 == 0 ? 1 : std::size(lengths))];  // some one length
     }
     SubmitFigures runs;
     runs.add_batch(t.size(), [&](std::size_t i) -> const Transfer& { return t[i]; });
     std::array<std::uint64_t, SubmitFigures::kEntries> each{};
     for (const Transfer& x : t) {
-      const std::size_t op = static_cast<std::size_t>(x.op);
+      const std::size_t op = static_cast<std::size_t>(x.op) & (kOps - 1);
       ++each[op];
       each[kOps + op] += counted_length(x);
       ++each[2 * kOps + size_bucket(counted_length(x))];
