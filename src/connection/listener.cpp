@@ -32,7 +32,8 @@
 namespace rdmakit {
 
 // Named, not anonymous: Listener::Impl holds these (a unity build puts it in one unit with them).
-namespace listener_parts {
+// Under detail: the shared library exports no detail symbol (src/rdmakit.map).
+namespace detail::listener_parts {
 
 // Established connections per peer address, shared with the connections themselves: each holds
 // a token that gives its slot back when it is destroyed, even after the listener is gone.
@@ -109,9 +110,9 @@ struct Handshake {
   std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
 };
 
-}  // namespace listener_parts
+}  // namespace detail::listener_parts
 
-using namespace listener_parts;
+using namespace detail::listener_parts;
 
 struct Listener::Impl {
   // Held so the devices stay open between connections; a handshake acquires (and reports the
