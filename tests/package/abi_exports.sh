@@ -1,13 +1,15 @@
 #!/bin/sh
 # SPDX-License-Identifier: Apache-2.0
-# The shared library exports the public API alone (src/rdmakit.map): every dynamic symbol it
-# defines is of rdmakit, rdmakit::doctor or rdmakit::wire (or their classes' typeinfo and
-# vtables), none of rdmakit::detail or of the libraries it links, and the API a consumer calls is
-# there. Checked on a shared object linked from the build's own objects with the same version
+# What the shared library exports (src/rdmakit.map): every dynamic symbol it defines begins with
+# rdmakit (a function of rdmakit, rdmakit::doctor or rdmakit::wire, their classes' typeinfo and
+# vtables), none is of rdmakit::detail or of the libraries it links, each carries the version
+# node, and the API a consumer calls is there. (Not checked, and not hidden yet: the private
+# Impl classes' members; see src/rdmakit.map.) Checked on a shared object linked from the build's own objects with the same version
 # script and --no-undefined (tests/CMakeLists.txt: rdmakit_abi_check).
 # Usage: abi_exports.sh SHARED_OBJECT
 set -eu
 so=$1
+command -v nm > /dev/null || { echo "FAIL: nm (binutils) is needed"; exit 1; }
 syms=$(nm -DC --defined-only "$so" | awk '$2 != "A"' | sed 's/^[0-9a-f]* [A-Za-z] //')
 count=$(printf '%s\n' "$syms" | grep -c .)
 fail() { echo "FAIL: $*"; exit 1; }
@@ -20,9 +22,10 @@ internal=$(printf '%s\n' "$syms" | grep -E "${kind}rdmakit::detail::" || true)
 [ -z "$internal" ] && echo "no rdmakit::detail symbol" || fail "exports internals:
 $(printf '%s\n' "$internal" | head -20)"
 for want in 'rdmakit::version()' 'rdmakit::Engine::Engine(rdmakit::EngineConfig)' 'typeinfo for rdmakit::Error' \
-    'rdmakit::Connection::~Connection()' 'rdmakit::doctor::check_local(' 'rdmakit::wire::' 'rdmakit::Listener::accept('; do
+    'rdmakit::Connection::~Connection()' 'rdmakit::doctor::check_local(' 'rdmakit::wire::try_decode_header(' 'rdmakit::Listener::accept('; do
   printf '%s\n' "$syms" | grep -qF "$want" || fail "the public $want is not exported"
 done
-printf '%s\n' "$syms" | grep -qE '@@RDMAKIT_0\.1$' || nm -D --defined-only "$so" | grep -q 'RDMAKIT_0.1' \
-  || fail "no symbol carries the version node RDMAKIT_0.1"
-echo "abi exports: ok ($count symbols, version node RDMAKIT_0.1)"
+unversioned=$(printf '%s\n' "$syms" | grep -v '@@RDMAKIT_0\.1$' || true)
+[ -z "$unversioned" ] || fail "symbols without the version node RDMAKIT_0.1:
+$(printf '%s\n' "$unversioned" | head -20)"
+echo "abi exports: ok ($count symbols, each versioned RDMAKIT_0.1)"
