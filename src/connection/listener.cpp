@@ -379,11 +379,12 @@ Listener::Listener(std::unique_ptr<Impl> impl, const std::string& address, Liste
   }
   impl_->cfg = std::move(config);
   impl_->setup = std::move(setup);
+  const detail::HostPort at = detail::parse_host_port(address, 0);
   if (impl_->cfg.connection.method == ConnectMethod::rdma_cm) {
-    impl_->cm = std::make_unique<detail::CmListener>(detail::parse_host_port(address, 0), 128);
+    impl_->cm = std::make_unique<detail::CmListener>(at, 128);
     impl_->port = impl_->cm->port();
   } else {
-    impl_->fd = detail::tcp_listen(detail::parse_host_port(address, 0), 128);
+    impl_->fd = detail::tcp_listen(at, 128);
     impl_->port = detail::local_port(impl_->fd.get());
   }
   if (!impl_->hooks.shm_socket.empty()) impl_->local = detail::unix_listen(impl_->hooks.shm_socket, 128);
@@ -393,16 +394,11 @@ Listener::Listener(std::unique_ptr<Impl> impl, const std::string& address, Liste
     // Each handshake will say why the devices cannot be opened.
   }
   if (!impl_->psk) {
-    const std::string host = detail::parse_host_port(address, 0).host;
-    impl_->log(detail::loopback_host(host)
-                   ? fmt::format("listening on port {} without a pre-shared key, on {} only: any process of this host "
-                                 "can connect and use the memory it advertises (set a key: --psk-file, "
-                                 "ConnectionConfig::psk)",
-                                 impl_->port, host)
-                   : fmt::format("listening on port {} without a pre-shared key: anyone who can reach this port can "
-                                 "connect and use the memory it advertises (set a key: --psk-file, "
-                                 "ConnectionConfig::psk)",
-                                 impl_->port));
+    const bool loopback = detail::loopback_host(at.host);
+    impl_->log(fmt::format("listening on port {} without a pre-shared key{}: {} can connect and use the memory it "
+                           "advertises (set a key: --psk-file, ConnectionConfig::psk)",
+                           impl_->port, loopback ? fmt::format(", on {} only", at.host) : std::string(),
+                           loopback ? "any process of this host" : "anyone who can reach this port"));
   }
   if (!impl_->wake) throw Error("eventfd", errno, "the listener's wake-up");
   impl_->acceptor = std::thread([this] { impl_->accept_loop(); });

@@ -112,17 +112,17 @@ Engine::Impl::Impl(EngineConfig c)
     // refused by the TCP stack, not told why): a keyless listener serves whoever reaches it, so
     // one given no address serves this host only. An address given is the opt-in.
     const detail::HostPort at = detail::parse_host_port(cfg.listen, 0);
-    if (at.host.empty() && cfg.link.method == ConnectMethod::rdma_cm) {
-      // rdma_cm resolves a listener's address to an RDMA device, and none has 127.0.0.1.
-      throw Error("engine config", EINVAL,
-                  fmt::format("listen \"{}\" over rdma_cm without a key: a keyless engine serves whoever reaches it, "
-                              "so it listens on loopback unless given an address, and rdma_cm has no loopback",
-                              cfg.listen),
-                  "give link.psk (rdmakit keygen FILE; --psk-file), name the address to serve without a key "
-                  "(the host's or NIC's, or 0.0.0.0:PORT for every one), or listen = \"\" for an engine that only "
-                  "initiates");
-    }
     if (at.host.empty()) {
+      if (cfg.link.method == ConnectMethod::rdma_cm) {
+        // rdma_cm resolves a listener's address to an RDMA device, and none has 127.0.0.1.
+        throw Error("engine config", EINVAL,
+                    fmt::format("listen \"{}\" over rdma_cm without a key: a keyless engine serves whoever reaches "
+                                "it, so it listens on loopback unless given an address, and rdma_cm has no loopback",
+                                cfg.listen),
+                    "give link.psk (rdmakit keygen FILE; --psk-file), name the address to serve without a key "
+                    "(the host's or NIC's, or 0.0.0.0:PORT for every one), or listen = \"\" for an engine that only "
+                    "initiates");
+      }
       cfg.listen = detail::HostPort{"127.0.0.1", at.port}.to_string();
       listen_note = "127.0.0.1 only: the engine has no key (set link.psk, or name the address to serve other hosts "
                     "without one, e.g. 0.0.0.0:PORT)";
