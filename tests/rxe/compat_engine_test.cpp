@@ -77,6 +77,9 @@ class ForgingProxy {
       }
       const bool seven = head[4] == 0 && head[5] == 7;
       if (seven && (every_ || refused_ == 0)) {
+        // Counted before the REJECT goes: the client may end its batch on reading it, and the
+        // test reads the count then.
+        ++refused_;
         // What a version-6 listener sent: its decode_header's Error, whole, in a version-6 REJECT.
         const auto reject = rdmakit::wire::encode_reject(
             "bootstrap decode failed: EBADMSG (Bad message): protocol version mismatch: peer speaks 7, this side "
@@ -84,7 +87,6 @@ class ForgingProxy {
             6);
         (void)::send(fd, reject.data(), reject.size(), MSG_NOSIGNAL);
         ::close(fd);
-        ++refused_;
         continue;
       }
       const int up = lab::raw_connect("127.0.0.1", target_, 5);
