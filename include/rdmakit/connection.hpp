@@ -16,6 +16,9 @@
 #include "rdmakit/memory.hpp"
 #include "rdmakit/wire.hpp"
 
+// Everything declared here is the shared library's API (built with -fvisibility=hidden).
+#pragma GCC visibility push(default)
+
 namespace rdmakit {
 
 /// One record of what a connection did, for debugging (ConnectionConfig::trace, RDMAKIT_TRACE):
@@ -445,7 +448,7 @@ class Connection {
   /// destructor does it with 2 s.
   void close(std::chrono::milliseconds timeout = std::chrono::milliseconds{2000}) noexcept;
 
-  struct Impl;
+  struct [[gnu::visibility("hidden")]] Impl;  // not exported: only the library sees it
 
  private:
   explicit Connection(std::unique_ptr<Impl> impl) noexcept;
@@ -496,7 +499,7 @@ class Listener {
   };
   [[nodiscard]] Refusals refusals() const noexcept;
 
-  struct Impl;
+  struct [[gnu::visibility("hidden")]] Impl;  // not exported: only the library sees it
 
  private:
   Listener(std::unique_ptr<Impl> impl, const std::string& address, ListenerConfig config,
@@ -505,3 +508,4 @@ class Listener {
 };
 
 }  // namespace rdmakit
+#pragma GCC visibility pop

@@ -10,6 +10,9 @@
 #include <string_view>
 #include <vector>
 
+// Everything declared here is the shared library's API (built with -fvisibility=hidden).
+#pragma GCC visibility push(default)
+
 namespace rdmakit {
 
 /// A 128-bit GID, in network byte order as on the wire.
@@ -159,3 +162,4 @@ struct GidChoice {
 [[nodiscard]] const char* to_string(LinkLayer layer) noexcept;
 
 }  // namespace rdmakit
+#pragma GCC visibility pop

@@ -15,6 +15,9 @@
 #include "rdmakit/error.hpp"
 #include "rdmakit/wire.hpp"
 
+// Everything declared here is the shared library's API (built with -fvisibility=hidden).
+#pragma GCC visibility push(default)
+
 namespace rdmakit::doctor {
 
 /// How a check came out. `skip`: not applicable here (it says why); it never fails a run.
@@ -137,3 +140,4 @@ struct PeerOptions {
 void serve(Connection& c, std::chrono::milliseconds timeout);
 
 }  // namespace rdmakit::doctor
+#pragma GCC visibility pop

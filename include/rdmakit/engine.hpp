@@ -17,6 +17,9 @@
 #include "rdmakit/memory.hpp"
 #include "rdmakit/metadata.hpp"
 
+// Everything declared here is the shared library's API (built with -fvisibility=hidden).
+#pragma GCC visibility push(default)
+
 namespace rdmakit {
 
 /// How the engine uses several NICs: the rails of a peer link (docs/engine.md, "Rails").
@@ -313,9 +316,9 @@ struct RemoteDescriptor {
 };
 
 namespace detail {
-struct BatchState;
-struct PlanState;
-struct ListState;
+struct [[gnu::visibility("hidden")]] BatchState;
+struct [[gnu::visibility("hidden")]] PlanState;
+struct [[gnu::visibility("hidden")]] ListState;
 }
 
 /// The transfers of one submit(), in flight or done. Move-only. Destroying it does not cancel
@@ -816,10 +819,11 @@ class Engine {
   /// `budget`, returning early when nothing is in flight. Returns the transfers that ended.
   std::size_t progress(std::chrono::milliseconds budget = std::chrono::milliseconds{0});
 
-  struct Impl;
+  struct [[gnu::visibility("hidden")]] Impl;  // not exported: only the library sees it
 
  private:
   std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace rdmakit
+#pragma GCC visibility pop

@@ -5,6 +5,9 @@
 #include <string>
 #include <string_view>
 
+// Everything declared here is the shared library's API (built with -fvisibility=hidden).
+#pragma GCC visibility push(default)
+
 namespace rdmakit {
 
 /// The exception every rdmakit setup call throws.
@@ -41,3 +44,4 @@ class Error : public std::runtime_error {
 [[nodiscard]] std::string errno_name(int err);
 
 }  // namespace rdmakit
+#pragma GCC visibility pop

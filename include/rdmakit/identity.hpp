@@ -10,6 +10,9 @@
 #include <string>
 #include <vector>
 
+// Everything declared here is the shared library's API (built with -fvisibility=hidden).
+#pragma GCC visibility push(default)
+
 namespace rdmakit {
 
 /// A key pair, or none (default). Copyable: a copy holds the secret too; every copy wipes it
@@ -54,3 +57,4 @@ class Identity {
 void check_public_key(const std::string& public_key);
 
 }  // namespace rdmakit
+#pragma GCC visibility pop

@@ -8,6 +8,9 @@
 
 #include "rdmakit/memory.hpp"
 
+// Everything declared here is the shared library's API (built with -fvisibility=hidden).
+#pragma GCC visibility push(default)
+
 namespace rdmakit {
 
 /// A range of one of an engine's segments: what a lease grants (Engine::grant).
@@ -55,3 +58,4 @@ struct HeldLease {
 };
 
 }  // namespace rdmakit
+#pragma GCC visibility pop

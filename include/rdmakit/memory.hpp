@@ -10,6 +10,9 @@
 
 struct ibv_mr;
 
+// Everything declared here is the shared library's API (built with -fvisibility=hidden).
+#pragma GCC visibility push(default)
+
 namespace rdmakit {
 
 /// What a peer (or the local NIC) may do with registered memory. Register with the least the use
@@ -140,7 +143,7 @@ class MemoryRegion {
   /// The descriptor to advertise to a peer (addr, length, rkey, access).
   [[nodiscard]] RemoteRegion remote() const noexcept;
 
-  struct Impl;
+  struct [[gnu::visibility("hidden")]] Impl;  // not exported: only the library sees it
 
  private:
   explicit MemoryRegion(std::unique_ptr<Impl> impl) noexcept;
@@ -148,3 +151,4 @@ class MemoryRegion {
 };
 
 }  // namespace rdmakit
+#pragma GCC visibility pop

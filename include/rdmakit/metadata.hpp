@@ -6,6 +6,9 @@
 #include <string>
 #include <vector>
 
+// Everything declared here is the shared library's API (built with -fvisibility=hidden).
+#pragma GCC visibility push(default)
+
 namespace rdmakit {
 
 /// Where engines find each other (EngineConfig::metadata, `rdmakit peers`).
@@ -74,3 +77,4 @@ struct PublishedEngine {
                                                         std::string* skipped = nullptr);
 
 }  // namespace rdmakit
+#pragma GCC visibility pop

@@ -7,6 +7,9 @@
 
 #include "rdmakit/engine.hpp"
 
+// Everything declared here is the shared library's API (built with -fvisibility=hidden).
+#pragma GCC visibility push(default)
+
 namespace rdmakit {
 
 /// Serves an engine's figures over HTTP, for Prometheus and for health probes:
@@ -30,8 +33,9 @@ class MetricsServer {
   [[nodiscard]] std::string address() const;
 
  private:
-  struct Impl;
+  struct [[gnu::visibility("hidden")]] Impl;  // not exported: only the library sees it
   std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace rdmakit
+#pragma GCC visibility pop

@@ -57,6 +57,9 @@
 #include "rdmakit/device.hpp"
 #include "rdmakit/memory.hpp"
 
+// Everything declared here is the shared library's API (built with -fvisibility=hidden).
+#pragma GCC visibility push(default)
+
 namespace rdmakit::wire {
 
 inline constexpr std::uint32_t kMagic = 0x52444b54;  // "RDKT"
@@ -243,3 +246,4 @@ void check_compatible(const EndpointInfo& local, const EndpointInfo& remote);
 [[nodiscard]] const char* to_string(MessageType type) noexcept;
 
 }  // namespace rdmakit::wire
+#pragma GCC visibility pop

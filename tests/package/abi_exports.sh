@@ -1,11 +1,10 @@
 #!/bin/sh
 # SPDX-License-Identifier: Apache-2.0
-# What the shared library exports (src/rdmakit.map): every dynamic symbol it defines begins with
-# rdmakit (a function of rdmakit, rdmakit::doctor or rdmakit::wire, their classes' typeinfo and
-# vtables), none is of rdmakit::detail or of the libraries it links, each carries the version
-# node, and the API a consumer calls is there. (Not checked, and not hidden yet: the private
-# Impl classes' members; see src/rdmakit.map.) Checked on a shared object linked from the build's own objects with the same version
-# script and --no-undefined (tests/CMakeLists.txt: rdmakit_abi_check).
+# What the shared library exports (the public headers' visibility, src/rdmakit.map over it): every
+# dynamic symbol it defines begins with rdmakit (a function of rdmakit, rdmakit::doctor or
+# rdmakit::wire, their classes' typeinfo and vtables), none is of rdmakit::detail, of a public
+# class's private Impl or of the libraries it links, each carries the version node, and the API a
+# consumer calls is there.
 # Usage: abi_exports.sh SHARED_OBJECT
 set -eu
 so=$1
@@ -21,6 +20,9 @@ $(printf '%s\n' "$other" | head -20)"
 internal=$(printf '%s\n' "$syms" | grep -E "${kind}rdmakit::detail::" || true)
 [ -z "$internal" ] && echo "no rdmakit::detail symbol" || fail "exports internals:
 $(printf '%s\n' "$internal" | head -20)"
+impl=$(printf '%s\n' "$syms" | grep -E '::Impl(::|$)' || true)
+[ -z "$impl" ] && echo "no private Impl symbol" || fail "exports private Impl members:
+$(printf '%s\n' "$impl" | head -20)"
 for want in 'rdmakit::version()' 'rdmakit::Engine::Engine(rdmakit::EngineConfig)' 'typeinfo for rdmakit::Error' \
     'rdmakit::Connection::~Connection()' 'rdmakit::doctor::check_local(' 'rdmakit::wire::try_decode_header(' 'rdmakit::Listener::accept('; do
   printf '%s\n' "$syms" | grep -qF "$want" || fail "the public $want is not exported"

@@ -19,8 +19,14 @@ grep -q "ibv_reg_mr failed: ENOMEM" <<< "$out"
 echo "-- pkg-config rdmakit"
 export PKG_CONFIG_PATH=$prefix/lib/pkgconfig:$prefix/lib/x86_64-linux-gnu/pkgconfig
 [[ "$(pkg-config --modversion rdmakit)" == "$version" ]]
-# shellcheck disable=SC2046  # word splitting of the flags is intended
-c++ -std=c++20 "$src/consumer.cpp" -o "$scratch/consumer-pc" $(pkg-config --cflags --libs --static rdmakit)
+# A shared librdmakit (RDMAKIT_SHARED_LIBRARY) is installed alone and found at run time through
+# the loader's path; a static one brings its private dependencies (--static).
+libdir=$(pkg-config --variable=libdir rdmakit)
+static=--static
+[[ ! -e "$libdir/librdmakit.so" ]] || static=
+# shellcheck disable=SC2046,SC2086  # word splitting of the flags is intended
+c++ -std=c++20 "$src/consumer.cpp" -o "$scratch/consumer-pc" $(pkg-config --cflags --libs $static rdmakit)
+export LD_LIBRARY_PATH=$libdir
 "$scratch/consumer-pc" | grep -qx "rdmakit $version"
 echo "package consumer: ok"
 
