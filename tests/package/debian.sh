@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The Debian packages as a user gets them: built from this build tree (scripts/build-debs
+# --from: the tree is configured with -C cmake/package.cmake), checked by lintian, installed
+# with apt into a clean Debian 12 root made by mmdebstrap from Debian's archive (their
+# dependencies come from there, nothing from this host), and there: a find_package consumer and
+# a pkg-config consumer build and run rdmakit::version(), python3 imports rdmakit, and
+# `rdmakit hello` runs between two lab VMs whose root is that one, with the packaged
+# rdmakit-lab. Root only (mmdebstrap's root mode, chroot).
+# Usage: debian.sh BUILD_DIR SOURCE_DIR SCRATCH_DIR VERSION
+set -euo pipefail
+build=$1 src=$2 scratch=$3 version=$4
+if [[ $(id -u) -ne 0 ]]; then echo "SKIP: needs root (mmdebstrap, chroot)"; exit 77; fi
+t0=$SECONDS
+step() { printf -- '-- %s (%d s)\n' "$1" $((SECONDS - t0)); }
+rm -rf "$scratch"
+mkdir -p "$scratch"
+root=$scratch/root
+
+step "build the packages from $build, lintian"
+"$src/scripts/build-debs" --from "$build" "$scratch/debs"
+
+step "a clean Debian 12 root with the packages (mmdebstrap)"
+includes=()
+for d in "$scratch"/debs/*.deb; do includes+=(--include="$d"); done
+# The consumers' tools, and what the lab's guests run (iproute2; rxe's provider).
+mmdebstrap --quiet --variant=apt --include=g++,cmake,make,pkgconf,iproute2,ibverbs-providers \
+  --hook-dir=/usr/share/mmdebstrap/hooks/file-mirror-automount "${includes[@]}" bookworm "$root" > "$scratch/mmdebstrap.log" 2>&1 \
+  || { cat "$scratch/mmdebstrap.log"; exit 1; }
+for p in librdmakit0.1 librdmakit-dev rdmakit-tools python3-rdmakit; do
+  [[ "$(chroot "$root" dpkg-query -W -f='${Version}' "$p")" == "$version" ]] \
+    || { echo "FAIL: $p $version is not installed in the root"; exit 1; }
+done
+# Nothing of this host's build went in: the library is the package's, found by the loader.
+chroot "$root" sh -c 'ldd /usr/bin/rdmakit' | grep -q "librdmakit.so.0.1 => /lib/x86_64-linux-gnu/\|librdmakit.so.0.1 => /usr/lib/x86_64-linux-gnu/" \
+  || { echo "FAIL: /usr/bin/rdmakit does not load the packaged librdmakit"; exit 1; }
+
+step "consumers in the root: find_package, pkg-config, python3"
+mkdir -p "$root/opt/consumer"
+cp "$src/tests/package/consumer.cpp" "$src/tests/package/CMakeLists.txt" "$root/opt/consumer/"
+chroot "$root" sh -euc "
+  cd /opt/consumer
+  cmake -S . -B cmake-build > /dev/null && cmake --build cmake-build > /dev/null
+  ./cmake-build/consumer | tee find_package.out
+  grep -qx 'rdmakit $version' find_package.out
+  c++ -std=c++20 consumer.cpp -o consumer-pc \$(pkg-config --cflags --libs rdmakit)
+  ./consumer-pc | grep -qx 'rdmakit $version'
+  echo 'pkg-config consumer: rdmakit $version'
+  cd / && python3 -c 'import rdmakit; assert rdmakit.__version__ == \"$version\", rdmakit.__version__; print(\"python3: import rdmakit\", rdmakit.__version__)'
+  rdmakit --version | grep -qx '$version'
+  man -w rdmakit-lab > /dev/null 2>&1 || test -e /usr/share/man/man1/rdmakit-lab.1.gz
+"
+
+step "rdmakit hello between two lab VMs running the root (the packaged rdmakit-lab)"
+mkdir -p "$scratch/lab"
+cp "$src/tests/rxe/hello.sh" "$scratch/lab/"
+cd "$scratch/lab"
+/usr/bin/python3 "$root/usr/bin/rdmakit-lab" run --vms 2 --root "$root" --timeout 120 -- \
+  sh ./hello.sh two_vms /usr/bin/rdmakit
+step "done: packages built, installed into a clean root, and used"
