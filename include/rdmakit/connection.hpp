@@ -451,7 +451,7 @@ class Connection {
   struct [[gnu::visibility("hidden")]] Impl;  // not exported: only the library sees it
 
  private:
-  explicit Connection(std::unique_ptr<Impl> impl) noexcept;
+  [[gnu::visibility("hidden")]] explicit Connection(std::unique_ptr<Impl> impl) noexcept;
   std::unique_ptr<Impl> impl_;
 };
 
@@ -502,7 +502,7 @@ class Listener {
   struct [[gnu::visibility("hidden")]] Impl;  // not exported: only the library sees it
 
  private:
-  Listener(std::unique_ptr<Impl> impl, const std::string& address, ListenerConfig config,
+  [[gnu::visibility("hidden")]] Listener(std::unique_ptr<Impl> impl, const std::string& address, ListenerConfig config,
            Connection::Setup setup);
   std::unique_ptr<Impl> impl_;
 };

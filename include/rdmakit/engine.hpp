@@ -368,7 +368,7 @@ class Batch {
  private:
   friend class Engine;
   friend struct detail::BatchState;
-  explicit Batch(std::shared_ptr<detail::BatchState> state) noexcept;
+  [[gnu::visibility("hidden")]] explicit Batch(std::shared_ptr<detail::BatchState> state) noexcept;
   std::shared_ptr<detail::BatchState> state_;
 };
 
@@ -389,7 +389,7 @@ class TransferPlan {
 
  private:
   friend class Engine;
-  explicit TransferPlan(std::shared_ptr<detail::PlanState> state) noexcept;
+  [[gnu::visibility("hidden")]] explicit TransferPlan(std::shared_ptr<detail::PlanState> state) noexcept;
   std::shared_ptr<detail::PlanState> state_;
 };
 
@@ -409,7 +409,7 @@ class DescriptorList {
 
  private:
   friend class Engine;
-  explicit DescriptorList(std::shared_ptr<detail::ListState> state) noexcept;
+  [[gnu::visibility("hidden")]] explicit DescriptorList(std::shared_ptr<detail::ListState> state) noexcept;
   std::shared_ptr<detail::ListState> state_;
 };
 

@@ -146,7 +146,7 @@ class MemoryRegion {
   struct [[gnu::visibility("hidden")]] Impl;  // not exported: only the library sees it
 
  private:
-  explicit MemoryRegion(std::unique_ptr<Impl> impl) noexcept;
+  [[gnu::visibility("hidden")]] explicit MemoryRegion(std::unique_ptr<Impl> impl) noexcept;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -20,8 +20,10 @@ $(printf '%s\n' "$other" | head -20)"
 internal=$(printf '%s\n' "$syms" | grep -E "${kind}rdmakit::detail::" || true)
 [ -z "$internal" ] && echo "no rdmakit::detail symbol" || fail "exports internals:
 $(printf '%s\n' "$internal" | head -20)"
-impl=$(printf '%s\n' "$syms" | grep -E '::Impl(::|$)' || true)
-[ -z "$impl" ] && echo "no private Impl symbol" || fail "exports private Impl members:
+# Nor a function that takes or names one (the public classes' private constructors from their
+# state are hidden too).
+impl=$(printf '%s\n' "$syms" | grep -E '::Impl\b|rdmakit::detail::' || true)
+[ -z "$impl" ] && echo "no symbol of or naming a private Impl or rdmakit::detail" || fail "exports private Impl or detail names:
 $(printf '%s\n' "$impl" | head -20)"
 for want in 'rdmakit::version()' 'rdmakit::Engine::Engine(rdmakit::EngineConfig)' 'typeinfo for rdmakit::Error' \
     'rdmakit::Connection::~Connection()' 'rdmakit::doctor::check_local(' 'rdmakit::wire::try_decode_header(' 'rdmakit::Listener::accept('; do

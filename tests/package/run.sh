@@ -15,6 +15,7 @@ out=$("$scratch/cmake/consumer")
 echo "$out"
 grep -qx "rdmakit $version" <<< "$out"
 grep -q "ibv_reg_mr failed: ENOMEM" <<< "$out"
+grep -q "caught from the library: transport failed" <<< "$out"
 
 echo "-- pkg-config rdmakit"
 export PKG_CONFIG_PATH=$prefix/lib/pkgconfig:$prefix/lib/x86_64-linux-gnu/pkgconfig
@@ -26,8 +27,8 @@ static=--static
 [[ ! -e "$libdir/librdmakit.so" ]] || static=
 # shellcheck disable=SC2046,SC2086  # word splitting of the flags is intended
 c++ -std=c++20 "$src/consumer.cpp" -o "$scratch/consumer-pc" $(pkg-config --cflags --libs $static rdmakit)
-export LD_LIBRARY_PATH=$libdir
-"$scratch/consumer-pc" | grep -qx "rdmakit $version"
+out=$(LD_LIBRARY_PATH=$libdir "$scratch/consumer-pc")
+grep -qx "rdmakit $version" <<< "$out"
 echo "package consumer: ok"
 
 # The Python package, where the build made one: importable from the prefix it was installed to.
