@@ -18,7 +18,9 @@ multiarch=$(dpkg-architecture -qDEB_HOST_MULTIARCH)
 # mmdebstrap mounts /proc, /sys and /dev in the root while it installs; one killed (the test's
 # timeout) may leave them: unmount before removing, and never cross into another file system.
 remove_root() {
-  findmnt -R -n -o TARGET --list "$root" 2> /dev/null | sort -r | xargs -r -n 1 umount -l 2> /dev/null || true
+  local r
+  r=$(realpath -m "$root")
+  findmnt -rn -o TARGET | awk -v r="$r/" 'index($0, r) == 1' | sort -r | xargs -r -n 1 umount -l || true
   rm -rf --one-file-system "$root"
 }
 remove_root
@@ -50,7 +52,8 @@ mkdir -p "$root/opt/consumer"
 cp "$src/tests/package/consumer.cpp" "$src/tests/package/CMakeLists.txt" "$root/opt/consumer/"
 chroot "$root" bash -euo pipefail -c "
   cd /opt/consumer
-  cmake -S . -B cmake-build > /dev/null && cmake --build cmake-build > /dev/null
+  cmake -S . -B cmake-build > /dev/null
+  cmake --build cmake-build > /dev/null
   ./cmake-build/consumer > find_package.out
   cat find_package.out
   grep -qx 'rdmakit $version' find_package.out

@@ -36,6 +36,14 @@ if [[ -e "$build/python/rdmakit/__init__.py" ]]; then
   init=$(find "$prefix" -path '*/rdmakit/__init__.py' | head -n 1)
   [[ -n "$init" ]] || { echo "the Python package was built but not installed" >&2; exit 1; }
   echo "-- import rdmakit from $(dirname "$(dirname "$init")")"
-  (cd / && PYTHONPATH=$(dirname "$(dirname "$init")") /usr/bin/python3 -c \
+  # A module linking the shared library finds it through its RUNPATH where it was installed
+  # outside the loader's directories; one installed for /usr (CI's tree) has none, and is
+  # shown the prefix's library directory as the system's would be.
+  module=$(find "$(dirname "$init")" -name '_rdmakit*.so' | head -n 1)
+  loader=()
+  if readelf -d "$module" | grep -q 'NEEDED.*librdmakit' && ! readelf -d "$module" | grep -q RUNPATH; then
+    loader=(env LD_LIBRARY_PATH="$libdir")
+  fi
+  (cd / && PYTHONPATH=$(dirname "$(dirname "$init")") "${loader[@]}" /usr/bin/python3 -c \
     "import rdmakit; assert rdmakit.__version__ == '$version'; print('python package: ok')")
 fi
