@@ -31,13 +31,16 @@ step "build the packages from $build, lintian"
 "$src/scripts/build-debs" --from "$build" "$scratch/debs"
 
 step "a clean Debian 12 root with the packages (mmdebstrap)"
-includes=()
-for d in "$scratch"/debs/*.deb; do includes+=(--include="$d"); done
+includes=() packages=()
+for d in "$scratch"/debs/*.deb; do
+  includes+=(--include="$d")
+  packages+=("$(dpkg-deb -f "$d" Package)")
+done
 # The consumers' tools, and what the lab's guests run (iproute2; rxe's provider).
 mmdebstrap --quiet --variant=apt --include=g++,cmake,make,pkgconf,iproute2,ibverbs-providers \
   --hook-dir=/usr/share/mmdebstrap/hooks/file-mirror-automount "${includes[@]}" bookworm "$root" > "$scratch/mmdebstrap.log" 2>&1 \
   || { cat "$scratch/mmdebstrap.log"; exit 1; }
-for p in librdmakit0.1 librdmakit-dev rdmakit-tools python3-rdmakit; do
+for p in "${packages[@]}"; do
   [[ "$(chroot "$root" dpkg-query -W -f='${Version}' "$p")" == "$version" ]] \
     || { echo "FAIL: $p $version is not installed in the root"; exit 1; }
 done
