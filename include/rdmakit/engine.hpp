@@ -470,6 +470,13 @@ struct EngineCounters {
   /// Times a run of a plan had its requests built for a link: once per link, and again when the
   /// peer's segment changed under it.
   std::uint64_t plan_builds = 0;
+  /// Transfers of descriptor lists (submit(op, lists, indices)) posted from the lists as
+  /// prepared; the rest took the way of submit(span) (a full queue, a link or segment not there
+  /// yet, a pair of different lengths, a buffer of the list unregistered, lists over several peers).
+  std::uint64_t lists_posted = 0;
+  /// Times a remote list's targets were checked for a link and operation: once per link, and
+  /// again when the peer's segment changed under it.
+  std::uint64_t lists_builds = 0;
   /// Batches started on the submitting thread, their worker's thread being asleep (no hand-off
   /// to it): the latency path (EngineConfig::wait_spin).
   std::uint64_t submits_inline = 0;
@@ -786,12 +793,12 @@ class Engine {
   [[nodiscard]] DescriptorList prepare_remote(std::span<const RemoteDescriptor> descriptors);
   /// One transfer per position k: local[local_indices[k]] and remote[remote_indices[k]] (of the
   /// same length), read (the remote range into the local one) or write, in one batch, as
-  /// submit(span) would start them. Checks here only the indices and the lengths of each pair;
-  /// what may have changed since the lists were prepared (a buffer unregistered, a peer removed,
-  /// its segment withdrawn or shorter) ends that transfer in the batch as submit(span) would.
-  /// Throws Error (EINVAL) naming the position and the index for an index out of range, a pair
-  /// of different lengths, index spans of different sizes, an atomic operation, or lists of
-  /// another engine or of the wrong side.
+  /// submit(span) would start them. Checks here only the indices; a pair of different lengths
+  /// ends that position `invalid` (naming the position and both descriptors), and what may have
+  /// changed since the lists were prepared (a buffer unregistered, a peer removed, its segment
+  /// withdrawn or shorter) ends that transfer in the batch as submit(span) would. Throws Error
+  /// (EINVAL) naming the position and the index for an index out of range, index spans of
+  /// different sizes, an atomic operation, or lists of another engine or of the wrong side.
   Batch submit(TransferOp op, const DescriptorList& local, std::span<const std::uint32_t> local_indices,
                const DescriptorList& remote, std::span<const std::uint32_t> remote_indices,
                SubmitOptions options = {});

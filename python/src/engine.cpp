@@ -373,6 +373,8 @@ py::dict to_dict(const EngineCounters& c) {
   d["reposted"] = c.reposted;
   d["plan_posted"] = c.plan_posted;
   d["plan_builds"] = c.plan_builds;
+  d["lists_posted"] = c.lists_posted;
+  d["lists_builds"] = c.lists_builds;
   d["submits_inline"] = c.submits_inline;
   d["waits_spun"] = c.waits_spun;
   return d;

@@ -18,6 +18,10 @@ class Fifo {
   [[nodiscard]] std::size_t size() const noexcept { return static_cast<std::size_t>(tail_ - head_); }
   [[nodiscard]] T& front() noexcept { return buf_[head_ & mask_]; }
   void pop_front() noexcept { ++head_; }
+  /// Drops the first `n` (at most size()).
+  void pop_front(std::size_t n) noexcept { head_ += n; }
+  /// The i-th from the front (i < size()).
+  [[nodiscard]] T& operator[](std::size_t i) noexcept { return buf_[(head_ + i) & mask_]; }
   void push_back(const T& v) {
     if (size() == buf_.size()) grow();
     buf_[tail_++ & mask_] = v;

@@ -249,6 +249,11 @@ class DataPath {
   /// of the caller's arrays after the call: the same ones may be posted again at once.
   PostResult post_prebuilt(Lane& lane, ibv_send_wr* wrs, std::uint32_t n, const WrRing::Slot* slots_of,
                            std::uint64_t id_base) noexcept;
+  /// Posts `n` requests (at most prebuilt_room()) the caller built and linked, the last with
+  /// `next` null and signaled, signaled every prebuilt_room()'s `signal_every` at most, whose
+  /// wr_ids it set to lane.wr_id(next_seq() + i) and whose ring slots it wrote at next_seq() + i
+  /// (the engine's descriptor lists, which write each request in one pass).
+  PostResult post_written(Lane& lane, ibv_send_wr* wrs, std::uint32_t n) noexcept { return post_linked(lane, wrs, n, 0); }
   /// Posts the chain (its last request signaled, so its completion retires all of it). On a
   /// provider failure the first `index` requests went.
   PostResult post_chain_built() noexcept;

@@ -34,10 +34,13 @@ class WrRing {
     Opcode op = Opcode::send;
     Kind kind = user;
     bool counted = false;  // for a part: the one its request's completion counts on
-    std::uint8_t spare = 0;  // no padding: a slot copies as two words
-    // For the caller: the engine marks the requests of a plan's chain with how many of the
-    // chain's requests, from this one on, belong to consecutive entries of one batch (its walk
-    // then ends them in one loop). 0: none said.
+    // (No padding: a slot copies as two words.)
+    // For the caller: the engine marks the requests of a chain of consecutive entries of one
+    // batch (its walk then ends them in one loop) with `run`: how many of the chain's requests,
+    // from this one on, belong to it (a plan's); or, `run_end` set, the low 32 bits of the
+    // sequence number after the chain's last (descriptor lists': the same in every slot of the
+    // chain). 0: none said.
+    bool run_end = false;
     std::uint32_t run = 0;
   };
   static_assert(sizeof(Slot) == 16);

@@ -29,16 +29,24 @@ using detail::BatchState;
 using detail::Peer;
 using detail::Worker;
 
-void detail::BatchState::allocate_entries() {
-  // One allocation: the entries, then the copies of the transfers they point at.
+void detail::BatchState::allocate_entries(bool lists) {
+  // One allocation: the entries, then the copies of the transfers they point at, then (a batch
+  // of descriptor lists) the indices.
   static_assert(alignof(Transfer) <= alignof(Xfer));
   // A batch of one (a flag, a lease, a small block: what waits for the wire's latency) keeps
   // them in the state itself.
-  static_assert(sizeof(Xfer) % alignof(Transfer) == 0);
+  static_assert(sizeof(Xfer) % alignof(Transfer) == 0 && sizeof(Transfer) % alignof(std::uint32_t) == 0);
   const std::size_t n = std::max<std::size_t>(size, 1);
   x_inline = n == 1;
-  x = x_inline ? reinterpret_cast<Xfer*>(one_) : static_cast<Xfer*>(::operator new(n * (sizeof(Xfer) + sizeof(Transfer))));
+  const std::size_t indices = lists && !x_inline ? 2 * n * sizeof(std::uint32_t) : 0;
+  x = x_inline ? reinterpret_cast<Xfer*>(one_)
+               : static_cast<Xfer*>(::operator new(n * (sizeof(Xfer) + sizeof(Transfer)) + indices));
   owned = reinterpret_cast<Transfer*>(x + n);
+  if (lists) {
+    auto* at = x_inline ? one_index_ : reinterpret_cast<std::uint32_t*>(owned + n);
+    local_index = at;
+    remote_index = at + n;
+  }
 }
 
 detail::BatchState::BatchState(Engine::Impl* e, std::span<const Transfer> t)
@@ -53,8 +61,8 @@ detail::BatchState::BatchState(Engine::Impl* e, std::span<const Transfer> t)
   gate = e->gate;
 }
 
-detail::BatchState::BatchState(Engine::Impl* e, std::uint32_t n) : size(n), engine(e) {
-  allocate_entries();  // the caller constructs each entry and its transfer (once, not twice)
+detail::BatchState::BatchState(Engine::Impl* e, std::uint32_t n, bool lists) : size(n), engine(e) {
+  allocate_entries(lists);  // the caller constructs each entry and its transfer (once, not twice)
   remaining.store(size, std::memory_order_relaxed);
   gate = e->gate;
 }
@@ -265,7 +273,7 @@ std::string Batch::describe_failures() const {
   TransferResult run;
   auto flush = [&](std::size_t last) {
     if (run.status == TransferStatus::ok || run.status == TransferStatus::pending) return;
-    const Transfer& t = *state_->x[first].t;
+    const Transfer t = state_->transfer_at(static_cast<std::uint32_t>(first));
     out += first == last ? fmt::format("transfer {} ({} of {} bytes)", first, to_string(t.op), t.length)
                          : fmt::format("transfers {}-{} (from {} of {} bytes)", first, last, to_string(t.op), t.length);
     out += fmt::format(": {}: {}\n", to_string(run.status), run.reason);
@@ -306,7 +314,9 @@ BatchTelemetry Batch::telemetry() const {
     const detail::Xfer& x = b.x[i];
     const TransferStatus st = x.status(std::memory_order_acquire);
     if (st != TransferStatus::ok) continue;
-    const std::uint64_t moved = x.t->op <= TransferOp::write ? x.t->length : 0;
+    // (Of a batch of descriptor lists, reads and writes only: no transfer of it is built here.)
+    const std::uint64_t moved =
+        b.local_index != nullptr ? b.length_at(i) : x.t_->op <= TransferOp::write ? x.t_->length : 0;
     t.bytes += moved;
     const std::uint8_t path = x.path();
     if (path < detail::kSlicedPath) {

@@ -12,6 +12,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <optional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -75,9 +76,19 @@ constexpr std::uint64_t swap_of(const Transfer& t) {
 /// copyable (its status is stored atomically through atomic_ref): a plan's entries are copied
 /// into each batch of it.
 struct Xfer {
-  Xfer(const Transfer& tr, BatchState* b, std::uint32_t i) noexcept : t(&tr), batch(b), index(i) {}
-  /// The transfer: the batch's copy (BatchState::owned), its plan's, or a slice's (SliceGroup).
-  const Transfer* t;
+  Xfer(const Transfer& tr, BatchState* b, std::uint32_t i) noexcept : t_(&tr), batch(b), index(i) {}
+  /// An entry of a batch of descriptor lists, its transfer not built yet.
+  Xfer(BatchState* b, std::uint32_t i) noexcept : t_(nullptr), batch(b), index(i) {}
+  /// The transfer. An entry of a batch of descriptor lists has none until something other than
+  /// the lists' own path (Worker::post_lists) needs it: built then (BatchState::build), by the
+  /// worker holding the entry, the only thread that calls this; any other thread reads a
+  /// transfer through BatchState::transfer_at().
+  const Transfer& transfer() noexcept;
+  /// The transfer as transfer() gives it, without building it (a copy).
+  [[nodiscard]] Transfer transfer_copy() const noexcept;
+  /// The transfer, or null while an entry of descriptor lists has not built it: read it through
+  /// transfer() (only the plan's and the lists' own paths look at it directly).
+  const Transfer* t_;
   BatchState* batch = nullptr;
   SliceGroup* group = nullptr;  // a slice: the sliced transfer's group (its end goes there)
   std::uint32_t index = 0;
@@ -147,13 +158,64 @@ struct PlanState {
   std::vector<std::uint32_t> transfers_of;         // by worker index: the transfers of its runs
 };
 
-/// Descriptors prepared once (Engine::prepare_local, prepare_remote).
+/// Where a remote descriptor's request goes, as checked for one link and operation: the first
+/// two words are verbs' `wr.rdma` (remote_addr, rkey), copied into a request as they are (what
+/// lands in the union's padding is unused by reads and writes); `length` is the descriptor's,
+/// or kNoTarget where the request cannot go this way (outside the segment, no access, no
+/// segment on the link, too long for one request): a local length never equals it.
+struct RemoteTarget {
+  std::uint64_t addr = 0;
+  std::uint32_t rkey = 0;
+  std::uint32_t length = 0;
+};
+static_assert(sizeof(RemoteTarget) == 16);
+inline constexpr std::uint32_t kNoTarget = ~0u;
+
+/// Descriptors prepared once (Engine::prepare_local, prepare_remote), and what the lists' own
+/// path (Worker::post_lists) needs of them: each position of a batch is then two lookups and
+/// two 16-byte copies into its request.
 struct ListState {
   Engine::Impl* engine = nullptr;
   std::uint64_t epoch = 0;  // the engine's
   bool remote = false;
   std::vector<LocalDescriptor> local;    // !remote
   std::vector<RemoteDescriptor> remotes; // remote
+
+  // A local list (set by prepare_local, then read-only but for `checked`):
+  /// Descriptor i's SGE as registered on device d, at [d * size + i] (length 0: its memory is
+  /// not reachable there, or it is over 4 GiB: the long way).
+  std::vector<ibv_sge> sges;
+  /// Per device: every descriptor's memory is registered writable there (a read's destination).
+  std::vector<std::uint8_t> writable;
+  /// Every descriptor's length when they are all alike (a KV cache's blocks), else 0; and per
+  /// device, whether every descriptor has its SGE there (so a position's local side needs no
+  /// look: only its remote target's length is compared with it).
+  std::uint64_t uniform = 0;
+  std::vector<std::uint8_t> uniform_on;
+  /// Its buffers, (id, generation), each once.
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> buffers;
+  /// Per worker (written by that worker only): its count of buffer retirements
+  /// (Worker::retired_seen_) + 1 when it last found every buffer of the list registered; 0: never.
+  struct alignas(64) Seen {  // (a cache line each: workers write their own)
+    std::uint64_t retired = 0;
+  };
+  std::unique_ptr<Seen[]> checked;
+
+  // A remote list:
+  /// The peer (id, generation) every descriptor is on; 0 when they are on several (such a
+  /// list's batches take the long way: each peer's worker builds its own positions).
+  std::uint32_t peer = 0, peer_gen = 0;
+  /// The segment slots it names, each once.
+  std::vector<std::uint32_t> slots;
+  /// Its targets as checked for one link (Link::serial) and operation, against the segments
+  /// (by `slots`) as the link had them then. Used and rebuilt by the peer's worker only.
+  struct Targets {
+    std::uint64_t link = 0;
+    TransferOp op = TransferOp::write;
+    std::vector<std::optional<RemoteRegion>> regions;
+    std::vector<RemoteTarget> at;  // by descriptor
+  };
+  std::vector<Targets> targets;
 };
 
 /// What one worker keeps of a batch while transfers of it are on that worker (in its list of
@@ -203,11 +265,12 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   /// A batch of `plan` (which it keeps), its entries in `*entries` (the batch's own allocation:
   /// Engine::submit(plan)).
   BatchState(Engine::Impl* e, std::shared_ptr<PlanState> plan, Xfer* const* entries);
-  /// Room for `n` entries and transfers, unconstructed: the caller constructs transfer k at
-  /// owned[k] and entry k at x[k] (pointing at it) before the batch is launched, and sets
-  /// `atomics` when one is (descriptor lists never are). A batch dropped part way (the caller
-  /// threw) frees them unread: both are trivially destructible.
-  BatchState(Engine::Impl* e, std::uint32_t n);
+  /// Room for `n` entries and transfers, unconstructed, and (`lists`) for two arrays of n
+  /// indices (local_index, remote_index, writable through the const by their owner at submit):
+  /// the caller constructs entry k at x[k] (and transfer k at owned[k], or leaves it to build())
+  /// before the batch is launched. A batch dropped part way (the caller threw) frees them
+  /// unread: both are trivially destructible.
+  BatchState(Engine::Impl* e, std::uint32_t n, bool lists = false);
   ~BatchState();
   BatchState(const BatchState&) = delete;
   BatchState& operator=(const BatchState&) = delete;
@@ -262,6 +325,22 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   std::function<void(const Batch&)> on_done;
   Engine::Impl* engine = nullptr;
   std::shared_ptr<PlanState> plan;  // a batch of a plan: posted from its requests
+  // A batch of descriptor lists: its lists, operation and copy of the indices (in the entries'
+  // allocation); its entries' transfers are built when needed (Xfer::transfer()).
+  std::shared_ptr<ListState> local_list, remote_list;
+  const std::uint32_t* local_index = nullptr;
+  const std::uint32_t* remote_index = nullptr;
+  TransferOp list_op = TransferOp::write;
+  /// Builds entry x's transfer (owned[x.index]) from the lists: on the worker holding x.
+  const Transfer& build(Xfer& x) noexcept;
+  /// Of a batch of lists: why position k cannot move (its pair's lengths differ), or empty.
+  [[nodiscard]] std::string pair_mismatch(std::uint32_t k) const;
+  /// Transfer i: any thread (of a batch of lists, as build() makes it, without building it).
+  [[nodiscard]] Transfer transfer_at(std::uint32_t i) const noexcept;
+  /// Its length (of a batch of lists: the local descriptor's).
+  [[nodiscard]] std::uint64_t length_at(std::uint32_t i) const noexcept {
+    return local_index != nullptr ? local_list->local[local_index[i]].length : x[i].t_->length;
+  }
   /// The worker all its transfers went to, or kSeveralWorkers (set before any is sent).
   std::uint32_t home = 0;
   /// Sends the batch to worker `w` alone, or (kSeveralWorkers) to several: their shares.
@@ -278,10 +357,18 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   void finished_ok(std::uint32_t n) noexcept;
 
  private:
-  /// x and owned for `size` entries (in one_ for a batch of one), unconstructed.
-  void allocate_entries();
+  /// x and owned for `size` entries (in one_ for a batch of one), unconstructed; and room for
+  /// two arrays of `size` indices when `lists` (one_index_ for a batch of one).
+  void allocate_entries(bool lists = false);
+  std::uint32_t one_index_[2] = {0, 0};
   void last_ended() noexcept;
 };
+
+inline const Transfer& Xfer::transfer() noexcept {
+  if (t_ != nullptr) [[likely]] return *t_;
+  return batch->build(*this);
+}
+inline Transfer Xfer::transfer_copy() const noexcept { return t_ != nullptr ? *t_ : batch->transfer_at(index); }
 
 /// The slices of one sliced transfer (Worker::slice): they end into it, and the transfer ends
 /// when the last has, ok or with the first failure.

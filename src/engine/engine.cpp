@@ -115,6 +115,8 @@ EngineCounters Engine::counters() const noexcept {
   o.window_bind_ns = c.window_bind_ns.load();
   o.plan_posted = c.plan_posted.load();
   o.plan_builds = c.plan_builds.load();
+  o.lists_posted = c.lists_posted.load();
+  o.lists_builds = c.lists_builds.load();
   o.submits_inline = c.submits_inline.load();
   o.waits_spun = c.waits_spun.load();
   o.leases_granted = c.leases_granted.load();
@@ -510,14 +512,18 @@ Batch Engine::Impl::launch(std::shared_ptr<BatchState> state, SubmitOptions&& op
   // An unknown peer goes to worker 0, which says so; the worker checks the handle (this is
   // only where to send it, read without touching a peer record that may be going).
   auto worker_of = [&](std::uint32_t i) {
-    const std::uint32_t id = x[i].t->remote.peer;
+    const std::uint32_t id = state->remote_index != nullptr
+                                 ? state->remote_list->remotes[state->remote_index[i]].segment.peer
+                                 : x[i].t_->remote.peer;
     const std::uint32_t w = id != 0 && id <= kMaxPeers ? peer_worker[id - 1].load(std::memory_order_relaxed) : 0;
     return w < n ? w : 0;
   };
   std::uint32_t home = 0;
   if (n > 1) {
     home = worker_of(0);
-    for (std::uint32_t i = 1; i < state->size && home != detail::kSeveralWorkers; ++i) {
+    // Descriptor lists on one peer: every position is that peer's.
+    const bool one_peer = state->remote_list != nullptr && state->remote_list->peer != 0;
+    for (std::uint32_t i = 1; i < state->size && home != detail::kSeveralWorkers && !one_peer; ++i) {
       if (worker_of(i) != home) home = detail::kSeveralWorkers;
     }
   }

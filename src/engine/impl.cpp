@@ -306,7 +306,14 @@ bool Engine::Impl::start(BatchState& b, SubmitOptions&& options) {
     if (b.plan) {
       submitted.add_tally(b.plan->tally);  // counted once, at prepare()
     } else {
-      submitted.add_batch(b.size, [&](std::size_t i) -> const Transfer& { return *b.x[i].t; });
+      if (b.local_index != nullptr && b.local_list->uniform != 0) {  // descriptor lists of blocks alike
+        submitted.add_same(b.size, b.list_op, b.local_list->uniform);
+      } else if (b.local_index != nullptr) {  // one operation, the local descriptors' lengths
+        const LocalDescriptor* l = b.local_list->local.data();
+        submitted.add_batch(b.size, [&](std::size_t i) { return detail::OpLength{b.list_op, l[b.local_index[i]].length}; });
+      } else {
+        submitted.add_batch(b.size, [&](std::size_t i) { return detail::OpLength{b.x[i].t_->op, b.x[i].t_->length}; });
+      }
     }
   }
   if (b.size != 0) return true;

@@ -369,6 +369,15 @@ struct Command {
   std::uint64_t lease_id = 0;           // renew (ttl in `epoch`, 0: release)
 };
 
+/// Descriptor lists' requests as built for a post (Worker::post_lists_on): linked once, each
+/// with its SGE at a fixed distance (one base register for both in the loop that writes them).
+inline constexpr std::uint32_t kListChain = 256;  // requests per post at most
+struct ListScratch {
+  ibv_send_wr wrs[kListChain];
+  ibv_sge sges[kListChain];
+  TransferOp op = TransferOp::write;
+};
+
 class Worker {
  public:
   Worker(Engine::Impl& e, std::uint32_t index);
@@ -438,6 +447,36 @@ class Worker {
   /// `run`'s requests as built for `l` (of peer `p`), built now if they were not or the peer's
   /// segment changed; null when they cannot go as built (the long way then says why).
   PlanState::Built* built_for(PlanState::Run& run, const BufferRec& buf, Link& l, const Peer& p, const Xfer* x);
+  /// A batch of descriptor lists on one peer: posted the lists' way (post_lists()) as far as it
+  /// goes, each position it cannot post the long way (route()).
+  void submit_lists(const std::shared_ptr<BatchState>& b);
+  /// Posts b's positions from `from` on the link pick() gives (post_lists_on(), chain after
+  /// chain while its queue has room); returns the first position not posted (or failed).
+  /// `*full`: that link, when the rest must wait in its backlog (no room, or a backlog there
+  /// already). `*usable`: false when the lists' way cannot be taken now at all (the peer, a
+  /// buffer, the link); else the position returned takes the long way on its own.
+  std::uint32_t post_lists(BatchState& b, std::uint32_t from, Link** full, bool* usable);
+  /// Posts up to `most` of b's positions from `from` on `l` as one chain, each request from its
+  /// local SGE and its remote target, up to the first whose lengths differ or whose target is
+  /// not one, or the queue's room (then `*full` = &l); returns the first position it did not
+  /// post (or fail). Nothing: anything the lists were prepared with changed (the peer, the
+  /// buffers: looked at unless the caller just did, `checked`).
+  std::uint32_t post_lists_on(Link& l, BatchState& b, std::uint32_t from, std::uint32_t most, Link** full,
+                              bool checked);
+  /// The lists' positions at the front of l's backlog (consecutive entries of one batch, queued
+  /// by submit_lists()) posted the lists' way: posted (some went), full (no room: stop), or
+  /// not (the front takes the long way).
+  enum class ListsFlush { posted, full, not_posted };
+  /// A position of descriptor lists about to take the long way: its transfer built, or (its
+  /// pair's lengths differ) ended invalid with why (false).
+  bool take_position(Xfer& x);
+  ListsFlush flush_lists(Link& l, Xfer& front);
+  /// A buffer of the local list when every one of them is still registered for this worker
+  /// (looked at again only after a retirement reached it); null otherwise.
+  const BufferRec* lists_registered(ListState& local) noexcept;
+  /// The remote list's targets as checked for `l` and `op`, checked now if they were not or the
+  /// peer's segments on `l` changed.
+  const ListState::Targets* targets_for(ListState& remote, Link& l, TransferOp op);
   /// Queues transfer x for its peer's link (or the link to come).
   void start_transfer(Peer& p, Xfer& x);
   /// x waits for a link to `p` (connected now if none is coming), or ends at once when `p` was
@@ -477,7 +516,7 @@ class Worker {
   void route(Xfer& x, Route& r);
   void route_all(Xfer* x, Xfer* last, Route& r);
   /// The record of x's buffer (checked by admit() before anything uses it).
-  [[nodiscard]] const BufferRec& buffer_of(const Xfer& x) const noexcept;
+  [[nodiscard]] const BufferRec& buffer_of(Xfer& x) const noexcept;
   /// The long way for transfer x: checks it, chains it or queues it, and sets `r` for the next.
   [[gnu::noinline]] void admit(Xfer& x, Route& r);
   [[gnu::noinline]] void refused(Link& l, Xfer& x, PostStatus st);
@@ -508,7 +547,7 @@ class Worker {
   /// Rails on devices that `buf` ranks first are taken while one is ready (null: any).
   Link* pick(Peer& p, const BufferRec* buf, const Link* instead_of = nullptr) noexcept;
   /// Whether transfer x to `p` is cut into slices over its rails.
-  bool slices_for(const Peer& p, const Xfer& x) const noexcept;
+  bool slices_for(const Peer& p, Xfer& x) const noexcept;
   /// Cuts x into slices, each queued on the rail with the fewest bytes outstanding.
   void slice(Peer& p, Xfer& x);
   /// A slice ended: its transfer ends with the last.
@@ -756,6 +795,8 @@ class Worker {
   Deadline next_tick_{};
   Deadline next_report_{};  // report_active()
   std::vector<std::shared_ptr<Retirement>> retiring_;  // waiting for transfers of their buffer
+  std::uint64_t retired_seen_ = 0;  // retirements taken (ListState::checked)
+  std::unique_ptr<ListScratch> lists_;  // post_lists_on()'s requests
   std::vector<std::shared_ptr<LeaseState>> leases_;  // granted and not ended (lease_granted)
   Deadline next_lease_check_{};
   std::unordered_map<Xfer*, std::unique_ptr<SliceGroup>> groups_;  // by sliced transfer
@@ -861,7 +902,7 @@ struct Engine::Impl {
     std::atomic<std::uint64_t> qps{0}, links{0}, connects{0}, reconnects{0}, accepts{0}, evictions{0},
         restarts{0}, batches{0}, transfers{0}, transfers_failed{0}, bytes{0}, notifications_sent{0},
         notifications_received{0}, notifications_refused{0}, notifications_dropped{0}, notifications_lost{0}, windows_bound{0}, window_bind_ns{0}, rail_links{0}, rail_failures{0},
-        slices{0}, reposted{0}, plan_posted{0}, plan_builds{0}, submits_inline{0}, waits_spun{0}, leases_granted{0},
+        slices{0}, reposted{0}, plan_posted{0}, plan_builds{0}, lists_posted{0}, lists_builds{0}, submits_inline{0}, waits_spun{0}, leases_granted{0},
         leases_ended{0}, lease_renewals{0};
   } count;
   // For metrics(): transfers that ended other than ok, by status; batches' submit-to-end times
@@ -1032,8 +1073,8 @@ struct Engine::Impl {
   Buffer publish(std::unique_ptr<detail::BufferRec> rec);
 };
 
-inline const detail::BufferRec& detail::Worker::buffer_of(const Xfer& x) const noexcept {
-  return *e_.buffer(x.t->local.id);  // admitted: its generation was checked
+inline const detail::BufferRec& detail::Worker::buffer_of(Xfer& x) const noexcept {
+  return *e_.buffer(x.transfer().local.id);  // admitted: its generation was checked
 }
 
 }  // namespace rdmakit

@@ -24,7 +24,7 @@ void LatencyHistogram::observe(std::int64_t ns) noexcept {
 
 SubmitTally SubmitTally::of(std::span<const Transfer> t) {
   SubmitFigures f;  // counted as a batch of them would be, once
-  f.add_batch(t.size(), [&](std::size_t i) -> const Transfer& { return t[i]; });
+  f.add_batch(t.size(), [&](std::size_t i) { return OpLength{t[i].op, t[i].length}; });
   SubmitTally s;
   for (std::size_t i = 0; i < f.at.size(); ++i) {
     if (const std::uint64_t v = f.at[i].load(std::memory_order_relaxed); v != 0) s.nonzero.emplace_back(static_cast<std::uint16_t>(i), v);
@@ -212,6 +212,9 @@ std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& optio
   }
   t.single("rdmakit_plan_transfers_posted_total", "counter", "Transfers of prepared plans posted as built.", c.plan_posted);
   t.single("rdmakit_plan_builds_total", "counter", "Runs of plans built for a link.", c.plan_builds);
+  t.single("rdmakit_lists_transfers_posted_total", "counter", "Transfers of descriptor lists posted from the lists.",
+           c.lists_posted);
+  t.single("rdmakit_lists_builds_total", "counter", "Remote descriptor lists checked for a link.", c.lists_builds);
   t.single("rdmakit_submits_inline_total", "counter", "Batches started on the submitting thread.", c.submits_inline);
   t.single("rdmakit_waits_spun_total", "counter", "Batch waits that saw their batch end while polling.", c.waits_spun);
 

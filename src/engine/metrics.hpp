@@ -34,9 +34,14 @@ inline constexpr std::size_t kOps = 4;  // TransferOp
 inline constexpr std::size_t kSizeBuckets = 32;
 /// The bytes a transfer asks for, as counted: an atomic's 8, and no more than 2^48 (a length
 /// that large ends invalid, and must not wrap the counters).
-[[nodiscard]] inline std::uint64_t counted_length(const Transfer& t) noexcept {
-  return t.op >= TransferOp::fetch_add ? 8 : std::min<std::uint64_t>(t.length, std::uint64_t{1} << 48);
+[[nodiscard]] inline std::uint64_t counted_length(TransferOp op, std::uint64_t length) noexcept {
+  return op >= TransferOp::fetch_add ? 8 : std::min<std::uint64_t>(length, std::uint64_t{1} << 48);
 }
+/// What the tally takes of a transfer.
+struct OpLength {
+  TransferOp op;
+  std::uint64_t length;
+};
 [[nodiscard]] inline std::size_t size_bucket(std::uint64_t bytes) noexcept {
   return bytes <= 1 ? 0 : std::min<std::size_t>(static_cast<std::size_t>(std::bit_width(bytes - 1)), kSizeBuckets);
 }
@@ -50,7 +55,16 @@ struct SubmitFigures {
   static constexpr std::size_t kEntries = 2 * kOps + kSizeBuckets + 1;
   std::array<std::atomic<std::uint64_t>, kEntries> at{};
   void add(std::uint16_t i, std::uint64_t v) noexcept { at[i].fetch_add(v, std::memory_order_relaxed); }
-  /// One batch's `n` transfers (`transfer_at(i)`: the i-th), counted on the stack, then added where not
+  /// `n` transfers of one operation and length.
+  void add_same(std::size_t n, TransferOp op, std::uint64_t length) noexcept {
+    if (n == 0) return;
+    const auto o = static_cast<std::uint16_t>(static_cast<std::size_t>(op) & (kOps - 1));
+    const std::uint64_t len = counted_length(op, length);
+    add(o, n);
+    if (len != 0) add(static_cast<std::uint16_t>(kOps + o), n * len);
+    add(static_cast<std::uint16_t>(2 * kOps + size_bucket(len)), n);
+  }
+  /// One batch's `n` transfers (`transfer_at(i)`: the i-th's OpLength), counted on the stack, then added where not
   /// zero: a batch of one adds three numbers, one of many a few more. Counted by runs of one
   /// operation and length (a batch is mostly one run): a transfer like the one before costs two
   /// comparisons, its bucket and sums are taken once per run.
@@ -60,19 +74,19 @@ struct SubmitFigures {
     std::array<std::uint32_t, kSizeBuckets + 1> sizes{};
     std::uint64_t sizes_seen = 0;  // bit b: bucket b has some
     for (std::size_t i = 0; i < n;) {
-      const Transfer& first = transfer_at(i);
+      const OpLength first = transfer_at(i);
       const TransferOp op_of_run = first.op;
       const std::uint64_t length_of_run = first.length;
       std::size_t j = i + 1;
       for (; j < n; ++j) {
-        const Transfer& t = transfer_at(j);
+        const OpLength t = transfer_at(j);
         if ((t.op != op_of_run) | (t.length != length_of_run)) break;
       }
       const std::uint64_t k = j - i;
       i = j;
       const std::size_t op = static_cast<std::size_t>(op_of_run) & (kOps - 1);
       ops[op] += k;
-      const std::uint64_t len = counted_length(first);
+      const std::uint64_t len = counted_length(first.op, first.length);
       ops[kOps + op] += k * len;  // as k additions would (modulo 2^64 alike)
       const std::size_t b = size_bucket(len);
       sizes[b] += static_cast<std::uint32_t>(k);

@@ -234,7 +234,7 @@ std::uint32_t Worker::post_run(PlanState::Run& run, Xfer* x) {
   if (went == run.n) {
     l->bytes_out += bt->bytes;
   } else {
-    for (std::uint32_t i = 0; i < went; ++i) l->bytes_out += x[i].t->length;
+    for (std::uint32_t i = 0; i < went; ++i) l->bytes_out += x[i].t_->length;
   }
   if (res.ok()) [[likely]] return k;
   // The provider refused part way: as for a chain (post_chain), the rest of these failed and the
@@ -274,7 +274,7 @@ PlanState::Built* Worker::built_for(PlanState::Run& run, const BufferRec& buf, L
   const auto base = reinterpret_cast<std::uint64_t>(s.addr());
   const std::uint64_t threshold = e_.cfg.rails.slice_threshold;
   for (std::uint32_t i = 0; i < run.n; ++i) {
-    const Transfer& t = *x[i].t;
+    const Transfer& t = *x[i].t_;
     // A transfer long enough to be sliced over rails goes the long way (slices_for decides).
     if (threshold != 0 && t.length >= threshold && t.op <= TransferOp::write) return nullptr;
     if (t.length > std::numeric_limits<std::uint32_t>::max()) return nullptr;

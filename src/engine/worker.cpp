@@ -689,6 +689,7 @@ void Worker::handle(Command& c) {
       if (BufferRec* b = e_.buffer(Buffer{c.retirement->buffer, nullptr, 0, c.retirement->generation})) {
         b->retired_by.fetch_or(std::uint64_t{1} << index_);
       }
+      ++retired_seen_;
       retiring_.push_back(std::move(c.retirement));
       check_retiring();
       break;

@@ -445,7 +445,7 @@ void Worker::renew(Peer& p, std::uint64_t lease, std::uint32_t ttl_ms) {
 
 const HeldRecord* Worker::covering(const Peer& p, const Xfer& x) const noexcept {
   // A live lease first, else the one that ended last (its reason is the news).
-  const Transfer& t = *x.t;
+  const Transfer t = x.transfer_copy();
   const HeldRecord* best = nullptr;
   for (const auto& [id, h] : p.held) {
     for (std::size_t i = 0; i < h.info.ranges.size() && i < h.slots.size(); ++i) {
@@ -462,7 +462,7 @@ const HeldRecord* Worker::covering(const Peer& p, const Xfer& x) const noexcept 
 
 const HeldRecord* Worker::leased_refusal(const Link& l, const Xfer& x) const noexcept {
   if (!l.initiated || l.peer == nullptr) return nullptr;
-  const Transfer& t = *x.t;
+  const Transfer t = x.transfer_copy();
   const std::uint32_t slot = t.remote.slot;
   if (slot < l.by_slot.size() && l.by_slot[slot].has_value()) return nullptr;  // a standing window's
   // The lease it was posted through: the first range lease_region would have taken.
@@ -477,7 +477,7 @@ const HeldRecord* Worker::leased_refusal(const Link& l, const Xfer& x) const noe
 }
 
 const RemoteRegion* Worker::lease_region(Link& l, Xfer& x) {
-  const Transfer& t = *x.t;
+  const Transfer& t = x.transfer();
   Peer& p = *l.peer;
   if (t.remote.slot < l.leased.size()) {
     for (const LeasedRange& r : l.leased[t.remote.slot]) {  // in the order announced

@@ -51,9 +51,9 @@ Link* Worker::pick(Peer& p, const BufferRec* buf, const Link* instead_of) noexce
   return best;
 }
 
-bool Worker::slices_for(const Peer& p, const Xfer& x) const noexcept {
+bool Worker::slices_for(const Peer& p, Xfer& x) const noexcept {
   const std::uint64_t threshold = e_.cfg.rails.slice_threshold;
-  if (threshold == 0 || x.t->length < threshold || x.group != nullptr || x.t->op > TransferOp::write) return false;
+  if (threshold == 0 || x.transfer().length < threshold || x.group != nullptr || x.transfer().op > TransferOp::write) return false;
   int up = ready(p.link) ? 1 : 0;
   for (std::size_t k = 1; k < p.rails.size() && up < 2; ++k) up += ready(p.rails[k]->link) ? 1 : 0;
   return up >= 2;
@@ -62,7 +62,7 @@ bool Worker::slices_for(const Peer& p, const Xfer& x) const noexcept {
 void Worker::queue_on(Link& l, Xfer& x) {
   if (cancels(x)) [[unlikely]] return end(x, TransferStatus::cancelled, kCancelled);
   l.backlog.push_back(&x);
-  l.backlog_bytes += x.t->length;
+  l.backlog_bytes += x.transfer().length;
   queue_flush(l);
 }
 
@@ -71,11 +71,11 @@ void Worker::slice(Peer& p, Xfer& x) {
   g->parent = &x;
   x.batch->sliced.store(true, std::memory_order_relaxed);
   const std::uint64_t size = e_.cfg.rails.slice_size;
-  for (std::uint64_t off = 0; off < x.t->length; off += size) {
-    Transfer t = *x.t;
+  for (std::uint64_t off = 0; off < x.transfer().length; off += size) {
+    Transfer t = x.transfer();
     t.local_offset += off;
     t.remote_offset += off;
-    t.length = std::min(size, x.t->length - off);
+    t.length = std::min(size, x.transfer().length - off);
     Xfer& s = g->slices.emplace_back(g->transfers.emplace_back(t), x.batch, x.index);
     s.group = g.get();
   }
@@ -102,7 +102,7 @@ void Worker::slice_ended(Xfer& s, TransferStatus st, std::string reason) noexcep
   }
   if (st == TransferStatus::ok && s.path() != kNoPath) {
     try {
-      g.bytes_by_path[s.path()] += s.t->length;
+      g.bytes_by_path[s.path()] += s.transfer().length;
     } catch (...) {  // telemetry only: a slice's path unrecorded, the transfer unharmed
     }
   }
@@ -131,7 +131,7 @@ void Worker::slice_ended(Xfer& s, TransferStatus st, std::string reason) noexcep
 void Worker::lost(Link& l, Xfer& x, TransferStatus s, std::string why) noexcept {
   // Reads and writes are idempotent: another rail does them again. An atomic never is: it may
   // have been applied before its rail failed.
-  if (!stop_.load(std::memory_order_relaxed) && l.initiated && x.t->op <= TransferOp::write && x.tries < kMaxTries &&
+  if (!stop_.load(std::memory_order_relaxed) && l.initiated && x.transfer().op <= TransferOp::write && x.tries < kMaxTries &&
       (s == TransferStatus::peer_lost || s == TransferStatus::failed)) {
     Peer& p = *l.peer;
     if (!p.removed.load(std::memory_order_relaxed) && !p.gone.load(std::memory_order_relaxed)) {

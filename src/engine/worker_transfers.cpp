@@ -61,6 +61,7 @@ std::string invalid_reason(const Transfer& t, const BufferRec* b, const Peer* p)
 // Peer::waiting until a link is up). The chains are posted at the end, one doorbell each.
 void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std::uint32_t>& indexes) {
   if (b->plan != nullptr) return submit_plan(b);
+  if (b->remote_list != nullptr && b->remote_list->peer != 0 && indexes.empty()) return submit_lists(b);
   const bool all = indexes.empty();  // the whole batch is this worker's
   const std::uint32_t n = all ? b->size : static_cast<std::uint32_t>(indexes.size());
   WorkerShare& live = list(b, n);
@@ -76,13 +77,20 @@ void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std:
   if (!b->notify.empty()) {
     // Each peer's notification goes once all the batch's transfers with it have ended ok.
     for (std::uint32_t k = 0; k < n; ++k) {
-      const Transfer& t = *b->x[all ? k : indexes[k]].t;
-      ++live.notify_left[{t.remote.peer, t.remote.generation}];
+      const RemoteSegment s = b->transfer_at(all ? k : indexes[k]).remote;
+      ++live.notify_left[{s.peer, s.generation}];
     }
   }
   // `live` may go from here on: the last transfer to end erases it.
   Route r;
-  if (all) {
+  if (b->local_index != nullptr) [[unlikely]] {
+    // Descriptor lists over several peers: each of this worker's positions built here, or
+    // ended when its pair does not match.
+    for (std::uint32_t k = 0; k < n; ++k) {
+      Xfer& x = b->x[all ? k : indexes[k]];
+      if (take_position(x)) route(x, r);
+    }
+  } else if (all) {
     route_all(b->x, b->x + n, r);
   } else {
     for (const std::uint32_t i : indexes) route(b->x[i], r);
@@ -95,7 +103,7 @@ void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std:
 // link, the segment's window, the buffer's registration) is looked up when those change, or
 // after anything that may have changed it (admit()); the rest take the short way.
 [[gnu::always_inline]] inline void Worker::route(Xfer& x, Route& r) {
-  const Transfer& t = *x.t;
+  const Transfer& t = *x.t_;  // built (a position of descriptor lists: by take_position())
   const bool same = r.ok & (t.local.id == r.buf_id) & (t.remote.peer == r.peer_id) & (t.remote.slot == r.slot) &
                     (t.local.generation == r.buf_gen) & (t.remote.generation == r.peer_gen);
   if (!same || r.link->chain_room == 0) [[unlikely]] return admit(x, r);
@@ -130,7 +138,7 @@ void Worker::route_all(Xfer* x, Xfer* last, Route& r) {
 
 void Worker::admit(Xfer& x, Route& r) {
   r.ok = false;  // whatever happens here may change the link
-  const Transfer& t = *x.t;
+  const Transfer& t = *x.t_;  // built, as for route()
   // A handle of another engine, or of a buffer or peer that went (its id reused or not), or a
   // slot no Engine::segment() made, finds nothing here: `invalid`, with why.
   const BufferRec* buf = e_.buffer(t.local);
@@ -267,7 +275,7 @@ void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
 
 [[gnu::always_inline]] inline bool Worker::chain(Link& l, Xfer& x, std::uint64_t laddr, std::uint32_t lkey,
                                                   bool writable, const RemoteRegion& seg) {
-  const Transfer& t = *x.t;
+  const Transfer& t = *x.t_;  // built: every caller looked at it first
   DataPath& dp = l.impl.dp;
   const auto len = static_cast<std::uint32_t>(t.length);  // at most max_msg_sz (too_long)
   const auto id = reinterpret_cast<std::uint64_t>(&x);
@@ -285,7 +293,7 @@ void Worker::abandon_chain(Link& l, const std::string& why) noexcept {
 }
 
 bool Worker::chain(Link& l, Xfer& x) {
-  const Transfer& t = *x.t;
+  const Transfer& t = x.transfer();
   const RemoteRegion* to = remote_of(l, x);
   if (to == nullptr) [[unlikely]] return false;
   const LocalSlice& s = buffer_of(x).slices[l.device];
@@ -297,7 +305,7 @@ bool Worker::chain(Link& l, Xfer& x) {
 }
 
 const RemoteRegion* Worker::remote_of(Link& l, Xfer& x) {
-  const std::uint32_t slot = x.t->remote.slot;
+  const std::uint32_t slot = x.transfer().remote.slot;
   if (slot < l.by_slot.size() && l.by_slot[slot].has_value()) [[likely]] return &*l.by_slot[slot];
   return lease_region(l, x);  // no standing window: a lease's range, or x ended with why
 }
@@ -306,7 +314,7 @@ void Worker::unreachable(Link& l, Xfer& x) {
   end(x, TransferStatus::invalid,
       fmt::format("peer '{}': buffer {} is memory the CPU cannot reach (GPU memory), and its link is {}, which moves "
                   "bytes with the CPU",
-                  l.peer->name, x.t->local.id, l.impl.info.transport));
+                  l.peer->name, x.transfer().local.id, l.impl.info.transport));
 }
 
 void Worker::refused(Link& l, Xfer& x, PostStatus st) {
@@ -315,7 +323,7 @@ void Worker::refused(Link& l, Xfer& x, PostStatus st) {
     {
       std::lock_guard lock(e_.mu);
       const auto& names = l.peer->slot_names;
-      name = x.t->remote.slot < names.size() ? names[x.t->remote.slot] : fmt::format("slot {}", x.t->remote.slot);
+      name = x.transfer().remote.slot < names.size() ? names[x.transfer().remote.slot] : fmt::format("slot {}", x.transfer().remote.slot);
     }
     std::string have;
     for (const auto& [nm, r] : l.remote) have += (have.empty() ? "" : ", ") + nm;
@@ -329,7 +337,7 @@ void Worker::refused(Link& l, Xfer& x, PostStatus st) {
 
 void Worker::post_alone(Link& l, Xfer& x) {
   DataPath& dp = l.impl.dp;
-  const Transfer& t = *x.t;
+  const Transfer& t = x.transfer();
   const RemoteRegion* to = remote_of(l, x);
   if (to == nullptr) return;  // ended, with why
   if (buffer_of(x).slices[l.device].length() == 0) return unreachable(l, x);
@@ -359,18 +367,30 @@ void Worker::post_alone(Link& l, Xfer& x) {
 void Worker::flush(Link& l) {
   while (!l.backlog.empty() && l.state == Link::State::ready) {
     Xfer& x = *l.backlog.front();
-    if (too_long(l, *x.t)) [[unlikely]] {  // split by the data path: posted alone
+    if (x.t_ == nullptr) [[unlikely]] {  // positions of descriptor lists (submit_lists)
+      const ListsFlush f = flush_lists(l, x);
+      if (f == ListsFlush::posted) continue;
+      if (f == ListsFlush::full) return;  // a completion makes room, and flushes again
+      const std::uint64_t len = x.batch->length_at(x.index);
+      l.backlog.pop_front();  // (put back below when it goes on)
+      if (!take_position(x)) {
+        l.backlog_bytes -= len;
+        continue;
+      }
+      l.backlog.push_front(&x);
+    }
+    if (too_long(l, x.transfer())) [[unlikely]] {  // split by the data path: posted alone
       if (l.chain_open) post_chain(l);
       if (l.state != Link::State::ready) return;
       l.backlog.pop_front();
-      l.backlog_bytes -= x.t->length;
+      l.backlog_bytes -= x.transfer().length;
       post_alone(l, x);
       if (!l.backlog.empty() && l.backlog.front() == &x) return;  // no room: back in front
       continue;
     }
     if (!room_on(l)) return;  // a completion makes room, and flushes again
     l.backlog.pop_front();
-    l.backlog_bytes -= x.t->length;
+    l.backlog_bytes -= x.transfer().length;
     (void)chain(l, x);
   }
 }
@@ -382,6 +402,7 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
   // case) are counted once; anything else ends one by one.
   BatchState* run = nullptr;
   bool plain = false;  // the run's transfers end by the count
+  bool lists = false;  // the run's transfers are positions of descriptor lists (maybe not built)
   std::uint32_t run_ok = 0, slices = 0;
   std::uint64_t skipped = 0;  // slots that are not transfers
   // bytes: of the plain run's transfers (reads and writes only: a plain run has no atomics);
@@ -415,28 +436,49 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
     if (x.batch != run) [[unlikely]] {
       settle();
       run = x.batch;
+      lists = run->local_index != nullptr;
       // A batch with slices ends them one by one too: they end into their transfer's group.
       plain = s == TransferStatus::ok && run->notify.empty() && !run->atomics &&
               !run->sliced.load(std::memory_order_relaxed);
     }
     if (!plain) [[unlikely]] {
-      out += x.t->length;
-      if (s == TransferStatus::ok && x.t->op <= TransferOp::write) {
-        moved += x.t->length;
+      out += x.transfer().length;
+      if (s == TransferStatus::ok && x.transfer().op <= TransferOp::write) {
+        moved += x.transfer().length;
         slices += x.group != nullptr;
       }
       if (s == TransferStatus::ok) x.set_path(path);
       end(x, s, why);
       continue;
     }
-    if (slot.run > 1) {
-      // A plan's chain (Worker::post_run): its next `slot.run` slots are the batch's next entries.
-      const std::uint64_t m = std::min<std::uint64_t>(slot.run, upto - seq);
+    if ((slot.run > 1) | lists) {
+      // A plan's chain (Worker::post_run) or a lists' (post_lists_on): its next slots to the
+      // chain's end are the batch's next entries (a lists' position posted on its own: just this one).
+      const std::uint32_t left = slot.run_end ? slot.run - static_cast<std::uint32_t>(seq) : slot.run;
+      const std::uint64_t m = std::min<std::uint64_t>(std::max(left, 1u), upto - seq);
       std::uint64_t sum = 0;
-      for (Xfer *e = &x, *end = &x + m; e != end; ++e) {
-        e->set_path(path);  // before its status (the batch's end publishes both)
-        e->set_status(TransferStatus::ok, std::memory_order_relaxed);  // published by finished_ok
-        sum += e->t->length;
+      if (run->local_index == nullptr) [[likely]] {
+        for (Xfer *e = &x, *end = &x + m; e != end; ++e) {
+          e->set_path(path);  // before its status (the batch's end publishes both)
+          e->set_status(TransferStatus::ok, std::memory_order_relaxed);  // published by finished_ok
+          sum += e->t_->length;
+        }
+      } else if (const std::uint64_t each = run->local_list->uniform; each != 0) {
+        // Descriptor lists' chain (Worker::post_lists): its transfers were never built; the
+        // lengths are the local descriptors' (here all alike).
+        for (Xfer *e = &x, *end = &x + m; e != end; ++e) {
+          e->set_path(path);
+          e->set_status(TransferStatus::ok, std::memory_order_relaxed);
+        }
+        sum = m * each;
+      } else {
+        const LocalDescriptor* const ld = run->local_list->local.data();
+        const std::uint32_t* const li = run->local_index;
+        for (Xfer *e = &x, *end = &x + m; e != end; ++e) {
+          e->set_path(path);
+          e->set_status(TransferStatus::ok, std::memory_order_relaxed);
+          sum += ld[li[e->index]].length;
+        }
       }
       bytes += sum;
       run_ok += static_cast<std::uint32_t>(m);
@@ -446,7 +488,7 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
     x.set_path(path);
     x.set_status(TransferStatus::ok, std::memory_order_relaxed);  // published by finished_ok
     ++run_ok;
-    bytes += x.t->length;
+    bytes += x.t_->length;
   }
   settle();
   const std::uint64_t walked = upto > l.ended ? upto - l.ended - skipped : 0;
@@ -499,7 +541,7 @@ bool Worker::send_note(Peer& p, Link* to, BatchState& b, std::string* why) noexc
 }
 
 void Worker::start_note(Xfer& x) {
-  Peer* p = e_.peer(x.t->remote);
+  Peer* p = e_.peer(x.transfer().remote);
   if (p == nullptr) return end(x, TransferStatus::peer_lost, "the peer was removed");
   if (Link* to = notify_link(*p); to != nullptr && !p->removed.load(std::memory_order_relaxed)) {
     std::string why;
@@ -521,7 +563,7 @@ void Worker::cancel(BatchState& b) noexcept {
       if (!mine) {
         q.push_back(x);  // one was taken off first: no allocation
       } else if (bytes != nullptr) {
-        *bytes -= x->t->length;
+        *bytes -= x->transfer().length;
       }
     }
   };
@@ -548,7 +590,7 @@ void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
   if (b.note_only && s != TransferStatus::ok && b.notify_failed.load(std::memory_order_relaxed) == 0) [[unlikely]] {
     b.notification_failed(fmt::format("{}: {}", to_string(s), reason));
   }
-  const Transfer& t = *x.t;
+  const Transfer& t = x.transfer();
   if (s == TransferStatus::ok && (t.op == TransferOp::read || t.op == TransferOp::write)) {
     e_.count.bytes.fetch_add(t.length, std::memory_order_relaxed);
   }
@@ -615,17 +657,17 @@ void Worker::on_news(Link& l, const Completion& c, std::uint64_t seq, bool part)
   if (part) std::erase(l.alone, x);
   --l.in_flight;
   --in_flight_;
-  l.bytes_out -= std::min(l.bytes_out, x->t->length);
+  l.bytes_out -= std::min(l.bytes_out, x->transfer().length);
   l.last_used = Clock::now();
   bool ended = false;
   try {
     if (c.ok()) {
-      if (l.rail != nullptr && x->t->op <= TransferOp::write) {
-        l.rail->bytes.fetch_add(x->t->length, std::memory_order_relaxed);
+      if (l.rail != nullptr && x->transfer().op <= TransferOp::write) {
+        l.rail->bytes.fetch_add(x->transfer().length, std::memory_order_relaxed);
         if (x->group != nullptr) l.rail->slices.fetch_add(1, std::memory_order_relaxed);
       }
       x->set_path(path_of(l.device));
-      const std::uint64_t bytes = x->t->op <= TransferOp::write ? x->t->length : 0;
+      const std::uint64_t bytes = x->transfer().op <= TransferOp::write ? x->transfer().length : 0;
       if (l.device < figures_count_) figures_[l.device].add(bytes, 1);
       l.moved += bytes;
       end(*x, TransferStatus::ok, {});

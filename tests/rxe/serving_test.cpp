@@ -15,6 +15,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <atomic>
 #include <thread>
 #include <vector>
 
@@ -323,6 +324,37 @@ TEST(Serving, CancelLeavesWhatIsOnTheWire) {
     EXPECT_EQ(x.telemetry().bytes, (t.size() - x.failed()) * 256);
   }
   std::printf("cancelled %zu of %zu transfers queued behind the send queue\n", cancelled, 5 * t.size());
+  // The same through descriptor lists: what waits in the link's backlog, its transfers never
+  // built, is cancelled; what was posted the lists' way ends ok with its bytes.
+  std::vector<rdmakit::LocalDescriptor> ld;
+  std::vector<rdmakit::RemoteDescriptor> rd;
+  for (std::uint64_t k = 0; k < 4096; ++k) {
+    ld.push_back({src, k * 256, 256});
+    rd.push_back({seg, k * 256, 256});
+  }
+  const rdmakit::DescriptorList local = a.prepare_local(ld), remote = a.prepare_remote(rd);
+  std::vector<std::uint32_t> all(4096);
+  std::iota(all.begin(), all.end(), 0u);
+  std::size_t lists_cancelled = 0;
+  for (int round = 0; round < 5; ++round) {
+    std::memset(b.buf.addr, 0, b.buf.length);
+    Batch x = a.submit(TransferOp::write, local, all, remote, all);
+    x.cancel();
+    ASSERT_TRUE(x.wait(10s));
+    for (std::size_t i = 0; i < all.size(); ++i) {
+      const auto st = x.result(i).status;
+      ASSERT_TRUE(st == TransferStatus::ok || st == TransferStatus::cancelled) << i << ": " << x.describe_failures();
+      if (st == TransferStatus::ok) {
+        ASSERT_TRUE(same(static_cast<std::uint8_t*>(b.buf.addr) + i * 256, static_cast<std::uint8_t*>(src.addr) + i * 256, 256))
+            << "position " << i << " ended ok without its bytes";
+      } else {
+        ++lists_cancelled;
+      }
+    }
+    EXPECT_EQ(x.telemetry().bytes, (all.size() - x.failed()) * 256);
+  }
+  std::printf("cancelled %zu of %zu positions of descriptor lists queued behind the send queue\n", lists_cancelled,
+              5 * all.size());
   EXPECT_GT(cancelled, 0u) << "4,096 transfers never wait behind a send queue of " << lab::quiet().send_depth << "?";
 }
 
@@ -337,7 +369,7 @@ TEST(Serving, DescriptorListsMoveSelectionsByIndex) {
   EngineConfig ca = config("a");
   ca.link.retry_refused = false;
   Engine a(ca);
-  a.add_peer("b", at(b.engine));
+  ASSERT_EQ(lab::link_to(a, "b", b.engine), "");
   const auto seg = a.segment("b", "kv");
   // The local cache in two buffers (K and V of one layer, say), interleaved in the list.
   const Buffer k = a.allocate_memory(std::size_t{kDescs} / 2 * kBlock);
@@ -357,7 +389,9 @@ TEST(Serving, DescriptorListsMoveSelectionsByIndex) {
   };
   const auto at_remote = [&](Target& t, std::uint32_t j) { return static_cast<std::uint8_t*>(t.buf.addr) + rd[j].offset; };
   std::mt19937 rng(35);
+  std::uint64_t positions = 0;
   const auto selection = [&](std::size_t n) {
+    positions += n;
     std::vector<std::uint32_t> li(kDescs), ri(kDescs);
     std::iota(li.begin(), li.end(), 0u);
     std::iota(ri.begin(), ri.end(), 0u);
@@ -398,6 +432,8 @@ TEST(Serving, DescriptorListsMoveSelectionsByIndex) {
     EXPECT_EQ(r.telemetry().bytes, std::uint64_t{rl.size()} * kBlock);
     EXPECT_EQ(r.telemetry().request_id, o.request_id);
   }
+  // They went the lists' own way (each request from the prepared SGE and target), not the long way.
+  EXPECT_EQ(a.counters().lists_posted, positions) << "positions took the long way";
   // What is refused, naming the position and the index.
   const std::vector<std::uint32_t> ok{0, 1}, out{0, kDescs};
   const auto why = [&](auto&& f) {
@@ -416,10 +452,20 @@ TEST(Serving, DescriptorListsMoveSelectionsByIndex) {
             std::string::npos);
   EXPECT_NE(why([&] { (void)a.submit(TransferOp::fetch_add, local, ok, remote, ok); }).find("read or write"), std::string::npos);
   EXPECT_NE(why([&] { (void)a.submit(TransferOp::read, remote, ok, local, ok); }).find("prepare_local"), std::string::npos);
-  const rdmakit::DescriptorList odd = a.prepare_remote(std::vector<rdmakit::RemoteDescriptor>{{seg, 0, kBlock + 1}});
-  EXPECT_NE(why([&] { (void)a.submit(TransferOp::read, local, std::vector<std::uint32_t>{3}, odd, std::vector<std::uint32_t>{0}); })
-                .find("position 0: local descriptor 3 is 128 bytes, remote descriptor 0 is 129"),
-            std::string::npos);
+  // A pair of different lengths ends invalid in the batch, naming the position and both descriptors;
+  // the positions around it move.
+  const rdmakit::DescriptorList odd =
+      a.prepare_remote(std::vector<rdmakit::RemoteDescriptor>{{seg, 0, kBlock}, {seg, kBlock, kBlock + 1}, {seg, 4 * kBlock, kBlock}});
+  Batch mixed = a.submit(TransferOp::read, local, std::vector<std::uint32_t>{2, 3, 4}, odd, std::vector<std::uint32_t>{0, 1, 2});
+  ASSERT_TRUE(mixed.wait(10s));
+  EXPECT_EQ(mixed.result(0).status, TransferStatus::ok) << mixed.describe_failures();
+  EXPECT_EQ(mixed.result(1).status, TransferStatus::invalid);
+  EXPECT_NE(mixed.result(1).reason.find("position 1: local descriptor 3 is 128 bytes, remote descriptor 1 is 129"),
+            std::string::npos)
+      << mixed.result(1).reason;
+  EXPECT_EQ(mixed.result(2).status, TransferStatus::ok) << mixed.describe_failures();
+  EXPECT_TRUE(same(at_local(2), shadow.data(), kBlock));
+  EXPECT_TRUE(same(at_local(4), shadow.data() + 4 * kBlock, kBlock));
   EXPECT_NE(why([&] { (void)a.prepare_local(std::vector<rdmakit::LocalDescriptor>{{k, 0, 64}, {k, k.length - 8, 64}}); })
                 .find("descriptor 1: [" + std::to_string(k.length - 8) + ", +64) is outside"),
             std::string::npos);
@@ -469,4 +515,167 @@ TEST(Serving, DescriptorListsMoveSelectionsByIndex) {
   Batch removed = a.submit(TransferOp::read, local, std::vector<std::uint32_t>{0}, remote, std::vector<std::uint32_t>{0});
   ASSERT_TRUE(removed.wait(10s));
   EXPECT_EQ(removed.result(0).status, TransferStatus::invalid) << removed.describe_failures();
+}
+
+// Positions the lists' own way cannot post take the long way one by one, in order, and the rest
+// still go the lists' way: a range past the segment's end in the middle of a batch ends with
+// why; a list over two peers goes the long way whole (each peer's
+// worker builds its own positions), notifying each peer; every byte checked.
+TEST(Serving, DescriptorListsMixWhatTheyCanPostWithTheLongWay) {
+  constexpr std::uint64_t kBlock = 256;
+  Target b("b"), c("c");
+  Engine a(config("a"));
+  ASSERT_EQ(lab::link_to(a, "b", b.engine), "");
+  ASSERT_EQ(lab::link_to(a, "c", c.engine), "");
+  const auto sb = a.segment("b", "kv"), sc = a.segment("c", "kv");
+  const Buffer buf = a.allocate_memory(64 * kBlock);
+  fill(buf.addr, buf.length, 7);
+  fill(b.buf.addr, b.buf.length, 31);
+  fill(c.buf.addr, c.buf.length, 63);
+  const std::vector<std::uint8_t> was(static_cast<std::uint8_t*>(b.buf.addr), static_cast<std::uint8_t*>(b.buf.addr) + b.buf.length);
+  std::vector<rdmakit::LocalDescriptor> ld;
+  for (std::uint64_t i = 0; i < 64; ++i) ld.push_back({buf, i * kBlock, kBlock});
+  std::vector<rdmakit::RemoteDescriptor> rd;
+  for (std::uint64_t i = 0; i < 48; ++i) rd.push_back({sb, i * kBlock, kBlock});
+  rd.push_back({sb, b.buf.length - kBlock / 2, kBlock});  // 48: past the segment's end
+  const rdmakit::DescriptorList local = a.prepare_local(ld), remote = a.prepare_remote(rd);
+  // Writes: positions 0..39 to blocks 39..0, but position 20 to descriptor 48.
+  std::vector<std::uint32_t> li, ri;
+  for (std::uint32_t k = 0; k < 40; ++k) {
+    li.push_back(k);
+    ri.push_back(k == 20 ? 48 : 39 - k);
+  }
+  const auto before = a.counters();
+  Batch w = a.submit(TransferOp::write, local, li, remote, ri);
+  ASSERT_TRUE(w.wait(10s));
+  EXPECT_EQ(w.failed(), 1u) << w.describe_failures();
+  EXPECT_EQ(w.result(20).status, TransferStatus::no_segment) << w.result(20).reason;
+  for (std::uint32_t k = 0; k < 40; ++k) {
+    if (k == 20) continue;
+    ASSERT_EQ(w.result(k).status, TransferStatus::ok) << k << ": " << w.result(k).reason;
+  }
+  for (std::uint32_t k = 0; k < 40; ++k) {
+    const auto* block = static_cast<std::uint8_t*>(b.buf.addr) + (39 - k) * kBlock;
+    if (k == 20) {
+      EXPECT_TRUE(same(block, was.data() + (39 - k) * kBlock, kBlock)) << "block 19 was written";
+      continue;
+    }
+    ASSERT_TRUE(same(block, static_cast<std::uint8_t*>(buf.addr) + k * kBlock, kBlock)) << k;
+  }
+  EXPECT_EQ(a.counters().lists_posted - before.lists_posted, 39u) << "positions other than the bad one went the long way";
+  EXPECT_EQ(w.telemetry().bytes, 39 * kBlock);
+  // Lists of blocks of several sizes (their SGEs' lengths compared one by one): 100 writes of
+  // 64..256 bytes, b notified once they are all there; then the same blocks read back into
+  // another half of the buffer.
+  std::vector<rdmakit::LocalDescriptor> vl;
+  std::vector<rdmakit::RemoteDescriptor> vr;
+  for (std::uint64_t i = 0; i < 100; ++i) {
+    const std::uint64_t len = 64 + (i * 37) % 193;
+    vl.push_back({buf, (i % 32) * kBlock, len});
+    vr.push_back({sb, 48 * kBlock + i * kBlock, len});
+  }
+  fill(buf.addr, 32 * kBlock, 77);
+  const rdmakit::DescriptorList vlocal = a.prepare_local(vl), vremote = a.prepare_remote(vr);
+  std::vector<std::uint32_t> all(100);
+  std::iota(all.begin(), all.end(), 0u);
+  const auto sized = a.counters();
+  rdmakit::SubmitOptions written;
+  written.notify = {'v', 'w'};
+  Batch vw = a.submit(TransferOp::write, vlocal, all, vremote, all, written);
+  ASSERT_TRUE(vw.wait(10s));
+  ASSERT_EQ(vw.failed(), 0u) << vw.describe_failures();
+  std::uint64_t total = 0;
+  for (std::uint32_t i = 0; i < 100; ++i) {
+    ASSERT_TRUE(same(static_cast<std::uint8_t*>(b.buf.addr) + vr[i].offset, static_cast<std::uint8_t*>(buf.addr) + vl[i].offset, vl[i].length)) << i;
+    total += vl[i].length;
+  }
+  EXPECT_EQ(vw.telemetry().bytes, total);
+  EXPECT_EQ(a.counters().lists_posted - sized.lists_posted, 100u);
+  const auto note = next_note(b.engine, 10s);
+  ASSERT_TRUE(note.has_value()) << "no notification after the lists' writes";
+  EXPECT_EQ(note->message, written.notify);
+  std::vector<rdmakit::LocalDescriptor> back;
+  for (std::uint64_t i = 0; i < 100; ++i) back.push_back({buf, 32 * kBlock + (i % 16) * kBlock, vl[i].length});
+  const rdmakit::DescriptorList vback = a.prepare_local(back);
+  for (std::uint32_t part = 0; part < 100; part += 16) {  // 16 at a time: each into a block of its own
+    std::vector<std::uint32_t> idx;
+    for (std::uint32_t i = part; i < std::min(part + 16, 100u); ++i) idx.push_back(i);
+    Batch vr_read = a.submit(TransferOp::read, vback, idx, vremote, idx);
+    ASSERT_TRUE(vr_read.wait(10s));
+    ASSERT_EQ(vr_read.failed(), 0u) << vr_read.describe_failures();
+    for (const std::uint32_t i : idx) {
+      ASSERT_TRUE(same(static_cast<std::uint8_t*>(buf.addr) + back[i].offset, static_cast<std::uint8_t*>(b.buf.addr) + vr[i].offset, back[i].length)) << i;
+    }
+  }
+  EXPECT_EQ(a.counters().lists_posted - sized.lists_posted, 200u);
+  // A list over two peers: the long way, each position's transfer built by its peer's worker.
+  std::vector<rdmakit::RemoteDescriptor> both;
+  for (std::uint64_t i = 0; i < 16; ++i) both.push_back({i % 2 == 0 ? sb : sc, i * kBlock, kBlock});
+  const rdmakit::DescriptorList two = a.prepare_remote(both);
+  std::vector<std::uint32_t> pl, pr;
+  for (std::uint32_t k = 0; k < 16; ++k) {
+    pl.push_back(48 + k);
+    pr.push_back(15 - k);
+  }
+  rdmakit::SubmitOptions o;
+  o.notify = {'d', 'o', 'n', 'e'};
+  const auto mid = a.counters();
+  Batch r = a.submit(TransferOp::read, local, pl, two, pr, o);
+  ASSERT_TRUE(r.wait(10s));
+  ASSERT_EQ(r.failed(), 0u) << r.describe_failures();
+  EXPECT_EQ(a.counters().lists_posted, mid.lists_posted);
+  for (std::uint32_t k = 0; k < 16; ++k) {
+    const std::uint32_t j = 15 - k;
+    const auto* from = static_cast<std::uint8_t*>((j % 2 == 0 ? b : c).buf.addr) + j * kBlock;
+    ASSERT_TRUE(same(static_cast<std::uint8_t*>(buf.addr) + (48 + k) * kBlock, from, kBlock)) << k;
+  }
+  EXPECT_EQ(r.telemetry().bytes, 16 * kBlock);
+  for (Target* to : {&b, &c}) EXPECT_TRUE(next_note(to->engine, 10s).has_value());
+}
+
+// Batches of descriptor lists submitted without waiting, each longer than one chain and than the
+// send queue, from two threads, on an engine with two workers and two peers: every position goes
+// the lists' way (behind the backlog, as completions make room), every byte arrives, nothing is
+// left in flight.
+TEST(Serving, DescriptorListsPipelinedBatchesAllGoTheListsWay) {
+  constexpr std::uint64_t kBlock = 64;
+  constexpr std::uint32_t kDescs = 4096, kBatches = 6, kPerBatch = 700;
+  Target b("b", kDescs * kBlock), c("c", kDescs * kBlock);
+  EngineConfig ca = config("a");
+  ca.workers = 2;
+  Engine a(ca);
+  ASSERT_EQ(lab::link_to(a, "b", b.engine), "");
+  ASSERT_EQ(lab::link_to(a, "c", c.engine), "");
+  const Buffer buf = a.allocate_memory(kDescs * kBlock);
+  fill(buf.addr, buf.length, 5);
+  std::vector<rdmakit::LocalDescriptor> ld;
+  for (std::uint64_t i = 0; i < kDescs; ++i) ld.push_back({buf, i * kBlock, kBlock});
+  const rdmakit::DescriptorList local = a.prepare_local(ld);
+  const auto before = a.counters();
+  std::vector<std::thread> threads;
+  std::atomic<int> bad{0};
+  for (Target* to : {&b, &c}) {
+    threads.emplace_back([&, to] {
+      const std::string name = to == &b ? "b" : "c";
+      std::vector<rdmakit::RemoteDescriptor> rd;
+      for (std::uint64_t i = 0; i < kDescs; ++i) rd.push_back({a.segment(name, "kv"), i * kBlock, kBlock});
+      const rdmakit::DescriptorList remote = a.prepare_remote(rd);
+      std::vector<Batch> inflight;
+      for (std::uint32_t k = 0; k < kBatches; ++k) {
+        std::vector<std::uint32_t> idx(kPerBatch);
+        for (std::uint32_t p = 0; p < kPerBatch; ++p) idx[p] = (k * kPerBatch + p) % kDescs;
+        inflight.push_back(a.submit(TransferOp::write, local, idx, remote, idx));
+      }
+      for (Batch& x : inflight) {
+        if (!x.wait(30s) || x.failed() != 0) ++bad;
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  ASSERT_EQ(bad.load(), 0);
+  EXPECT_TRUE(same(b.buf.addr, buf.addr, buf.length));
+  EXPECT_TRUE(same(c.buf.addr, buf.addr, buf.length));
+  const auto after = a.counters();
+  EXPECT_EQ(after.lists_posted - before.lists_posted, 2u * kBatches * kPerBatch) << "positions took the long way";
+  EXPECT_EQ(after.transfers_failed, before.transfers_failed);
 }

@@ -6,6 +6,7 @@
 
 #include "../shared/promtool.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cctype>
 #include <cstdint>
@@ -240,16 +241,23 @@ TEST(MetricsTally, ABatchCountedByRunsCountsEachTransfer) {
       x.length = lengths[next() % (round % 5 == 0 ? 1 : std::size(lengths))];  // some one length
     }
     SubmitFigures runs;
-    runs.add_batch(t.size(), [&](std::size_t i) -> const Transfer& { return t[i]; });
+    runs.add_batch(t.size(), [&](std::size_t i) { return rdmakit::detail::OpLength{t[i].op, t[i].length}; });
     std::array<std::uint64_t, SubmitFigures::kEntries> each{};
     for (const Transfer& x : t) {
       const std::size_t op = static_cast<std::size_t>(x.op) & (kOps - 1);
       ++each[op];
-      each[kOps + op] += counted_length(x);
-      ++each[2 * kOps + size_bucket(counted_length(x))];
+      each[kOps + op] += counted_length(x.op, x.length);
+      ++each[2 * kOps + size_bucket(counted_length(x.op, x.length))];
     }
     for (std::size_t i = 0; i < each.size(); ++i) {
       ASSERT_EQ(runs.at[i].load(), each[i]) << "round " << round << ", entry " << i << ", " << t.size() << " transfers";
+    }
+    // A batch of one operation and length (descriptor lists of blocks alike) counts the same
+    // through add_same.
+    if (!t.empty() && std::all_of(t.begin(), t.end(), [&](const Transfer& x) { return x.op == t[0].op && x.length == t[0].length; })) {
+      SubmitFigures same;
+      same.add_same(t.size(), t[0].op, t[0].length);
+      for (std::size_t i = 0; i < each.size(); ++i) ASSERT_EQ(same.at[i].load(), each[i]) << "add_same, entry " << i;
     }
   }
 }
