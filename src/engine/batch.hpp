@@ -212,6 +212,7 @@ struct ListState {
   struct Targets {
     std::uint64_t link = 0;
     TransferOp op = TransferOp::write;
+    bool slicing = false;  // descriptors long enough to be sliced over rails take the long way
     std::vector<std::optional<RemoteRegion>> regions;
     std::vector<RemoteTarget> at;  // by descriptor
   };

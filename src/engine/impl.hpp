@@ -470,6 +470,7 @@ class Worker {
   /// A position of descriptor lists about to take the long way: its transfer built, or (its
   /// pair's lengths differ) ended invalid with why (false).
   bool take_position(Xfer& x);
+  static std::unique_ptr<ListScratch> make_list_scratch();
   ListsFlush flush_lists(Link& l, Xfer& front);
   /// A buffer of the local list when every one of them is still registered for this worker
   /// (looked at again only after a retirement reached it); null otherwise.
@@ -548,6 +549,9 @@ class Worker {
   Link* pick(Peer& p, const BufferRec* buf, const Link* instead_of = nullptr) noexcept;
   /// Whether transfer x to `p` is cut into slices over its rails.
   bool slices_for(const Peer& p, Xfer& x) const noexcept;
+  /// Whether transfers to `p` of slice_threshold bytes or more are cut into slices now (two of
+  /// its rails up).
+  bool slicing(const Peer& p) const noexcept;
   /// Cuts x into slices, each queued on the rail with the fewest bytes outstanding.
   void slice(Peer& p, Xfer& x);
   /// A slice ended: its transfer ends with the last.

@@ -125,6 +125,9 @@ Worker::ListsFlush Worker::flush_lists(Link& l, Xfer& front) {
   // The run of the batch's consecutive positions at the front (at most one chain's), out of the
   // backlog while it is posted: a provider that refuses part way breaks the link, which empties
   // the backlog.
+  // What may throw (allocations) before anything leaves the backlog.
+  if (!lists_) lists_ = make_list_scratch();
+  (void)targets_for(*b.remote_list, l, b.list_op);
   const std::size_t most = std::min<std::size_t>(l.backlog.size(), kListChain);
   std::uint32_t n = 1;
   while (n < most && front.index + n < b.size && l.backlog[n] == &front + n) ++n;
@@ -169,8 +172,11 @@ const ListState::Targets* Worker::targets_for(ListState& remote, Link& l, Transf
   const auto region = [&l](std::uint32_t slot) -> std::optional<RemoteRegion> {
     return slot < l.by_slot.size() ? l.by_slot[slot] : std::nullopt;
   };
+  // Descriptors long enough to be sliced take the long way only while the peer has two rails up
+  // (slices_for): with one, they go the lists' way whole.
+  const bool sliced = slicing(*l.peer);
   if (it != remote.targets.end()) {
-    bool same = true;
+    bool same = it->slicing == sliced;
     for (std::size_t s = 0; s < remote.slots.size() && same; ++s) same = it->regions[s] == region(remote.slots[s]);
     if (same) [[likely]] return &*it;
   } else {
@@ -186,12 +192,13 @@ const ListState::Targets* Worker::targets_for(ListState& remote, Link& l, Transf
   ListState::Targets& t = *it;
   t.link = l.serial;
   t.op = op;
+  t.slicing = sliced;
   t.regions.clear();
   for (const std::uint32_t s : remote.slots) t.regions.push_back(region(s));
   const Access need = op == TransferOp::read ? Access::remote_read : Access::remote_write;
   const std::uint64_t threshold = e_.cfg.rails.slice_threshold;
   const std::uint64_t longest = std::min<std::uint64_t>(
-      {l.impl.dp.limits().max_msg_size, threshold != 0 ? threshold - 1 : ~std::uint64_t{0}, kNoTarget - 1});
+      {l.impl.dp.limits().max_msg_size, sliced ? threshold - 1 : ~std::uint64_t{0}, kNoTarget - 1});
   t.at.assign(remote.remotes.size(), RemoteTarget{0, 0, kNoTarget});
   for (std::size_t j = 0; j < remote.remotes.size(); ++j) {
     const RemoteDescriptor& d = remote.remotes[j];
@@ -201,6 +208,21 @@ const ListState::Targets* Worker::targets_for(ListState& remote, Link& l, Transf
     t.at[j] = {seg.addr + d.offset, seg.rkey, static_cast<std::uint32_t>(d.length)};
   }
   return &t;
+}
+
+std::unique_ptr<ListScratch> Worker::make_list_scratch() {
+  // The scratch requests, linked once, each with its SGE; only what a position changes is
+  // written per post.
+  auto s = std::make_unique<ListScratch>();
+  for (std::uint32_t i = 0; i < kListChain; ++i) {
+    ibv_send_wr& w = s->wrs[i];
+    w = ibv_send_wr{};
+    w.sg_list = &s->sges[i];
+    w.num_sge = 1;
+    w.next = i + 1 < kListChain ? &s->wrs[i + 1] : nullptr;
+    w.opcode = dp::verbs_opcode(Opcode::write);
+  }
+  return s;
 }
 
 namespace {
@@ -283,19 +305,7 @@ std::uint32_t Worker::post_lists_on(Link& link, BatchState& b, std::uint32_t fro
       static_cast<std::uint32_t>(std::min<std::uint64_t>({most, dp.prebuilt_room(lane, every), unwalked, stretch, kListChain}));
   if (room < most) *full = l;
   if (room == 0) return from;
-  if (!lists_) {
-    // The scratch requests, linked once, each with its SGE; only what a position changes is
-    // written per post.
-    lists_ = std::make_unique<ListScratch>();
-    for (std::uint32_t i = 0; i < kListChain; ++i) {
-      ibv_send_wr& w = lists_->wrs[i];
-      w = ibv_send_wr{};
-      w.sg_list = &lists_->sges[i];
-      w.num_sge = 1;
-      w.next = i + 1 < kListChain ? &lists_->wrs[i + 1] : nullptr;
-      w.opcode = dp::verbs_opcode(Opcode::write);
-    }
-  }
+  if (!lists_) lists_ = make_list_scratch();
   ibv_send_wr* const wrs = lists_->wrs;
   if (lists_->op != b.list_op) {
     const ibv_wr_opcode code = dp::verbs_opcode(b.list_op == TransferOp::read ? Opcode::read : Opcode::write);

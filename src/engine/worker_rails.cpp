@@ -54,6 +54,11 @@ Link* Worker::pick(Peer& p, const BufferRec* buf, const Link* instead_of) noexce
 bool Worker::slices_for(const Peer& p, Xfer& x) const noexcept {
   const std::uint64_t threshold = e_.cfg.rails.slice_threshold;
   if (threshold == 0 || x.transfer().length < threshold || x.group != nullptr || x.transfer().op > TransferOp::write) return false;
+  return slicing(p);
+}
+
+bool Worker::slicing(const Peer& p) const noexcept {
+  if (e_.cfg.rails.slice_threshold == 0) return false;
   int up = ready(p.link) ? 1 : 0;
   for (std::size_t k = 1; k < p.rails.size() && up < 2; ++k) up += ready(p.rails[k]->link) ? 1 : 0;
   return up >= 2;

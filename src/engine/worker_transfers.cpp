@@ -377,6 +377,11 @@ void Worker::flush(Link& l) {
         l.backlog_bytes -= len;
         continue;
       }
+      if (l.initiated && l.peer != nullptr && slices_for(*l.peer, x)) {  // as admit() would have
+        l.backlog_bytes -= len;
+        slice(*l.peer, x);
+        continue;
+      }
       l.backlog.push_front(&x);
     }
     if (too_long(l, x.transfer())) [[unlikely]] {  // split by the data path: posted alone

@@ -631,6 +631,22 @@ TEST(Serving, DescriptorListsMixWhatTheyCanPostWithTheLongWay) {
   }
   EXPECT_EQ(r.telemetry().bytes, 16 * kBlock);
   for (Target* to : {&b, &c}) EXPECT_TRUE(next_note(to->engine, 10s).has_value());
+  // Blocks as long as the slice threshold go the lists' way whole while the peer has one rail
+  // (nothing to slice over).
+  const std::uint64_t big = EngineConfig{}.rails.slice_threshold;
+  ASSERT_GT(big, 0u);
+  const Buffer large = a.allocate_memory(2 * big);
+  fill(large.addr, large.length, 91);
+  const rdmakit::DescriptorList bl = a.prepare_local(std::vector<rdmakit::LocalDescriptor>{{large, 0, big}, {large, big, big}});
+  const rdmakit::DescriptorList br =
+      a.prepare_remote(std::vector<rdmakit::RemoteDescriptor>{{sc, 0, big}, {sc, c.buf.length - big, big}});
+  const auto whole = a.counters();
+  Batch lw = a.submit(TransferOp::write, bl, std::vector<std::uint32_t>{1, 0}, br, std::vector<std::uint32_t>{0, 1});
+  ASSERT_TRUE(lw.wait(10s));
+  ASSERT_EQ(lw.failed(), 0u) << lw.describe_failures();
+  EXPECT_TRUE(same(c.buf.addr, static_cast<std::uint8_t*>(large.addr) + big, big));
+  EXPECT_TRUE(same(static_cast<std::uint8_t*>(c.buf.addr) + c.buf.length - big, large.addr, big));
+  EXPECT_EQ(a.counters().lists_posted - whole.lists_posted, 2u);
 }
 
 // Batches of descriptor lists submitted without waiting, each longer than one chain and than the
