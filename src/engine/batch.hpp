@@ -6,6 +6,7 @@
 // written once, by the worker that ran it, before `remaining` is decremented (release).
 #include <infiniband/verbs.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -118,6 +119,18 @@ inline constexpr std::uint8_t kSlicedPath = 0xfe;
 /// The path a transfer ending on device `d` records (a device past the byte's range: none).
 [[gnu::always_inline]] inline std::uint8_t path_of(std::uint32_t d) noexcept {
   return d < kSlicedPath ? static_cast<std::uint8_t>(d) : kNoPath;
+}
+
+/// The entry of `cache` for link `serial` (`match` tells the rest of the key), or a new one at
+/// its end (the oldest dropped first when it holds `most`), and whether it was there: what
+/// plans and descriptor lists keep per link, built again when their link or segment changes.
+template <class T, class Match>
+std::pair<T*, bool> per_link(std::vector<T>& cache, std::uint64_t serial, std::size_t most, Match match) {
+  auto it = std::find_if(cache.begin(), cache.end(), [&](const T& c) { return c.link == serial && match(c); });
+  if (it != cache.end()) return {&*it, true};
+  // A link that went (a reconnect, an eviction) makes room.
+  if (cache.size() >= std::max<std::size_t>(most, 1)) cache.erase(cache.begin());
+  return {&cache.emplace_back(), false};
 }
 
 /// A prepared plan (Engine::prepare): its transfers, checked, as the first state of a batch's
@@ -338,9 +351,16 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   [[nodiscard]] std::string pair_mismatch(std::uint32_t k) const;
   /// Transfer i: any thread (of a batch of lists, as build() makes it, without building it).
   [[nodiscard]] Transfer transfer_at(std::uint32_t i) const noexcept;
-  /// Its length (of a batch of lists: the local descriptor's).
+  /// Its length (of a batch of lists: the local descriptor's), its buffer and its peer's
+  /// segment: any thread, without building it (no copy of the whole transfer).
   [[nodiscard]] std::uint64_t length_at(std::uint32_t i) const noexcept {
     return local_index != nullptr ? local_list->local[local_index[i]].length : x[i].t_->length;
+  }
+  [[nodiscard]] const Buffer& local_at(std::uint32_t i) const noexcept {
+    return local_index != nullptr ? local_list->local[local_index[i]].buffer : x[i].t_->local;
+  }
+  [[nodiscard]] const RemoteSegment& remote_at(std::uint32_t i) const noexcept {
+    return remote_index != nullptr ? remote_list->remotes[remote_index[i]].segment : x[i].t_->remote;
   }
   /// The worker all its transfers went to, or kSeveralWorkers (set before any is sent).
   std::uint32_t home = 0;

@@ -508,13 +508,10 @@ Batch Engine::Impl::launch(std::shared_ptr<BatchState> state, SubmitOptions&& op
   // The workers check each transfer (and end a bad one at once); here they are only sent to
   // their peers' workers: with one worker, without looking at them.
   const std::size_t n = workers.size();
-  const detail::Xfer* x = state->x;
   // An unknown peer goes to worker 0, which says so; the worker checks the handle (this is
   // only where to send it, read without touching a peer record that may be going).
   auto worker_of = [&](std::uint32_t i) {
-    const std::uint32_t id = state->remote_index != nullptr
-                                 ? state->remote_list->remotes[state->remote_index[i]].segment.peer
-                                 : x[i].t_->remote.peer;
+    const std::uint32_t id = state->remote_at(i).peer;
     const std::uint32_t w = id != 0 && id <= kMaxPeers ? peer_worker[id - 1].load(std::memory_order_relaxed) : 0;
     return w < n ? w : 0;
   };

@@ -145,14 +145,6 @@ Batch Engine::submit(const TransferPlan& plan, SubmitOptions options) {
 
 namespace detail {
 
-namespace {
-
-bool same_region(const RemoteRegion& a, const RemoteRegion& b) {
-  return a.addr == b.addr && a.length == b.length && a.rkey == b.rkey && a.access == b.access;
-}
-
-}  // namespace
-
 void Worker::submit_plan(const std::shared_ptr<BatchState>& b) {
   PlanState& plan = *b->plan;
   const std::vector<std::uint32_t>& mine = plan.runs_of[index_];
@@ -249,16 +241,12 @@ PlanState::Built* Worker::built_for(PlanState::Run& run, const BufferRec& buf, L
   const std::optional<RemoteRegion>* seg = run.slot < l.by_slot.size() ? &l.by_slot[run.slot] : nullptr;
   if (seg == nullptr || !seg->has_value()) return nullptr;  // the long way says why
   const RemoteRegion& now = **seg;
-  auto it = std::find_if(run.built.begin(), run.built.end(), [&l](const PlanState::Built& c) { return c.link == l.serial; });
-  if (it != run.built.end() && same_region(it->seg, now)) return it->fast ? &*it : nullptr;
-  if (it == run.built.end()) {
-    // One per rail the peer has; a link that went (a reconnect, an eviction) makes room.
-    if (run.built.size() >= p.rails.size()) run.built.erase(run.built.begin());
-    it = run.built.emplace(run.built.end());
-  }
+  // One per rail the peer has.
+  const auto [cached, found] = per_link(run.built, l.serial, p.rails.size(), [](const PlanState::Built&) { return true; });
+  if (found && cached->seg == now) return cached->fast ? cached : nullptr;
   // Built again from the plan's transfers: for a new link, or the segment announced anew.
   e_.count.plan_builds.fetch_add(1, std::memory_order_relaxed);
-  PlanState::Built& bt = *it;
+  PlanState::Built& bt = *cached;
   bt.link = l.serial;
   bt.seg = now;
   bt.fast = false;

@@ -608,7 +608,7 @@ void Worker::check_retiring() noexcept {
       for (std::uint32_t i = 0; i < b->size && !used; ++i) {
         // (A batch of descriptor lists: from its list, none of its transfers built here; the
         // entries of other workers' shares are read, whose builds are theirs.)
-        const Buffer& local = b->local_index != nullptr ? b->local_list->local[b->local_index[i]].buffer : b->x[i].t_->local;
+        const Buffer& local = b->local_at(i);
         used = local.id == id && local.generation == gen && b->x[i].status(std::memory_order_relaxed) == TransferStatus::pending;
       }
       if (used) break;

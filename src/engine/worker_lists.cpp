@@ -167,29 +167,26 @@ const BufferRec* Worker::lists_registered(ListState& local) noexcept {
 }
 
 const ListState::Targets* Worker::targets_for(ListState& remote, Link& l, TransferOp op) {
-  auto it = std::find_if(remote.targets.begin(), remote.targets.end(),
-                         [&](const ListState::Targets& t) { return t.link == l.serial && t.op == op; });
+  // One per rail and operation.
+  const auto [cached, found] = per_link(remote.targets, l.serial, 2 * l.peer->rails.size(),
+                                        [op](const ListState::Targets& t) { return t.op == op; });
   const auto region = [&l](std::uint32_t slot) -> std::optional<RemoteRegion> {
     return slot < l.by_slot.size() ? l.by_slot[slot] : std::nullopt;
   };
   // Descriptors long enough to be sliced take the long way only while the peer has two rails up
   // (slices_for): with one, they go the lists' way whole.
   const bool sliced = slicing(*l.peer);
-  if (it != remote.targets.end()) {
-    bool same = it->slicing == sliced;
-    for (std::size_t s = 0; s < remote.slots.size() && same; ++s) same = it->regions[s] == region(remote.slots[s]);
-    if (same) [[likely]] return &*it;
-  } else {
-    // One per rail and operation; a link that went (a reconnect, an eviction) makes room.
-    if (remote.targets.size() >= 2 * std::max<std::size_t>(l.peer->rails.size(), 1)) remote.targets.erase(remote.targets.begin());
-    it = remote.targets.emplace(remote.targets.end());
+  if (found) {
+    bool same = cached->slicing == sliced;
+    for (std::size_t s = 0; s < remote.slots.size() && same; ++s) same = cached->regions[s] == region(remote.slots[s]);
+    if (same) [[likely]] return cached;
   }
   // Checked again: for a new link, or a segment announced anew. What cannot go as one request of
   // this link the lists' way (no segment there: a lease's range, or none; outside it; no access;
   // longer than one request, or long enough to be sliced over rails) is marked to take the long
   // way, which says why.
   e_.count.lists_builds.fetch_add(1, std::memory_order_relaxed);
-  ListState::Targets& t = *it;
+  ListState::Targets& t = *cached;
   t.link = l.serial;
   t.op = op;
   t.slicing = sliced;

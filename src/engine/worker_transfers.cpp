@@ -77,7 +77,7 @@ void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std:
   if (!b->notify.empty()) {
     // Each peer's notification goes once all the batch's transfers with it have ended ok.
     for (std::uint32_t k = 0; k < n; ++k) {
-      const RemoteSegment s = b->transfer_at(all ? k : indexes[k]).remote;
+      const RemoteSegment& s = b->remote_at(all ? k : indexes[k]);
       ++live.notify_left[{s.peer, s.generation}];
     }
   }
@@ -323,7 +323,8 @@ void Worker::refused(Link& l, Xfer& x, PostStatus st) {
     {
       std::lock_guard lock(e_.mu);
       const auto& names = l.peer->slot_names;
-      name = x.transfer().remote.slot < names.size() ? names[x.transfer().remote.slot] : fmt::format("slot {}", x.transfer().remote.slot);
+      const std::uint32_t slot = x.transfer().remote.slot;
+      name = slot < names.size() ? names[slot] : fmt::format("slot {}", slot);
     }
     std::string have;
     for (const auto& [nm, r] : l.remote) have += (have.empty() ? "" : ", ") + nm;

@@ -305,24 +305,30 @@ TEST(Serving, CancelLeavesWhatIsOnTheWire) {
   fill(src.addr, src.length, 77);
   std::vector<Transfer> t;
   for (std::uint64_t k = 0; k < 4096; ++k) t.push_back(xfer(TransferOp::write, src, k * 256, 256, seg, k * 256));
-  std::size_t cancelled = 0;
-  for (int round = 0; round < 5; ++round) {
-    std::memset(b.buf.addr, 0, b.buf.length);
-    Batch x = a.submit(t);
-    x.cancel();
-    ASSERT_TRUE(x.wait(10s));
-    for (std::size_t i = 0; i < t.size(); ++i) {
-      const auto st = x.result(i).status;
-      ASSERT_TRUE(st == TransferStatus::ok || st == TransferStatus::cancelled) << i << ": " << x.describe_failures();
-      if (st == TransferStatus::ok) {
-        ASSERT_TRUE(same(static_cast<std::uint8_t*>(b.buf.addr) + i * 256, static_cast<std::uint8_t*>(src.addr) + i * 256, 256))
-            << "transfer " << i << " ended ok without its bytes";
-      } else {
-        ++cancelled;
+  // Five rounds of `submit` (4,096 writes of 256 bytes, transfer k at k * 256 on both sides),
+  // each cancelled at once: each ends ok with its bytes, or cancelled (counted in `cancelled`).
+  const auto cancel_rounds = [&](auto submit, std::size_t& cancelled) {
+    for (int round = 0; round < 5; ++round) {
+      std::memset(b.buf.addr, 0, b.buf.length);
+      Batch x = submit();
+      x.cancel();
+      ASSERT_TRUE(x.wait(10s));
+      for (std::size_t i = 0; i < t.size(); ++i) {
+        const auto st = x.result(i).status;
+        ASSERT_TRUE(st == TransferStatus::ok || st == TransferStatus::cancelled) << i << ": " << x.describe_failures();
+        if (st == TransferStatus::ok) {
+          ASSERT_TRUE(same(static_cast<std::uint8_t*>(b.buf.addr) + i * 256, static_cast<std::uint8_t*>(src.addr) + i * 256, 256))
+              << "transfer " << i << " ended ok without its bytes";
+        } else {
+          ++cancelled;
+        }
       }
+      EXPECT_EQ(x.telemetry().bytes, (t.size() - x.failed()) * 256);
     }
-    EXPECT_EQ(x.telemetry().bytes, (t.size() - x.failed()) * 256);
-  }
+  };
+  std::size_t cancelled = 0;
+  cancel_rounds([&] { return a.submit(t); }, cancelled);
+  if (HasFatalFailure()) return;
   std::printf("cancelled %zu of %zu transfers queued behind the send queue\n", cancelled, 5 * t.size());
   // The same through descriptor lists: what waits in the link's backlog, its transfers never
   // built, is cancelled; what was posted the lists' way ends ok with its bytes.
@@ -336,23 +342,8 @@ TEST(Serving, CancelLeavesWhatIsOnTheWire) {
   std::vector<std::uint32_t> all(4096);
   std::iota(all.begin(), all.end(), 0u);
   std::size_t lists_cancelled = 0;
-  for (int round = 0; round < 5; ++round) {
-    std::memset(b.buf.addr, 0, b.buf.length);
-    Batch x = a.submit(TransferOp::write, local, all, remote, all);
-    x.cancel();
-    ASSERT_TRUE(x.wait(10s));
-    for (std::size_t i = 0; i < all.size(); ++i) {
-      const auto st = x.result(i).status;
-      ASSERT_TRUE(st == TransferStatus::ok || st == TransferStatus::cancelled) << i << ": " << x.describe_failures();
-      if (st == TransferStatus::ok) {
-        ASSERT_TRUE(same(static_cast<std::uint8_t*>(b.buf.addr) + i * 256, static_cast<std::uint8_t*>(src.addr) + i * 256, 256))
-            << "position " << i << " ended ok without its bytes";
-      } else {
-        ++lists_cancelled;
-      }
-    }
-    EXPECT_EQ(x.telemetry().bytes, (all.size() - x.failed()) * 256);
-  }
+  cancel_rounds([&] { return a.submit(TransferOp::write, local, all, remote, all); }, lists_cancelled);
+  if (HasFatalFailure()) return;
   std::printf("cancelled %zu of %zu positions of descriptor lists queued behind the send queue\n", lists_cancelled,
               5 * all.size());
   EXPECT_GT(cancelled, 0u) << "4,096 transfers never wait behind a send queue of " << lab::quiet().send_depth << "?";
