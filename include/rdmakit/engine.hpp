@@ -101,6 +101,14 @@ struct EngineConfig {
   /// costs a second copy and a 4 MiB shared mapping per link, and needs no permission to read
   /// another process's memory; docs/engine.md compares them.
   ShmCopy shm_copy = ShmCopy::automatic;
+  /// shm: host memory this engine allocates (allocate_memory()) is a sealed memfd its shm peers
+  /// map, so that each copy of it is one pass between their mapping and their window, whatever
+  /// shm_copy and the kernel's ptrace rules say (engine protocol 8 on both sides). Such a peer
+  /// may read and write those buffers at any time until they are unregistered (as one that may
+  /// attach may read all of this process); its own windows still bound what reaches its memory.
+  /// false: nothing is mapped, every copy goes as shm_copy says. Memory the application
+  /// registers (register_memory()) is never mapped.
+  bool shm_map = true;
   /// The RDMA devices this engine uses: it registers its memory, makes its protection domains
   /// and completion queues, and links only there (names, as `rdmakit devices` lists them; the
   /// process's device layer still opens every device once, whoever uses it). Empty: every
@@ -477,6 +485,11 @@ struct EngineCounters {
   /// Times a remote list's targets were checked for a link and operation: once per link, and
   /// again when the peer's segment changed under it.
   std::uint64_t lists_builds = 0;
+  /// Bytes of reads and writes over shm links (ended ok) that the peer copied in one pass from or
+  /// into this engine's memory, which it maps: buffers from allocate_memory() on an engine that
+  /// offers shm, on links of engine protocol 8 (docs/engine.md, "Transports"). Other memory goes
+  /// by cross-memory attach or the ring.
+  std::uint64_t shm_mapped_bytes = 0;
   /// Batches started on the submitting thread, their worker's thread being asleep (no hand-off
   /// to it): the latency path (EngineConfig::wait_spin).
   std::uint64_t submits_inline = 0;

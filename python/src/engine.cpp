@@ -375,6 +375,7 @@ py::dict to_dict(const EngineCounters& c) {
   d["plan_builds"] = c.plan_builds;
   d["lists_posted"] = c.lists_posted;
   d["lists_builds"] = c.lists_builds;
+  d["shm_mapped_bytes"] = c.shm_mapped_bytes;
   d["submits_inline"] = c.submits_inline;
   d["waits_spun"] = c.waits_spun;
   return d;
@@ -407,7 +408,7 @@ void bind_engine(py::module_& m) {
                        const std::string& shm_copy, double wait_spin, bool telemetry,
                        std::vector<std::string> devices, const std::string& gid, unsigned traffic_class,
                        unsigned service_level, unsigned pkey_index, double ack_timeout, unsigned retry_count,
-                       std::vector<int> worker_cpus) {
+                       std::vector<int> worker_cpus, bool shm_map) {
              EngineConfig c;
              c.worker_cpus = std::move(worker_cpus);
              c.devices = std::move(devices);
@@ -420,6 +421,7 @@ void bind_engine(py::module_& m) {
              for (const std::string& t : transports) c.transports.push_back(parse_transport(t));
              c.tcp_streams = tcp_streams;
              c.shm_copy = parse_shm_copy(shm_copy);
+             c.shm_map = shm_map;
              c.identity = identity_from(identity);
              c.allowed_peers = std::move(allowed_peers);
              c.link.method = parse_connect_method(method);
@@ -460,6 +462,7 @@ void bind_engine(py::module_& m) {
            py::arg("gid") = "", py::arg("traffic_class") = 0, py::arg("service_level") = 0, py::arg("pkey_index") = 0,
            py::arg("ack_timeout") = std::chrono::duration<double>(ConnectionConfig{}.ack_timeout).count(),
            py::arg("retry_count") = ConnectionConfig{}.retry_count, py::arg("worker_cpus") = std::vector<int>{},
+           py::arg("shm_map") = EngineConfig{}.shm_map,
            "name: as peers know it (default host:pid). devices: the RDMA devices the engine uses (registers its "
            "memory on, makes its queues on, links through; default: every one). device: the one "
            "device every link takes (default: the route's, among `devices`). gid, traffic_class, service_level, "
@@ -483,7 +486,9 @@ void bind_engine(py::module_& m) {
            "\"shm\" (a peer on this host); a link takes the first this engine lists that the peer lists too "
            "(default [\"rdma\"]; peers()[i]['transport'] says which, and why). tcp_streams: tcp's data streams per link. shm_copy: how shm links this engine opens copy: \"attach\" "
            "(cross-memory attach: one copy, by the target), \"ring\" (a shared ring: two copies, needs no permission "
-           "to read another process), \"auto\" (attach where the kernel allows it, else the ring). wait_spin: seconds "
+           "to read another process), \"auto\" (attach where the kernel allows it, else the ring). shm_map: shm peers "
+           "map the memory this engine allocates and copy it in one pass (False: every copy goes as shm_copy says; "
+           "memory registered from Python is never mapped). wait_spin: seconds "
            "Batch.wait() polls on its own thread before it sleeps (adapting to what waits take, within it; 0: it "
            "sleeps at once): latency against CPU. telemetry: each batch records when it was submitted, posted "
            "and ended (Batch.telemetry(); a clock read at each).")

@@ -151,6 +151,11 @@ struct HandshakeHooks {
   /// The engine protocols this side speaks (engine links): the lowest and the highest. A link
   /// speaks the highest both do (wire.hpp: version 7 carries each side's in its HELLO).
   std::uint8_t engine_protocol_min = 0, engine_protocol_max = 0;
+  /// shm links agreeing this engine protocol or a later one copy the memory the engine shares
+  /// (soft::Device::share) in one pass, the target mapping it (0: never).
+  std::uint8_t shm_shares_from = 0;
+  /// Whether this engine shares memory at all (EngineConfig::shm_map): what its links say.
+  bool shm_shares = false;
   /// Requested when the engine shuts down: a handshake still waiting (a connect retried, a
   /// silent peer, streams that do not come) ends at once instead of at its deadline.
   std::shared_ptr<const Stop> stop;
@@ -265,8 +270,9 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   /// the engine's software device, and the data path on it. `peer_pid`: shm, the process whose
   /// memory this side copies from and to. Drops RDMA QPs built before the choice was known.
   /// `ring`: shm without cross-memory attach, the client's shared ring (src/transport/shm/).
+  /// `give_shares`: the client, its engine's shared memory may go to the server (same user).
   void open_soft(wire::LinkTransport kind, std::vector<detail::Fd> streams, int peer_pid, bool cma,
-                 std::shared_ptr<detail::shm::Ring> ring);
+                 std::shared_ptr<detail::shm::Ring> ring, bool give_shares = false);
   /// The client of an engine link: the transport the server's HELLO names (one this side
   /// offered, else Error), with why it is that one.
   wire::LinkTransport chosen_transport(const wire::EndpointInfo& remote);

@@ -179,7 +179,7 @@ void Connection::Impl::verify_host(const wire::TransportBlock& t, int pid, const
 }
 
 void Connection::Impl::open_soft(wire::LinkTransport kind, std::vector<detail::Fd> streams, int peer_pid, bool cma,
-                                 std::shared_ptr<detail::shm::Ring> ring) {
+                                 std::shared_ptr<detail::shm::Ring> ring, bool give_shares) {
   if (!hooks.attach_soft) throw Error("link", EINVAL, "a tcp or shm link outside an engine");
   // QPs built in case the choice was rdma go (with their room in the worker's CQ).
   if (!qps.empty()) {
@@ -202,6 +202,11 @@ void Connection::Impl::open_soft(wire::LinkTransport kind, std::vector<detail::F
   qc.peer_pid = peer_pid;
   qc.cma = cma;
   qc.ring = std::move(ring);
+  // Engine protocol 8 on an shm link: the side that asks may hand the other its memory to map
+  // (only to a process of its own user), the side that serves maps what it is handed.
+  const bool maps = kind == wire::LinkTransport::shm && hooks.shm_shares_from != 0 && engine_protocol >= hooks.shm_shares_from;
+  qc.shares = maps && cma && give_shares;
+  qc.takes_shares = maps && !cma;
   // As an RC QP gives up on a peer that stops answering: its ACK timeout times its retries.
   qc.stall_timeout = std::max(std::chrono::milliseconds{500}, timeouts.ack_timeout * (timeouts.retry_count + 1));
   // What fails the queue pair on its own (a stream that broke, garbage) breaks the link, as a
@@ -287,6 +292,7 @@ void Connection::Impl::open_streams(const detail::HostPort& to, wire::EndpointIn
     throw Error("bootstrap handshake", EPROTO, "the peer chose shm without naming its local socket");
   }
   std::vector<detail::Fd> fds;
+  bool own_user = false;  // shm: the process at the stream's other end runs as this one's user
   // shm without cross-memory attach: the ring this side's data goes through, handed to the
   // server right after the stream's STREAM message (it reads one, then the other).
   std::shared_ptr<detail::shm::Ring> ring;
@@ -295,6 +301,11 @@ void Connection::Impl::open_streams(const detail::HostPort& to, wire::EndpointIn
     // shm's stream is a local socket, so the server learns this process from the kernel.
     detail::Fd fd = shm ? detail::unix_connect(t.socket, deadline) : detail::tcp_connect(to, deadline, false, hooks.stop.get());
     detail::send_all(fd.get(), wire::encode_stream(t.token, k, info.wire_version), deadline, hooks.stop.get());
+    if (shm) {
+      // Memory this engine shares goes to no other user (the kernel's word, not the HELLO's).
+      uid_t uid = 0;
+      own_user = detail::peer_pid(fd.get(), &uid) > 0 && uid == ::geteuid();
+    }
     if (ring) {
       // Whatever listens at the abstract name gets every byte this link moves.
       detail::shm::require_own_user(fd.get(), "this engine's shm ring goes to no other user");
@@ -307,10 +318,15 @@ void Connection::Impl::open_streams(const detail::HostPort& to, wire::EndpointIn
   if (shm) {
     reason += ring ? fmt::format("; through a shared ring (two copies): {}", hooks.shm_ring_why)
                    : std::string("; the peer copies by cross-memory attach (one copy)");
+    reason += hooks.shm_shares_from == 0 || engine_protocol < hooks.shm_shares_from
+                  ? fmt::format("; the peer maps no memory (engine protocol {})", engine_protocol)
+              : !hooks.shm_shares ? "; the peer maps no memory (shm_map is off)"
+              : !own_user         ? "; the peer maps no memory (it runs as another user)"
+                                  : "; memory the engine allocated, the peer maps and copies once";
   }
   // This side only asks (its frames carry its addresses, or its ring's offsets); it never
   // copies for the peer.
-  open_soft(chosen, std::move(fds), 0, shm, std::move(ring));
+  open_soft(chosen, std::move(fds), 0, shm, std::move(ring), own_user && hooks.shm_shares);
   info.transport_reason = reason;
 }
 

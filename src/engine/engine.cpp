@@ -117,6 +117,7 @@ EngineCounters Engine::counters() const noexcept {
   o.plan_builds = c.plan_builds.load();
   o.lists_posted = c.lists_posted.load();
   o.lists_builds = c.lists_builds.load();
+  o.shm_mapped_bytes = impl_->soft[1]->mapped_bytes();
   o.submits_inline = c.submits_inline.load();
   o.waits_spun = c.waits_spun.load();
   o.leases_granted = c.leases_granted.load();
@@ -227,6 +228,7 @@ void Engine::unregister_memory(const Buffer& buffer, std::chrono::milliseconds t
     b->slices.clear();
     b->regions.clear();  // deregistered on every device, then what they stood for
     b->bounce.reset();
+    b->shared.reset();  // shm peers unmap it (their links hear it at their next poll)
     b->home.reset();
   }
   impl_->reclaim_buffer(buffer.id);

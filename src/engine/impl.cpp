@@ -360,6 +360,8 @@ detail::HandshakeHooks Engine::Impl::hooks(Worker* preferred) {
   h.transports_note = offer_note;
   h.engine_protocol_min = detail::engine_wire::kMinVersion;
   h.engine_protocol_max = detail::engine_wire::kVersion;
+  h.shm_shares_from = detail::engine_wire::kSharesFrom;
+  h.shm_shares = cfg.shm_map;
   h.tcp_streams = static_cast<std::uint8_t>(cfg.tcp_streams);
   h.self = self;
   h.streams = streams;

@@ -80,12 +80,25 @@ struct RailState {
 
 /// A registered buffer: one region per RDMA device (index as in the device layer), and for the
 /// tcp and shm transports its bytes by address.
+/// A buffer's memory shared with same-host peers (soft::Device::share): taken back when this goes.
+struct SharedBuffer {
+  soft::Device* dev = nullptr;
+  std::uint64_t id = 0;
+  SharedBuffer(soft::Device* d, std::uint64_t i) noexcept : dev(d), id(i) {}
+  SharedBuffer(const SharedBuffer&) = delete;
+  SharedBuffer& operator=(const SharedBuffer&) = delete;
+  ~SharedBuffer() { dev->unshare(id); }
+};
+
 struct BufferRec {
   // What the regions stand for, declared before them so that it goes after them: a caller's
   // dma-buf (its dup and CPU mapping) and, on the bounce path, the host copy every device
   // registered. stage_mu keeps staging copies and their release apart (taken before mu, never
   // after it).
   std::unique_ptr<MemorySource> home;
+  // Host memory the engine allocated while it offers shm: a memfd (home) that shm peers map; the
+  // share goes before the memory (declared after it).
+  std::optional<SharedBuffer> shared;
   OwnedMemory bounce;
   std::mutex stage_mu;
   Buffer handle;
@@ -538,6 +551,10 @@ class Worker {
   [[gnu::noinline]] void on_news(Link& l, const Completion& c, std::uint64_t seq, bool part) noexcept;
   /// Polls every CQ and walks the links whose transfers completed; returns the completions.
   int poll_cqs(bool fresh_clock = false) noexcept;
+  /// Whether a soft CQ's streams had work within kSoftLinger (or wait_spin, if less: 0 never):
+  /// the loop polls on rather than sleep.
+  [[nodiscard]] bool soft_lingers(Deadline now) const noexcept;
+  static constexpr std::chrono::microseconds kSoftLinger{200};
   void link_up(Command& c);
   void connect_failed(Peer& p, const std::string& why);
   /// Tells Engine::connect() waiting for `p` that this attempt ended without a link, and why.
@@ -844,6 +861,11 @@ struct Engine::Impl {
   wire::TransportBlock self;
   std::shared_ptr<detail::StreamRegistry> streams;
   std::string shm_socket;  // offering shm: the local socket its links' streams come to
+  /// Whether allocate_memory() gives memory of `kind` that shm peers map (an engine offering shm,
+  /// host memory): their copies are one pass whatever the kernel allows (docs/engine.md).
+  [[nodiscard]] bool shares(MemoryKind kind) const noexcept {
+    return cfg.shm_map && kind == MemoryKind::host && !shm_socket.empty();
+  }
   std::string shm_ring_why;  // offering shm: why the links it opens copy through a ring (empty: they attach)
   std::string shm_no_attach;  // offering shm: why this process cannot copy by attach (empty: it can)
   /// Resolves cfg.transports into `offer` (constructor; after the device layer).
@@ -1082,3 +1104,4 @@ inline const detail::BufferRec& detail::Worker::buffer_of(Xfer& x) const noexcep
 }
 
 }  // namespace rdmakit
+

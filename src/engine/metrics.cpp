@@ -215,6 +215,8 @@ std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& optio
   t.single("rdmakit_lists_transfers_posted_total", "counter", "Transfers of descriptor lists posted from the lists.",
            c.lists_posted);
   t.single("rdmakit_lists_builds_total", "counter", "Remote descriptor lists checked for a link.", c.lists_builds);
+  t.single("rdmakit_shm_mapped_bytes_total", "counter", "Bytes over shm links copied once through memory the peer maps.",
+           c.shm_mapped_bytes);
   t.single("rdmakit_submits_inline_total", "counter", "Batches started on the submitting thread.", c.submits_inline);
   t.single("rdmakit_waits_spun_total", "counter", "Batch waits that saw their batch end while polling.", c.waits_spun);
 

@@ -48,7 +48,11 @@ namespace rdmakit::detail::engine_wire {
 
 inline constexpr std::uint8_t kMagic = 0xE7;
 // 2: RAILS; 3: notification credits; 4: signed IDENT; 5: NOTIFY carries a request id; 6: leases
-inline constexpr std::uint8_t kVersion = 7;  // 7: ACTIVE carries the bytes moved
+// 7: ACTIVE carries the bytes moved
+inline constexpr std::uint8_t kVersion = 8;  // 8: shm links map the memory the initiator allocated
+/// shm links of this version or later copy the initiator's allocated memory in one pass: the
+/// target maps it (src/transport/soft/frame.hpp: SHARE, WRITE_MAP, READ_MAP). No message changed.
+inline constexpr std::uint8_t kSharesFrom = 8;
 /// The oldest this engine speaks. A link speaks the highest both engines do, agreed in its
 /// bootstrap HELLOs (wire.hpp, version 7: the engine protocol byte; a peer of wire version 6
 /// speaks 7); every message then carries it, and one in another version is refused.

@@ -2,6 +2,7 @@
 // How the engine registers memory: caller-owned host and GPU memory, another driver's dma-buf,
 // memory it allocates, and how a buffer ranks the devices (include/rdmakit/engine.hpp).
 #include <fcntl.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -12,6 +13,7 @@
 #include "engine/locality.hpp"
 #include "memory/cuda.hpp"
 #include "rdmakit/error.hpp"
+#include "transport/shm/memfd.hpp"
 #include "verbs/memory_impl.hpp"
 
 namespace rdmakit {
@@ -115,9 +117,64 @@ std::vector<BufferPath> Engine::registration(const Buffer& buffer) const {
   return out;
 }
 
+namespace {
+
+// Host memory same-host peers may map: a sealed memfd, mapped here (transport/shm/memfd.hpp).
+// Not inherited by a forked child (MADV_DONTFORK): a shared mapping would let the child's writes
+// land in this process's buffer, where a private one gives it its own copy.
+struct SharedPages final : detail::MemorySource {
+  detail::Fd fd;  // handed to the shm device (it keeps the one descriptor while shared)
+  detail::shm::Mapping map;
+  explicit SharedPages(std::size_t length)
+      : fd(detail::shm::create_sealed_memfd("rdmakit-buffer", length, "a buffer shm peers map")),
+        map(fd.get(), length, "a buffer shm peers map") {
+    cpu = map.data();
+    if (::madvise(map.data(), map.size(), MADV_DONTFORK) != 0) {
+      throw Error("madvise(MADV_DONTFORK)", errno, "a buffer shm peers map");
+    }
+  }
+  // Never a bounce path's source: the NICs register the mapping itself.
+  void to_bounce(void*, std::size_t, std::size_t) override {}
+  void from_bounce(const void*, std::size_t, std::size_t) override {}
+};
+
+}  // namespace
+
 Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
   auto rec = std::make_unique<detail::BufferRec>();
   rec->kind = spec.kind;
+  std::unique_ptr<SharedPages> pages;
+  if (impl_->shares(spec.kind) && length > 0) {
+    try {
+      pages = std::make_unique<SharedPages>(length);
+    } catch (const Error& e) {
+      // (Out of descriptors, a memfd refused by a seccomp profile): memory no peer maps, whose
+      // copies go as shm_copy says; the buffer works all the same.
+      impl_->cfg.link.log(fmt::format("engine {}: allocate_memory: {}; this buffer is not shared with shm peers",
+                                      impl_->name, e.what()));
+    }
+  }
+  if (pages) {
+    // Memory shm peers map (their copies one pass), registered on every device by its address.
+    void* at = pages->cpu;
+    detail::Fd fd = std::move(pages->fd);
+    rec->home = std::move(pages);
+    for (const auto& pd : impl_->pds) {
+      rec->regions.emplace_back(MemoryRegion::Impl::wrap(detail::register_region(pd, at, length, buffer_access(impl_->windows))));
+    }
+    if (impl_->pds.empty()) {
+      auto impl = std::make_unique<MemoryRegion::Impl>();
+      impl->addr = impl->cpu = at;
+      impl->length = length;
+      impl->access = Access::local_write;
+      rec->soft.emplace(MemoryRegion::Impl::wrap(std::move(impl)));
+    }
+    detail::soft::Device& shm = *impl_->soft[impl_->soft_index(wire::LinkTransport::shm) - impl_->rdma_count];
+    rec->shared.emplace(&shm, shm.share(at, length, std::move(fd)));
+    rec->handle.addr = at;
+    rec->handle.length = length;
+    return impl_->publish(std::move(rec));
+  }
   if (impl_->pds.empty()) {
     // No RDMA device (tcp and shm only): memory the CPU reaches, owned by the buffer's record.
     if (spec.kind != MemoryKind::host) {

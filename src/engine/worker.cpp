@@ -460,7 +460,8 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
     }
     if (index_ == 0 && !leases_.empty() && now >= next_lease_check_) next_lease_check_ = check_leases(now);
     if (!forever && now >= until) break;
-    if (got == 0 && in_flight_ == 0 && to_flush_.empty() && !has_mail_.load(std::memory_order_acquire)) {
+    if (got == 0 && in_flight_ == 0 && to_flush_.empty() && !has_mail_.load(std::memory_order_acquire) &&
+        !soft_lingers(now)) {
       // A closing link is reaped once its peer's fate is known (Link::deferred): look again soon.
       const bool closing = std::any_of(links_.begin(), links_.end(),
                                        [](const auto& l) { return l->state == Link::State::closing; });
@@ -476,6 +477,18 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
   }
   if (!nested) driver_.store(std::thread::id{}, std::memory_order_relaxed);
   return ended_;
+}
+
+bool Worker::soft_lingers(Deadline now) const noexcept {
+  // A tcp or shm link served its peer a moment ago (this side its target): the peer's next
+  // request is likely as near, and a sleep's wake-up costs more than polling until it comes (on
+  // a VM, tens of microseconds per batch: a tenth of a bulk shm link's bandwidth).
+  const auto linger = std::min<std::chrono::nanoseconds>(kSoftLinger, e_.cfg.wait_spin);
+  if (linger.count() == 0) return false;  // wait_spin 0: CPU before latency
+  for (const auto& q : cqs_) {
+    if (q && q->soft && now - q->soft->last_work() < linger) return true;
+  }
+  return false;
 }
 
 int Worker::poll_cqs(bool fresh_clock) noexcept {

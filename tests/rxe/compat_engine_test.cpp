@@ -165,6 +165,11 @@ TEST(EngineCompat, ALinkThroughAPreviousVersionRefusalFallsBackAndMovesData) {
   EXPECT_EQ(p.wire_version, 6) << p.transport << ": " << p.transport_reason;
   EXPECT_EQ(proxy.refused(), 1);
   EXPECT_GE(proxy.forwarded(), 1);
+  if (p.transport == "shm") {
+    // A peer of wire 6 speaks engine protocol 7: no memory is mapped, the copies go the old way.
+    EXPECT_NE(p.transport_reason.find("maps no memory (engine protocol 7)"), std::string::npos) << p.transport_reason;
+    EXPECT_EQ(init.counters().shm_mapped_bytes, 0u);
+  }
 }
 
 // A keyed initiator whose version a proxy refuses (once, then every time) in front of a target

@@ -39,6 +39,7 @@ inline rdmakit::EngineConfig config(const std::string& name) {
   c.link = quiet();
   c.transports = test_transports();
   c.shm_copy = test_shm_copy();
+  c.shm_map = test_shm_map();
   return c;
 }
 

@@ -106,6 +106,12 @@ inline rdmakit::ShmCopy test_shm_copy() {
   const char* c = std::getenv("RDMAKIT_TEST_SHM_COPY");
   return c == nullptr || *c == '\0' ? rdmakit::ShmCopy::automatic : rdmakit::parse_shm_copy(c);
 }
+/// Whether shm peers map the memory the tests' engines allocate: RDMAKIT_TEST_SHM_MAP (1 by
+/// default; 0: every copy goes by attach or the ring, which the suites then cover).
+inline bool test_shm_map() {
+  const char* m = std::getenv("RDMAKIT_TEST_SHM_MAP");
+  return m == nullptr || *m != '0';
+}
 inline bool soft_transport() {
   const auto t = test_transports();
   return !t.empty() && t[0] != rdmakit::Transport::rdma;

@@ -160,12 +160,97 @@ TEST(EngineTransports, WhereTheKernelForbidsAttachShmGoesThroughTheRing) {
   EXPECT_EQ(p.transport, "shm");
   EXPECT_NE(p.transport_reason.find("shared ring"), std::string::npos) << p.transport_reason;
   EXPECT_NE(p.transport_reason.find("ptrace_scope is 1"), std::string::npos) << p.transport_reason;
+  // Memory the engine allocated is mapped by the target all the same (no ptrace permission is
+  // involved), so its copies are one pass: the ring is for the rest.
+  EXPECT_EQ(a.counters().shm_mapped_bytes, 2u << 20);
   // Cross-memory attach only: shm is not offered here, and the engine says why.
   EngineConfig only = over("b", {Transport::shm, Transport::tcp});
   only.shm_copy = rdmakit::ShmCopy::attach;
   Engine e(only);
   EXPECT_NE(e.info().transports_note.find("shm_copy is attach"), std::string::npos) << e.info().transports_note;
   EXPECT_EQ(e.info().transports, std::vector<std::string>{"tcp"});
+}
+
+namespace {
+
+// Mappings of buffers an engine allocated to share (any engine's, this process's or its peer's).
+std::size_t shared_buffer_mappings() {
+  std::ifstream in("/proc/self/maps");
+  std::size_t n = 0;
+  for (std::string line; std::getline(in, line);) n += line.find("/memfd:rdmakit-buffer") != std::string::npos ? 1u : 0u;
+  return n;
+}
+
+}  // namespace
+
+// Memory an engine offering shm allocated is mapped by the shm target, which copies each request
+// between it and its window in one pass, by attach or by the ring alike; memory the application
+// registered goes the other way, every byte all the same; an unregistered buffer is unmapped by
+// the target too, at once.
+TEST(EngineTransports, AllocatedMemoryIsCopiedOnceThroughTheTargetsMapping) {
+  HOST_ONLY();
+  for (const rdmakit::ShmCopy copy : {rdmakit::ShmCopy::attach, rdmakit::ShmCopy::ring}) {
+    SCOPED_TRACE(rdmakit::to_string(copy));
+    Target t("t", 4 << 20, over("t", {Transport::shm}));
+    EngineConfig c = over("a", {Transport::shm});
+    c.shm_copy = copy;
+    c.shm_map = true;  // (the default; the suites' shm_ring run turns it off)
+    Engine a(c);
+    a.add_peer("t", at(t.engine));
+    const std::size_t before = shared_buffer_mappings();
+    const Buffer src = a.allocate_memory(4 << 20);
+    const Buffer dst = a.allocate_memory(4 << 20);
+    fill(src.addr, src.length, 21);
+    const Transfer w = xfer(TransferOp::write, src, 0, 4 << 20, a.segment("t", "kv"), 0);
+    Batch b = a.submit({&w, 1});
+    ASSERT_TRUE(b.wait(10s));
+    EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
+    const Transfer r = xfer(TransferOp::read, dst, 0, 4 << 20, a.segment("t", "kv"), 0);
+    Batch rb = a.submit({&r, 1});
+    ASSERT_TRUE(rb.wait(10s));
+    EXPECT_EQ(rb.failed(), 0u) << rb.describe_failures();
+    EXPECT_TRUE(same(t.buf.addr, src.addr, 4 << 20));
+    EXPECT_TRUE(same(dst.addr, src.addr, 4 << 20));
+    EXPECT_EQ(a.counters().shm_mapped_bytes, 8u << 20);
+    const rdmakit::PeerInfo p = peer_info(a, "t");
+    EXPECT_NE(p.transport_reason.find("the peer maps and copies once"), std::string::npos) << p.transport_reason;
+    // Both buffers, here and at the target.
+    EXPECT_EQ(shared_buffer_mappings(), before + 4);
+    // The application's own memory: the other way, every byte, not counted.
+    std::vector<std::uint8_t> own(1 << 20);
+    fill(own.data(), own.size(), 5);
+    const Buffer mine = a.register_memory(own.data(), own.size());
+    const Transfer w2 = xfer(TransferOp::write, mine, 0, 1 << 20, a.segment("t", "kv"), 1 << 20);
+    Batch b2 = a.submit({&w2, 1});
+    ASSERT_TRUE(b2.wait(10s));
+    EXPECT_EQ(b2.failed(), 0u) << b2.describe_failures();
+    EXPECT_TRUE(same(static_cast<std::uint8_t*>(t.buf.addr) + (1 << 20), own.data(), 1 << 20));
+    EXPECT_EQ(a.counters().shm_mapped_bytes, 8u << 20);
+    // Unregistered: the target unmaps them (told at once, not at the link's next transfer).
+    a.unregister_memory(src);
+    a.unregister_memory(dst);
+    const auto until = std::chrono::steady_clock::now() + 3s;
+    while (shared_buffer_mappings() != before && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(5ms);
+    EXPECT_EQ(shared_buffer_mappings(), before);
+    a.unregister_memory(mine);
+  }
+  // shm_map off: nothing mapped, every byte by the copy shm_copy names, and the link says so.
+  Target t("t", 1 << 20, over("t", {Transport::shm}));
+  EngineConfig c = over("a", {Transport::shm});
+  c.shm_map = false;
+  Engine a(c);
+  a.add_peer("t", at(t.engine));
+  const std::size_t before = shared_buffer_mappings();
+  const Buffer src = a.allocate_memory(1 << 20);
+  EXPECT_EQ(shared_buffer_mappings(), before);
+  fill(src.addr, src.length, 33);
+  const Transfer w = xfer(TransferOp::write, src, 0, 1 << 20, a.segment("t", "kv"), 0);
+  Batch b = a.submit({&w, 1});
+  ASSERT_TRUE(b.wait(10s));
+  EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
+  EXPECT_TRUE(same(t.buf.addr, src.addr, 1 << 20));
+  EXPECT_EQ(a.counters().shm_mapped_bytes, 0u);
+  EXPECT_NE(peer_info(a, "t").transport_reason.find("shm_map is off"), std::string::npos) << peer_info(a, "t").transport_reason;
 }
 
 // Nothing in common: the transfer ends connect_failed saying what each side offers; tcp is

@@ -128,10 +128,16 @@ TEST(EngineWire, MalformedLeasesAreRefusedWithAReason) {
 }
 
 TEST(EngineWire, FieldsAreBigEndianAtFixedOffsets) {
-  const auto b = ew::encode(ew::segment("s", {0x1122334455667788, 0x10, 0xaabbccdd, Access::remote_write}));
-  const std::vector<std::uint8_t> want = {0xE7, 7, 2, 1, 's', 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88,
-                                          0, 0, 0, 0, 0, 0, 0, 0x10, 0xaa, 0xbb, 0xcc, 0xdd, 0, 0, 0, 4};
-  EXPECT_EQ(b, want);
+  // Versions 7 and 8 (8 changed no message: shm links map memory) encode alike but for the byte.
+  for (const std::uint8_t v : {std::uint8_t{7}, std::uint8_t{8}}) {
+    const auto b = ew::encode(ew::segment("s", {0x1122334455667788, 0x10, 0xaabbccdd, Access::remote_write}), v);
+    const std::vector<std::uint8_t> want = {0xE7, v, 2, 1, 's', 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88,
+                                            0, 0, 0, 0, 0, 0, 0, 0x10, 0xaa, 0xbb, 0xcc, 0xdd, 0, 0, 0, 4};
+    EXPECT_EQ(b, want);
+    EXPECT_EQ(ew::decode(b, v).name, "s");
+  }
+  EXPECT_EQ(ew::kVersion, 8);
+  EXPECT_EQ(ew::kMinVersion, 7);
 }
 
 TEST(EngineWire, MalformedMessagesAreRefusedWithAReason) {
@@ -141,7 +147,7 @@ TEST(EngineWire, MalformedMessagesAreRefusedWithAReason) {
   EXPECT_NE(refusal(bad).find("bad magic"), std::string::npos);
   bad = good;
   bad[1] = 6;  // before ACTIVE carried the bytes moved
-  EXPECT_NE(refusal(bad).find("version 6 on a link that speaks 7"), std::string::npos);
+  EXPECT_NE(refusal(bad).find("version 6 on a link that speaks 8"), std::string::npos);
   bad = good;
   bad[2] = 14;
   EXPECT_NE(refusal(bad).find("unknown kind 14"), std::string::npos);

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <numeric>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -47,16 +48,26 @@ MemoryRegion unregistered(void* addr, std::size_t length) {
   return MemoryRegion::Impl::wrap(std::move(impl));
 }
 
-// How the pair's data moves: tcp's frames, shm's cross-memory attach, or shm's ring.
-enum class Mode { tcp, shm, ring };
+// How the pair's data moves: tcp's frames, shm's cross-memory attach, shm's ring, or shm through
+// memory A's device shares and B maps (A's whole memory is such).
+enum class Mode { tcp, shm, ring, mapped };
 
 // Two queue pairs joined by `streams` socketpairs, each with its data path; B serves a window.
 // With the ring, one stream (what a ring takes), and the ring handed from A to B over it as the
 // engine's link does.
 struct Pair {
   explicit Pair(std::uint32_t streams = 2, Mode mode = Mode::tcp, std::chrono::milliseconds stall = 4000ms)
-      : dev(mode == Mode::tcp ? "tcp" : "shm"), cqa(dev, 1024), cqb(dev, 1024), a_mem(8 << 20), b_mem(4 << 20) {
-    if (mode == Mode::ring) streams = 1;
+      : dev(mode == Mode::tcp ? "tcp" : "shm"), cqa(dev, 1024), cqb(dev, 1024), b_mem(4 << 20) {
+    if (mode == Mode::ring || mode == Mode::mapped) streams = 1;
+    if (mode == Mode::mapped) {
+      a_fd = shm::create_sealed_memfd("test", 8 << 20, "A's memory");
+      a_map.emplace(a_fd.get(), 8 << 20, "A's memory");
+      a_mem = {a_map->data(), a_map->size()};
+      a_share = dev.share(a_mem.data(), a_mem.size(), Fd(::fcntl(a_fd.get(), F_DUPFD_CLOEXEC, 0)));
+    } else {
+      a_vec.resize(8 << 20);
+      a_mem = a_vec;
+    }
     std::vector<Fd> fa, fb;
     for (std::uint32_t k = 0; k < streams; ++k) {
       int sv[2];
@@ -67,13 +78,16 @@ struct Pair {
     soft::QpConfig ca;
     ca.send_depth = 64;
     ca.qp_num = 1;
-    ca.peer_pid = mode == Mode::shm ? ::getpid() : 0;
+    ca.peer_pid = mode == Mode::shm || mode == Mode::mapped ? ::getpid() : 0;
     ca.cma = mode != Mode::tcp;
+    ca.shares = mode == Mode::mapped;  // A asks, B serves
     ca.stall_timeout = stall;
     ca.on_fault = [this](const std::string& why) { a_fault = why; };
     soft::QpConfig cb = ca;
     cb.qp_num = 2;
     cb.on_fault = [this](const std::string& why) { b_fault = why; };
+    cb.shares = false;
+    cb.takes_shares = mode == Mode::mapped;
     if (mode == Mode::ring) {
       const auto deadline = rdmakit::detail::deadline_in(2s);
       ca.ring = shm::Ring::create();
@@ -143,7 +157,12 @@ struct Pair {
   soft::Cq cqa, cqb;
   std::unique_ptr<soft::Qp> qa, qb;
   DataPath dpa, dpb;
-  std::vector<std::uint8_t> a_mem, b_mem;
+  Fd a_fd;
+  std::optional<shm::Mapping> a_map;
+  std::uint64_t a_share = 0;
+  std::vector<std::uint8_t> a_vec;
+  std::span<std::uint8_t> a_mem;
+  std::vector<std::uint8_t> b_mem;
   std::optional<MemoryRegion> a_region;
   rdmakit::detail::MwPtr mw;
   std::string a_fault, b_fault;
@@ -153,7 +172,7 @@ struct Pair {
 // the test's side created it and handed it over, as an initiator does, and the queue pair serves
 // it (and has a data path of its own, to bind windows with).
 struct Outsider {
-  explicit Outsider(Pair& p, bool with_ring = false) {
+  explicit Outsider(Pair& p, bool with_ring = false, bool shares = false) {
     int sv[2];
     EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
     raw = Fd(sv[0]);
@@ -161,6 +180,7 @@ struct Outsider {
     fc.emplace_back(sv[1]);
     soft::QpConfig cc;
     cc.qp_num = 3;
+    cc.takes_shares = shares;
     cc.on_fault = [this](const std::string& why) { fault = why; };
     if (with_ring) {
       const auto deadline = rdmakit::detail::deadline_in(2s);
@@ -431,10 +451,279 @@ TEST_P(SoftTransport, ATruncatedFrameThenTheEndFailsThatLinkOnly) {
   EXPECT_NE(c_fault.find("closed data stream"), std::string::npos) << c_fault;
 }
 
-INSTANTIATE_TEST_SUITE_P(TcpAndShm, SoftTransport, ::testing::Values(Mode::tcp, Mode::shm, Mode::ring),
+INSTANTIATE_TEST_SUITE_P(TcpAndShm, SoftTransport, ::testing::Values(Mode::tcp, Mode::shm, Mode::ring, Mode::mapped),
                          [](const auto& param_info) {
-                           return param_info.param == Mode::tcp ? "tcp" : param_info.param == Mode::shm ? "shm" : "shm_ring";
+                           switch (param_info.param) {
+                             case Mode::tcp: return "tcp";
+                             case Mode::shm: return "shm";
+                             case Mode::ring: return "shm_ring";
+                             default: return "shm_mapped";
+                           }
                          });
+
+// --- shared memory: what a target maps, and takes from a peer that lies ------------------------
+
+// A's memory goes to B once (SHARE), its transfers are copied through B's mapping, and when A's
+// device takes it back B unmaps it at its next poll; memory A does not share goes by attach.
+TEST(ShmShared, TheTargetMapsSharedMemoryOnceAndUnmapsItWhenItIsTakenBack) {
+  Pair p(1, Mode::mapped);
+  const RemoteRegion seg = p.bind(0, 4 << 20, Access::remote_read | Access::remote_write);
+  p.dpa.set_remote({seg}, true);
+  const LocalSlice all = p.a_region->local();
+  EXPECT_EQ(p.qb->peer_shares(), 0u);
+  for (std::uint64_t i = 0; i < 8; ++i) {
+    ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(i << 18, 1 << 18), seg, i << 18, 0, 0, 0, i + 1).ok()));
+  }
+  for (std::uint64_t i = 0; i < 8; ++i) {
+    const Completion c = p.next(p.dpa);
+    ASSERT_TRUE(c.ok()) << c.describe();
+  }
+  EXPECT_EQ(std::memcmp(p.b_mem.data(), p.a_mem.data(), 2 << 20), 0);
+  EXPECT_EQ(p.qb->peer_shares(), 1u);  // once, not per request
+  EXPECT_EQ(p.dev.mapped_bytes(), 2u << 20);
+  // Read back elsewhere in A's memory (B copies into its mapping of it).
+  ASSERT_TRUE((p.dpa.post_one<Opcode::read>(all.subslice(4 << 20, 1 << 20), seg, 12345, 0, 0, 0, 9).ok()));
+  Completion c = p.next(p.dpa);
+  ASSERT_TRUE(c.ok()) << c.describe();
+  EXPECT_EQ(std::memcmp(p.a_mem.data() + (4 << 20), p.b_mem.data() + 12345, 1 << 20), 0);
+  EXPECT_EQ(p.dev.mapped_bytes(), 3u << 20);
+  // Memory outside what A shares: cross-memory attach, no more bytes counted as mapped.
+  std::vector<std::uint8_t> other(4096, 0xab);
+  MemoryRegion o = unregistered(other.data(), other.size());
+  ASSERT_TRUE((p.dpa.post_one<Opcode::write>(o.local(), seg, 0, 0, 0, 0, 10).ok()));
+  c = p.next(p.dpa);
+  ASSERT_TRUE(c.ok()) << c.describe();
+  EXPECT_EQ(p.b_mem[4095], 0xab);
+  EXPECT_EQ(p.dev.mapped_bytes(), 3u << 20);
+  // Taken back: B unmaps it once A's CQ is polled (the device woke it).
+  p.dev.unshare(p.a_share);
+  const auto until = std::chrono::steady_clock::now() + 2s;
+  while (p.qb->peer_shares() != 0 && std::chrono::steady_clock::now() < until) p.progress_for(1ms);
+  EXPECT_EQ(p.qb->peer_shares(), 0u);
+  // Its memory then goes by attach, and still lands.
+  ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(0, 4096), seg, 8192, 0, 0, 0, 11).ok()));
+  c = p.next(p.dpa);
+  ASSERT_TRUE(c.ok()) << c.describe();
+  EXPECT_EQ(std::memcmp(p.b_mem.data() + 8192, p.a_mem.data(), 4096), 0);
+  EXPECT_EQ(p.dev.mapped_bytes(), 3u << 20);
+  EXPECT_TRUE(p.a_fault.empty() && p.b_fault.empty()) << p.a_fault << p.b_fault;
+}
+
+// A requester gives at most max_given ranges per link: past that, memory it shares goes by attach
+// all the same (every byte lands, none counted as mapped); and the side that asks takes nothing
+// its peer shares (a link whose server sends a SHARE fails).
+TEST(ShmShared, PastItsLimitOfRangesALinkCopiesTheRestTheOtherWay) {
+  Pair p(1, Mode::mapped);
+  p.qa.reset();
+  p.dpa.forget_qps();
+  {
+    // A's queue pair again, over a new stream pair, with a limit of 2 ranges.
+    int sv[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    std::vector<Fd> fa, fb;
+    fa.emplace_back(sv[0]);
+    fb.emplace_back(sv[1]);
+    soft::QpConfig ca;
+    ca.qp_num = 5;
+    ca.peer_pid = ::getpid();
+    ca.cma = true;
+    ca.shares = true;
+    ca.max_given = 2;
+    ca.on_fault = [&p](const std::string& why) { p.a_fault = why; };
+    soft::QpConfig cb = ca;
+    cb.shares = false;
+    cb.takes_shares = true;
+    cb.qp_num = 6;
+    cb.on_fault = [&p](const std::string& why) { p.b_fault = why; };
+    p.mw.reset();
+    p.dpb.forget_qps();
+    p.qb.reset();
+    p.qa = std::make_unique<soft::Qp>(p.dev, p.cqa, ca, std::move(fa));
+    p.qb = std::make_unique<soft::Qp>(p.dev, p.cqb, cb, std::move(fb));
+    p.qa->start();
+    p.qb->start();
+    const rdmakit::detail::DataPathLimits limits{64, 4, 1, 0, 1u << 30, 1u << 30};
+    ibv_qp* a = p.qa->qp();
+    ibv_qp* b = p.qb->qp();
+    p.dpa.init(limits, {&a, 1}, p.cqa.cq(), p.cqa.cq(), p.cqa.channel(), soft::Device::ops());
+    p.dpb.init(limits, {&b, 1}, p.cqb.cq(), p.cqb.cq(), p.cqb.channel(), soft::Device::ops());
+    p.dpa.start();
+    p.dpb.start();
+  }
+  const RemoteRegion seg = p.bind(0, 4 << 20, Access::remote_write);
+  p.dpa.set_remote({seg}, true);
+  // Four more shared ranges beside A's 8 MiB (five in all): two are given, the rest go by attach.
+  std::vector<Fd> fds;
+  std::vector<shm::Mapping> maps;
+  std::vector<MemoryRegion> regions;
+  for (int i = 0; i < 4; ++i) {
+    fds.push_back(shm::create_sealed_memfd("test", 65536, "a range"));
+    maps.emplace_back(fds.back().get(), 65536, "a range");
+    std::memset(maps.back().data(), 0x40 + i, 65536);
+    (void)p.dev.share(maps.back().data(), 65536, Fd(::fcntl(fds.back().get(), F_DUPFD_CLOEXEC, 0)));
+    regions.push_back(unregistered(maps.back().data(), 65536));
+  }
+  for (std::uint64_t i = 0; i < 4; ++i) {
+    ASSERT_TRUE((p.dpa.post_one<Opcode::write>(regions[i].local(), seg, i << 16, 0, 0, 0, i + 1).ok()));
+    const Completion c = p.next(p.dpa);
+    ASSERT_TRUE(c.ok()) << c.describe();
+  }
+  for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(p.b_mem[(i << 16) + 65535], 0x40 + i) << i;
+  EXPECT_EQ(p.qa->given(), 2u);
+  EXPECT_EQ(p.qb->peer_shares(), 2u);
+  EXPECT_EQ(p.dev.mapped_bytes(), 2u * 65536);
+  EXPECT_TRUE(p.a_fault.empty() && p.b_fault.empty()) << p.a_fault << p.b_fault;
+}
+
+// A peer that shares what it should not (no descriptor, a pipe, an unsealed memfd, a size its
+// frame misstates, a range twice, one it never shared taken back, descriptors with no frame)
+// fails its own link, saying what, and the target keeps serving its other links; a frame naming
+// a range it never shared, or past one's end, is refused and touches nothing.
+TEST(ShmShared, ATargetRefusesWhatAPeerSharesWrongAndServesTheOthers) {
+  Pair p(1, Mode::tcp);
+  const RemoteRegion seg = p.bind(0, 8192, Access::remote_write);
+  p.dpa.set_remote({seg}, false);
+  const auto outsider = [&](bool shares) {
+    auto o = std::make_unique<Outsider>(p, false, shares);
+    return o;
+  };
+  const auto share = [](Outsider& o, std::uint64_t id, std::uint64_t length, int fd) {
+    std::array<std::uint8_t, soft::kFrameSize> head{};
+    soft::Frame f;
+    f.op = static_cast<std::uint8_t>(soft::FrameOp::share);
+    f.arg0 = id;
+    f.arg1 = length;
+    soft::encode(f, head);
+    iovec iov{head.data(), head.size()};
+    shm::OneDescriptor control;
+    msghdr m{};
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    if (fd >= 0) control.attach(m, fd);
+    EXPECT_EQ(::sendmsg(o.raw.get(), &m, MSG_NOSIGNAL), static_cast<ssize_t>(head.size()));
+  };
+  const auto refused = [&](Outsider& o, const char* says) {
+    const auto until = std::chrono::steady_clock::now() + 1s;
+    while (!o.qp->in_error() && std::chrono::steady_clock::now() < until) p.progress_for(1ms);
+    EXPECT_TRUE(o.qp->in_error()) << says;
+    EXPECT_NE(o.fault.find(says), std::string::npos) << o.fault;
+    // The pair's own link is served all along.
+    const LocalSlice all = p.a_region->local();
+    ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(0, 64), seg, 0, 0, 0, 0, 1).ok()));
+    const Completion c = p.next(p.dpa);
+    EXPECT_TRUE(c.ok()) << c.describe();
+    EXPECT_FALSE(p.qb->in_error());
+  };
+  const std::size_t size = 1 << 20;
+  Fd good = shm::create_sealed_memfd("test", size, "a peer's memory");
+  {
+    auto o = outsider(false);  // a link that takes no shared memory (engine protocol 7)
+    share(*o, 1, size, good.get());
+    refused(*o, "takes none");
+  }
+  {
+    auto o = outsider(true);
+    share(*o, 1, size, -1);
+    refused(*o, "without its descriptor");
+  }
+  {
+    auto o = outsider(true);
+    int pfd[2];
+    ASSERT_EQ(::pipe2(pfd, O_CLOEXEC), 0);
+    Fd r(pfd[0]), w(pfd[1]);
+    share(*o, 1, size, r.get());
+    refused(*o, "not a memfd sealed");
+  }
+  {
+    auto o = outsider(true);
+    Fd unsealed(::memfd_create("test", MFD_CLOEXEC));
+    ASSERT_EQ(::ftruncate(unsealed.get(), size), 0);
+    share(*o, 1, size, unsealed.get());
+    refused(*o, "not a memfd sealed");
+  }
+  {
+    auto o = outsider(true);
+    share(*o, 1, size + 4096, good.get());
+    refused(*o, "and its SHARE says");
+  }
+  {
+    auto o = outsider(true);
+    share(*o, 1, size, good.get());
+    share(*o, 1, size, good.get());
+    refused(*o, "shared twice");
+  }
+  {
+    auto o = outsider(true);
+    std::array<std::uint8_t, soft::kFrameSize> head{};
+    soft::Frame f;
+    f.op = static_cast<std::uint8_t>(soft::FrameOp::unshare);
+    f.arg0 = 5;
+    soft::encode(f, head);
+    ASSERT_EQ(::write(o->raw.get(), head.data(), head.size()), static_cast<ssize_t>(head.size()));
+    refused(*o, "never shared");
+  }
+  {
+    // Descriptors with bytes that are no SHARE: past the few that may wait, the link fails.
+    auto o = outsider(true);
+    for (int i = 0; i < 20; ++i) {
+      const std::uint8_t byte = 0;
+      iovec iov{const_cast<std::uint8_t*>(&byte), 1};
+      shm::OneDescriptor control;
+      msghdr m{};
+      m.msg_iov = &iov;
+      m.msg_iovlen = 1;
+      control.attach(m, good.get());
+      if (::sendmsg(o->raw.get(), &m, MSG_NOSIGNAL) != 1) break;  // (the link failed: its end is shut)
+      p.progress_for(1ms);
+    }
+    refused(*o, "more descriptors than SHARE frames");
+  }
+  {
+    // Shared properly: frames inside it are served, frames naming another range or past its end
+    // are refused and touch nothing.
+    auto o = outsider(true);
+    shm::Mapping mine(good.get(), size, "the test's view");
+    std::memset(mine.data(), 0x3c, size);
+    share(*o, 7, size, good.get());
+    std::vector<std::uint8_t> b(1 << 20, 0);
+    const RemoteRegion w = o->bind(p, b.data(), b.size());
+    soft::Frame f;
+    f.op = static_cast<std::uint8_t>(soft::FrameOp::write_map);
+    f.raddr = w.addr;
+    f.rkey = w.rkey;
+    f.id = 1;
+    f.length = 4096;
+    f.arg0 = 7;
+    f.arg1 = 4096;
+    EXPECT_EQ(o->ask(p, f), soft::FrameStatus::ok);
+    EXPECT_EQ(b[0], 0x3c);
+    EXPECT_EQ(o->qp->peer_shares(), 1u);
+    std::memset(b.data(), 0, 8192);
+    f.id = 2;
+    f.arg0 = 8;  // never shared
+    EXPECT_EQ(o->ask(p, f), soft::FrameStatus::invalid);
+    f.id = 3;
+    f.arg0 = 7;
+    f.arg1 = size - 4095;  // one byte past its end
+    EXPECT_EQ(o->ask(p, f), soft::FrameStatus::invalid);
+    f.id = 4;
+    f.arg1 = ~std::uint64_t{0} - 100;  // an offset whose sum with the length wraps
+    EXPECT_EQ(o->ask(p, f), soft::FrameStatus::invalid);
+    EXPECT_EQ(b[0], 0);
+    // READ_MAP past its end: nothing of the window is copied out.
+    std::memset(b.data(), 0x11, 8192);
+    f.op = static_cast<std::uint8_t>(soft::FrameOp::read_map);
+    f.id = 5;
+    f.arg1 = size - 100;
+    EXPECT_EQ(o->ask(p, f), soft::FrameStatus::invalid);
+    EXPECT_EQ(mine.data()[size - 1], 0x3c);
+    f.id = 6;
+    f.arg1 = 0;
+    EXPECT_EQ(o->ask(p, f), soft::FrameStatus::ok);
+    EXPECT_EQ(mine.data()[4095], 0x11);
+    EXPECT_TRUE(o->fault.empty()) << o->fault;
+  }
+}
 
 // --- the ring: what a target takes from a peer that lies ----------------------------------------
 

@@ -63,6 +63,7 @@ struct EngineNet {
   std::vector<std::string> transports;
   unsigned tcp_streams = EngineConfig{}.tcp_streams;
   std::string shm_copy = "auto";
+  bool shm_map = true;
   unsigned wait_spin_us = static_cast<unsigned>(EngineConfig{}.wait_spin.count());
 
   void add_to(CLI::App& app, bool publishing) {
@@ -96,6 +97,10 @@ struct EngineNet {
                    "memory, two copies, no permission to read another process needed), auto (attach where the kernel "
                    "allows it)")
         ->check(CLI::IsMember({"auto", "attach", "ring"}))
+        ->capture_default_str();
+    app.add_flag("--shm-map,!--no-shm-map", shm_map,
+                 "shm: peers map the memory this engine allocates and copy it in one pass (--no-shm-map: every copy "
+                 "goes as --shm-copy says)")
         ->capture_default_str();
     app.add_option("--workers", workers, "progress threads (default: one per RDMA device)")->check(CLI::Range(1u, 64u));
     app.add_option("--worker-cpus", worker_cpus,
@@ -141,6 +146,7 @@ struct EngineNet {
     for (const std::string& t : transports) c.transports.push_back(parse_transport(t));
     c.tcp_streams = tcp_streams;
     c.shm_copy = parse_shm_copy(shm_copy);
+    c.shm_map = shm_map;
     return c;
   }
 };
@@ -173,6 +179,9 @@ nlohmann::json counters_json(const EngineCounters& c) {
           {"reposted", c.reposted},
           {"plan_posted", c.plan_posted},
           {"plan_builds", c.plan_builds},
+          {"lists_posted", c.lists_posted},
+          {"lists_builds", c.lists_builds},
+          {"shm_mapped_bytes", c.shm_mapped_bytes},
           {"submits_inline", c.submits_inline},
           {"waits_spun", c.waits_spun}};
 }
@@ -415,6 +424,7 @@ struct BenchOpts {
   bool validate = false;
   bool json = false;
   bool idle = false;
+  bool own_memory = false;
   std::string metrics;  // [ADDR:]PORT of the /metrics and /health endpoint (empty: none)
 };
 
@@ -498,9 +508,31 @@ int run_engine_bench(const BenchOpts& o) {
   }
   const TransferOp op = o.op == "read" ? TransferOp::read : TransferOp::write;
   const std::uint64_t span = o.block * o.batch;  // one thread's remote range
-  // The local buffers: one batch's worth per thread.
+  // The local buffers: one batch's worth per thread, the engine's own or this program's.
+  struct Owned {
+    Engine& e;
+    std::vector<Buffer> bufs;
+    std::vector<std::unique_ptr<std::uint8_t[]>> memory;
+    ~Owned() {
+      for (const Buffer& b : bufs) {
+        try {
+          e.unregister_memory(b);
+        } catch (const std::exception&) {
+          // (its transfers ended above; the engine goes next anyway)
+        }
+      }
+    }
+  } owned{engine, {}, {}};
   std::vector<Buffer> bufs;
-  for (unsigned t = 0; t < o.threads; ++t) bufs.push_back(engine.allocate_memory(span));
+  for (unsigned t = 0; t < o.threads; ++t) {
+    if (o.own_memory) {
+      owned.memory.emplace_back(new std::uint8_t[span]());
+      owned.bufs.push_back(engine.register_memory(owned.memory.back().get(), span));
+      bufs.push_back(owned.bufs.back());
+    } else {
+      bufs.push_back(engine.allocate_memory(span));
+    }
+  }
   auto fill_for = [&](const Buffer& b, std::size_t p, std::uint64_t remote_base) {
     auto* bytes = static_cast<std::uint8_t*>(b.addr);
     for (std::uint64_t i = 0; i < span; ++i) bytes[i] = pattern(p, remote_base + i);
@@ -687,6 +719,9 @@ void add_engine_bench(CLI::App& app, std::function<int()>& run) {
   sub->add_option("--threads", o->threads, "submitting threads")->check(CLI::Range(1u, 256u))->capture_default_str();
   sub->add_option("--duration", o->duration, "seconds")->check(CLI::Range(0.01, 3600.0))->capture_default_str();
   sub->add_flag("--validate", o->validate, "check every byte (reads: against a pattern written first)");
+  sub->add_flag("--own-memory", o->own_memory,
+                "move this program's own memory, registered (register_memory), not the engine's (allocate_memory): "
+                "over shm, the peer then copies by cross-memory attach or the ring rather than through its mapping");
   sub->add_flag("--idle", o->idle,
                 "connect to every peer, then move nothing for --duration seconds: the CPU an engine with its links up "
                 "uses while idle");

@@ -37,13 +37,15 @@ def linked_buffers(e, peer, address, n):
     return seg, src, dst
 
 
-@pytest.mark.parametrize("transport,shm_copy", [("tcp", "auto"), ("shm", "auto"), ("shm", "ring")])
-def test_a_transfer_between_two_processes_without_rdma(transport, shm_copy):
+@pytest.mark.parametrize("transport,shm_copy,shm_map",
+                         [("tcp", "auto", True), ("shm", "auto", True), ("shm", "ring", False)])
+def test_a_transfer_between_two_processes_without_rdma(transport, shm_copy, shm_map):
     target = subprocess.Popen([sys.executable, "-c", TARGET, transport], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
         port = int(target.stdout.readline())
-        e = rdmakit.Engine(name="client", listen="", transports=[transport], shm_copy=shm_copy)
+        e = rdmakit.Engine(name="client", listen="", transports=[transport], shm_copy=shm_copy,
+                           shm_map=shm_map)
         seg, src, dst = linked_buffers(e, "kv", f"127.0.0.1:{port}", 4096)
         e.submit([rdmakit.write(src, seg)]).wait(10.0)
         target.stdin.write("wrote\n")
@@ -55,6 +57,9 @@ def test_a_transfer_between_two_processes_without_rdma(transport, shm_copy):
         assert peer["transport"] == transport and "first choice" in peer["transport_reason"]
         if transport == "shm":
             assert ("shared ring" in peer["transport_reason"]) == (shm_copy == "ring"), peer["transport_reason"]
+            assert ("shm_map is off" in peer["transport_reason"]) == (not shm_map), peer["transport_reason"]
+        # numpy's memory, registered: never mapped by the peer (only what the engine allocates is).
+        assert e.counters()["shm_mapped_bytes"] == 0
         assert e.info()["transports"] == [transport]
         e.close()
     finally:

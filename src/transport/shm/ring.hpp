@@ -22,6 +22,7 @@
 #include <memory>
 
 #include "bootstrap/socket.hpp"
+#include "transport/shm/memfd.hpp"
 
 namespace rdmakit::detail::shm {
 
@@ -53,16 +54,14 @@ class Ring {
 
   Ring(const Ring&) = delete;
   Ring& operator=(const Ring&) = delete;
-  ~Ring();
-  [[nodiscard]] std::uint8_t* data() const noexcept { return base_; }
-  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  ~Ring() = default;
+  [[nodiscard]] std::uint8_t* data() const noexcept { return map_.data(); }
+  [[nodiscard]] std::size_t size() const noexcept { return map_.size(); }
 
  private:
-  Ring(std::uint8_t* base, std::size_t size) noexcept : base_(base), size_(size) {}
-  static std::shared_ptr<Ring> map(int fd, std::size_t size, const char* whose);
+  explicit Ring(Mapping map) noexcept : map_(std::move(map)) {}
+  Mapping map_;
   Fd fd_;  // the creator's, to send (the mapping keeps the memory either way)
-  std::uint8_t* base_ = nullptr;
-  std::size_t size_ = 0;
 };
 
 }  // namespace rdmakit::detail::shm

@@ -12,7 +12,9 @@
 // Only these objects exist here: a protection domain, completion queues with a channel whose
 // descriptor is readable when there is something to poll, queue pairs, type-2 memory windows.
 // No memory registration: a soft link reads and writes the engine's buffers by address (lkeys
-// are 0), and a peer reaches nothing but what a window bound on its link covers.
+// are 0), and a peer reaches nothing but what a window bound on its link covers. What the shm
+// device has besides: the ranges of this process's memory it may hand to its links' peers to map
+// (share()), so that those peers copy a request's data in one pass (qp.hpp).
 //
 // Threads: a Device is shared (its objects are made and destroyed from any thread); a Cq and
 // the Qps on it are touched by one thread at a time (the engine worker that owns them).
@@ -20,6 +22,7 @@
 #include <infiniband/verbs.h>
 
 #include <atomic>
+#include <mutex>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -52,6 +55,17 @@ struct Mw {
   std::uint32_t key = 0;  // the rkey it is bound under (0: none)
 };
 
+/// Memory of this process held in a memfd (from its offset 0), which same-host peers may map:
+/// a buffer an engine allocated while it offers shm. An shm link's requester names (id, offset)
+/// in it rather than an address, and the peer's responder copies between its own mapping of it
+/// and the window it checked: one copy, with the target's windows as the only access control on
+/// the target's memory (docs/engine.md, "Transports").
+struct SharedRange {
+  std::uint64_t id = 0;  // per device, never reused
+  std::uint64_t base = 0, length = 0;  // where it is in this process
+  Fd fd;  // the memfd (this device's own descriptor of it)
+};
+
 class Device {
  public:
   /// `name` is what the link reports as its device ("tcp", "shm").
@@ -70,6 +84,34 @@ class Device {
 
   static Device& of(ibv_context* c) noexcept { return *reinterpret_cast<Context*>(c)->self; }
 
+  /// The shared ranges, by base address.
+  using Shares = std::vector<std::shared_ptr<const SharedRange>>;
+  /// Shares [base, +length), held in memfd `fd` from its offset 0 (kept here while shared), with
+  /// the peers of this device's links that take shared memory (QpConfig::shares); its id. Any
+  /// thread.
+  std::uint64_t share(const void* base, std::size_t length, Fd fd);
+  /// Takes range `id` back: each queue pair that gave it to its peer tells the peer to unmap it
+  /// (at its CQ's next poll: the CQs are woken for it). Call once no request of the range is
+  /// outstanding; the memory may go at once (a peer's mapping keeps its pages until then).
+  void unshare(std::uint64_t id) noexcept;
+  /// What is shared now, and a count that changes with it (one load: the queue pairs look at it
+  /// on every poll of their CQ).
+  [[nodiscard]] std::shared_ptr<const Shares> shares() const;
+  [[nodiscard]] std::uint64_t shares_changed() const noexcept { return shares_gen_.load(std::memory_order_acquire); }
+  /// A count that changes when a range goes (the CQs' polls look at it: links tell their peers).
+  [[nodiscard]] std::uint64_t unshares() const noexcept { return unshares_.load(std::memory_order_acquire); }
+  /// Ranges of peers' memory this device's links map now, after adding `delta`.
+  std::size_t mapped_ranges(std::int64_t delta) noexcept {
+    return static_cast<std::size_t>(maps_.fetch_add(delta, std::memory_order_relaxed) + delta);
+  }
+  /// Bytes of this device's reads and writes that ended ok through shared ranges (the queue pairs
+  /// count them as they complete).
+  [[nodiscard]] std::uint64_t mapped_bytes() const noexcept { return mapped_bytes_.load(std::memory_order_relaxed); }
+  void add_mapped(std::uint64_t n) noexcept { mapped_bytes_.fetch_add(n, std::memory_order_relaxed); }
+  /// A CQ is made or goes (unshare() wakes each).
+  void add_cq(Cq* cq);
+  void remove_cq(Cq* cq) noexcept;
+
  private:
   struct Context {
     ibv_context ctx;  // first: an ibv_context* is a Context*
@@ -79,6 +121,14 @@ class Device {
   Context context_{};
   ibv_pd pd_{};
   std::atomic<std::uint32_t> keys_{1};
+  mutable std::mutex shares_mu_;
+  std::shared_ptr<const Shares> shares_;  // under shares_mu_; replaced, never changed
+  std::uint64_t next_share_ = 1;          // under shares_mu_
+  std::vector<Cq*> cqs_;                  // under shares_mu_
+  std::atomic<std::uint64_t> shares_gen_{0};
+  std::atomic<std::uint64_t> unshares_{0};
+  std::atomic<std::uint64_t> mapped_bytes_{0};
+  std::atomic<std::int64_t> maps_{0};
 };
 
 /// A completion queue and its channel. Polling it drives its queue pairs: their streams are
@@ -116,10 +166,18 @@ class Cq {
   void progress() noexcept;
   void attach(Qp* qp);
   void detach(Qp* qp) noexcept;
+  /// From any thread: the channel reads as ready, so that its owner polls (Device::unshare).
+  void nudge() noexcept;
+  /// When a poll last found a stream with something to read or send (a request served, an
+  /// answer taken): its owner keeps polling a moment after that rather than sleep at once.
+  [[nodiscard]] Deadline last_work() const noexcept { return last_work_; }
 
  private:
   /// The channel's descriptor reads as ready (until the next poll takes the wake-up).
   void wake() noexcept;
+  Device& dev_;
+  std::uint64_t unshares_seen_ = 0;  // Device::unshares() at the last poll
+  Deadline last_work_{};
   ibv_cq cq_{};
   ibv_comp_channel channel_{};
   Fd epoll_;

@@ -39,7 +39,7 @@ std::optional<Frame> decode(std::span<const std::uint8_t, kFrameSize> in) noexce
   Frame f;
   f.op = p[1];
   const auto op = static_cast<std::uint8_t>(f.op & ~kResponse);
-  if (op < static_cast<std::uint8_t>(FrameOp::write) || op > static_cast<std::uint8_t>(FrameOp::read_ring)) return std::nullopt;
+  if (op < static_cast<std::uint8_t>(FrameOp::write) || op > static_cast<std::uint8_t>(FrameOp::unshare)) return std::nullopt;
   if (p[2] > static_cast<std::uint8_t>(FrameStatus::remote_op)) return std::nullopt;
   f.status = static_cast<FrameStatus>(p[2]);
   if (!f.response() && f.status != FrameStatus::ok) return std::nullopt;
@@ -52,6 +52,7 @@ std::optional<Frame> decode(std::span<const std::uint8_t, kFrameSize> in) noexce
   if (f.length > kMaxChunk) return std::nullopt;
   const FrameOp o = f.request_op();
   if (!f.response() && (o == FrameOp::fetch_add || o == FrameOp::compare_swap) && f.length != 8) return std::nullopt;
+  if ((o == FrameOp::share || o == FrameOp::unshare) && (f.response() || f.length != 0)) return std::nullopt;
   return f;
 }
 

@@ -18,6 +18,12 @@
 //   WRITE_RING, READ_RING  as WRITE and READ, but the data is in the requester's shared ring
 //              (src/transport/shm/ring.hpp) at offset arg0: the responder copies it from (or
 //              to) there; shm where cross-memory attach is not used.
+//   WRITE_MAP, READ_MAP  as WRITE and READ, but the data is in memory the requester shared with
+//              the responder (SHARE): range arg0 at offset arg1; the responder copies between
+//              its mapping of it and the window. Engine protocol 8 and later, shm only.
+//   SHARE      range arg0 of arg1 bytes (soft/device.hpp, SharedRange): its memfd travels with
+//              this frame's bytes (SCM_RIGHTS), the responder checks and maps it. Not answered.
+//   UNSHARE    range arg0 goes: the responder unmaps it. Not answered.
 //   RESPONSE   op | 0x80: the request's status (0 ok), the id it answers, an atomic's old value
 //              in arg0, and a READ's data (`length` bytes, 0 on a refusal).
 //
@@ -47,6 +53,10 @@ enum class FrameOp : std::uint8_t {
   read_cma = 6,
   write_ring = 7,
   read_ring = 8,
+  write_map = 9,
+  read_map = 10,
+  share = 11,
+  unshare = 12,
 };
 inline constexpr std::uint8_t kResponse = 0x80;
 
@@ -74,6 +84,11 @@ void encode(const Frame& f, std::span<std::uint8_t, kFrameSize> out) noexcept;
 /// Nullopt for a header this version does not know: another version, an unknown op or status,
 /// reserved bytes set, a length over kMaxChunk, an atomic request of other than 8 bytes.
 [[nodiscard]] std::optional<Frame> decode(std::span<const std::uint8_t, kFrameSize> in) noexcept;
+
+/// Whether `f` is a request that is never answered (SHARE, UNSHARE).
+[[nodiscard]] inline bool unanswered(const Frame& f) noexcept {
+  return !f.response() && (f.request_op() == FrameOp::share || f.request_op() == FrameOp::unshare);
+}
 
 /// Whether the frame `f` is followed by `f.length` bytes of payload in the stream.
 [[nodiscard]] inline bool carries_payload(const Frame& f) noexcept {

@@ -31,6 +31,10 @@ Qp::Qp(Device& dev, Cq& cq, QpConfig cfg, std::vector<Fd> streams) : dev_(dev), 
                     cfg_.ring->size() > shm::kRingMax)) {
     throw Error("soft QP", EINVAL, "an shm ring takes one stream, and two frames' chunks to 64 MiB");
   }
+  // A SHARE goes on the stream of the requests that name its range: there is only one.
+  if ((cfg_.shares || cfg_.takes_shares) && streams.size() != 1) {
+    throw Error("soft QP", EINVAL, "shared memory takes one stream");
+  }
   std::size_t n = 1;
   while (n < 2 * std::max<std::uint32_t>(cfg_.send_depth, 1)) n *= 2;
   reqs_.resize(n);
@@ -58,7 +62,14 @@ void Qp::start() {
   // What arrived before is read now (the channel's set reports it too: level-triggered).
 }
 
+void Qp::unmap_all() noexcept {
+  if (maps_.empty()) return;
+  dev_.mapped_ranges(-static_cast<std::int64_t>(maps_.size()));
+  maps_.clear();
+}
+
 Qp::~Qp() {
+  unmap_all();
   for (auto& [key, mw] : windows_) {
     mw->bound = nullptr;
     mw->key = 0;
@@ -91,6 +102,13 @@ int Qp::take(const ibv_send_wr& w) noexcept {
       r.opcode = w.opcode == IBV_WR_RDMA_WRITE ? IBV_WC_RDMA_WRITE : IBV_WC_RDMA_READ;
       r.raddr = w.wr.rdma.remote_addr;
       r.rkey = w.wr.rdma.rkey;
+      if (cfg_.shares && r.length > 0) {
+        if (const SharedRange* sr = shared_at(r.laddr, r.length)) {
+          r.op = w.opcode == IBV_WR_RDMA_WRITE ? FrameOp::write_map : FrameOp::read_map;
+          r.arg0 = sr->id;
+          r.arg1 = r.laddr - sr->base;
+        }
+      }
       break;
     case IBV_WR_ATOMIC_FETCH_AND_ADD:
     case IBV_WR_ATOMIC_CMP_AND_SWP:
@@ -203,7 +221,87 @@ void Qp::unbind(Mw& mw) noexcept {
   mw.key = 0;
 }
 
+const SharedRange* Qp::shared_at(std::uint64_t addr, std::uint64_t len) noexcept {
+  if (const std::uint64_t g = dev_.shares_changed(); g != shares_seen_) {
+    try {
+      shares_ = dev_.shares();
+      shares_seen_ = g;
+    } catch (...) {
+      return nullptr;  // (a mutex that failed): this request goes the other way
+    }
+  }
+  const SharedRange* r = range_at(addr);
+  if (r == nullptr || addr - r->base > r->length || len > r->length - (addr - r->base)) return nullptr;
+  // Past kMaxGiven ranges on this link, a range not given yet goes the other way.
+  return given_.size() < cfg_.max_given || given_.contains(r->id) ? r : nullptr;
+}
+
+const SharedRange* Qp::range_at(std::uint64_t addr) const noexcept {
+  if (!shares_) return nullptr;
+  const auto& v = *shares_;
+  auto it = std::upper_bound(v.begin(), v.end(), addr, [](std::uint64_t a, const auto& e) { return a < e->base; });
+  return it == v.begin() ? nullptr : (--it)->get();
+}
+
+bool Qp::give(Stream& s, std::uint64_t id) noexcept {
+  if (!take_back(s)) return false;
+  if (given_.contains(id)) return true;
+  if (s.out.size() - (s.out_tail - s.out_head) < 2) return false;  // the SHARE and the request after it
+  std::shared_ptr<const SharedRange> range;
+  if (shares_) {
+    const auto it = std::find_if(shares_->begin(), shares_->end(), [&](const auto& e) { return e->id == id; });
+    if (it != shares_->end()) range = *it;
+  }
+  // Unshared under a request of it (the application unregistered memory a transfer still
+  // used): its frame names a range the peer never had, and is refused.
+  if (!range) return true;
+  try {
+    given_.emplace(id, range);
+  } catch (...) {
+    return false;
+  }
+  Frame f;
+  f.op = static_cast<std::uint8_t>(FrameOp::share);
+  f.arg0 = id;
+  f.arg1 = range->length;
+  s.push_out(f, false).share = std::move(range);
+  return true;
+}
+
+bool Qp::take_back(Stream& s) noexcept {
+  while (!ungiven_.empty()) {
+    if (s.out_full()) return false;
+    Frame f;
+    f.op = static_cast<std::uint8_t>(FrameOp::unshare);
+    f.arg0 = ungiven_.back();
+    (void)s.push_out(f, false);
+    given_.erase(ungiven_.back());
+    ungiven_.pop_back();
+  }
+  return true;
+}
+
+void Qp::shares_changed() noexcept {
+  if (!cfg_.shares || given_.empty() || error_) return;
+  try {
+    // The count first, then the ranges: a change between the two is seen again (shared_at).
+    const std::uint64_t g = dev_.shares_changed();
+    shares_ = dev_.shares();
+    shares_seen_ = g;
+    for (const auto& [id, range] : given_) {
+      const SharedRange* now = range_at(range->base);
+      const bool still = now != nullptr && now->id == id;
+      if (!still && std::find(ungiven_.begin(), ungiven_.end(), id) == ungiven_.end()) ungiven_.push_back(id);
+    }
+  } catch (...) {
+    return;  // out of memory: the peer keeps its mapping until the next change, or the link's end
+  }
+  Stream& s = *streams_[0];
+  if (take_back(s) && !s.watch_out) (void)send(s);
+}
+
 void Qp::issue() noexcept {
+  if (!ungiven_.empty() && !take_back(*streams_[0])) return;  // before any request: in order
   while (issue_ < tail_ && !error_) {
     Req& r = req(issue_);
     if (r.issued) {
@@ -216,9 +314,11 @@ void Qp::issue() noexcept {
     // frames are spread, as a transfer is over rails: docs/engine.md).
     Stream* s = nullptr;
     const bool atomic = r.op == FrameOp::fetch_add || r.op == FrameOp::compare_swap;
-    if (atomic) {
+    const bool mapped = r.op == FrameOp::write_map || r.op == FrameOp::read_map;
+    if (atomic || mapped) {
       Stream& c = *streams_[0];
       if (c.out_full() || c.owed() >= kRequestFrames) return;
+      if (mapped && !give(c, r.arg0)) return;  // its range first, once per link
       s = &c;
     }
     for (std::size_t k = 0; k < streams_.size() && s == nullptr; ++k) {
@@ -253,17 +353,14 @@ void Qp::issue() noexcept {
     f.raddr = r.raddr + issue_off_;
     f.rkey = r.rkey;
     f.arg0 = r.op == FrameOp::write_cma || r.op == FrameOp::read_cma ? r.laddr + issue_off_ : ring ? ring_off : r.arg0;
-    f.arg1 = r.arg1;
+    f.arg1 = mapped ? r.arg1 + issue_off_ : r.arg1;
     if (r.op == FrameOp::write_ring && len > 0) {
       std::memcpy(cfg_.ring->data() + ring_off, reinterpret_cast<const void*>(r.laddr + issue_off_), len);
     }
     ring_tail_ = ring_at;
-    Out& o = s->push_out();
-    encode(f, o.head);
-    o.answer = false;
-    o.copy.reset();
-    o.data = r.op == FrameOp::write ? reinterpret_cast<const std::uint8_t*>(r.laddr + issue_off_) : nullptr;
-    o.len = r.op == FrameOp::write ? len : 0;
+    const bool inline_data = r.op == FrameOp::write;
+    (void)s->push_out(f, false, inline_data ? reinterpret_cast<const std::uint8_t*>(r.laddr + issue_off_) : nullptr,
+                      inline_data ? len : 0);
     s->expect[s->exp_tail++ % s->expect.size()] = {issue_, f.id, issue_off_, len, r.op, static_cast<std::uint32_t>(ring_off), ring_at};
     if (s->owed() == 1) s->last_in = Clock::now();  // the answer's clock starts now
     ++r.pending;
@@ -317,6 +414,7 @@ void Qp::complete_ready() noexcept {
       wc.byte_len = r.opcode == IBV_WC_RDMA_READ ? r.length : 0;
       cq_.push(wc);
     }
+    if ((r.op == FrameOp::write_map || r.op == FrameOp::read_map) && r.status == IBV_WC_SUCCESS) dev_.add_mapped(r.length);
     ++head_;
   }
   if (issue_ < head_) {
@@ -360,8 +458,11 @@ void Qp::fail(std::string why, Req* first, bool fault) noexcept {
   // it serves nothing after that), or a second has passed (a peer that sleeps that long sees
   // the end before anything else when it wakes: Qp::serve() and gave_up() in streams.cpp).
   const bool answers_owed = std::any_of(streams_.begin(), streams_.end(), [](const auto& o) { return o->owed() > 0; });
-  // (Through a ring the peer reaches none of this process's buffers: nothing to wait for.)
-  draining_ = cfg_.cma && !cfg_.ring && started_ && answers_owed;
+  // (Through a ring the peer reaches none of this process's buffers: nothing to wait for, unless
+  // it maps some of them.)
+  draining_ = ((cfg_.cma && !cfg_.ring) || !given_.empty()) && started_ && answers_owed;
+  // What the peer shared is unmapped now: it serves nothing more (its pages are its own again).
+  unmap_all();
   if (draining_) drain_until_ = Clock::now() + std::chrono::milliseconds{1000};
   for (auto& s : streams_) {
     s->exp_head = s->exp_tail;

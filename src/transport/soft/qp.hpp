@@ -58,6 +58,17 @@ struct QpConfig {
   /// without, this side serves the peer's through it. Only on one stream (its answers, in
   /// order, free it in order).
   std::shared_ptr<shm::Ring> ring;
+  /// shm, engine protocol 8 and later (one stream), the side that asks: its WRITEs and READs of
+  /// memory its device shares (Device::share) name the range, which it hands to the peer first
+  /// (SHARE) and takes back when the device no longer shares it (UNSHARE); at most kMaxGiven
+  /// ranges per link (`max_given`), the rest going as `cma` and `ring` say. Only to a process
+  /// of this user.
+  bool shares = false;
+  std::size_t max_given = 1024;
+  /// The same, the side that serves: it maps what the peer shares and copies between that and
+  /// its windows (WRITE_MAP, READ_MAP): one copy, whether or not this host allows cross-memory
+  /// attach. A side that does not take them fails a link whose peer sends any.
+  bool takes_shares = false;
   /// An answer owed for this long on a stream that delivered nothing meanwhile: the peer is
   /// gone (as an RC QP's retries run out).
   std::chrono::milliseconds stall_timeout{4000};
@@ -97,6 +108,12 @@ class Qp {
   // For the streams and the Cq.
   void on_ready(Stream& s, std::uint32_t events) noexcept;
   void check_stalls(Deadline now) noexcept;
+  /// The device's shared ranges changed (its CQ's poll): the peer is told of those that went.
+  void shares_changed() noexcept;
+  /// Ranges the peer shared and this side maps (a responder's), for tests and reports.
+  [[nodiscard]] std::size_t peer_shares() const noexcept { return maps_.size(); }
+  /// Ranges this side gave its peer (a requester's).
+  [[nodiscard]] std::size_t given() const noexcept { return given_.size(); }
 
  private:
   friend class Stream;
@@ -110,7 +127,7 @@ class Qp {
     std::uint32_t pending = 0;  // frames sent or queued, not answered
     std::uint64_t laddr = 0, raddr = 0;
     std::uint32_t length = 0, rkey = 0;
-    std::uint64_t arg0 = 0, arg1 = 0;
+    std::uint64_t arg0 = 0, arg1 = 0;  // atomics' operands; WRITE_MAP, READ_MAP: the range, the offset in it
     ibv_wc_status status = IBV_WC_SUCCESS;
   };
   Req& req(std::uint64_t seq) noexcept { return reqs_[seq & mask_]; }
@@ -119,6 +136,18 @@ class Qp {
   /// The oldest request an answer is owed for (null: none).
   Req* oldest_owed() noexcept;
   bool bind(const ibv_send_wr& w) noexcept;
+  /// The range the device shares that holds [addr, +len) (null: none, or not this link's way).
+  const SharedRange* shared_at(std::uint64_t addr, std::uint64_t len) noexcept;
+  /// The range of the last snapshot whose base is at or below `addr` (null: none).
+  const SharedRange* range_at(std::uint64_t addr) const noexcept;
+  /// Drops every mapping of the peer's memory (the link failed or goes).
+  void unmap_all() noexcept;
+  /// Queues on `s` the SHARE of range `id` if the peer does not have it yet, and the UNSHAREs
+  /// owed; false when `s` has no room for them now.
+  bool give(Stream& s, std::uint64_t id) noexcept;
+  bool take_back(Stream& s) noexcept;
+  /// A SHARE or UNSHARE from the peer (responder). False: the link failed (a lying peer).
+  bool take_share(Stream& s, const Frame& f) noexcept;
   /// Cuts the posted requests into frames on the streams, as far as they have room.
   void issue() noexcept;
   void complete_ready() noexcept;
@@ -165,6 +194,14 @@ class Qp {
   std::uint64_t ring_head_ = 0, ring_tail_ = 0;
   Fifo<std::uint64_t> recvs_;  // posted receives (nothing is ever sent to them: flushed at the end)
   std::unordered_map<std::uint32_t, Mw*> windows_;  // by rkey: the windows bound here
+  // cfg_.shares, the requester: the device's ranges as last looked at (and the count they were
+  // looked at under), those given to the peer, and those to take back from it.
+  std::shared_ptr<const Device::Shares> shares_;
+  std::uint64_t shares_seen_ = ~std::uint64_t{0};
+  std::unordered_map<std::uint64_t, std::shared_ptr<const SharedRange>> given_;
+  std::vector<std::uint64_t> ungiven_;
+  // cfg_.shares, the responder: what the peer shared, mapped here, by its id.
+  std::unordered_map<std::uint64_t, shm::Mapping> maps_;
   bool error_ = false;
   bool started_ = false;
   bool draining_ = false;  // failed with shm answers owed: completions wait (fail())

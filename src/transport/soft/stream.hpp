@@ -23,9 +23,24 @@ inline constexpr std::uint32_t kAnswerFrames = 192;   // answers queued, per str
 inline constexpr std::size_t kStage = 4096;
 inline constexpr std::size_t kDirect = 512;
 inline constexpr int kIov = 64;
+// Shared ranges: a requester gives at most kMaxGiven per link (QpConfig::max_given; what else it
+// moves goes by attach or the ring); a responder takes no more per link (a peer that sends more
+// lies), none past 1 TiB,
+// and at most kMapsBudget over all the links of its device (each is a mapping against the
+// process's vm.max_map_count, 65530 by default): past that, the link fails saying so. At most
+// kMaxWaitingFds descriptors may wait for their SHARE frames.
+inline constexpr std::size_t kMaxGiven = 1024;
+inline constexpr std::size_t kMapsBudget = 16384;
+inline constexpr std::size_t kMaxShare = std::size_t{1} << 40;
+inline constexpr std::size_t kMaxWaitingFds = 16;
 // A ring frame this long is sent (requester) or answered (responder) at once rather than with
 // the others of its turn: the two sides' copies overlap.
 inline constexpr std::uint32_t kRingEager = 64u << 10;
+// Mapped frames' answers are sent after this many bytes copied, not only at the turn's end (the
+// requester's queue would run dry meanwhile). Not after each: every send wakes the requester,
+// which cost the target a fifth of its time at 512 KiB (a VM of 2 CPUs). 64 requests of 64 KiB
+// are 4 MiB: half of that answered keeps the requester posting.
+inline constexpr std::uint64_t kAnswerEvery = 2u << 20;
 // What one turn takes of a stream before the others get theirs.
 inline constexpr std::size_t kTurnBytes = 8u << 20;
 
@@ -45,6 +60,8 @@ struct Out {
   bool answer = false;
   std::uint32_t rkey = 0;  // an answer's data: the window it is read from
   std::unique_ptr<std::uint8_t[]> copy;  // its data, once that window went before it was sent
+  std::shared_ptr<const SharedRange> share;  // a SHARE: the range, whose descriptor goes with it
+  bool share_sent = false;  // that descriptor went (with the first of its bytes)
 };
 
 struct Expect {
@@ -86,11 +103,26 @@ class Stream final : public Watched {
   bool watch_out = false;  // watched for room to send
   bool watch_in = true;
   Deadline last_in = Clock::now();
+  std::uint64_t copied = 0;  // mapped frames' bytes copied since answers were last sent
+  std::vector<Fd> fds;  // descriptors received (cfg.shares), each for the next SHARE frame
 
   [[nodiscard]] bool out_full() const noexcept { return out_tail - out_head == out.size(); }
   [[nodiscard]] bool out_empty() const noexcept { return out_tail == out_head; }
   [[nodiscard]] std::uint64_t owed() const noexcept { return exp_tail - exp_head; }
-  Out& push_out() noexcept { return out[out_tail++ % out.size()]; }
+  /// The next frame to send, `f` encoded, carrying `len` bytes at `data` (none: nullptr, 0).
+  Out& push_out(const Frame& f, bool answer, const std::uint8_t* data = nullptr, std::uint32_t len = 0) noexcept {
+    Out& o = out[out_tail++ % out.size()];
+    encode(f, o.head);
+    o.answer = answer;
+    o.data = data;
+    o.len = len;
+    o.rkey = 0;
+    o.copy.reset();
+    o.share.reset();
+    o.share_sent = false;
+    if (answer) ++answers_queued;
+    return o;
+  }
 };
 
 }  // namespace rdmakit::detail::soft

@@ -106,18 +106,77 @@ bool Qp::serve(Stream& s, const Frame& f) noexcept {
       }
       break;
     }
+    case FrameOp::write_map:
+    case FrameOp::read_map: {
+      // Between the window and the requester's memory it shared (mapped here): one copy.
+      const bool write = op == FrameOp::write_map;
+      a.status = check(f, write ? IBV_ACCESS_REMOTE_WRITE : IBV_ACCESS_REMOTE_READ);
+      const auto m = maps_.find(f.arg0);
+      if (m == maps_.end() || f.arg1 > m->second.size() || f.length > m->second.size() - f.arg1) a.status = FrameStatus::invalid;
+      // A READ's copy lands in the requester's memory: not once it gave up (as with attach). A
+      // WRITE's reads it, which the peer may do at any time anyway: no system call for that.
+      if (a.status == FrameStatus::ok && f.length != 0 && !write && gave_up(s)) a.status = FrameStatus::remote_op;
+      if (a.status == FrameStatus::ok && f.length != 0) {
+        std::uint8_t* theirs = m->second.data() + f.arg1;
+        if (write) {
+          std::memcpy(at, theirs, f.length);
+        } else {
+          std::memcpy(theirs, at, f.length);
+        }
+      }
+      break;
+    }
+    case FrameOp::share:
+    case FrameOp::unshare:
+      return true;  // (pump_once takes them: never answered)
   }
-  Out& o = s.push_out();
-  encode(a, o.head);
-  o.answer = true;
-  o.copy.reset();
-  o.data = data;
-  o.len = data != nullptr ? a.length : 0;
-  o.rkey = f.rkey;
-  ++s.answers_queued;
-  // A large ring frame's answer goes at once: the requester frees its room and copies the next.
+  s.push_out(a, true, data, data != nullptr ? a.length : 0).rkey = f.rkey;
   // (send() resumes nothing here: serve() runs only while the stream is not held.)
-  if ((op == FrameOp::write_ring || op == FrameOp::read_ring) && f.length >= kRingEager && !s.watch_out) (void)send(s);
+  // A large ring frame's answer goes at once: the requester frees its room and copies the next.
+  // Mapped frames' answers go every kAnswerEvery bytes copied: the requester posts more while
+  // this side copies the rest (at the end of the turn only, its queue would run dry meanwhile).
+  const bool ring = op == FrameOp::write_ring || op == FrameOp::read_ring;
+  if (op == FrameOp::write_map || op == FrameOp::read_map) s.copied += f.length;
+  if (((ring && f.length >= kRingEager) || s.copied >= kAnswerEvery) && !s.watch_out) (void)send(s);
+  return true;
+}
+
+bool Qp::take_share(Stream& s, const Frame& f) noexcept {
+  const auto refuse = [&](const std::string& why) {
+    fail(fmt::format("data stream {}: {} (the peer is not an rdmakit engine of this version, or lies)", s.index, why),
+         nullptr, true);
+    return false;
+  };
+  if (!cfg_.takes_shares) {
+    return refuse("the peer shares memory on a link that takes none (engine protocol below 8, not shm, or the side "
+                  "that asks)");
+  }
+  if (f.request_op() == FrameOp::unshare) {
+    if (maps_.erase(f.arg0) == 0) return refuse(fmt::format("the peer took back memory {} it never shared", f.arg0));
+    dev_.mapped_ranges(-1);
+    return true;
+  }
+  if (s.fds.empty()) return refuse(fmt::format("memory {} was shared without its descriptor", f.arg0));
+  Fd fd = std::move(s.fds.front());
+  s.fds.erase(s.fds.begin());
+  if (maps_.contains(f.arg0)) return refuse(fmt::format("memory {} was shared twice", f.arg0));
+  if (maps_.size() >= kMaxGiven) return refuse(fmt::format("more than {} ranges of memory were shared", kMaxGiven));
+  if (dev_.mapped_ranges(0) >= kMapsBudget) {
+    fail(fmt::format("data stream {}: this engine maps {} ranges of its shm peers' memory already, its budget (each is "
+                     "a mapping against vm.max_map_count): turn EngineConfig::shm_map off on the peers with many "
+                     "buffers, or raise the budget",
+                     s.index, kMapsBudget),
+         nullptr, true);
+    return false;
+  }
+  try {
+    const std::size_t size = shm::check_sealed_memfd(fd.get(), 1, kMaxShare, "the memory the peer shared");
+    if (size != f.arg1) return refuse(fmt::format("memory {} has {} bytes, and its SHARE says {}", f.arg0, size, f.arg1));
+    maps_.emplace(f.arg0, shm::Mapping(fd.get(), size, "the memory the peer shared"));
+  } catch (const std::exception& e) {
+    return refuse(e.what());
+  }
+  dev_.mapped_ranges(1);
   return true;
 }
 
@@ -143,7 +202,39 @@ void Qp::pump(Stream& s) noexcept {
 }
 
 ssize_t Qp::read(Stream& s, void* into, std::size_t want, bool& eof) noexcept {
-  const ssize_t n = ::recv(s.fd.get(), into, want, MSG_DONTWAIT);
+  ssize_t n = 0;
+  if (!cfg_.takes_shares) {
+    n = ::recv(s.fd.get(), into, want, MSG_DONTWAIT);
+  } else {
+    // A SHARE's descriptor comes with its bytes (it is read before its frame is decoded).
+    iovec iov{into, want};
+    alignas(cmsghdr) char control[CMSG_SPACE(4 * sizeof(int))];
+    msghdr m{};
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    m.msg_control = control;
+    m.msg_controllen = sizeof control;
+    n = ::recvmsg(s.fd.get(), &m, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n > 0) {
+      bool lost = (m.msg_flags & MSG_CTRUNC) != 0;  // also when none could be installed here
+      if (m.msg_controllen > 0) {
+        try {
+          for (Fd& fd : shm::descriptors_of(m)) s.fds.push_back(std::move(fd));
+        } catch (...) {
+          lost = true;  // out of memory: as if they never came
+        }
+      }
+      if (lost || s.fds.size() > kMaxWaitingFds) {
+        fail(fmt::format("data stream {}: {}", s.index,
+                         lost ? "a descriptor the peer shared could not be taken (this process is at its limit of open "
+                                "files, RLIMIT_NOFILE, or the peer sent several at once)"
+                              : "it carried more descriptors than SHARE frames (the peer is not an rdmakit engine of "
+                                "this version, or lies)"),
+             nullptr, true);
+        return 0;
+      }
+    }
+  }
   if (n > 0) {
     s.last_in = Clock::now();
     return n;
@@ -203,13 +294,7 @@ bool Qp::pump_once(Stream& s) noexcept {
         a.op = static_cast<std::uint8_t>(s.cur.op | kResponse);
         a.id = s.cur.id;
         a.status = s.verdict;
-        Out& o = s.push_out();  // room was there when the request was taken (serve)
-        encode(a, o.head);
-        o.answer = true;
-        o.copy.reset();
-        o.data = nullptr;
-        o.len = 0;
-        ++s.answers_queued;
+        (void)s.push_out(a, true);  // room was there when the request was taken (serve)
       }
       continue;
     }
@@ -222,6 +307,11 @@ bool Qp::pump_once(Stream& s) noexcept {
                          s.index),
              nullptr, true);
         return false;
+      }
+      if (unanswered(*f)) {
+        if (!take_share(s, *f)) return false;
+        s.st_pos += kFrameSize;
+        continue;
       }
       if (f->response()) {
         if (!answer(s, *f)) {
@@ -302,13 +392,19 @@ void Qp::lost_peer(std::string why) noexcept {
 }
 
 bool Qp::send(Stream& s) noexcept {
+  s.copied = 0;
   // Whole frames, several per call, straight from their memory.
   while (!s.out_empty()) {
     iovec iov[kIov];
     int n = 0;
     std::size_t skip = s.out_sent;
+    Out* with_fd = nullptr;  // a SHARE's: its descriptor goes with the first bytes of this call
     for (std::uint64_t i = s.out_head; i != s.out_tail && n + 2 <= kIov; ++i) {
-      const Out& o = s.out[i % s.out.size()];
+      Out& o = s.out[i % s.out.size()];
+      if (o.share && !o.share_sent) {
+        if (n > 0) break;  // one descriptor per call, at its start
+        with_fd = &o;
+      }
       if (skip < kFrameSize) {
         iov[n++] = {const_cast<std::uint8_t*>(o.head.data()) + skip, kFrameSize - skip};
         skip = 0;
@@ -321,7 +417,10 @@ bool Qp::send(Stream& s) noexcept {
     msghdr m{};
     m.msg_iov = iov;
     m.msg_iovlen = static_cast<std::size_t>(n);
+    shm::OneDescriptor control;
+    if (with_fd != nullptr) control.attach(m, with_fd->share->fd.get());
     const ssize_t sent = ::sendmsg(s.fd.get(), &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (sent > 0 && with_fd != nullptr) with_fd->share_sent = true;
     if (sent < 0) {
       if (errno == EINTR) continue;
       if (errno == EPIPE || errno == ECONNRESET) {
@@ -342,6 +441,7 @@ bool Qp::send(Stream& s) noexcept {
       moved -= size;
       if (o.answer) --s.answers_queued;
       o.copy.reset();
+      o.share.reset();
       ++s.out_head;
     }
     s.out_sent = moved;
