@@ -216,7 +216,7 @@ Connection Connection::Impl::accept_soft(std::unique_ptr<detail::Channel> channe
       m.info.transport_reason += by_ring ? "; through the initiator's shared ring (two copies)"
                                          : "; this side copies by cross-memory attach (one copy)";
       const bool shares = hooks.shm_shares_from != 0 && m.engine_protocol >= hooks.shm_shares_from;
-      m.info.transport_reason += shares ? "; memory the initiator shares (its allocations), this side maps and copies once"
+      m.info.transport_reason += shares ? "; what memory the initiator shares (engine protocol 8), this side maps and copies once"
                                         : fmt::format("; no memory mapped (engine protocol {})", m.engine_protocol);
     }
     // The link is whole here: READY tells the client (which waits for it, not the other way

@@ -3,6 +3,7 @@
 // memory it allocates, and how a buffer ranks the devices (include/rdmakit/engine.hpp).
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -138,13 +139,22 @@ struct SharedPages final : detail::MemorySource {
   void from_bounce(const void*, std::size_t, std::size_t) override {}
 };
 
+// Each shared buffer holds a descriptor while it lives: at most a quarter of the process's limit
+// go to them, so that sockets, epoll sets and rings keep theirs (past it, memory no peer maps).
+bool descriptors_to_spare(const detail::soft::Device& shm) {
+  rlimit r{};
+  if (::getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur == RLIM_INFINITY) return true;
+  return shm.shared_count() < r.rlim_cur / 4;
+}
+
 }  // namespace
 
 Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
   auto rec = std::make_unique<detail::BufferRec>();
   rec->kind = spec.kind;
   std::unique_ptr<SharedPages> pages;
-  if (impl_->shares(spec.kind) && length > 0) {
+  detail::soft::Device& shm = *impl_->soft[impl_->soft_index(wire::LinkTransport::shm) - impl_->rdma_count];
+  if (impl_->shares(spec.kind) && length > 0 && length <= detail::soft::kMaxShare && descriptors_to_spare(shm)) {
     try {
       pages = std::make_unique<SharedPages>(length);
     } catch (const Error& e) {
@@ -169,7 +179,6 @@ Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
       impl->access = Access::local_write;
       rec->soft.emplace(MemoryRegion::Impl::wrap(std::move(impl)));
     }
-    detail::soft::Device& shm = *impl_->soft[impl_->soft_index(wire::LinkTransport::shm) - impl_->rdma_count];
     rec->shared.emplace(&shm, shm.share(at, length, std::move(fd)));
     rec->handle.addr = at;
     rec->handle.length = length;

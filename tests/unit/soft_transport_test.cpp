@@ -510,8 +510,8 @@ TEST(ShmShared, TheTargetMapsSharedMemoryOnceAndUnmapsItWhenItIsTakenBack) {
 }
 
 // A requester gives at most max_given ranges per link: past that, memory it shares goes by attach
-// all the same (every byte lands, none counted as mapped); and the side that asks takes nothing
-// its peer shares (a link whose server sends a SHARE fails).
+// all the same (every byte lands, none counted as mapped), also when one chain names more ranges
+// than are left (the cap is kept where the SHARE goes, not only where the request is taken).
 TEST(ShmShared, PastItsLimitOfRangesALinkCopiesTheRestTheOtherWay) {
   Pair p(1, Mode::mapped);
   p.qa.reset();
@@ -563,11 +563,36 @@ TEST(ShmShared, PastItsLimitOfRangesALinkCopiesTheRestTheOtherWay) {
     (void)p.dev.share(maps.back().data(), 65536, Fd(::fcntl(fds.back().get(), F_DUPFD_CLOEXEC, 0)));
     regions.push_back(unregistered(maps.back().data(), 65536));
   }
-  for (std::uint64_t i = 0; i < 4; ++i) {
-    ASSERT_TRUE((p.dpa.post_one<Opcode::write>(regions[i].local(), seg, i << 16, 0, 0, 0, i + 1).ok()));
-    const Completion c = p.next(p.dpa);
-    ASSERT_TRUE(c.ok()) << c.describe();
+  ASSERT_TRUE((p.dpa.post_one<Opcode::write>(regions[0].local(), seg, 0, 0, 0, 0, 1).ok()));
+  const Completion c = p.next(p.dpa);
+  ASSERT_TRUE(c.ok()) << c.describe();
+  // The other three in one chain: each is taken while one range is given, fewer than the cap.
+  std::array<ibv_sge, 3> sge{};
+  std::array<ibv_send_wr, 3> wr{};
+  for (std::size_t i = 0; i < 3; ++i) {
+    sge[i] = {reinterpret_cast<std::uint64_t>(maps[i + 1].data()), 65536, 0};
+    wr[i].wr_id = 100 + i;
+    wr[i].sg_list = &sge[i];
+    wr[i].num_sge = 1;
+    wr[i].opcode = IBV_WR_RDMA_WRITE;
+    wr[i].send_flags = IBV_SEND_SIGNALED;
+    wr[i].wr.rdma.remote_addr = seg.addr + ((i + 1) << 16);
+    wr[i].wr.rdma.rkey = seg.rkey;
+    wr[i].next = i + 1 < 3 ? &wr[i + 1] : nullptr;
   }
+  ibv_send_wr* bad = nullptr;
+  ASSERT_EQ(ibv_post_send(p.qa->qp(), wr.data(), &bad), 0);
+  int done = 0;
+  const auto until = std::chrono::steady_clock::now() + 5s;
+  while (done < 3 && std::chrono::steady_clock::now() < until) {
+    p.cqb.progress();
+    ibv_wc wc{};
+    if (ibv_poll_cq(p.cqa.cq(), 1, &wc) == 1) {
+      EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << ibv_wc_status_str(wc.status);
+      ++done;
+    }
+  }
+  ASSERT_EQ(done, 3);
   for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(p.b_mem[(i << 16) + 65535], 0x40 + i) << i;
   EXPECT_EQ(p.qa->given(), 2u);
   EXPECT_EQ(p.qb->peer_shares(), 2u);

@@ -122,6 +122,24 @@ void Device::unshare(std::uint64_t id) noexcept {
   for (Cq* c : cqs_) c->nudge();
 }
 
+std::size_t Device::shared_count() const {
+  std::lock_guard lock(shares_mu_);
+  return shares_ ? shares_->size() : 0;
+}
+
+bool Device::take_map(std::size_t bytes) noexcept {
+  const std::uint64_t n = maps_.fetch_add(1, std::memory_order_relaxed) + 1;
+  const std::uint64_t b = map_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  if (n <= kMapsBudget && b <= kMapBytesBudget) return true;
+  give_back_map(bytes);
+  return false;
+}
+
+void Device::give_back_map(std::size_t bytes) noexcept {
+  maps_.fetch_sub(1, std::memory_order_relaxed);
+  map_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
 std::shared_ptr<const Device::Shares> Device::shares() const {
   std::lock_guard lock(shares_mu_);
   return shares_;

@@ -55,6 +55,11 @@ struct Mw {
   std::uint32_t key = 0;  // the rkey it is bound under (0: none)
 };
 
+/// What one device maps of its shm peers' memory at most: ranges (each a mapping against the
+/// process's vm.max_map_count, 65530 by default) and bytes (address space).
+inline constexpr std::uint64_t kMapsBudget = 16384;
+inline constexpr std::uint64_t kMapBytesBudget = std::uint64_t{16} << 40;
+
 /// Memory of this process held in a memfd (from its offset 0), which same-host peers may map:
 /// a buffer an engine allocated while it offers shm. An shm link's requester names (id, offset)
 /// in it rather than an address, and the peer's responder copies between its own mapping of it
@@ -100,10 +105,12 @@ class Device {
   [[nodiscard]] std::uint64_t shares_changed() const noexcept { return shares_gen_.load(std::memory_order_acquire); }
   /// A count that changes when a range goes (the CQs' polls look at it: links tell their peers).
   [[nodiscard]] std::uint64_t unshares() const noexcept { return unshares_.load(std::memory_order_acquire); }
-  /// Ranges of peers' memory this device's links map now, after adding `delta`.
-  std::size_t mapped_ranges(std::int64_t delta) noexcept {
-    return static_cast<std::size_t>(maps_.fetch_add(delta, std::memory_order_relaxed) + delta);
-  }
+  /// Ranges shared now.
+  [[nodiscard]] std::size_t shared_count() const;
+  /// Takes one range of `bytes` of the device's budget for mapping peers' memory (false: over
+  /// it, nothing taken), or gives it back.
+  bool take_map(std::size_t bytes) noexcept;
+  void give_back_map(std::size_t bytes) noexcept;
   /// Bytes of this device's reads and writes that ended ok through shared ranges (the queue pairs
   /// count them as they complete).
   [[nodiscard]] std::uint64_t mapped_bytes() const noexcept { return mapped_bytes_.load(std::memory_order_relaxed); }
@@ -128,7 +135,7 @@ class Device {
   std::atomic<std::uint64_t> shares_gen_{0};
   std::atomic<std::uint64_t> unshares_{0};
   std::atomic<std::uint64_t> mapped_bytes_{0};
-  std::atomic<std::int64_t> maps_{0};
+  std::atomic<std::uint64_t> maps_{0}, map_bytes_{0};
 };
 
 /// A completion queue and its channel. Polling it drives its queue pairs: their streams are

@@ -63,8 +63,7 @@ void Qp::start() {
 }
 
 void Qp::unmap_all() noexcept {
-  if (maps_.empty()) return;
-  dev_.mapped_ranges(-static_cast<std::int64_t>(maps_.size()));
+  for (const auto& [id, m] : maps_) dev_.give_back_map(m.size());
   maps_.clear();
 }
 
@@ -231,8 +230,11 @@ const SharedRange* Qp::shared_at(std::uint64_t addr, std::uint64_t len) noexcept
     }
   }
   const SharedRange* r = range_at(addr);
-  if (r == nullptr || addr - r->base > r->length || len > r->length - (addr - r->base)) return nullptr;
-  // Past kMaxGiven ranges on this link, a range not given yet goes the other way.
+  if (r == nullptr || r->length > kMaxShare || addr - r->base > r->length || len > r->length - (addr - r->base)) {
+    return nullptr;
+  }
+  // Past max_given ranges on this link, a range not given yet goes the other way (issue() looks
+  // again: the requests of one chain are all taken before any is given).
   return given_.size() < cfg_.max_given || given_.contains(r->id) ? r : nullptr;
 }
 
@@ -243,10 +245,17 @@ const SharedRange* Qp::range_at(std::uint64_t addr) const noexcept {
   return it == v.begin() ? nullptr : (--it)->get();
 }
 
+bool Qp::room_for_control(const Stream& s, std::size_t frames) const noexcept {
+  // Beside them, room for every answer this side may still owe (a WRITE's is queued once its
+  // data is in, counted on the room serve() saw).
+  const std::size_t free = s.out.size() - (s.out_tail - s.out_head);
+  return free >= frames + (kAnswerFrames - std::min<std::size_t>(kAnswerFrames, s.answers_queued));
+}
+
 bool Qp::give(Stream& s, std::uint64_t id) noexcept {
   if (!take_back(s)) return false;
   if (given_.contains(id)) return true;
-  if (s.out.size() - (s.out_tail - s.out_head) < 2) return false;  // the SHARE and the request after it
+  if (!room_for_control(s, 2)) return false;  // the SHARE and the request after it
   std::shared_ptr<const SharedRange> range;
   if (shares_) {
     const auto it = std::find_if(shares_->begin(), shares_->end(), [&](const auto& e) { return e->id == id; });
@@ -270,7 +279,7 @@ bool Qp::give(Stream& s, std::uint64_t id) noexcept {
 
 bool Qp::take_back(Stream& s) noexcept {
   while (!ungiven_.empty()) {
-    if (s.out_full()) return false;
+    if (!room_for_control(s, 1)) return false;
     Frame f;
     f.op = static_cast<std::uint8_t>(FrameOp::unshare);
     f.arg0 = ungiven_.back();
@@ -282,7 +291,14 @@ bool Qp::take_back(Stream& s) noexcept {
 }
 
 void Qp::shares_changed() noexcept {
-  if (!cfg_.shares || given_.empty() || error_) return;
+  if (!cfg_.shares) return;
+  if (given_.empty() || error_) {
+    // Nothing to tell the peer; the old list goes (it holds the ranges' descriptors, and with
+    // them the memory of buffers unregistered since), read again at the next request.
+    shares_.reset();
+    shares_seen_ = ~std::uint64_t{0};
+    return;
+  }
   try {
     // The count first, then the ranges: a change between the two is seen again (shared_at).
     const std::uint64_t g = dev_.shares_changed();
@@ -297,7 +313,7 @@ void Qp::shares_changed() noexcept {
     return;  // out of memory: the peer keeps its mapping until the next change, or the link's end
   }
   Stream& s = *streams_[0];
-  if (take_back(s) && !s.watch_out) (void)send(s);
+  if (take_back(s) && !s.watch_out && send(s)) cq_.again(&s);
 }
 
 void Qp::issue() noexcept {
@@ -313,6 +329,14 @@ void Qp::issue() noexcept {
     // so they stay in the order they were posted, as on one RC QP (WRITEs and READs of several
     // frames are spread, as a transfer is over rails: docs/engine.md).
     Stream* s = nullptr;
+    if ((r.op == FrameOp::write_map || r.op == FrameOp::read_map) && issue_off_ == 0 && !given_.contains(r.arg0) &&
+        given_.size() >= cfg_.max_given) {
+      // The link's ranges are all given (a chain named more than it had left): this one goes
+      // the way of memory that is not shared.
+      const bool write = r.op == FrameOp::write_map;
+      r.op = cfg_.ring ? (write ? FrameOp::write_ring : FrameOp::read_ring) : (write ? FrameOp::write_cma : FrameOp::read_cma);
+      r.arg0 = r.arg1 = 0;
+    }
     const bool atomic = r.op == FrameOp::fetch_add || r.op == FrameOp::compare_swap;
     const bool mapped = r.op == FrameOp::write_map || r.op == FrameOp::read_map;
     if (atomic || mapped) {

@@ -43,6 +43,11 @@
 #include "transport/shm/ring.hpp"
 
 namespace rdmakit::detail::soft {
+/// The largest range a requester shares, and a responder maps.
+inline constexpr std::size_t kMaxShare = std::size_t{1} << 40;
+}  // namespace rdmakit::detail::soft
+
+namespace rdmakit::detail::soft {
 
 struct QpConfig {
   std::uint32_t send_depth = 64;
@@ -145,6 +150,8 @@ class Qp {
   /// Queues on `s` the SHARE of range `id` if the peer does not have it yet, and the UNSHAREs
   /// owed; false when `s` has no room for them now.
   bool give(Stream& s, std::uint64_t id) noexcept;
+  /// Whether `s` has room for `frames` unanswered frames beside every answer it may still owe.
+  [[nodiscard]] bool room_for_control(const Stream& s, std::size_t frames) const noexcept;
   bool take_back(Stream& s) noexcept;
   /// A SHARE or UNSHARE from the peer (responder). False: the link failed (a lying peer).
   bool take_share(Stream& s, const Frame& f) noexcept;

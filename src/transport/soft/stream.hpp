@@ -24,14 +24,10 @@ inline constexpr std::size_t kStage = 4096;
 inline constexpr std::size_t kDirect = 512;
 inline constexpr int kIov = 64;
 // Shared ranges: a requester gives at most kMaxGiven per link (QpConfig::max_given; what else it
-// moves goes by attach or the ring); a responder takes no more per link (a peer that sends more
-// lies), none past 1 TiB,
-// and at most kMapsBudget over all the links of its device (each is a mapping against the
-// process's vm.max_map_count, 65530 by default): past that, the link fails saying so. At most
-// kMaxWaitingFds descriptors may wait for their SHARE frames.
+// moves goes by attach or the ring) and none past kMaxShare bytes; a responder takes no more (a
+// peer that sends more lies), and its device no more than its budget (device.hpp: past that,
+// the link fails saying so). At most kMaxWaitingFds descriptors may wait for their SHARE frames.
 inline constexpr std::size_t kMaxGiven = 1024;
-inline constexpr std::size_t kMapsBudget = 16384;
-inline constexpr std::size_t kMaxShare = std::size_t{1} << 40;
 inline constexpr std::size_t kMaxWaitingFds = 16;
 // A ring frame this long is sent (requester) or answered (responder) at once rather than with
 // the others of its turn: the two sides' copies overlap.

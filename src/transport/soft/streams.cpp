@@ -152,8 +152,10 @@ bool Qp::take_share(Stream& s, const Frame& f) noexcept {
                   "that asks)");
   }
   if (f.request_op() == FrameOp::unshare) {
-    if (maps_.erase(f.arg0) == 0) return refuse(fmt::format("the peer took back memory {} it never shared", f.arg0));
-    dev_.mapped_ranges(-1);
+    const auto it = maps_.find(f.arg0);
+    if (it == maps_.end()) return refuse(fmt::format("the peer took back memory {} it never shared", f.arg0));
+    dev_.give_back_map(it->second.size());
+    maps_.erase(it);
     return true;
   }
   if (s.fds.empty()) return refuse(fmt::format("memory {} was shared without its descriptor", f.arg0));
@@ -161,22 +163,28 @@ bool Qp::take_share(Stream& s, const Frame& f) noexcept {
   s.fds.erase(s.fds.begin());
   if (maps_.contains(f.arg0)) return refuse(fmt::format("memory {} was shared twice", f.arg0));
   if (maps_.size() >= kMaxGiven) return refuse(fmt::format("more than {} ranges of memory were shared", kMaxGiven));
-  if (dev_.mapped_ranges(0) >= kMapsBudget) {
-    fail(fmt::format("data stream {}: this engine maps {} ranges of its shm peers' memory already, its budget (each is "
-                     "a mapping against vm.max_map_count): turn EngineConfig::shm_map off on the peers with many "
-                     "buffers, or raise the budget",
-                     s.index, kMapsBudget),
+  std::size_t size = 0;
+  try {
+    size = shm::check_sealed_memfd(fd.get(), 1, kMaxShare, "the memory the peer shared");
+  } catch (const std::exception& e) {
+    return refuse(e.what());
+  }
+  if (size != f.arg1) return refuse(fmt::format("memory {} has {} bytes, and its SHARE says {}", f.arg0, size, f.arg1));
+  // The device's budget, taken before the mapping (links on other workers take it too).
+  if (!dev_.take_map(size)) {
+    fail(fmt::format("data stream {}: this engine maps {} ranges ({} bytes) of its shm peers' memory at most, and has "
+                     "reached that (each is a mapping against vm.max_map_count, and address space): turn "
+                     "EngineConfig::shm_map off on the peers with many buffers",
+                     s.index, kMapsBudget, kMapBytesBudget),
          nullptr, true);
     return false;
   }
   try {
-    const std::size_t size = shm::check_sealed_memfd(fd.get(), 1, kMaxShare, "the memory the peer shared");
-    if (size != f.arg1) return refuse(fmt::format("memory {} has {} bytes, and its SHARE says {}", f.arg0, size, f.arg1));
     maps_.emplace(f.arg0, shm::Mapping(fd.get(), size, "the memory the peer shared"));
   } catch (const std::exception& e) {
+    dev_.give_back_map(size);
     return refuse(e.what());
   }
-  dev_.mapped_ranges(1);
   return true;
 }
 
