@@ -117,7 +117,7 @@ EngineCounters Engine::counters() const noexcept {
   o.plan_builds = c.plan_builds.load();
   o.lists_posted = c.lists_posted.load();
   o.lists_builds = c.lists_builds.load();
-  o.shm_mapped_bytes = impl_->soft[1]->mapped_bytes();
+  o.shm_mapped_bytes = impl_->shm_device().mapped_bytes();
   o.submits_inline = c.submits_inline.load();
   o.waits_spun = c.waits_spun.load();
   o.leases_granted = c.leases_granted.load();

@@ -875,6 +875,10 @@ struct Engine::Impl {
   [[nodiscard]] std::uint32_t soft_index(wire::LinkTransport k) const noexcept {
     return rdma_count + (k == wire::LinkTransport::tcp ? 0u : 1u);
   }
+  /// The shm transport's software device (what the engine shares with its shm peers).
+  [[nodiscard]] detail::soft::Device& shm_device() const noexcept {
+    return *soft[soft_index(wire::LinkTransport::shm) - rdma_count];
+  }
   /// The name of device index `d` ("mlx5_0", "tcp", "shm").
   [[nodiscard]] std::string device_name(std::uint32_t d) const;
   /// The PD windows are allocated in on device `d`, and `buf`'s MR there (null on a software one).

@@ -153,7 +153,7 @@ Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
   auto rec = std::make_unique<detail::BufferRec>();
   rec->kind = spec.kind;
   std::unique_ptr<SharedPages> pages;
-  detail::soft::Device& shm = *impl_->soft[impl_->soft_index(wire::LinkTransport::shm) - impl_->rdma_count];
+  detail::soft::Device& shm = impl_->shm_device();
   if (impl_->shares(spec.kind) && length > 0 && length <= detail::soft::kMaxShare && descriptors_to_spare(shm)) {
     try {
       pages = std::make_unique<SharedPages>(length);
@@ -165,19 +165,13 @@ Buffer Engine::allocate_memory(std::size_t length, const MemorySpec& spec) {
     }
   }
   if (pages) {
-    // Memory shm peers map (their copies one pass), registered on every device by its address.
+    // Memory shm peers map (their copies one pass), registered on every device by its address
+    // (tcp and shm reach it by address too: publish() makes its soft region).
     void* at = pages->cpu;
     detail::Fd fd = std::move(pages->fd);
     rec->home = std::move(pages);
     for (const auto& pd : impl_->pds) {
       rec->regions.emplace_back(MemoryRegion::Impl::wrap(detail::register_region(pd, at, length, buffer_access(impl_->windows))));
-    }
-    if (impl_->pds.empty()) {
-      auto impl = std::make_unique<MemoryRegion::Impl>();
-      impl->addr = impl->cpu = at;
-      impl->length = length;
-      impl->access = Access::local_write;
-      rec->soft.emplace(MemoryRegion::Impl::wrap(std::move(impl)));
     }
     rec->shared.emplace(&shm, shm.share(at, length, std::move(fd)));
     rec->handle.addr = at;

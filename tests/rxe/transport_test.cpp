@@ -53,6 +53,19 @@ rdmakit::PeerInfo peer_info(const Engine& e, const std::string& name) {
   return {};
 }
 
+// Writes `len` bytes of `src` to peer "t"'s segment "kv" at 0, then reads them back into `dst`:
+// neither batch has a failure.
+void write_and_read_back(Engine& a, const Buffer& src, const Buffer& dst, std::uint64_t len) {
+  const Transfer w = xfer(TransferOp::write, src, 0, len, a.segment("t", "kv"), 0);
+  Batch b = a.submit({&w, 1});
+  ASSERT_TRUE(b.wait(10s));
+  EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
+  const Transfer r = xfer(TransferOp::read, dst, 0, len, a.segment("t", "kv"), 0);
+  Batch rb = a.submit({&r, 1});
+  ASSERT_TRUE(rb.wait(10s));
+  EXPECT_EQ(rb.failed(), 0u) << rb.describe_failures();
+}
+
 #define HOST_ONLY()                                                                              \
   do {                                                                                           \
     if (!lab::soft_transport()) GTEST_SKIP() << "runs on the host (RDMAKIT_TEST_TRANSPORT=tcp or shm)"; \
@@ -149,15 +162,8 @@ TEST(EngineTransports, WhereTheKernelForbidsAttachShmGoesThroughTheRing) {
   const Buffer src = a.allocate_memory(1 << 20);
   const Buffer dst = a.allocate_memory(1 << 20);
   fill(src.addr, src.length, 9);
-  const Transfer w = xfer(TransferOp::write, src, 0, 1 << 20, a.segment("t", "kv"), 0);
-  Batch b = a.submit({&w, 1});
-  ASSERT_TRUE(b.wait(10s));
-  EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
+  ASSERT_NO_FATAL_FAILURE(write_and_read_back(a, src, dst, 1 << 20));
   EXPECT_TRUE(same(t.buf.addr, src.addr, 1 << 20));
-  const Transfer r = xfer(TransferOp::read, dst, 0, 1 << 20, a.segment("t", "kv"), 0);
-  Batch rb = a.submit({&r, 1});
-  ASSERT_TRUE(rb.wait(10s));
-  EXPECT_EQ(rb.failed(), 0u) << rb.describe_failures();
   EXPECT_TRUE(same(dst.addr, src.addr, 1 << 20));
   const rdmakit::PeerInfo p = peer_info(a, "t");
   EXPECT_EQ(p.transport, "shm");
@@ -220,14 +226,7 @@ TEST(EngineTransports, AllocatedMemoryIsCopiedOnceThroughTheTargetsMapping) {
     const Buffer src = a.allocate_memory(4 << 20);
     const Buffer dst = a.allocate_memory(4 << 20);
     fill(src.addr, src.length, 21);
-    const Transfer w = xfer(TransferOp::write, src, 0, 4 << 20, a.segment("t", "kv"), 0);
-    Batch b = a.submit({&w, 1});
-    ASSERT_TRUE(b.wait(10s));
-    EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
-    const Transfer r = xfer(TransferOp::read, dst, 0, 4 << 20, a.segment("t", "kv"), 0);
-    Batch rb = a.submit({&r, 1});
-    ASSERT_TRUE(rb.wait(10s));
-    EXPECT_EQ(rb.failed(), 0u) << rb.describe_failures();
+    ASSERT_NO_FATAL_FAILURE(write_and_read_back(a, src, dst, 4 << 20));
     EXPECT_TRUE(same(t.buf.addr, src.addr, 4 << 20));
     EXPECT_TRUE(same(dst.addr, src.addr, 4 << 20));
     EXPECT_EQ(a.counters().shm_mapped_bytes, 8u << 20);

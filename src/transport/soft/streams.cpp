@@ -90,38 +90,34 @@ bool Qp::serve(Stream& s, const Frame& f) noexcept {
       break;
     }
     case FrameOp::write_ring:
-    case FrameOp::read_ring: {
-      // Between the window and the requester's ring, which this side maps: never its memory.
-      const bool write = op == FrameOp::write_ring;
-      a.status = check(f, write ? IBV_ACCESS_REMOTE_WRITE : IBV_ACCESS_REMOTE_READ);
-      const std::size_t size = cfg_.ring && !cfg_.cma ? cfg_.ring->size() : 0;
-      if (size == 0 || f.arg0 > size || f.length > size - f.arg0) a.status = FrameStatus::invalid;
-      if (a.status == FrameStatus::ok && f.length != 0) {
-        std::uint8_t* in_ring = cfg_.ring->data() + f.arg0;
-        if (write) {
-          std::memcpy(at, in_ring, f.length);
-        } else {
-          std::memcpy(in_ring, at, f.length);
-        }
-      }
-      break;
-    }
+    case FrameOp::read_ring:
     case FrameOp::write_map:
     case FrameOp::read_map: {
-      // Between the window and the requester's memory it shared (mapped here): one copy.
-      const bool write = op == FrameOp::write_map;
+      // Between the window and memory of the requester's that this side maps: its ring (at
+      // offset arg0), or a range it shared (range arg0, at offset arg1). Never its other memory.
+      const bool ring = op == FrameOp::write_ring || op == FrameOp::read_ring;
+      const bool write = op == FrameOp::write_ring || op == FrameOp::write_map;
       a.status = check(f, write ? IBV_ACCESS_REMOTE_WRITE : IBV_ACCESS_REMOTE_READ);
-      const auto m = maps_.find(f.arg0);
-      if (m == maps_.end() || f.arg1 > m->second.size() || f.length > m->second.size() - f.arg1) a.status = FrameStatus::invalid;
-      // A READ's copy lands in the requester's memory: not once it gave up (as with attach). A
-      // WRITE's reads it, which the peer may do at any time anyway: no system call for that.
-      if (a.status == FrameStatus::ok && f.length != 0 && !write && gave_up(s)) a.status = FrameStatus::remote_op;
+      std::uint8_t* base = nullptr;
+      std::size_t size = 0;
+      if (ring && cfg_.ring && !cfg_.cma) {
+        base = cfg_.ring->data();
+        size = cfg_.ring->size();
+      } else if (const auto m = maps_.find(f.arg0); !ring && m != maps_.end()) {
+        base = m->second.data();
+        size = m->second.size();
+      }
+      const std::uint64_t off = ring ? f.arg0 : f.arg1;
+      if (base == nullptr || off > size || f.length > size - off) a.status = FrameStatus::invalid;
+      // A mapped READ's copy lands in the requester's memory: not once it gave up (as with
+      // attach). A WRITE's reads it, which the peer may do at any time anyway: no system call for
+      // that. (Through the ring the copy lands in the ring, never in its buffers.)
+      if (a.status == FrameStatus::ok && f.length != 0 && !ring && !write && gave_up(s)) a.status = FrameStatus::remote_op;
       if (a.status == FrameStatus::ok && f.length != 0) {
-        std::uint8_t* theirs = m->second.data() + f.arg1;
         if (write) {
-          std::memcpy(at, theirs, f.length);
+          std::memcpy(at, base + off, f.length);
         } else {
-          std::memcpy(theirs, at, f.length);
+          std::memcpy(base + off, at, f.length);
         }
       }
       break;
