@@ -323,9 +323,12 @@ TEST(EngineAccess, ARevokedClientIsCutOffAndRefusedUntilAllowed) {
     return b.result(0);
   };
   ASSERT_EQ(read_once().status, TransferStatus::ok);
-  // Reads in flight (4,000 of 64 KiB: a quarter GiB) when the target revokes the client.
+  // Reads in flight when the target revokes the client: 4,000 of 1 MiB (4 GiB), more than any
+  // transport here moves before the revocation cuts the link (5 ms, then the target's own
+  // work). At 64 KiB (a quarter GiB), shm's one copy of a buffer the target maps finished them
+  // all first in 4 runs of 30.
   std::vector<Transfer> many;
-  for (std::uint64_t i = 0; i < 4000; ++i) many.push_back(xfer(TransferOp::read, dst, 0, 64 << 10, seg, (i % 16) * (64 << 10)));
+  for (std::uint64_t i = 0; i < 4000; ++i) many.push_back(xfer(TransferOp::read, dst, 0, 1 << 20, seg, 0));
   Batch inflight = c.submit(many);
   std::this_thread::sleep_for(5ms);
   t.engine.revoke("c");
