@@ -444,4 +444,29 @@ bool wait_readable(int fd, std::chrono::milliseconds timeout) noexcept {
   return rc > 0;
 }
 
+std::vector<Fd> descriptors_of(msghdr& m) {
+  std::vector<Fd> fds;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const std::size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (std::size_t i = 0; i < k; ++i) {
+      int fd = -1;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+      fds.emplace_back(fd);
+    }
+  }
+  return fds;
+}
+
+void OneDescriptor::attach(msghdr& m, int fd) noexcept {
+  static_assert(sizeof control >= CMSG_SPACE(sizeof(int)) && alignof(OneDescriptor) >= alignof(cmsghdr));
+  m.msg_control = control;
+  m.msg_controllen = CMSG_SPACE(sizeof(int));
+  cmsghdr* c = CMSG_FIRSTHDR(&m);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
+}
+
 }  // namespace rdmakit::detail

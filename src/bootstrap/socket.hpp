@@ -106,6 +106,16 @@ long recv_nonblocking(int fd, std::span<std::uint8_t> buf, int* error = nullptr)
 inline constexpr long kSendFailed = -1;
 long send_nonblocking(int fd, std::span<const std::uint8_t> bytes, int* error) noexcept;
 
+/// The descriptors a recvmsg() took (SCM_RIGHTS), each owned now (closed unless kept).
+std::vector<Fd> descriptors_of(msghdr& m);
+
+/// Room for one descriptor in a sendmsg()'s control data (SCM_RIGHTS).
+struct OneDescriptor {
+  alignas(8) char control[24] = {};  // CMSG_SPACE(sizeof(int)) on Linux
+  /// Makes `m` carry `fd`.
+  void attach(msghdr& m, int fd) noexcept;
+};
+
 /// Waits up to `timeout` for `fd` to become readable (data, EOF or error).
 bool wait_readable(int fd, std::chrono::milliseconds timeout) noexcept;
 

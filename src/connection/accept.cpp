@@ -14,7 +14,9 @@
 #include "connection/handshake.hpp"
 #include "connection/impl.hpp"
 #include "rdmakit/error.hpp"
+#include "transport/shm/host.hpp"
 #include "transport/shm/ring.hpp"
+#include "transport/shm/stream.hpp"
 
 namespace rdmakit {
 
@@ -203,12 +205,9 @@ Connection Connection::Impl::accept_soft(std::unique_ptr<detail::Channel> channe
     std::shared_ptr<detail::shm::Ring> ring;
     const bool by_ring = shm && m.info.remote.transport->proof_addr == 0;
     if (by_ring) {
-      // No proof is read, so the kernel's word on the local socket stands for it: a process of
-      // this user at the other end (an abstract socket has no permissions of its own).
-      detail::shm::require_own_user(fds[0].get(), "shm links only one user's processes");
-      ring = detail::shm::Ring::receive(fds[0].get(), deadline, hooks.stop.get());
+      ring = detail::shm::take_ring(fds[0].get(), deadline, hooks.stop.get());
     } else if (shm) {
-      verify_host(*m.info.remote.transport, pid, m.session.get());
+      detail::shm::verify(*m.info.remote.transport, pid, m.session.get());
     }
     m.open_soft(kind, std::move(fds), shm && !by_ring ? pid : 0, false, std::move(ring));
     m.info.transport_reason = why;

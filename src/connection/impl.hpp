@@ -26,6 +26,7 @@
 #include "bootstrap/socket.hpp"
 #include "datapath/datapath.hpp"
 #include "rdmakit/connection.hpp"
+#include "transport/shm/ring.hpp"
 #include "transport/soft/qp.hpp"
 #include "verbs/device_layer.hpp"
 #include "verbs/handles.hpp"
@@ -110,10 +111,6 @@ class StreamRegistry {
   std::map<Token, Pending> pending_;
 };
 
-/// This process for shm: where it runs (a hash of the kernel's boot id, its network and PID
-/// namespaces and its user) and its pid, in a transport block.
-wire::TransportBlock this_host();
-
 /// The library's own hooks into a handshake, for the doctor (which explains a failed connection
 /// by comparing both sides' parameters), the engine (which builds its links on shared
 /// resources) and the library's tests (which forge a peer's values). Not part of the public API.
@@ -133,7 +130,7 @@ struct HandshakeHooks {
   /// Why each transport this side does not offer is not (for the server's refusal, the client's log).
   std::string transports_note;
   std::uint8_t tcp_streams = 2;
-  /// This process, for shm: where it runs and its pid (this_host()).
+  /// This process, for shm: where it runs and its pid (shm::this_host()).
   wire::TransportBlock self;
   std::shared_ptr<StreamRegistry> streams;
   /// A server that offers shm: the local socket (abstract namespace) its shm streams connect to,
@@ -288,14 +285,8 @@ struct Connection::Impl final : detail::Housekeeping, detail::DeviceSink {
   /// server: the client's highest; a client: the server's answer), or Error naming both sides'.
   [[nodiscard]] static std::uint8_t agree_engine_protocol(const detail::HandshakeHooks& hooks,
                                                           const wire::TransportBlock& theirs, bool server);
-  /// shm, the client: what its HELLO says of its proof (`t`: where it lies in this process's
-  /// memory, and with no key its hash); with a key, the proof is derived from the session, so
-  /// no other process's memory can hold it.
+  /// shm, the client: what its HELLO says of its proof (shm::prove(), kept in shm_proof).
   void prove_host(wire::TransportBlock& t);
-  /// shm, the server: that process `pid` (the kernel's word, from the local socket its stream
-  /// came on) holds this link's session: its proof, read by cross-memory attach where the HELLO
-  /// `t` says it lies. Throws Error saying why not.
-  static void verify_host(const wire::TransportBlock& t, int pid, const detail::Session* session);
   void connected() noexcept;
   /// Counts `bytes` about to be pinned against the listener's handshake budget (Setup only).
   void charge(std::uint64_t bytes);

@@ -1,16 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // An engine link of the tcp or shm transport: the server's choice among the transports the
 // client offers, the data streams a link's handshake waits for, and the link's software queue
-// pair (src/transport/soft/) with the data path on it.
+// pair (src/transport/soft/) with the data path on it: its streams opened by its transport
+// (src/transport/tcp/, src/transport/shm/), and shm's crossing.
 #include <sys/random.h>
-#include <sys/stat.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <climits>
-#include <fstream>
 
 #include <sodium.h>
 
@@ -18,7 +15,11 @@
 
 #include "connection/impl.hpp"
 #include "rdmakit/error.hpp"
+#include "transport/shm/crossing.hpp"
+#include "transport/shm/host.hpp"
 #include "transport/shm/ring.hpp"
+#include "transport/shm/stream.hpp"
+#include "transport/tcp/streams.hpp"
 #include "transport/soft/device.hpp"
 
 namespace rdmakit {
@@ -80,24 +81,6 @@ void StreamRegistry::forget(const Token& token) noexcept {
   pending_.erase(token);
 }
 
-wire::TransportBlock this_host() {
-  wire::TransportBlock t;
-  t.pid = static_cast<std::uint32_t>(::getpid());
-  // Equal for two processes only on one kernel (its boot id), in one network namespace (a local
-  // socket reaches), one PID namespace (a pid names the same process) and as one user (one may
-  // copy from the other): a hash, so nothing of it is readable from the HELLO.
-  std::string what;
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::getline(in, what);
-  struct stat st{};
-  for (const char* ns : {"/proc/self/ns/net", "/proc/self/ns/pid"}) {
-    what += ::stat(ns, &st) == 0 ? fmt::format("|{}:{}", st.st_dev, st.st_ino) : std::string("|?");
-  }
-  what += fmt::format("|uid {}", ::geteuid());
-  crypto_generichash(t.host.data(), t.host.size(), reinterpret_cast<const unsigned char*>(what.data()), what.size(), nullptr, 0);
-  return t;
-}
-
 }  // namespace detail
 
 std::optional<wire::LinkTransport> Connection::Impl::choose_transport(const detail::HandshakeHooks& hooks,
@@ -125,58 +108,7 @@ std::optional<wire::LinkTransport> Connection::Impl::choose_transport(const deta
   return std::nullopt;
 }
 
-namespace {
-
-// With a key, the proof is the session's own (a keyed hash of its binding): a value no process
-// but the one holding this session can have in its memory, so a client cannot point the server's
-// cross-memory copies at another process. Without one, a random secret whose hash the HELLO
-// carries (no more than keyless mode gives anyway: anyone who reaches the port is served).
-std::array<std::uint8_t, 32> hash_of(std::span<const std::uint8_t> bytes) {
-  std::array<std::uint8_t, 32> out{};
-  crypto_generichash(out.data(), out.size(), bytes.data(), bytes.size(), nullptr, 0);
-  return out;
-}
-
-std::array<std::uint8_t, 32> session_proof(const detail::Session& s) {
-  static constexpr char kLabel[] = "rdmakit shm proof";
-  std::array<std::uint8_t, 32> out{};
-  crypto_generichash(out.data(), out.size(), reinterpret_cast<const unsigned char*>(kLabel), sizeof kLabel - 1,
-                     s.binding().data(), s.binding().size());
-  return out;
-}
-
-}  // namespace
-
-void Connection::Impl::prove_host(wire::TransportBlock& t) {
-  if (session) {
-    shm_proof = session_proof(*session);
-    t.proof = {};
-  } else {
-    randombytes_buf(shm_proof.data(), shm_proof.size());
-    t.proof = hash_of(shm_proof);
-  }
-  t.proof_addr = reinterpret_cast<std::uint64_t>(shm_proof.data());
-}
-
-void Connection::Impl::verify_host(const wire::TransportBlock& t, int pid, const detail::Session* session) {
-  if (pid <= 0) {
-    throw Error("shm", EACCES, "the link's stream did not come over this engine's local socket, so no process is known to "
-                               "copy from");
-  }
-  std::array<std::uint8_t, 32> got{};
-  iovec local{got.data(), got.size()};
-  iovec remote{reinterpret_cast<void*>(t.proof_addr), got.size()};
-  if (::process_vm_readv(pid, &local, 1, &remote, 1, 0) != static_cast<ssize_t>(got.size())) {
-    const int err = errno;
-    throw Error("process_vm_readv", err, fmt::format("reading the shm proof of process {}", pid),
-                err == EPERM ? "this process may not read the peer's memory (another user, or Yama's ptrace_scope)" : "");
-  }
-  const std::array<std::uint8_t, 32> want = session != nullptr ? session_proof(*session) : t.proof;
-  const std::array<std::uint8_t, 32> seen = session != nullptr ? got : hash_of(got);
-  if (sodium_memcmp(want.data(), seen.data(), want.size()) != 0) {
-    throw Error("shm", EACCES, fmt::format("process {} (at the local socket's other end) does not hold this link's session", pid));
-  }
-}
+void Connection::Impl::prove_host(wire::TransportBlock& t) { detail::shm::prove(shm_proof, t, session.get()); }
 
 void Connection::Impl::open_soft(wire::LinkTransport kind, std::vector<detail::Fd> streams, int peer_pid, bool cma,
                                  std::shared_ptr<detail::shm::Ring> ring, bool give_shares) {
@@ -199,14 +131,6 @@ void Connection::Impl::open_soft(wire::LinkTransport kind, std::vector<detail::F
   std::uint32_t qpn = 0;
   if (::getrandom(&qpn, sizeof qpn, GRND_NONBLOCK) != sizeof qpn) qpn = 0;
   qc.qp_num = (qpn & 0xffffffu) | 1u;  // a name for messages only
-  qc.peer_pid = peer_pid;
-  qc.cma = cma;
-  qc.ring = std::move(ring);
-  // Engine protocol 8 on an shm link: the side that asks may hand the other its memory to map
-  // (only to a process of its own user), the side that serves maps what it is handed.
-  const bool maps = kind == wire::LinkTransport::shm && hooks.shm_shares_from != 0 && engine_protocol >= hooks.shm_shares_from;
-  qc.shares = maps && cma && give_shares;
-  qc.takes_shares = maps && !cma;
   // As an RC QP gives up on a peer that stops answering: its ACK timeout times its retries.
   qc.stall_timeout = std::max(std::chrono::milliseconds{500}, timeouts.ack_timeout * (timeouts.retry_count + 1));
   // What fails the queue pair on its own (a stream that broke, garbage) breaks the link, as a
@@ -216,8 +140,22 @@ void Connection::Impl::open_soft(wire::LinkTransport kind, std::vector<detail::F
     if (device_failure.empty()) device_failure = fmt::format("its {} data stream failed: {}", info.transport, why);
     device_failed.store(true, std::memory_order_release);
   };
+  std::unique_ptr<detail::soft::Crossing> crossing;
+  if (kind == wire::LinkTransport::shm) {
+    detail::shm::CrossingConfig cc;
+    cc.asks = cma;
+    cc.peer_pid = peer_pid;
+    cc.ring = std::move(ring);
+    // Engine protocol 8: the side that asks may hand the other its memory to map (only to a
+    // process of its own user), the side that serves maps what it is handed.
+    const bool maps = hooks.shm_shares_from != 0 && engine_protocol >= hooks.shm_shares_from;
+    cc.shares = maps && cma && give_shares;
+    cc.takes_shares = maps && !cma;
+    crossing = std::make_unique<detail::shm::Crossing>(*attached.soft_dev, std::move(cc));
+  }
   const std::string name = wire::to_string(kind);
-  soft_qp = std::make_unique<detail::soft::Qp>(*attached.soft_dev, *attached.soft_cq, std::move(qc), std::move(streams));
+  soft_qp = std::make_unique<detail::soft::Qp>(*attached.soft_dev, *attached.soft_cq, std::move(qc), std::move(streams),
+                                               std::move(crossing));
   info.transport = name;
   info.device = name;
   info.port = 1;
@@ -281,9 +219,6 @@ wire::LinkTransport Connection::Impl::chosen_transport(const wire::EndpointInfo&
 void Connection::Impl::open_streams(const detail::HostPort& to, wire::EndpointInfo remote, wire::LinkTransport chosen,
                                     detail::Deadline deadline) {
   const wire::TransportBlock& t = *remote.transport;
-  if (t.streams == 0 || t.streams > 16) {
-    throw Error("bootstrap handshake", EPROTO, fmt::format("the peer asks for {} data streams (1..16)", t.streams));
-  }
   if (cfg.method != ConnectMethod::tcp) {
     throw Error("data streams", EPROTONOSUPPORT, "a tcp or shm link bootstraps over TCP (link.method tcp)");
   }
@@ -297,21 +232,12 @@ void Connection::Impl::open_streams(const detail::HostPort& to, wire::EndpointIn
   // server right after the stream's STREAM message (it reads one, then the other).
   std::shared_ptr<detail::shm::Ring> ring;
   if (shm && hooks.shm_ring) ring = detail::shm::Ring::create();
-  for (std::uint16_t k = 0; k < t.streams; ++k) {
-    // shm's stream is a local socket, so the server learns this process from the kernel.
-    detail::Fd fd = shm ? detail::unix_connect(t.socket, deadline) : detail::tcp_connect(to, deadline, false, hooks.stop.get());
-    detail::send_all(fd.get(), wire::encode_stream(t.token, k, info.wire_version), deadline, hooks.stop.get());
-    if (shm) {
-      // Memory this engine shares goes to no other user (the kernel's word, not the HELLO's).
-      uid_t uid = 0;
-      own_user = detail::peer_pid(fd.get(), &uid) > 0 && uid == ::geteuid();
-    }
-    if (ring) {
-      // Whatever listens at the abstract name gets every byte this link moves.
-      detail::shm::require_own_user(fd.get(), "this engine's shm ring goes to no other user");
-      ring->send(fd.get(), deadline, hooks.stop.get());
-    }
-    fds.push_back(std::move(fd));
+  if (shm) {
+    detail::shm::OpenedStream s = detail::shm::open_stream(t.socket, t.token, info.wire_version, ring.get(), deadline, hooks.stop.get());
+    own_user = s.own_user;
+    fds.push_back(std::move(s.fd));
+  } else {
+    fds = detail::tcp::open_streams(to, t.token, t.streams, info.wire_version, deadline, hooks.stop.get());
   }
   info.remote = std::move(remote);
   std::string reason = std::move(info.transport_reason);

@@ -13,8 +13,10 @@
 //   BatchState     shared by the Batch handle and the workers; each transfer's result is written
 //                  once, by the worker that ran it, before `remaining` is decremented (release).
 
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <cassert>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -857,7 +859,10 @@ struct Engine::Impl {
   std::string offer_note;
   std::string listen_note;  // EngineInfo::listen_note
   std::uint32_t rdma_count = 0;
-  std::array<std::unique_ptr<detail::soft::Device>, 2> soft;
+  /// The software transports, as devices after the RDMA ones (each a folder of src/transport/,
+  /// its links' queue pairs those of src/transport/soft/): a new one is an entry here.
+  static constexpr std::array kSoftTransports{wire::LinkTransport::tcp, wire::LinkTransport::shm};
+  std::array<std::unique_ptr<detail::soft::Device>, kSoftTransports.size()> soft;
   wire::TransportBlock self;
   std::shared_ptr<detail::StreamRegistry> streams;
   std::string shm_socket;  // offering shm: the local socket its links' streams come to
@@ -870,10 +875,23 @@ struct Engine::Impl {
   std::string shm_no_attach;  // offering shm: why this process cannot copy by attach (empty: it can)
   /// Resolves cfg.transports into `offer` (constructor; after the device layer).
   void choose_transports();
-  [[nodiscard]] std::uint32_t device_count() const noexcept { return rdma_count + 2; }
+  [[nodiscard]] std::uint32_t device_count() const noexcept {
+    return rdma_count + static_cast<std::uint32_t>(kSoftTransports.size());
+  }
   [[nodiscard]] bool is_soft(std::uint32_t d) const noexcept { return d >= rdma_count; }
+  /// The device index of software transport `k` (one of kSoftTransports), and the transport of
+  /// software device `d`.
   [[nodiscard]] std::uint32_t soft_index(wire::LinkTransport k) const noexcept {
-    return rdma_count + (k == wire::LinkTransport::tcp ? 0u : 1u);
+    const auto at = std::find(kSoftTransports.begin(), kSoftTransports.end(), k) - kSoftTransports.begin();
+    assert(at < static_cast<std::ptrdiff_t>(kSoftTransports.size()));
+    return rdma_count + static_cast<std::uint32_t>(at);
+  }
+  [[nodiscard]] wire::LinkTransport soft_kind(std::uint32_t d) const noexcept {
+    assert(is_soft(d) && d < device_count());
+    return kSoftTransports[d - rdma_count];
+  }
+  [[nodiscard]] bool offers(wire::LinkTransport k) const noexcept {
+    return std::find(offer.begin(), offer.end(), k) != offer.end();
   }
   /// The shm transport's software device (what the engine shares with its shm peers).
   [[nodiscard]] detail::soft::Device& shm_device() const noexcept {

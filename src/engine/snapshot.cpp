@@ -30,9 +30,7 @@ std::string Engine::metrics(const MetricsOptions& options) const {
       p.transfers += f->transfers.load(std::memory_order_relaxed);
     }
     // A transport the engine does not offer has no links: left out rather than shown at zero.
-    if (impl_->is_soft(d) && p.transfers == 0 &&
-        std::find(impl_->offer.begin(), impl_->offer.end(), p.name == "tcp" ? wire::LinkTransport::tcp : wire::LinkTransport::shm) ==
-            impl_->offer.end()) {
+    if (impl_->is_soft(d) && p.transfers == 0 && !impl_->offers(impl_->soft_kind(d))) {
       continue;
     }
     s.paths.push_back(std::move(p));

@@ -3,12 +3,8 @@
 // software devices of tcp and shm and a worker's CQ on them, and its buffers as those links
 // reach them. The choice per link is made in the handshake (src/connection/soft.cpp); the links
 // then run the one data path whatever their transport.
-#include <sys/uio.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
-#include <fstream>
 #include <optional>
 
 #include <fmt/format.h>
@@ -16,6 +12,8 @@
 
 #include "bootstrap/auth.hpp"
 #include "engine/impl.hpp"
+#include "transport/shm/host.hpp"
+#include "transport/tcp/streams.hpp"
 #include "rdmakit/error.hpp"
 #include "verbs/memory_impl.hpp"
 
@@ -55,29 +53,6 @@ ShmCopy parse_shm_copy(std::string_view text) {
 
 namespace {
 
-// /proc/sys/kernel/yama/ptrace_scope (0 without Yama): at 1 and above, cross-memory attach
-// reaches only a process's descendants.
-int yama_scope() {
-  std::ifstream in("/proc/sys/kernel/yama/ptrace_scope");
-  int v = 0;
-  return in >> v ? v : 0;
-}
-
-// Why this process cannot copy from another by cross-memory attach, as far as it can tell alone
-// (empty: it may). Yama's scope; or the call itself refused even on this process's own memory (a
-// seccomp filter, Docker's default profile, blocks it).
-std::string no_attach() {
-  if (const int scope = yama_scope(); scope > 0) {
-    return fmt::format("Yama's ptrace_scope is {}, so no process may copy from another here", scope);
-  }
-  char from = 1, to = 0;
-  iovec local{&to, 1}, remote{&from, 1};
-  if (::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0) != 1) {
-    return fmt::format("process_vm_readv is refused here ({}: a seccomp filter, as a container's)", errno_name(errno));
-  }
-  return {};
-}
-
 wire::LinkTransport on_wire(Transport t) {
   switch (t) {
     case Transport::rdma: return wire::LinkTransport::rdma;
@@ -95,8 +70,8 @@ void Engine::Impl::choose_transports() {
       throw Error("engine config", EINVAL, fmt::format("transports: {} is listed twice", to_string(want[i])));
     }
   }
-  if (cfg.tcp_streams == 0 || cfg.tcp_streams > 16) {
-    throw Error("engine config", EINVAL, fmt::format("tcp_streams {} (1..16)", cfg.tcp_streams));
+  if (cfg.tcp_streams == 0 || cfg.tcp_streams > detail::tcp::kMaxStreams) {
+    throw Error("engine config", EINVAL, fmt::format("tcp_streams {} (1..{})", cfg.tcp_streams, detail::tcp::kMaxStreams));
   }
   const bool rdma = std::find(want.begin(), want.end(), Transport::rdma) != want.end();
   // Why rdma cannot be offered, as the failing verb says it (an engine of rdma alone fails with it).
@@ -159,7 +134,7 @@ void Engine::Impl::choose_transports() {
       no = "its links bootstrap over TCP, and link.method is rdma_cm";
     } else if (t == Transport::shm) {
       // Asked once: the links' choice of copy below depends on it too.
-      shm_no_attach = no_attach();
+      shm_no_attach = detail::shm::why_no_attach();
       if (cfg.shm_copy == ShmCopy::attach && !shm_no_attach.empty()) {
         no = fmt::format("{}, and shm_copy is attach (the ring needs no such permission)", shm_no_attach);
       }
@@ -171,14 +146,14 @@ void Engine::Impl::choose_transports() {
     }
   }
   if (offer.empty()) throw Error("engine", ENODEV, fmt::format("no transport to offer: {}", offer_note));
-  if (std::find(offer.begin(), offer.end(), wire::LinkTransport::rdma) == offer.end() && rdma_count > 0) {
+  if (!offers(wire::LinkTransport::rdma) && rdma_count > 0) {
     // Not offered: no PD, no registration, no worker's CQ on the NICs (memory is not pinned on
     // every NIC for transports that never use one).
     layer = std::make_shared<detail::DeviceLayer>();
     rdma_devices.clear();
     rdma_count = 0;
   }
-  if (std::find(offer.begin(), offer.end(), wire::LinkTransport::shm) != offer.end()) {
+  if (offers(wire::LinkTransport::shm)) {
     shm_socket = fmt::format("rdmakit-shm-{:016x}", epoch);
     // How the links this engine opens copy: its choice, or what the kernel allows.
     if (cfg.shm_copy == ShmCopy::ring) {
@@ -188,15 +163,14 @@ void Engine::Impl::choose_transports() {
     }
   }
   if (!offer_note.empty()) cfg.link.log(fmt::format("engine {}: {}", name, offer_note));
-  soft[0] = std::make_unique<detail::soft::Device>("tcp");
-  soft[1] = std::make_unique<detail::soft::Device>("shm");
-  self = detail::this_host();
+  for (std::size_t k = 0; k < soft.size(); ++k) soft[k] = std::make_unique<detail::soft::Device>(wire::to_string(kSoftTransports[k]));
+  self = detail::shm::this_host();
   streams = std::make_shared<detail::StreamRegistry>();
 }
 
 std::string Engine::Impl::device_name(std::uint32_t d) const {
   if (d < rdma_count) return rdma_devices[d]->name();
-  return d == soft_index(wire::LinkTransport::tcp) ? "tcp" : "shm";
+  return wire::to_string(soft_kind(d));
 }
 
 std::vector<DeviceInfo> Engine::Impl::catalog() const {

@@ -83,8 +83,7 @@ Worker::Worker(Engine::Impl& e, std::uint32_t index) : e_(e), index_(index) {
   // The software transports' CQs (tcp, shm), for those offered (none where the engine is RDMA's
   // alone): their links are bounded by the QP budget and the router's tags.
   for (std::uint32_t d = e.rdma_count; d < e.device_count(); ++d) {
-    const auto kind = d == e.soft_index(wire::LinkTransport::tcp) ? wire::LinkTransport::tcp : wire::LinkTransport::shm;
-    if (std::find(e.offer.begin(), e.offer.end(), kind) == e.offer.end()) {
+    if (!e.offers(e.soft_kind(d))) {
       cqs_.push_back(nullptr);
       continue;
     }

@@ -23,6 +23,7 @@
 #include "transport/soft/device.hpp"
 #include "transport/soft/frame.hpp"
 #include "transport/soft/qp.hpp"
+#include "transport/shm/crossing.hpp"
 #include "transport/shm/ring.hpp"
 #include "verbs/memory_impl.hpp"
 
@@ -78,25 +79,32 @@ struct Pair {
     soft::QpConfig ca;
     ca.send_depth = 64;
     ca.qp_num = 1;
-    ca.peer_pid = mode == Mode::shm || mode == Mode::mapped ? ::getpid() : 0;
-    ca.cma = mode != Mode::tcp;
-    ca.shares = mode == Mode::mapped;  // A asks, B serves
     ca.stall_timeout = stall;
     ca.on_fault = [this](const std::string& why) { a_fault = why; };
     soft::QpConfig cb = ca;
     cb.qp_num = 2;
     cb.on_fault = [this](const std::string& why) { b_fault = why; };
-    cb.shares = false;
-    cb.takes_shares = mode == Mode::mapped;
+    // shm's crossing on both sides (A asks, B serves); tcp's data goes in the streams.
+    shm::CrossingConfig xa;
+    xa.peer_pid = mode == Mode::shm || mode == Mode::mapped ? ::getpid() : 0;
+    xa.asks = true;
+    xa.shares = mode == Mode::mapped;
+    shm::CrossingConfig xb = xa;
+    xb.shares = false;
+    xb.takes_shares = mode == Mode::mapped;
     if (mode == Mode::ring) {
       const auto deadline = rdmakit::detail::deadline_in(2s);
-      ca.ring = shm::Ring::create();
-      ca.ring->send(fa[0].get(), deadline, nullptr);
-      cb.ring = shm::Ring::receive(fb[0].get(), deadline, nullptr);
-      cb.cma = false;  // it serves A's ring; its own requests (none here) would carry their data
+      xa.ring = shm::Ring::create();
+      xa.ring->send(fa[0].get(), deadline, nullptr);
+      xb.ring = shm::Ring::receive(fb[0].get(), deadline, nullptr);
+      xb.asks = false;  // it serves A's ring; its own requests (none here) would carry their data
     }
-    qa = std::make_unique<soft::Qp>(dev, cqa, ca, std::move(fa));
-    qb = std::make_unique<soft::Qp>(dev, cqb, cb, std::move(fb));
+    const auto crossing = [&](shm::CrossingConfig x) -> std::unique_ptr<soft::Crossing> {
+      if (mode == Mode::tcp) return nullptr;
+      return std::make_unique<shm::Crossing>(dev, std::move(x));
+    };
+    qa = std::make_unique<soft::Qp>(dev, cqa, ca, std::move(fa), crossing(std::move(xa)));
+    qb = std::make_unique<soft::Qp>(dev, cqb, cb, std::move(fb), crossing(std::move(xb)));
     qa->start();
     qb->start();
     const rdmakit::detail::DataPathLimits limits{64, 4, 1, 0, 1u << 30, 1u << 30};
@@ -172,7 +180,8 @@ struct Pair {
 // the test's side created it and handed it over, as an initiator does, and the queue pair serves
 // it (and has a data path of its own, to bind windows with).
 struct Outsider {
-  explicit Outsider(Pair& p, bool with_ring = false, bool shares = false) {
+  // `shm_link`: with shm's crossing even without a ring or shared memory (else a tcp link's queue pair).
+  explicit Outsider(Pair& p, bool with_ring = false, bool shares = false, bool shm_link = false) {
     int sv[2];
     EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
     raw = Fd(sv[0]);
@@ -180,15 +189,17 @@ struct Outsider {
     fc.emplace_back(sv[1]);
     soft::QpConfig cc;
     cc.qp_num = 3;
-    cc.takes_shares = shares;
     cc.on_fault = [this](const std::string& why) { fault = why; };
+    shm::CrossingConfig xc;
+    xc.takes_shares = shares;
     if (with_ring) {
       const auto deadline = rdmakit::detail::deadline_in(2s);
       ring = shm::Ring::create();
       ring->send(raw.get(), deadline, nullptr);
-      cc.ring = shm::Ring::receive(fc[0].get(), deadline, nullptr);
+      xc.ring = shm::Ring::receive(fc[0].get(), deadline, nullptr);
     }
-    qp = std::make_unique<soft::Qp>(p.dev, p.cqb, cc, std::move(fc));
+    qp = std::make_unique<soft::Qp>(p.dev, p.cqb, cc, std::move(fc),
+                                    with_ring || shares || shm_link ? std::make_unique<shm::Crossing>(p.dev, std::move(xc)) : nullptr);
     qp->start();
     ibv_qp* q = qp->qp();
     dp.init({64, 4, 1, 0, 1u << 30, 1u << 30}, {&q, 1}, p.cqb.cq(), p.cqb.cq(), p.cqb.channel(), soft::Device::ops());
@@ -470,7 +481,7 @@ TEST(ShmShared, TheTargetMapsSharedMemoryOnceAndUnmapsItWhenItIsTakenBack) {
   const RemoteRegion seg = p.bind(0, 4 << 20, Access::remote_read | Access::remote_write);
   p.dpa.set_remote({seg}, true);
   const LocalSlice all = p.a_region->local();
-  EXPECT_EQ(p.qb->peer_shares(), 0u);
+  EXPECT_EQ(p.qb->crossing()->peer_shares(), 0u);
   for (std::uint64_t i = 0; i < 8; ++i) {
     ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(i << 18, 1 << 18), seg, i << 18, 0, 0, 0, i + 1).ok()));
   }
@@ -479,7 +490,7 @@ TEST(ShmShared, TheTargetMapsSharedMemoryOnceAndUnmapsItWhenItIsTakenBack) {
     ASSERT_TRUE(c.ok()) << c.describe();
   }
   EXPECT_EQ(std::memcmp(p.b_mem.data(), p.a_mem.data(), 2 << 20), 0);
-  EXPECT_EQ(p.qb->peer_shares(), 1u);  // once, not per request
+  EXPECT_EQ(p.qb->crossing()->peer_shares(), 1u);  // once, not per request
   EXPECT_EQ(p.dev.mapped_bytes(), 2u << 20);
   // Read back elsewhere in A's memory (B copies into its mapping of it).
   ASSERT_TRUE((p.dpa.post_one<Opcode::read>(all.subslice(4 << 20, 1 << 20), seg, 12345, 0, 0, 0, 9).ok()));
@@ -498,8 +509,8 @@ TEST(ShmShared, TheTargetMapsSharedMemoryOnceAndUnmapsItWhenItIsTakenBack) {
   // Taken back: B unmaps it once A's CQ is polled (the device woke it).
   p.dev.unshare(p.a_share);
   const auto until = std::chrono::steady_clock::now() + 2s;
-  while (p.qb->peer_shares() != 0 && std::chrono::steady_clock::now() < until) p.progress_for(1ms);
-  EXPECT_EQ(p.qb->peer_shares(), 0u);
+  while (p.qb->crossing()->peer_shares() != 0 && std::chrono::steady_clock::now() < until) p.progress_for(1ms);
+  EXPECT_EQ(p.qb->crossing()->peer_shares(), 0u);
   // Its memory then goes by attach, and still lands.
   ASSERT_TRUE((p.dpa.post_one<Opcode::write>(all.subslice(0, 4096), seg, 8192, 0, 0, 0, 11).ok()));
   c = p.next(p.dpa);
@@ -525,21 +536,24 @@ TEST(ShmShared, PastItsLimitOfRangesALinkCopiesTheRestTheOtherWay) {
     fb.emplace_back(sv[1]);
     soft::QpConfig ca;
     ca.qp_num = 5;
-    ca.peer_pid = ::getpid();
-    ca.cma = true;
-    ca.shares = true;
-    ca.max_given = 2;
     ca.on_fault = [&p](const std::string& why) { p.a_fault = why; };
+    shm::CrossingConfig xa;
+    xa.peer_pid = ::getpid();
+    xa.asks = true;
+    xa.shares = true;
+    xa.max_given = 2;
+    shm::CrossingConfig xb = xa;
+    xb.asks = false;
+    xb.shares = false;
+    xb.takes_shares = true;
     soft::QpConfig cb = ca;
-    cb.shares = false;
-    cb.takes_shares = true;
     cb.qp_num = 6;
     cb.on_fault = [&p](const std::string& why) { p.b_fault = why; };
     p.mw.reset();
     p.dpb.forget_qps();
     p.qb.reset();
-    p.qa = std::make_unique<soft::Qp>(p.dev, p.cqa, ca, std::move(fa));
-    p.qb = std::make_unique<soft::Qp>(p.dev, p.cqb, cb, std::move(fb));
+    p.qa = std::make_unique<soft::Qp>(p.dev, p.cqa, ca, std::move(fa), std::make_unique<shm::Crossing>(p.dev, std::move(xa)));
+    p.qb = std::make_unique<soft::Qp>(p.dev, p.cqb, cb, std::move(fb), std::make_unique<shm::Crossing>(p.dev, std::move(xb)));
     p.qa->start();
     p.qb->start();
     const rdmakit::detail::DataPathLimits limits{64, 4, 1, 0, 1u << 30, 1u << 30};
@@ -594,9 +608,59 @@ TEST(ShmShared, PastItsLimitOfRangesALinkCopiesTheRestTheOtherWay) {
   }
   ASSERT_EQ(done, 3);
   for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(p.b_mem[(i << 16) + 65535], 0x40 + i) << i;
-  EXPECT_EQ(p.qa->given(), 2u);
-  EXPECT_EQ(p.qb->peer_shares(), 2u);
+  EXPECT_EQ(p.qa->crossing()->given(), 2u);
+  EXPECT_EQ(p.qb->crossing()->peer_shares(), 2u);
   EXPECT_EQ(p.dev.mapped_bytes(), 2u * 65536);
+  EXPECT_TRUE(p.a_fault.empty() && p.b_fault.empty()) << p.a_fault << p.b_fault;
+}
+
+// A request of shared memory taken while its stream is full waits to be framed; another range
+// going meanwhile (while this link has given none) drops the list of ranges the link looked at.
+// When the request is framed its range is looked up again and given: it does not go naming a
+// range the peer never had (which the peer refuses, failing the link).
+TEST(ShmShared, ARequestWaitingForRoomStillGivesItsRangeAfterAnotherRangeGoes) {
+  Pair p(1, Mode::mapped);
+  const RemoteRegion seg = p.bind(0, 4 << 20, Access::remote_write);
+  Fd fd = shm::create_sealed_memfd("test", 65536, "a range");
+  shm::Mapping map(fd.get(), 65536, "a range");
+  const std::uint64_t other_range = p.dev.share(map.data(), 65536, Fd(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0)));
+  // 48 WRITEs of 1 MiB of memory A does not share: 192 frames by attach, the stream's most
+  // unanswered (B is not polled meanwhile), then one of A's shared memory, taken and not framed.
+  std::vector<std::uint8_t> plain(1 << 20, 0x11);
+  std::array<ibv_sge, 49> sge{};
+  std::array<ibv_send_wr, 49> wr{};
+  for (std::size_t i = 0; i < wr.size(); ++i) {
+    const bool last = i + 1 == wr.size();
+    sge[i] = {reinterpret_cast<std::uint64_t>(last ? p.a_mem.data() : plain.data()), last ? 4096u : 1u << 20, 0};
+    wr[i].wr_id = i;
+    wr[i].sg_list = &sge[i];
+    wr[i].num_sge = 1;
+    wr[i].opcode = IBV_WR_RDMA_WRITE;
+    wr[i].send_flags = IBV_SEND_SIGNALED;
+    wr[i].wr.rdma.remote_addr = last ? seg.addr + (2 << 20) : seg.addr;
+    wr[i].wr.rdma.rkey = seg.rkey;
+    wr[i].next = last ? nullptr : &wr[i + 1];
+  }
+  ibv_send_wr* bad = nullptr;
+  ASSERT_EQ(ibv_post_send(p.qa->qp(), wr.data(), &bad), 0);
+  EXPECT_EQ(p.qa->crossing()->given(), 0u);
+  // The other range goes; A's CQ, polled, looks at the device's ranges again.
+  p.dev.unshare(other_range);
+  p.cqa.progress();
+  std::size_t done = 0;
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (done < wr.size() && std::chrono::steady_clock::now() < until) {
+    p.cqb.progress();
+    ibv_wc wc{};
+    if (ibv_poll_cq(p.cqa.cq(), 1, &wc) == 1) {
+      EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << wc.wr_id << ": " << ibv_wc_status_str(wc.status) << " " << p.a_fault;
+      ++done;
+    }
+  }
+  ASSERT_EQ(done, wr.size());
+  EXPECT_EQ(std::memcmp(p.b_mem.data() + (2 << 20), p.a_mem.data(), 4096), 0);
+  EXPECT_EQ(p.qb->crossing()->peer_shares(), 1u);
+  EXPECT_EQ(p.dev.mapped_bytes(), 4096u);
   EXPECT_TRUE(p.a_fault.empty() && p.b_fault.empty()) << p.a_fault << p.b_fault;
 }
 
@@ -608,8 +672,8 @@ TEST(ShmShared, ATargetRefusesWhatAPeerSharesWrongAndServesTheOthers) {
   Pair p(1, Mode::tcp);
   const RemoteRegion seg = p.bind(0, 8192, Access::remote_write);
   p.dpa.set_remote({seg}, false);
-  const auto outsider = [&](bool shares) {
-    auto o = std::make_unique<Outsider>(p, false, shares);
+  const auto outsider = [&](bool shares, bool shm_link = false) {
+    auto o = std::make_unique<Outsider>(p, false, shares, shm_link);
     return o;
   };
   const auto share = [](Outsider& o, std::uint64_t id, std::uint64_t length, int fd) {
@@ -620,7 +684,7 @@ TEST(ShmShared, ATargetRefusesWhatAPeerSharesWrongAndServesTheOthers) {
     f.arg1 = length;
     soft::encode(f, head);
     iovec iov{head.data(), head.size()};
-    shm::OneDescriptor control;
+    rdmakit::detail::OneDescriptor control;
     msghdr m{};
     m.msg_iov = &iov;
     m.msg_iovlen = 1;
@@ -642,7 +706,12 @@ TEST(ShmShared, ATargetRefusesWhatAPeerSharesWrongAndServesTheOthers) {
   const std::size_t size = 1 << 20;
   Fd good = shm::create_sealed_memfd("test", size, "a peer's memory");
   {
-    auto o = outsider(false);  // a link that takes no shared memory (engine protocol 7)
+    auto o = outsider(false);  // a tcp link: no crossing at all
+    share(*o, 1, size, good.get());
+    refused(*o, "takes none");
+  }
+  {
+    auto o = outsider(false, true);  // an shm link that takes no shared memory (engine protocol 7)
     share(*o, 1, size, good.get());
     refused(*o, "takes none");
   }
@@ -693,7 +762,7 @@ TEST(ShmShared, ATargetRefusesWhatAPeerSharesWrongAndServesTheOthers) {
     for (int i = 0; i < 20; ++i) {
       const std::uint8_t byte = 0;
       iovec iov{const_cast<std::uint8_t*>(&byte), 1};
-      shm::OneDescriptor control;
+      rdmakit::detail::OneDescriptor control;
       msghdr m{};
       m.msg_iov = &iov;
       m.msg_iovlen = 1;
@@ -722,7 +791,7 @@ TEST(ShmShared, ATargetRefusesWhatAPeerSharesWrongAndServesTheOthers) {
     f.arg1 = 4096;
     EXPECT_EQ(o->ask(p, f), soft::FrameStatus::ok);
     EXPECT_EQ(b[0], 0x3c);
-    EXPECT_EQ(o->qp->peer_shares(), 1u);
+    EXPECT_EQ(o->qp->crossing()->peer_shares(), 1u);
     std::memset(b.data(), 0, 8192);
     f.id = 2;
     f.arg0 = 8;  // never shared

@@ -50,31 +50,6 @@ std::size_t check_sealed_memfd(int fd, std::size_t min, std::size_t max, const c
   return size;
 }
 
-std::vector<Fd> descriptors_of(msghdr& m) {
-  std::vector<Fd> fds;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    const std::size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (std::size_t i = 0; i < k; ++i) {
-      int fd = -1;
-      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-      fds.emplace_back(fd);
-    }
-  }
-  return fds;
-}
-
-void OneDescriptor::attach(msghdr& m, int fd) noexcept {
-  static_assert(sizeof control >= CMSG_SPACE(sizeof(int)) && alignof(OneDescriptor) >= alignof(cmsghdr));
-  m.msg_control = control;
-  m.msg_controllen = CMSG_SPACE(sizeof(int));
-  cmsghdr* c = CMSG_FIRSTHDR(&m);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
-}
-
 Mapping::Mapping(int fd, std::size_t size, const char* whose) : size_(size) {
   void* at = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (at == MAP_FAILED) throw Error("mmap", errno, fmt::format("mapping {} ({} bytes)", whose, size));

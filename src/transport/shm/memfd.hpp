@@ -11,8 +11,6 @@
 
 #include "bootstrap/socket.hpp"
 
-struct msghdr;
-
 namespace rdmakit::detail::shm {
 
 /// A new memfd of `bytes`, its pages allocated now (a host short of memory fails here, not at a
@@ -22,16 +20,6 @@ Fd create_sealed_memfd(const char* name, std::size_t bytes, const char* what);
 /// That `fd`, from a peer, is a regular memfd on tmpfs sealed against shrinking, of `min` to
 /// `max` bytes: its size, else throws Error (EPROTO) saying what `whose` is not.
 std::size_t check_sealed_memfd(int fd, std::size_t min, std::size_t max, const char* whose);
-
-/// The descriptors a recvmsg() took (SCM_RIGHTS), each owned now (closed unless kept).
-std::vector<Fd> descriptors_of(msghdr& m);
-
-/// Room for one descriptor in a sendmsg()'s control data (SCM_RIGHTS).
-struct OneDescriptor {
-  alignas(8) char control[24] = {};  // CMSG_SPACE(sizeof(int)) on Linux
-  /// Makes `m` carry `fd`.
-  void attach(msghdr& m, int fd) noexcept;
-};
 
 /// A shared, writable mapping of a whole memfd; unmapped on destruction.
 class Mapping {

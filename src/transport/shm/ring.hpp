@@ -13,7 +13,7 @@
 // process of its own user (SO_PEERCRED), checks it is such a file, of a size it takes, and maps it. Neither side's own memory is ever reachable through it: the initiator's requests
 // name offsets in the ring, never addresses, and the target copies only between the ring and
 // the window it checked, so this needs no proof of who the peer process is (cross-memory attach
-// does, src/connection/soft.cpp).
+// does, host.hpp).
 //
 // Threads: the mapping is read and written by the worker of each side that owns the link.
 

@@ -14,7 +14,7 @@
 // No memory registration: a soft link reads and writes the engine's buffers by address (lkeys
 // are 0), and a peer reaches nothing but what a window bound on its link covers. What the shm
 // device has besides: the ranges of this process's memory it may hand to its links' peers to map
-// (share()), so that those peers copy a request's data in one pass (qp.hpp).
+// (share()), so that those peers copy a request's data in one pass (src/transport/shm/crossing.hpp).
 //
 // Threads: a Device is shared (its objects are made and destroyed from any thread); a Cq and
 // the Qps on it are touched by one thread at a time (the engine worker that owns them).
@@ -55,6 +55,9 @@ struct Mw {
   std::uint32_t key = 0;  // the rkey it is bound under (0: none)
 };
 
+/// The largest range a requester shares, and a responder maps.
+inline constexpr std::size_t kMaxShare = std::size_t{1} << 40;
+
 /// What one device maps of its shm peers' memory at most: ranges (each a mapping against the
 /// process's vm.max_map_count, 65530 by default) and bytes (address space).
 inline constexpr std::uint64_t kMapsBudget = 16384;
@@ -92,7 +95,7 @@ class Device {
   /// The shared ranges, by base address.
   using Shares = std::vector<std::shared_ptr<const SharedRange>>;
   /// Shares [base, +length), held in memfd `fd` from its offset 0 (kept here while shared), with
-  /// the peers of this device's links that take shared memory (QpConfig::shares); its id. Any
+  /// the peers of this device's links that take shared memory (shm::CrossingConfig::shares); its id. Any
   /// thread.
   std::uint64_t share(const void* base, std::size_t length, Fd fd);
   /// Takes range `id` back: each queue pair that gave it to its peer tells the peer to unmap it

@@ -90,6 +90,13 @@ void encode(const Frame& f, std::span<std::uint8_t, kFrameSize> out) noexcept;
   return !f.response() && (f.request_op() == FrameOp::share || f.request_op() == FrameOp::unshare);
 }
 
+/// Whether `op` is a crossing's WRITE or READ (crossing.hpp): its data is not in the stream.
+static_assert(static_cast<int>(FrameOp::read_map) - static_cast<int>(FrameOp::write_cma) == 5,
+              "a crossing's ops are numbered together (crossed())");
+[[nodiscard]] inline bool crossed(FrameOp op) noexcept {
+  return op >= FrameOp::write_cma && op <= FrameOp::read_map;
+}
+
 /// Whether the frame `f` is followed by `f.length` bytes of payload in the stream.
 [[nodiscard]] inline bool carries_payload(const Frame& f) noexcept {
   const FrameOp op = f.request_op();

@@ -23,17 +23,11 @@
 
 namespace rdmakit::detail::soft {
 
-Qp::Qp(Device& dev, Cq& cq, QpConfig cfg, std::vector<Fd> streams) : dev_(dev), cq_(cq), cfg_(std::move(cfg)) {
+Qp::Qp(Device& dev, Cq& cq, QpConfig cfg, std::vector<Fd> streams, std::unique_ptr<Crossing> crossing)
+    : dev_(dev), cq_(cq), cfg_(std::move(cfg)), crossing_(std::move(crossing)) {
   if (streams.empty()) throw Error("soft QP", EINVAL, "no data stream");
-  // A requester's ring holds two chunks at least: a frame that does not fit before the ring's
-  // end always fits after it once the frames before it are answered.
-  if (cfg_.ring && (streams.size() != 1 || cfg_.ring->size() < (cfg_.cma ? 2 : 1) * std::size_t{kMaxChunk} ||
-                    cfg_.ring->size() > shm::kRingMax)) {
-    throw Error("soft QP", EINVAL, "an shm ring takes one stream, and two frames' chunks to 64 MiB");
-  }
-  // A SHARE goes on the stream of the requests that name its range: there is only one.
-  if ((cfg_.shares || cfg_.takes_shares) && streams.size() != 1) {
-    throw Error("soft QP", EINVAL, "shared memory takes one stream");
+  if (crossing_ && crossing_->one_stream() && streams.size() != 1) {
+    throw Error("soft QP", EINVAL, "this link's crossing (a shared ring, shared memory) takes one stream");
   }
   std::size_t n = 1;
   while (n < 2 * std::max<std::uint32_t>(cfg_.send_depth, 1)) n *= 2;
@@ -62,13 +56,8 @@ void Qp::start() {
   // What arrived before is read now (the channel's set reports it too: level-triggered).
 }
 
-void Qp::unmap_all() noexcept {
-  for (const auto& [id, m] : maps_) dev_.give_back_map(m.size());
-  maps_.clear();
-}
-
 Qp::~Qp() {
-  unmap_all();
+  // (The crossing lets go of the peer's memory as it goes: before the windows and streams.)
   for (auto& [key, mw] : windows_) {
     mw->bound = nullptr;
     mw->key = 0;
@@ -96,18 +85,11 @@ int Qp::take(const ibv_send_wr& w) noexcept {
   switch (w.opcode) {
     case IBV_WR_RDMA_WRITE:
     case IBV_WR_RDMA_READ:
-      r.op = w.opcode == IBV_WR_RDMA_WRITE ? (!cfg_.cma ? FrameOp::write : cfg_.ring ? FrameOp::write_ring : FrameOp::write_cma)
-                                           : (!cfg_.cma ? FrameOp::read : cfg_.ring ? FrameOp::read_ring : FrameOp::read_cma);
       r.opcode = w.opcode == IBV_WR_RDMA_WRITE ? IBV_WC_RDMA_WRITE : IBV_WC_RDMA_READ;
       r.raddr = w.wr.rdma.remote_addr;
       r.rkey = w.wr.rdma.rkey;
-      if (cfg_.shares && r.length > 0) {
-        if (const SharedRange* sr = shared_at(r.laddr, r.length)) {
-          r.op = w.opcode == IBV_WR_RDMA_WRITE ? FrameOp::write_map : FrameOp::read_map;
-          r.arg0 = sr->id;
-          r.arg1 = r.laddr - sr->base;
-        }
-      }
+      r.op = w.opcode == IBV_WR_RDMA_WRITE ? FrameOp::write : FrameOp::read;
+      if (crossing_) r.op = crossing_->op(r, w.opcode == IBV_WR_RDMA_WRITE);
       break;
     case IBV_WR_ATOMIC_FETCH_AND_ADD:
     case IBV_WR_ATOMIC_CMP_AND_SWP:
@@ -220,104 +202,14 @@ void Qp::unbind(Mw& mw) noexcept {
   mw.key = 0;
 }
 
-const SharedRange* Qp::shared_at(std::uint64_t addr, std::uint64_t len) noexcept {
-  if (const std::uint64_t g = dev_.shares_changed(); g != shares_seen_) {
-    try {
-      shares_ = dev_.shares();
-      shares_seen_ = g;
-    } catch (...) {
-      return nullptr;  // (a mutex that failed): this request goes the other way
-    }
-  }
-  const SharedRange* r = range_at(addr);
-  if (r == nullptr || r->length > kMaxShare || addr - r->base > r->length || len > r->length - (addr - r->base)) {
-    return nullptr;
-  }
-  // Past max_given ranges on this link, a range not given yet goes the other way (issue() looks
-  // again: the requests of one chain are all taken before any is given).
-  return given_.size() < cfg_.max_given || given_.contains(r->id) ? r : nullptr;
-}
-
-const SharedRange* Qp::range_at(std::uint64_t addr) const noexcept {
-  if (!shares_) return nullptr;
-  const auto& v = *shares_;
-  auto it = std::upper_bound(v.begin(), v.end(), addr, [](std::uint64_t a, const auto& e) { return a < e->base; });
-  return it == v.begin() ? nullptr : (--it)->get();
-}
-
-bool Qp::room_for_control(const Stream& s, std::size_t frames) const noexcept {
-  // Beside them, room for every answer this side may still owe (a WRITE's is queued once its
-  // data is in, counted on the room serve() saw).
-  const std::size_t free = s.out.size() - (s.out_tail - s.out_head);
-  return free >= frames + (kAnswerFrames - std::min<std::size_t>(kAnswerFrames, s.answers_queued));
-}
-
-bool Qp::give(Stream& s, std::uint64_t id) noexcept {
-  if (!take_back(s)) return false;
-  if (given_.contains(id)) return true;
-  if (!room_for_control(s, 2)) return false;  // the SHARE and the request after it
-  std::shared_ptr<const SharedRange> range;
-  if (shares_) {
-    const auto it = std::find_if(shares_->begin(), shares_->end(), [&](const auto& e) { return e->id == id; });
-    if (it != shares_->end()) range = *it;
-  }
-  // Unshared under a request of it (the application unregistered memory a transfer still
-  // used): its frame names a range the peer never had, and is refused.
-  if (!range) return true;
-  try {
-    given_.emplace(id, range);
-  } catch (...) {
-    return false;
-  }
-  Frame f;
-  f.op = static_cast<std::uint8_t>(FrameOp::share);
-  f.arg0 = id;
-  f.arg1 = range->length;
-  s.push_out(f, false).share = std::move(range);
-  return true;
-}
-
-bool Qp::take_back(Stream& s) noexcept {
-  while (!ungiven_.empty()) {
-    if (!room_for_control(s, 1)) return false;
-    Frame f;
-    f.op = static_cast<std::uint8_t>(FrameOp::unshare);
-    f.arg0 = ungiven_.back();
-    (void)s.push_out(f, false);
-    given_.erase(ungiven_.back());
-    ungiven_.pop_back();
-  }
-  return true;
-}
-
 void Qp::shares_changed() noexcept {
-  if (!cfg_.shares) return;
-  if (given_.empty() || error_) {
-    // Nothing to tell the peer; the old list goes (it holds the ranges' descriptors, and with
-    // them the memory of buffers unregistered since), read again at the next request.
-    shares_.reset();
-    shares_seen_ = ~std::uint64_t{0};
-    return;
-  }
-  try {
-    // The count first, then the ranges: a change between the two is seen again (shared_at).
-    const std::uint64_t g = dev_.shares_changed();
-    shares_ = dev_.shares();
-    shares_seen_ = g;
-    for (const auto& [id, range] : given_) {
-      const SharedRange* now = range_at(range->base);
-      const bool still = now != nullptr && now->id == id;
-      if (!still && std::find(ungiven_.begin(), ungiven_.end(), id) == ungiven_.end()) ungiven_.push_back(id);
-    }
-  } catch (...) {
-    return;  // out of memory: the peer keeps its mapping until the next change, or the link's end
-  }
-  Stream& s = *streams_[0];
-  if (take_back(s) && !s.watch_out && send(s)) cq_.again(&s);
+  if (!crossing_) return;
+  Stream* s = error_ ? nullptr : streams_[0].get();
+  if (crossing_->shares_changed(s) && s != nullptr && !s->watch_out && send(*s)) cq_.again(s);
 }
 
 void Qp::issue() noexcept {
-  if (!ungiven_.empty() && !take_back(*streams_[0])) return;  // before any request: in order
+  if (crossing_ && !error_ && !crossing_->before_requests(*streams_[0])) return;  // in order: before any request
   while (issue_ < tail_ && !error_) {
     Req& r = req(issue_);
     if (r.issued) {
@@ -329,20 +221,9 @@ void Qp::issue() noexcept {
     // so they stay in the order they were posted, as on one RC QP (WRITEs and READs of several
     // frames are spread, as a transfer is over rails: docs/engine.md).
     Stream* s = nullptr;
-    if ((r.op == FrameOp::write_map || r.op == FrameOp::read_map) && issue_off_ == 0 && !given_.contains(r.arg0) &&
-        given_.size() >= cfg_.max_given) {
-      // The link's ranges are all given (a chain named more than it had left): this one goes
-      // the way of memory that is not shared.
-      const bool write = r.op == FrameOp::write_map;
-      r.op = cfg_.ring ? (write ? FrameOp::write_ring : FrameOp::read_ring) : (write ? FrameOp::write_cma : FrameOp::read_cma);
-      r.arg0 = r.arg1 = 0;
-    }
-    const bool atomic = r.op == FrameOp::fetch_add || r.op == FrameOp::compare_swap;
-    const bool mapped = r.op == FrameOp::write_map || r.op == FrameOp::read_map;
-    if (atomic || mapped) {
+    if (r.op == FrameOp::fetch_add || r.op == FrameOp::compare_swap) {
       Stream& c = *streams_[0];
       if (c.out_full() || c.owed() >= kRequestFrames) return;
-      if (mapped && !give(c, r.arg0)) return;  // its range first, once per link
       s = &c;
     }
     for (std::size_t k = 0; k < streams_.size() && s == nullptr; ++k) {
@@ -355,37 +236,25 @@ void Qp::issue() noexcept {
     }
     if (s == nullptr) return;  // an answer or a send makes room
     const std::uint32_t len = std::min(kMaxChunk, r.length - issue_off_);
-    // A ring frame's room in the ring: contiguous (the end's remainder skipped when it is short),
-    // freed as its answer comes.
-    const bool ring = r.op == FrameOp::write_ring || r.op == FrameOp::read_ring;
-    std::uint64_t ring_at = ring_tail_;
-    std::size_t ring_off = 0;
-    if (ring && len > 0) {
-      const std::size_t size = cfg_.ring->size();
-      ring_off = static_cast<std::size_t>(ring_at % size);
-      if (ring_off + len > size) {
-        ring_at += size - ring_off;
-        ring_off = 0;
-      }
-      if (ring_at + len - ring_head_ > size) return;  // answers free room
-      ring_at += len;
-    }
     Frame f;
     f.op = static_cast<std::uint8_t>(r.op);
     f.length = len;
-    f.id = s->next_id++;
     f.raddr = r.raddr + issue_off_;
     f.rkey = r.rkey;
-    f.arg0 = r.op == FrameOp::write_cma || r.op == FrameOp::read_cma ? r.laddr + issue_off_ : ring ? ring_off : r.arg0;
-    f.arg1 = mapped ? r.arg1 + issue_off_ : r.arg1;
-    if (r.op == FrameOp::write_ring && len > 0) {
-      std::memcpy(cfg_.ring->data() + ring_off, reinterpret_cast<const void*>(r.laddr + issue_off_), len);
+    f.arg0 = r.arg0;
+    f.arg1 = r.arg1;
+    Expect e{issue_, 0, issue_off_, len, r.op, 0, 0};
+    auto framed = Crossing::Framed::queued;
+    if (crossed(r.op)) {
+      framed = crossing_ ? crossing_->frame(*s, r, issue_off_, len, f, e) : Crossing::Framed::queued;
+      if (framed == Crossing::Framed::later) return;
+      e.op = r.op;
     }
-    ring_tail_ = ring_at;
+    f.id = e.id = s->next_id++;
     const bool inline_data = r.op == FrameOp::write;
     (void)s->push_out(f, false, inline_data ? reinterpret_cast<const std::uint8_t*>(r.laddr + issue_off_) : nullptr,
                       inline_data ? len : 0);
-    s->expect[s->exp_tail++ % s->expect.size()] = {issue_, f.id, issue_off_, len, r.op, static_cast<std::uint32_t>(ring_off), ring_at};
+    s->expect[s->exp_tail++ % s->expect.size()] = e;
     if (s->owed() == 1) s->last_in = Clock::now();  // the answer's clock starts now
     ++r.pending;
     issue_off_ += len;
@@ -394,9 +263,7 @@ void Qp::issue() noexcept {
       ++issue_;
       issue_off_ = 0;
     }
-    // A large ring frame goes at once: the peer copies it out while this side copies the next
-    // in (the two copies of the ring overlap, each on its own process's CPU).
-    if (ring && len >= kRingEager && !s->watch_out && send(*s)) cq_.again(s);
+    if (framed == Crossing::Framed::send_now && !s->watch_out && send(*s)) cq_.again(s);
   }
 }
 
@@ -438,7 +305,7 @@ void Qp::complete_ready() noexcept {
       wc.byte_len = r.opcode == IBV_WC_RDMA_READ ? r.length : 0;
       cq_.push(wc);
     }
-    if ((r.op == FrameOp::write_map || r.op == FrameOp::read_map) && r.status == IBV_WC_SUCCESS) dev_.add_mapped(r.length);
+    if (crossing_ && crossed(r.op) && r.status == IBV_WC_SUCCESS) crossing_->completed(r);
     ++head_;
   }
   if (issue_ < head_) {
@@ -448,6 +315,8 @@ void Qp::complete_ready() noexcept {
 }
 
 void Qp::to_error() noexcept { fail("moved to the error state", nullptr, false); }
+
+void Qp::fault(std::string why) noexcept { fail(std::move(why), nullptr, true); }
 
 void Qp::fail(std::string why, Req* first, bool fault) noexcept {
   if (error_) return;
@@ -476,17 +345,15 @@ void Qp::fail(std::string why, Req* first, bool fault) noexcept {
     cq_.push(wc);
     recvs_.pop_front();
   }
-  // As on RC, the peer's side fails too: it reads the end of each stream. With shm, requests
-  // the peer has not answered may still be served by it, and they copy into and out of this
+  // As on RC, the peer's side fails too: it reads the end of each stream. Through a crossing,
+  // requests the peer has not answered may still be served by it, copying into and out of this
   // process: their completions wait until the peer has closed every stream (it saw the end:
   // it serves nothing after that), or a second has passed (a peer that sleeps that long sees
-  // the end before anything else when it wakes: Qp::serve() and gave_up() in streams.cpp).
+  // the end before anything else when it wakes: gave_up() in streams.cpp).
   const bool answers_owed = std::any_of(streams_.begin(), streams_.end(), [](const auto& o) { return o->owed() > 0; });
-  // (Through a ring the peer reaches none of this process's buffers: nothing to wait for, unless
-  // it maps some of them.)
-  draining_ = ((cfg_.cma && !cfg_.ring) || !given_.empty()) && started_ && answers_owed;
-  // What the peer shared is unmapped now: it serves nothing more (its pages are its own again).
-  unmap_all();
+  draining_ = crossing_ && crossing_->peer_reaches_memory() && started_ && answers_owed;
+  // What the peer shared is let go now: it serves nothing more (its pages are its own again).
+  if (crossing_) crossing_->drop();
   if (draining_) drain_until_ = Clock::now() + std::chrono::milliseconds{1000};
   for (auto& s : streams_) {
     s->exp_head = s->exp_tail;
@@ -519,8 +386,8 @@ bool Qp::answer(Stream& s, const Frame& f) noexcept {
     if (r.status == IBV_WC_SUCCESS) r.status = wc_status(f.status);
   } else if (data) {
     s.dst = reinterpret_cast<std::uint8_t*>(r.laddr + e.offset);
-  } else if (f.request_op() == FrameOp::read_ring && e.len > 0) {
-    std::memcpy(reinterpret_cast<void*>(r.laddr + e.offset), cfg_.ring->data() + e.ring_off, e.len);
+  } else if (crossed(f.request_op())) {
+    if (crossing_) crossing_->answered_ok(e, r);
   } else if (f.request_op() == FrameOp::fetch_add || f.request_op() == FrameOp::compare_swap) {
     std::memcpy(reinterpret_cast<void*>(r.laddr), &f.arg0, sizeof f.arg0);
   }
@@ -530,7 +397,7 @@ bool Qp::answer(Stream& s, const Frame& f) noexcept {
 void Qp::answered(Stream& s) noexcept {
   const Expect e = s.expect[s.exp_head++ % s.expect.size()];
   s.last_in = Clock::now();
-  ring_head_ = std::max(ring_head_, e.ring_end);
+  if (crossing_ && crossed(e.op)) crossing_->release(e);
   Req& r = req(e.req);
   --r.pending;
   if (r.status != IBV_WC_SUCCESS) {

@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
-// What a software queue pair (qp.hpp) keeps per stream, shared by its requester (qp.cpp) and
-// its stream I/O and responder (streams.cpp). Internal to transport/soft.
+// What a software queue pair (qp.hpp) keeps per stream, shared by its requester (qp.cpp), its
+// stream I/O and responder (streams.cpp) and its crossing (crossing.hpp). Internal to
+// transport/soft and the transports that give it a crossing.
 
 #include <infiniband/verbs.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -23,20 +25,9 @@ inline constexpr std::uint32_t kAnswerFrames = 192;   // answers queued, per str
 inline constexpr std::size_t kStage = 4096;
 inline constexpr std::size_t kDirect = 512;
 inline constexpr int kIov = 64;
-// Shared ranges: a requester gives at most kMaxGiven per link (QpConfig::max_given; what else it
-// moves goes by attach or the ring) and none past kMaxShare bytes; a responder takes no more (a
-// peer that sends more lies), and its device no more than its budget (device.hpp: past that,
-// the link fails saying so). At most kMaxWaitingFds descriptors may wait for their SHARE frames.
-inline constexpr std::size_t kMaxGiven = 1024;
+// Descriptors that came with the peer's bytes (a crossing's: crossing.hpp) and wait for the
+// frames that take them: at most this many.
 inline constexpr std::size_t kMaxWaitingFds = 16;
-// A ring frame this long is sent (requester) or answered (responder) at once rather than with
-// the others of its turn: the two sides' copies overlap.
-inline constexpr std::uint32_t kRingEager = 64u << 10;
-// Mapped frames' answers are sent after this many bytes copied, not only at the turn's end (the
-// requester's queue would run dry meanwhile). Not after each: every send wakes the requester,
-// which cost the target a fifth of its time at 512 KiB (a VM of 2 CPUs). 64 requests of 64 KiB
-// are 4 MiB: half of that answered keeps the requester posting.
-inline constexpr std::uint64_t kAnswerEvery = 2u << 20;
 // What one turn takes of a stream before the others get theirs.
 inline constexpr std::size_t kTurnBytes = 8u << 20;
 
@@ -56,7 +47,7 @@ struct Out {
   bool answer = false;
   std::uint32_t rkey = 0;  // an answer's data: the window it is read from
   std::unique_ptr<std::uint8_t[]> copy;  // its data, once that window went before it was sent
-  std::shared_ptr<const SharedRange> share;  // a SHARE: the range, whose descriptor goes with it
+  std::shared_ptr<const SharedRange> share;  // a range whose descriptor goes with the frame (shm's SHARE)
   bool share_sent = false;  // that descriptor went (with the first of its bytes)
 };
 
@@ -65,8 +56,10 @@ struct Expect {
   std::uint64_t id = 0;
   std::uint32_t offset = 0, len = 0;
   FrameOp op = FrameOp::write;
-  std::uint32_t ring_off = 0;  // a ring frame's data in the ring (shm without cross-memory attach)
-  std::uint64_t ring_end = 0;  // the ring's tail once this frame had its room: freed to here
+  // What a crossing's frame holds until its answer (shm's ring: where its data is in the ring,
+  // and the ring's tail once it had its room, freed to there).
+  std::uint32_t held_at = 0;
+  std::uint64_t held_to = 0;
 };
 
 class Stream final : public Watched {
@@ -95,16 +88,22 @@ class Stream final : public Watched {
   std::uint32_t left = 0;
   FrameStatus verdict = FrameStatus::ok;  // a WRITE being received: its answer
   bool held = false;     // a request waits for room to answer it: not reading meanwhile
-  bool closed = false;   // draining (fail(), shm): the peer closed its side
+  bool closed = false;   // draining (fail(), a crossing's): the peer closed its side
   bool watch_out = false;  // watched for room to send
   bool watch_in = true;
   Deadline last_in = Clock::now();
-  std::uint64_t copied = 0;  // mapped frames' bytes copied since answers were last sent
-  std::vector<Fd> fds;  // descriptors received (cfg.shares), each for the next SHARE frame
+  std::uint64_t copied = 0;  // bytes a crossing copied since answers were last sent
+  std::vector<Fd> fds;  // descriptors received (a crossing's), each for the next frame that takes one
 
   [[nodiscard]] bool out_full() const noexcept { return out_tail - out_head == out.size(); }
   [[nodiscard]] bool out_empty() const noexcept { return out_tail == out_head; }
   [[nodiscard]] std::uint64_t owed() const noexcept { return exp_tail - exp_head; }
+  /// Whether there is room for `frames` more unanswered frames beside every answer this side may
+  /// still owe (a WRITE's is queued once its data is in, counted on the room serve() saw).
+  [[nodiscard]] bool room_for_control(std::size_t frames) const noexcept {
+    const std::size_t free = out.size() - (out_tail - out_head);
+    return free >= frames + (kAnswerFrames - std::min<std::size_t>(kAnswerFrames, answers_queued));
+  }
   /// The next frame to send, `f` encoded, carrying `len` bytes at `data` (none: nullptr, 0).
   Out& push_out(const Frame& f, bool answer, const std::uint8_t* data = nullptr, std::uint32_t len = 0) noexcept {
     Out& o = out[out_tail++ % out.size()];

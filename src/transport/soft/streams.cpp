@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // A software RC queue pair's streams (qp.hpp): reading frames into registered memory, serving
-// the peer's requests against the windows bound on this queue pair, sending in turns.
+// the peer's requests against the windows bound on this queue pair (a crossing's with it:
+// crossing.hpp), sending in turns.
 #include "transport/soft/qp.hpp"
 
 #include "transport/soft/stream.hpp"
@@ -45,6 +46,7 @@ bool Qp::serve(Stream& s, const Frame& f) noexcept {
   const FrameOp op = f.request_op();
   const auto at = reinterpret_cast<std::uint8_t*>(f.raddr);
   const std::uint8_t* data = nullptr;
+  bool send_now = false;
   switch (op) {
     case FrameOp::write:
       s.verdict = check(f, IBV_ACCESS_REMOTE_WRITE);
@@ -75,112 +77,20 @@ bool Qp::serve(Stream& s, const Frame& f) noexcept {
         }
       }
       break;
-    case FrameOp::write_cma:
-    case FrameOp::read_cma: {
-      a.status = check(f, op == FrameOp::write_cma ? IBV_ACCESS_REMOTE_WRITE : IBV_ACCESS_REMOTE_READ);
-      if (cfg_.peer_pid <= 0) a.status = FrameStatus::invalid;  // not a side that copies for its peer
-      if (a.status == FrameStatus::ok && f.length != 0 && gave_up(s)) a.status = FrameStatus::remote_op;
-      if (a.status == FrameStatus::ok && f.length != 0) {
-        iovec mine{at, f.length};
-        iovec theirs{reinterpret_cast<void*>(f.arg0), f.length};
-        const ssize_t n = op == FrameOp::write_cma ? ::process_vm_readv(cfg_.peer_pid, &mine, 1, &theirs, 1, 0)
-                                                   : ::process_vm_writev(cfg_.peer_pid, &mine, 1, &theirs, 1, 0);
-        if (n != static_cast<ssize_t>(f.length)) a.status = FrameStatus::remote_op;
-      }
-      break;
-    }
-    case FrameOp::write_ring:
-    case FrameOp::read_ring:
-    case FrameOp::write_map:
-    case FrameOp::read_map: {
-      // Between the window and memory of the requester's that this side maps: its ring (at
-      // offset arg0), or a range it shared (range arg0, at offset arg1). Never its other memory.
-      const bool ring = op == FrameOp::write_ring || op == FrameOp::read_ring;
-      const bool write = op == FrameOp::write_ring || op == FrameOp::write_map;
-      a.status = check(f, write ? IBV_ACCESS_REMOTE_WRITE : IBV_ACCESS_REMOTE_READ);
-      std::uint8_t* base = nullptr;
-      std::size_t size = 0;
-      if (ring && cfg_.ring && !cfg_.cma) {
-        base = cfg_.ring->data();
-        size = cfg_.ring->size();
-      } else if (const auto m = maps_.find(f.arg0); !ring && m != maps_.end()) {
-        base = m->second.data();
-        size = m->second.size();
-      }
-      const std::uint64_t off = ring ? f.arg0 : f.arg1;
-      if (base == nullptr || off > size || f.length > size - off) a.status = FrameStatus::invalid;
-      // A mapped READ's copy lands in the requester's memory: not once it gave up (as with
-      // attach). A WRITE's reads it, which the peer may do at any time anyway: no system call for
-      // that. (Through the ring the copy lands in the ring, never in its buffers.)
-      if (a.status == FrameStatus::ok && f.length != 0 && !ring && !write && gave_up(s)) a.status = FrameStatus::remote_op;
-      if (a.status == FrameStatus::ok && f.length != 0) {
-        if (write) {
-          std::memcpy(at, base + off, f.length);
-        } else {
-          std::memcpy(base + off, at, f.length);
-        }
-      }
-      break;
-    }
     case FrameOp::share:
     case FrameOp::unshare:
       return true;  // (pump_once takes them: never answered)
+    default:
+      // A crossing's (crossing.hpp); refused on a link without one, as any op it does not know.
+      if (crossing_) {
+        send_now = crossing_->serve(*this, s, f, a);
+      } else {
+        a.status = FrameStatus::invalid;
+      }
   }
   s.push_out(a, true, data, data != nullptr ? a.length : 0).rkey = f.rkey;
   // (send() resumes nothing here: serve() runs only while the stream is not held.)
-  // A large ring frame's answer goes at once: the requester frees its room and copies the next.
-  // Mapped frames' answers go every kAnswerEvery bytes copied: the requester posts more while
-  // this side copies the rest (at the end of the turn only, its queue would run dry meanwhile).
-  const bool ring = op == FrameOp::write_ring || op == FrameOp::read_ring;
-  if (op == FrameOp::write_map || op == FrameOp::read_map) s.copied += f.length;
-  if (((ring && f.length >= kRingEager) || s.copied >= kAnswerEvery) && !s.watch_out) (void)send(s);
-  return true;
-}
-
-bool Qp::take_share(Stream& s, const Frame& f) noexcept {
-  const auto refuse = [&](const std::string& why) {
-    fail(fmt::format("data stream {}: {} (the peer is not an rdmakit engine of this version, or lies)", s.index, why),
-         nullptr, true);
-    return false;
-  };
-  if (!cfg_.takes_shares) {
-    return refuse("the peer shares memory on a link that takes none (engine protocol below 8, not shm, or the side "
-                  "that asks)");
-  }
-  if (f.request_op() == FrameOp::unshare) {
-    const auto it = maps_.find(f.arg0);
-    if (it == maps_.end()) return refuse(fmt::format("the peer took back memory {} it never shared", f.arg0));
-    dev_.give_back_map(it->second.size());
-    maps_.erase(it);
-    return true;
-  }
-  if (s.fds.empty()) return refuse(fmt::format("memory {} was shared without its descriptor", f.arg0));
-  Fd fd = std::move(s.fds.front());
-  s.fds.erase(s.fds.begin());
-  if (maps_.contains(f.arg0)) return refuse(fmt::format("memory {} was shared twice", f.arg0));
-  if (maps_.size() >= kMaxGiven) return refuse(fmt::format("more than {} ranges of memory were shared", kMaxGiven));
-  std::size_t size = 0;
-  try {
-    size = shm::check_sealed_memfd(fd.get(), 1, kMaxShare, "the memory the peer shared");
-  } catch (const std::exception& e) {
-    return refuse(e.what());
-  }
-  if (size != f.arg1) return refuse(fmt::format("memory {} has {} bytes, and its SHARE says {}", f.arg0, size, f.arg1));
-  // The device's budget, taken before the mapping (links on other workers take it too).
-  if (!dev_.take_map(size)) {
-    fail(fmt::format("data stream {}: this engine maps {} ranges ({} bytes) of its shm peers' memory at most, and has "
-                     "reached that (each is a mapping against vm.max_map_count, and address space): turn "
-                     "EngineConfig::shm_map off on the peers with many buffers",
-                     s.index, kMapsBudget, kMapBytesBudget),
-         nullptr, true);
-    return false;
-  }
-  try {
-    maps_.emplace(f.arg0, shm::Mapping(fd.get(), size, "the memory the peer shared"));
-  } catch (const std::exception& e) {
-    dev_.give_back_map(size);
-    return refuse(e.what());
-  }
+  if (send_now && !s.watch_out) (void)send(s);
   return true;
 }
 
@@ -207,7 +117,7 @@ void Qp::pump(Stream& s) noexcept {
 
 ssize_t Qp::read(Stream& s, void* into, std::size_t want, bool& eof) noexcept {
   ssize_t n = 0;
-  if (!cfg_.takes_shares) {
+  if (!crossing_ || !crossing_->takes_descriptors()) {
     n = ::recv(s.fd.get(), into, want, MSG_DONTWAIT);
   } else {
     // A SHARE's descriptor comes with its bytes (it is read before its frame is decoded).
@@ -223,7 +133,7 @@ ssize_t Qp::read(Stream& s, void* into, std::size_t want, bool& eof) noexcept {
       bool lost = (m.msg_flags & MSG_CTRUNC) != 0;  // also when none could be installed here
       if (m.msg_controllen > 0) {
         try {
-          for (Fd& fd : shm::descriptors_of(m)) s.fds.push_back(std::move(fd));
+          for (Fd& fd : descriptors_of(m)) s.fds.push_back(std::move(fd));
         } catch (...) {
           lost = true;  // out of memory: as if they never came
         }
@@ -313,7 +223,14 @@ bool Qp::pump_once(Stream& s) noexcept {
         return false;
       }
       if (unanswered(*f)) {
-        if (!take_share(s, *f)) return false;
+        if (!crossing_) {
+          fail(fmt::format("data stream {}: the peer shares memory on a link that takes none (engine protocol below 8, "
+                           "not shm, or the side that asks; the peer is not an rdmakit engine of this version, or lies)",
+                           s.index),
+               nullptr, true);
+          return false;
+        }
+        if (!crossing_->take(*this, s, *f)) return false;
         s.st_pos += kFrameSize;
         continue;
       }
@@ -421,7 +338,7 @@ bool Qp::send(Stream& s) noexcept {
     msghdr m{};
     m.msg_iov = iov;
     m.msg_iovlen = static_cast<std::size_t>(n);
-    shm::OneDescriptor control;
+    OneDescriptor control;
     if (with_fd != nullptr) control.attach(m, with_fd->share->fd.get());
     const ssize_t sent = ::sendmsg(s.fd.get(), &m, MSG_DONTWAIT | MSG_NOSIGNAL);
     if (sent > 0 && with_fd != nullptr) with_fd->share_sent = true;
