@@ -195,7 +195,7 @@ struct Completion {
   Opcode opcode = Opcode::send;  ///< from the posted work request (valid for errors too)
   int status = 0;                ///< ibv_wc_status; 0 is success
   std::uint32_t vendor_err = 0;
-  std::uint32_t byte_len = 0;    ///< bytes received (recv)
+  std::uint32_t byte_len = 0;    ///< bytes received (recv); 0 for the send queue's completions
   bool has_imm = false;
   std::uint32_t imm = 0;         ///< host byte order
 
@@ -240,7 +240,9 @@ struct PostResult {
 struct WorkRequest {
   Opcode opcode = Opcode::write;
   /// Scatter-gather list (at most max_sge entries). For atomics: one 8-byte slice that receives
-  /// the remote word's previous value. Payloads up to max_inline bytes are sent inline.
+  /// the remote word's previous value. Payloads up to max_inline bytes are sent inline (on rxe
+  /// a prepared or single WRITE's go by their SGE: its extended interface loses inline data).
+  /// Either way the memory is the request's until its completion.
   std::span<const LocalSlice> local;
   RemoteRegion remote;              ///< target of write, read and atomics
   std::uint64_t remote_offset = 0;  ///< into `remote`

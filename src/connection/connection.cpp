@@ -231,9 +231,18 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
   }
   ibv_cq* scq = attached.send_cq;
   ibv_cq* rcq = attached.recv_cq;
+  ibv_cq_ex* send_cqx = nullptr;  // the send CQ's extended interface, where the provider has it
   if (scq == nullptr) {
     const std::uint32_t send_cqe = cfg.send_depth * cfg.qps;
-    send_cq.reset(ibv_create_cq(dev->ctx(), static_cast<int>(send_cqe), nullptr, channel.get(), 0));
+    // Polled one completion at a time through ibv_start_poll/ibv_end_poll (DataPath::poll_one),
+    // in batches and by the drain through ibv_poll_cq, which takes it as well.
+    ibv_cq_init_attr_ex ca{};
+    ca.cqe = send_cqe;
+    ca.channel = channel.get();
+    ca.wc_flags = IBV_WC_STANDARD_FLAGS;
+    send_cqx = ibv_create_cq_ex(dev->ctx(), &ca);
+    if (send_cqx != nullptr) send_cq.reset(ibv_cq_ex_to_cq(send_cqx));
+    if (!send_cq) send_cq.reset(ibv_create_cq(dev->ctx(), static_cast<int>(send_cqe), nullptr, channel.get(), 0));
     if (!send_cq) throw Error("ibv_create_cq", errno, fmt::format("send CQ, {} entries", send_cqe));
     recv_cq.reset(ibv_create_cq(dev->ctx(), static_cast<int>(cfg.recv_depth), nullptr, channel.get(), 0));
     if (!recv_cq) throw Error("ibv_create_cq", errno, fmt::format("receive CQ, {} entries", cfg.recv_depth));
@@ -245,6 +254,11 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
 
   qps.reserve(cfg.qps);
   std::vector<ibv_qp*> raw;
+  // Through the extended interface where the provider has it: a prepared or single WRITE or
+  // READ is posted by ibv_wr_* (DataPath::use_extended: the provider parses no classic work
+  // request); everything else, and everything on a provider without it, by ibv_post_send.
+  bool extended = true;  // every QP so far was (ibv_qp_to_qp_ex is for those alone)
+  bool try_extended = true;
   for (std::uint32_t k = 0; k < cfg.qps; ++k) {
     ibv_qp_init_attr qattr{};
     qattr.send_cq = scq;
@@ -258,7 +272,33 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
     qattr.cap.max_send_sge = cfg.max_sge;
     qattr.cap.max_recv_sge = 1;
     qattr.cap.max_inline_data = cfg.max_inline;
-    detail::QpPtr qp(ibv_create_qp(dev->pd.get(), &qattr));
+    detail::QpPtr qp;
+    if (try_extended) {
+      ibv_qp_init_attr_ex ex{};
+      ex.send_cq = qattr.send_cq;
+      ex.recv_cq = qattr.recv_cq;
+      ex.qp_type = qattr.qp_type;
+      ex.sq_sig_all = qattr.sq_sig_all;
+      ex.cap = qattr.cap;
+      ex.comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
+      ex.pd = dev->pd.get();
+      // Every opcode any path posts on it, classic or not: a provider sizes its send queue's
+      // entries by them (mlx5 does: a bind takes more room than a WRITE).
+      ex.send_ops_flags = IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM | IBV_QP_EX_WITH_SEND |
+                          IBV_QP_EX_WITH_RDMA_READ | IBV_QP_EX_WITH_BIND_MW;
+      if (dattr.atomic_cap != IBV_ATOMIC_NONE) {
+        ex.send_ops_flags |= IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP | IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD;
+      }
+      qp.reset(ibv_create_qp_ex(dev->ctx(), &ex));
+      if (qp && ibv_qp_to_qp_ex(qp.get()) == nullptr) qp.reset();
+      if (qp) qattr.cap = ex.cap;
+    }
+    if (!qp) {
+      // A provider without it, or refusing those flags: the classic call, and the classic post
+      // on every lane (ibv_post_send takes any QP).
+      extended = try_extended = false;
+      qp.reset(ibv_create_qp(dev->pd.get(), &qattr));
+    }
     if (!qp) {
       throw Error("ibv_create_qp", errno,
                   fmt::format("RC QP {} of {}, send {} / recv {} entries, {} SGEs, {} inline bytes on {}",
@@ -317,6 +357,13 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
 
   dp.init({cfg.send_depth, cfg.recv_depth, info.max_sge, info.max_inline, p.max_msg_size, cfg.stripe_min},
           raw, scq, rcq, channel.get(), detail::real_verbs());
+  // rxe (vendor id 0xffffff) completes a WRITE whose data came by ibv_wr_set_inline_data with a
+  // local QP operation error (rdma-core 44): there such requests go by their SGE.
+  std::vector<ibv_qp_ex*> qpxs;
+  if (extended) {
+    for (ibv_qp* q : raw) qpxs.push_back(ibv_qp_to_qp_ex(q));
+  }
+  dp.use_extended(qpxs, dattr.vendor_id != 0xffffff, send_cqx);
   dp.observe(cfg.trace, info.peer_address);
 }
 

@@ -45,6 +45,9 @@ void DataPath::init(const DataPathLimits& limits, std::span<ibv_qp* const> qps, 
     v.num_sge = 1;
   }
   send_cq_ = send_cq;
+  send_cqx_ = nullptr;  // (use_extended() after, for QPs and CQs made for it)
+  ext_ = ext_inline_ = false;
+  for (Prepared& p : prepared_) p.ext = ext_kind::kNone;
   recv_cq_ = recv_cq;
   channel_ = channel;
   if (qps.size() > kMaxLanes) throw Error("data path", EINVAL, fmt::format("{} QPs: at most {}", qps.size(), kMaxLanes));
@@ -93,21 +96,31 @@ void DataPath::route_through(CqRouter& send, CqRouter& recv) {
   recv_router_ = &recv;
 }
 
+void DataPath::use_extended(std::span<ibv_qp_ex* const> qps, bool inline_data, ibv_cq_ex* send_cq) noexcept {
+  send_cqx_ = send_cq != nullptr && ibv_cq_ex_to_cq(send_cq) == send_cq_ ? send_cq : nullptr;
+  // Every lane's, each with the calls the data path makes (a provider that takes the flags and
+  // leaves a builder out would be called through null), or none.
+  const auto usable = [](const ibv_qp_ex* x) {
+    return x != nullptr && x->wr_start != nullptr && x->wr_complete != nullptr && x->wr_rdma_write != nullptr &&
+           x->wr_rdma_read != nullptr && x->wr_set_sge != nullptr && x->wr_set_sge_list != nullptr &&
+           x->wr_set_inline_data != nullptr;
+  };
+  ext_ = qps.size() == lane_count_ && std::all_of(qps.begin(), qps.end(), usable);
+  ext_inline_ = ext_ && inline_data;
+  for (std::uint32_t k = 0; k < lane_count_; ++k) lanes_[k].qpx = ext_ ? qps[k] : nullptr;
+  if (send_cqx_ != nullptr && (send_cqx_->start_poll == nullptr || send_cqx_->end_poll == nullptr ||
+                               send_cqx_->read_vendor_err == nullptr || send_cqx_->read_qp_num == nullptr ||
+                               send_cqx_->read_opcode == nullptr)) {
+    send_cqx_ = nullptr;
+  }
+}
+
 void DataPath::observe(std::function<void(const TraceEvent&)> trace, std::string peer) {
   trace_ = std::move(trace);
   peer_ = std::move(peer);
 }
 
-std::size_t DataPath::poll_one(Completion& out) noexcept {
-  // A queue with nothing in flight has nothing to report: skip its provider call (it costs real
-  // time per spin in a latency loop). The receive queue is a function of its own.
-  if (!sends_may_complete()) return poll_one_recv(out);
-  // The work completion is a member and `out` waits in one across the provider's call: then
-  // only `this` lives across it (one register saved per call instead of three). Not
-  // reap_send({&out, 1}) or take_send(): GCC keeps the batch branch's array, or the work
-  // completion's address, in the frame then (bench/callgrind-overhead).
-  poll_out_ = &out;
-  if (ibv_poll_cq(send_cq_, 1, &wc_) != 1) return poll_one_recv(*poll_out_);
+[[gnu::always_inline]] inline std::size_t DataPath::poll_one_taken() noexcept {
   // The tag is checked against the lanes' storage, not their count: a lane not in use has an
   // empty ring, which retires nothing (poll_one_other then checks the tag against the count).
   const std::uint64_t tag = wc_.wr_id >> kTagShift;
@@ -122,6 +135,53 @@ std::size_t DataPath::poll_one(Completion& out) noexcept {
   }
   dp::fill_send(*poll_out_, slot.wr_id, slot.op, wc_);
   return 1;
+}
+
+std::size_t DataPath::poll_one(Completion& out) noexcept {
+  // A queue with nothing in flight has nothing to report: skip its provider call (it costs real
+  // time per spin in a latency loop). The receive queue is a function of its own.
+  if (!sends_may_complete()) return poll_one_recv(out);
+  // The work completion is a member and `out` waits in one across the provider's call: then
+  // only `this` lives across it (one register saved per call instead of three). Not
+  // reap_send({&out, 1}) or take_send(): GCC keeps the batch branch's array, or the work
+  // completion's address, in the frame then (bench/callgrind-overhead).
+  poll_out_ = &out;
+  if (send_cqx_ != nullptr) return poll_one_extended();
+  if (ibv_poll_cq(send_cq_, 1, &wc_) != 1) return poll_one_recv(*poll_out_);
+  return poll_one_taken();
+}
+
+std::size_t DataPath::poll_one_extended() noexcept {
+  ibv_cq_ex* const x = send_cqx_;
+  ibv_poll_cq_attr attr{};
+  if (ibv_start_poll(x, &attr) != 0) return poll_one_recv(*poll_out_);
+  // The common case read off the CQ's current entry, as poll_one_taken() would take it: a
+  // request of the caller's that succeeded.
+  const std::uint64_t id = x->wr_id;
+  const ibv_wc_status status = x->status;
+  if (const std::uint64_t tag = id >> kTagShift; tag < kMaxLanes && status == IBV_WC_SUCCESS && !markers_pending_) [[likely]] {
+    WrRing& ring = lanes_[tag].sq;
+    const std::uint64_t seq = ring.seq_of(id);
+    if (seq < ring.next_seq()) [[likely]] {
+      const WrRing::Slot& slot = ring.at(seq);
+      if (slot.kind == WrRing::user) [[likely]] {
+        ring.retire_through(seq);
+        ibv_end_poll(x);
+        dp::fill_send_ok(*poll_out_, slot.wr_id, slot.op);
+        return 1;
+      }
+    }
+  }
+  // Anything else as the classic poll's: its work completion (a send completion's byte_len says
+  // nothing: 0, as the public Completion documents).
+  wc_ = ibv_wc{};
+  wc_.wr_id = id;
+  wc_.status = status;
+  wc_.vendor_err = status != IBV_WC_SUCCESS ? ibv_wc_read_vendor_err(x) : 0;
+  wc_.qp_num = ibv_wc_read_qp_num(x);
+  wc_.opcode = ibv_wc_read_opcode(x);
+  ibv_end_poll(x);
+  return poll_one_taken();
 }
 
 std::size_t DataPath::poll_one_other(const WrRing::Slot* slot) noexcept {
@@ -186,14 +246,14 @@ bool DataPath::take_other(Lane& lane, const WrRing::Slot* in_flight, const ibv_w
                           Completion& c) noexcept {
   const WrRing::Slot slot = in_flight != nullptr ? *in_flight : stale_slot(wc);
   if (slot.kind == WrRing::user && wc.status == IBV_WC_SUCCESS) {
-    dp::fill(c, slot.wr_id, slot.op, wc);
+    dp::fill_send(c, slot.wr_id, slot.op, wc);
     return true;
   }
   if (slot.kind == WrRing::part) return finish_part(slot, wc, c);
   // A completion the library forced (selective signaling) or its own marker is bookkeeping; a
   // failed request of the caller's is always news.
   if (wc.status == IBV_WC_SUCCESS) return false;
-  dp::fill(c, slot.wr_id, slot.op, wc);
+  dp::fill_send(c, slot.wr_id, slot.op, wc);
   on_error(c, lane.qpn);
   return slot.kind != WrRing::marker;
 }

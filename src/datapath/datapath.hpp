@@ -7,9 +7,10 @@
 // channel, keeps them alive while it is used, and calls forget_qps() before destroying the QPs.
 //
 // post/poll go through the provider's inline calls (ibv_post_send, ibv_poll_cq,
-// ibv_req_notify_cq dispatch through the context's ops table); the few verbs libibverbs does not
+// ibv_req_notify_cq dispatch through the context's ops table; ibv_wr_* and ibv_start_poll through
+// the QP's and CQ's extended interfaces, use_extended()); the few verbs libibverbs does not
 // dispatch that way go through VerbsOps. A fake provider for unit tests plugs in at exactly those
-// two places (tests/unit/fake_verbs.hpp), so the code under test is the code that runs.
+// places (tests/unit/fake_verbs.hpp), so the code under test is the code that runs.
 //
 // Not thread-safe: one thread at a time, like the Connection that holds it.
 
@@ -74,6 +75,7 @@ class CqRouter;
 // finds its lane by index with a shift.
 struct alignas(64) Lane {
   ibv_qp* qp = nullptr;
+  ibv_qp_ex* qpx = nullptr;  // its extended interface (DataPath::use_extended); null: ibv_post_send only
   WrRing sq;
   std::uint32_t unsignaled_run = 0;  // WRs posted unsignaled since the last signaled one
   // unsignaled_run after a post the provider refused: long enough that the next request is
@@ -125,7 +127,18 @@ struct alignas(256) Prepared {  // a power of two in size: found by index with a
   WrRing::Slot slot;           // its ring entry but the wr_id: the opcode, user or silent (unsignaled)
   bool any_lane = false;       // a WRITE or READ with several QPs: any of them may take it
   bool in_use = false;
+  // A WRITE or READ of data posted through the lanes' extended interface (use_extended): how
+  // (ext_kind), and its arguments laid out for the calls; kNone: by ibv_post_send.
+  std::uint8_t ext = 0;
+  std::uint32_t ext_rkey = 0;
+  std::uint64_t ext_raddr = 0;
+  ibv_sge ext_sge{};  // the first SGE
 };
+
+/// How a prepared request goes through the extended interface (Prepared::ext).
+namespace ext_kind {
+inline constexpr std::uint8_t kNone = 0, kWrite = 1, kRead = 2, kWriteInline = 3, kWriteList = 4, kReadList = 5;
+}
 
 /// Why the data path stopped accepting work.
 enum class BreakCause : std::uint8_t {
@@ -175,6 +188,14 @@ class DataPath {
             ibv_cq* recv_cq, ibv_comp_channel* channel, const VerbsOps& ops);
   /// Tracing of error completions and breaks (off the hot path).
   void observe(std::function<void(const TraceEvent&)> trace, std::string peer);
+  /// After init(), the extended interfaces: `qps`, each QP's (in init()'s order; all or none:
+  /// created by ibv_create_qp_ex with every opcode posted among its send ops), so that a
+  /// prepared or single WRITE or READ is posted through ibv_wr_* (the provider builds its entry
+  /// from the calls, without parsing a classic work request); `inline_data`, the provider takes
+  /// inline data that way (else those requests go by their SGE). `send_cq` (or null): the send
+  /// CQ as created by ibv_create_cq_ex, polled one completion at a time through ibv_start_poll
+  /// (batches and drains keep ibv_poll_cq).
+  void use_extended(std::span<ibv_qp_ex* const> qps, bool inline_data, ibv_cq_ex* send_cq) noexcept;
   /// Makes the data path one of many on shared CQs: its completions are polled by the CQs'
   /// owner through the routers (CqRouter::poll), which hand each to this data path's
   /// bookkeeping. Then poll(), wait(), settle() and the reaping in shut() are not to be used:
@@ -275,6 +296,10 @@ class DataPath {
   // markers, nothing in flight: `slot` null); the completion is in wc_, the caller's entry at
   // poll_out_.
   [[gnu::noinline]] std::size_t poll_one_other(const WrRing::Slot* slot) noexcept;
+  // poll_one through the send CQ's extended interface (use_extended), and what follows a work
+  // completion taken into wc_ either way.
+  [[gnu::noinline]] std::size_t poll_one_extended() noexcept;
+  std::size_t poll_one_taken() noexcept;
   // Whether the send CQ may hold a completion for this data path: with one QP, only while its
   // queue has something in flight (a latency loop then skips the provider's call). The first
   // queue is read before the QP count: fewer jumps when busy.
@@ -430,6 +455,7 @@ class DataPath {
   std::array<Lane, kMaxLanes> lanes_{};
   std::uint32_t lane_count_ = 0;
   ibv_cq* send_cq_ = nullptr;
+  ibv_cq_ex* send_cqx_ = nullptr;  // the same, extended (use_extended); null: ibv_poll_cq only
   ibv_cq* recv_cq_ = nullptr;
   ibv_comp_channel* channel_ = nullptr;
   WrRing rq_;  // lanes_[0]'s receive queue
@@ -439,6 +465,8 @@ class DataPath {
   Mode mode_ = Mode::idle;
   bool markers_pending_ = false;  // checked once per poll: a drain marker waits for room
   bool atomics_ = false;
+  bool ext_ = false;         // use_extended(): the lanes post WRITEs and READs through ibv_wr_*
+  bool ext_inline_ = false;  // ... and their inline data with it
   std::vector<RemoteRegion> remote_;
   const RemoteRegion* settle_target_ = nullptr;  // in remote_; null when none can take a marker
   ibv_wr_opcode settle_opcode_ = IBV_WR_RDMA_WRITE;

@@ -84,13 +84,47 @@ constexpr std::uint64_t wr_id(std::uint32_t tag, std::uint64_t seq) {
   return (std::uint64_t{tag} << kTagShift) | (seq & kSeqMask);
 }
 
+// Prepared WRITE or READ `p` (p.ext not kNone; its wr_id and flags set in p.wr) posted through
+// the extended interface: the request ibv_post_send(p.wr) would post, built by the provider from
+// the calls.
+[[gnu::always_inline]] inline int post_extended(ibv_qp_ex* x, const Prepared& p) noexcept {
+  ibv_wr_start(x);
+  x->wr_id = p.wr.wr_id;
+  x->wr_flags = p.wr.send_flags & ~unsigned{IBV_SEND_INLINE};  // inline is said by the setter
+  const std::uint8_t kind = p.ext;
+  if (kind == ext_kind::kRead || kind == ext_kind::kReadList) {
+    ibv_wr_rdma_read(x, p.ext_rkey, p.ext_raddr);
+  } else {
+    ibv_wr_rdma_write(x, p.ext_rkey, p.ext_raddr);
+  }
+  if (kind <= ext_kind::kRead) [[likely]] {
+    ibv_wr_set_sge(x, p.ext_sge.lkey, p.ext_sge.addr, p.ext_sge.length);
+  } else if (kind == ext_kind::kWriteInline) {
+    ibv_wr_set_inline_data(x, reinterpret_cast<void*>(p.ext_sge.addr), p.ext_sge.length);
+  } else {
+    ibv_wr_set_sge_list(x, static_cast<std::size_t>(p.wr.num_sge), p.wr.sg_list);
+  }
+  return ibv_wr_complete(x);
+}
+
 // A send queue's completion: never one with an immediate (only a receive's has one).
 inline void fill_send(Completion& c, std::uint64_t wr_id, Opcode op, const ibv_wc& wc) noexcept {
   c.wr_id = wr_id;
   c.opcode = op;
   c.status = wc.status;
   c.vendor_err = wc.vendor_err;
-  c.byte_len = wc.byte_len;
+  c.byte_len = 0;  // a receive's alone (fill()): the same whichever poll took a send's completion
+  c.has_imm = false;
+  c.imm = 0;
+}
+
+// A send completion of a request that succeeded (the extended poll: no work completion read).
+inline void fill_send_ok(Completion& c, std::uint64_t wr_id, Opcode op) noexcept {
+  c.wr_id = wr_id;
+  c.opcode = op;
+  c.status = IBV_WC_SUCCESS;
+  c.vendor_err = 0;
+  c.byte_len = 0;
   c.has_imm = false;
   c.imm = 0;
 }
@@ -98,6 +132,7 @@ inline void fill_send(Completion& c, std::uint64_t wr_id, Opcode op, const ibv_w
 // Any completion (a receive's may carry an immediate).
 inline void fill(Completion& c, std::uint64_t wr_id, Opcode op, const ibv_wc& wc) noexcept {
   fill_send(c, wr_id, op, wc);
+  c.byte_len = wc.byte_len;
   c.has_imm = wc.status == IBV_WC_SUCCESS && (wc.wc_flags & IBV_WC_WITH_IMM) != 0;
   c.imm = c.has_imm ? be32toh(wc.imm_data) : 0;
 }
@@ -223,6 +258,31 @@ template <Opcode Op>
     std::uint64_t compare_add, std::uint64_t swap, std::uint64_t wr_id) noexcept {
   if (lane.sq.free() == 0) [[unlikely]] return post_code(PostStatus::queue_full);
   const std::uint64_t total = local.length();
+  if constexpr (Op == Opcode::write || Op == Opcode::read) {
+    if (ibv_qp_ex* x = lane.qpx; x != nullptr && total != 0) [[likely]] {
+      // Through the extended interface (use_extended): no work request to fill.
+      const bool inline_data = dp::may_inline<Op>(total, limits_.max_inline) && ext_inline_;
+      const std::uint64_t id = lane.wr_id(lane.sq.next_seq());
+      lane.sq.push({wr_id, Op, WrRing::user, false});
+      lane.unsignaled_run = 0;
+      ibv_wr_start(x);
+      x->wr_id = id;
+      x->wr_flags = IBV_SEND_SIGNALED;
+      if constexpr (Op == Opcode::write) {
+        ibv_wr_rdma_write(x, remote.rkey, remote.addr + offset);
+      } else {
+        ibv_wr_rdma_read(x, remote.rkey, remote.addr + offset);
+      }
+      const ibv_sge s = dp::to_sge(local);
+      if (inline_data) {
+        ibv_wr_set_inline_data(x, reinterpret_cast<void*>(s.addr), s.length);
+      } else {
+        ibv_wr_set_sge(x, s.lkey, s.addr, s.length);
+      }
+      if (const int rc = ibv_wr_complete(x); rc != 0) [[unlikely]] return refused(lane, rc);
+      return PostCode::ok;
+    }
+  }
   // The opcode's own WR: its opcode, its SGE (single_sge_) and one SGE are set once (init());
   // fields this path never sets stay zero, so the WR is not cleared per call.
   single_sge_ = dp::to_sge(local);
@@ -272,7 +332,8 @@ template <Opcode Op>
   lane.sq.push(slot);
   // Both before the provider's call, so only the lane lives across it (fewer registers saved).
   lane.unsignaled_run = run;
-  if (const int rc = ibv_post_send(lane.qp, &p.wr, &bad_wr_); rc != 0) [[unlikely]] return refused(lane, rc);
+  const int rc = p.ext != ext_kind::kNone ? dp::post_extended(lane.qpx, p) : ibv_post_send(lane.qp, &p.wr, &bad_wr_);
+  if (rc != 0) [[unlikely]] return refused(lane, rc);
   return PostCode::ok;
 }
 

@@ -266,6 +266,20 @@ PostResult DataPath::prepare(const WorkRequest& w, PreparedRequest& out) {
   p.slot = {0, w.opcode, w.signaled ? WrRing::user : WrRing::silent, false};
   p.wr.send_flags = p.flags | (w.signaled ? unsigned{IBV_SEND_SIGNALED} : 0u);
   p.any_lane = dp::spreads(w.opcode) && lane_count_ > 1;
+  // Through the extended interface: WRITEs and READs of data (a zero-length one has no SGE to
+  // set); inline data there only from one SGE (a list of inline pieces stays classic).
+  const bool inline_data = (p.flags & IBV_SEND_INLINE) != 0;
+  p.ext = ext_kind::kNone;
+  if (ext_ && (w.opcode == Opcode::write || w.opcode == Opcode::read) && p.wr.num_sge > 0 &&
+      (!inline_data || !ext_inline_ || p.wr.num_sge == 1)) {
+    const bool write = w.opcode == Opcode::write;
+    p.ext = inline_data && ext_inline_ ? ext_kind::kWriteInline
+            : p.wr.num_sge > 1         ? (write ? ext_kind::kWriteList : ext_kind::kReadList)
+                                       : (write ? ext_kind::kWrite : ext_kind::kRead);
+    p.ext_rkey = p.wr.wr.rdma.rkey;
+    p.ext_raddr = p.wr.wr.rdma.remote_addr;
+    p.ext_sge = p.sges[0];
+  }
   p.in_use = true;
   p.fast_handle = p.any_lane ? Prepared::kNoFast : std::bit_cast<std::uint64_t>(PreparedRequest{index, p.generation});
   out = {index, p.generation};

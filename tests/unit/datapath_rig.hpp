@@ -4,9 +4,11 @@
 // tests (datapath_test.cpp, prepared_test.cpp).
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 #include "datapath/datapath.hpp"
@@ -25,6 +27,14 @@ using rdmakit::RemoteRegion;
 using rdmakit::WaitStatus;
 using rdmakit::WorkRequest;
 using rdmakit::detail::DataPath;
+
+// Whether the rig's data path posts and polls through the extended interfaces (below), and
+// inline-sized requests then by their SGE.
+inline bool extended() {
+  const char* e = std::getenv("RDMAKIT_TEST_EXTENDED");
+  return e != nullptr && *e != '\0' && std::string_view(e) != "0";
+}
+inline bool by_sge_through_extended() { return extended() && std::string_view(std::getenv("RDMAKIT_TEST_EXTENDED")) == "sge"; }
 
 // A region the fake never touches: only its address, length and keys matter.
 inline MemoryRegion region(std::uintptr_t addr, std::size_t length, Access access) {
@@ -63,6 +73,14 @@ struct Rig {
     rcq = v.cq(ch);
     for (std::uint32_t k = 0; k < o.lanes; ++k) qps.push_back(v.qp(scq, rcq, 0x100 + k));
     dp.init({o.depth, o.depth, 4, 64, o.max_msg, 4 * 4096}, qps, scq, rcq, ch, v.ops());
+    // RDMAKIT_TEST_EXTENDED (the unit.datapath_extended runs of these suites): the QPs' and the
+    // send CQ's extended interfaces, as a connection on a provider that has them; "sge": one
+    // that loses inline data through them (rxe), whose inline-sized requests go by their SGE.
+    if (extended()) {
+      std::vector<ibv_qp_ex*> x;
+      for (ibv_qp* q : qps) x.push_back(v.qp_ex(q));
+      dp.use_extended(x, !by_sge_through_extended(), v.cq_ex(scq));
+    }
     dp.set_remote({peer}, true);
     dp.start();
   }

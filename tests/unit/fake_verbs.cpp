@@ -147,16 +147,148 @@ int Verbs::post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
     Wr taken{w->wr_id, w->opcode, w->send_flags, w->num_sge, {w->sg_list, w->sg_list + w->num_sge},
              atomic ? w->wr.atomic.remote_addr : w->wr.rdma.remote_addr, atomic ? w->wr.atomic.rkey : w->wr.rdma.rkey,
              w->imm_data, atomic ? w->wr.atomic.compare_add : 0, atomic ? w->wr.atomic.swap : 0};
-    q.history.push_back(taken);
-    if (q.error) {
-      // A QP in ERR completes every new request at once, flushed.
-      v.push(qp->send_cq, wc_for(q, w->wr_id, IBV_WC_WR_FLUSH_ERR, IBV_WC_SEND));
-    } else {
-      q.sq.push_back(taken);
-    }
+    v.take(q, taken);
   }
   return 0;
 }
+
+void Verbs::take(Qp& q, const Wr& w) {
+  q.history.push_back(w);
+  if (q.error) {
+    // A QP in ERR completes every new request at once, flushed.
+    push(q.qp.send_cq, wc_for(q, w.wr_id, IBV_WC_WR_FLUSH_ERR, IBV_WC_SEND));
+  } else {
+    q.sq.push_back(w);
+  }
+}
+
+// --- the extended interfaces --------------------------------------------------------------------
+
+ibv_qp_ex* Verbs::qp_ex(ibv_qp* qp) {
+  ibv_qp_ex& x = qp_of(qp).x;
+  x.wr_start = wr_start;
+  x.wr_rdma_write = wr_rdma_write;
+  x.wr_rdma_read = wr_rdma_read;
+  x.wr_set_sge = wr_set_sge;
+  x.wr_set_sge_list = wr_set_sge_list;
+  x.wr_set_inline_data = wr_set_inline_data;
+  x.wr_complete = wr_complete;
+  x.wr_abort = wr_abort;
+  return &x;
+}
+
+void Verbs::wr_start(ibv_qp_ex* x) {
+  Qp& q = qp_of(x);
+  if (q.in_wr) throw std::logic_error("wr_start inside wr_start");
+  q.in_wr = true;
+  q.building.clear();
+}
+
+void Verbs::wr_rdma_write(ibv_qp_ex* x, std::uint32_t rkey, std::uint64_t addr) {
+  Qp& q = qp_of(x);
+  if (!q.in_wr) throw std::logic_error("a WR builder outside wr_start");
+  q.building.push_back({x->wr_id, IBV_WR_RDMA_WRITE, x->wr_flags, 0, {}, addr, rkey, 0, 0, 0});
+}
+
+void Verbs::wr_rdma_read(ibv_qp_ex* x, std::uint32_t rkey, std::uint64_t addr) {
+  Qp& q = qp_of(x);
+  if (!q.in_wr) throw std::logic_error("a WR builder outside wr_start");
+  q.building.push_back({x->wr_id, IBV_WR_RDMA_READ, x->wr_flags, 0, {}, addr, rkey, 0, 0, 0});
+}
+
+void Verbs::wr_set_sge(ibv_qp_ex* x, std::uint32_t lkey, std::uint64_t addr, std::uint32_t length) {
+  const ibv_sge s{addr, length, lkey};
+  wr_set_sge_list(x, 1, &s);
+}
+
+void Verbs::wr_set_sge_list(ibv_qp_ex* x, std::size_t n, const ibv_sge* sges) {
+  Qp& q = qp_of(x);
+  if (q.building.empty()) throw std::logic_error("a WR setter before its builder");
+  q.building.back().sges.assign(sges, sges + n);
+  q.building.back().num_sge = static_cast<int>(n);
+}
+
+void Verbs::wr_set_inline_data(ibv_qp_ex* x, void* addr, std::size_t length) {
+  Qp& q = qp_of(x);
+  if (q.building.empty()) throw std::logic_error("a WR setter before its builder");
+  // Recorded as the classic post records an inline request: its flag, and its data's place.
+  Wr& w = q.building.back();
+  w.flags |= IBV_SEND_INLINE;
+  w.sges = {ibv_sge{reinterpret_cast<std::uint64_t>(addr), static_cast<std::uint32_t>(length), 0}};
+  w.num_sge = 1;
+}
+
+int Verbs::wr_complete(ibv_qp_ex* x) {
+  Verbs& v = of(x->qp_base.context);
+  Qp& q = qp_of(x);
+  if (!q.in_wr) throw std::logic_error("wr_complete outside wr_start");
+  q.in_wr = false;
+  // A refusal (fail_post_at, an index within the batch) takes none of it, as a provider's
+  // wr_complete does.
+  const int fail_at = v.failing_call() ? std::exchange(v.fail_post_at_, -1) : -1;
+  if (fail_at >= 0 && static_cast<std::size_t>(fail_at) < q.building.size()) {
+    q.building.clear();
+    return EINVAL;
+  }
+  for (const Wr& w : q.building) v.take(q, w);
+  v.extended_posts_ += q.building.size();
+  q.building.clear();
+  return 0;
+}
+
+void Verbs::wr_abort(ibv_qp_ex* x) {
+  Qp& q = qp_of(x);
+  q.in_wr = false;
+  q.building.clear();
+}
+
+ibv_cq_ex* Verbs::cq_ex(ibv_cq* cq) {
+  ibv_cq_ex& x = cq_of(cq).x;
+  x.start_poll = start_poll;
+  x.next_poll = next_poll;
+  x.end_poll = end_poll;
+  x.read_opcode = read_opcode;
+  x.read_vendor_err = read_vendor_err;
+  x.read_byte_len = read_byte_len;
+  x.read_qp_num = read_qp_num;
+  x.read_wc_flags = read_wc_flags;
+  return &x;
+}
+
+int Verbs::start_poll(ibv_cq_ex* x, ibv_poll_cq_attr* attr) {
+  Cq& c = cq_of(ibv_cq_ex_to_cq(x));
+  if (c.polling) throw std::logic_error("start_poll without end_poll");
+  if (attr == nullptr || attr->comp_mask != 0) return EINVAL;
+  if (c.entries.empty()) return ENOENT;
+  c.polling = true;
+  ++of(x->context).extended_polls_;
+  x->wr_id = c.entries.front().wr_id;
+  x->status = c.entries.front().status;
+  return 0;
+}
+
+int Verbs::next_poll(ibv_cq_ex* x) {
+  Cq& c = cq_of(ibv_cq_ex_to_cq(x));
+  if (!c.polling) throw std::logic_error("next_poll outside start_poll");
+  c.entries.pop_front();
+  if (c.entries.empty()) return ENOENT;
+  x->wr_id = c.entries.front().wr_id;
+  x->status = c.entries.front().status;
+  return 0;
+}
+
+void Verbs::end_poll(ibv_cq_ex* x) {
+  Cq& c = cq_of(ibv_cq_ex_to_cq(x));
+  if (!c.polling) throw std::logic_error("end_poll outside start_poll");
+  c.polling = false;
+  if (!c.entries.empty()) c.entries.pop_front();
+}
+
+enum ibv_wc_opcode Verbs::read_opcode(ibv_cq_ex* x) { return cq_of(ibv_cq_ex_to_cq(x)).entries.front().opcode; }
+std::uint32_t Verbs::read_vendor_err(ibv_cq_ex* x) { return cq_of(ibv_cq_ex_to_cq(x)).entries.front().vendor_err; }
+std::uint32_t Verbs::read_byte_len(ibv_cq_ex* x) { return cq_of(ibv_cq_ex_to_cq(x)).entries.front().byte_len; }
+std::uint32_t Verbs::read_qp_num(ibv_cq_ex* x) { return cq_of(ibv_cq_ex_to_cq(x)).entries.front().qp_num; }
+unsigned int Verbs::read_wc_flags(ibv_cq_ex* x) { return cq_of(ibv_cq_ex_to_cq(x)).entries.front().wc_flags; }
 
 int Verbs::post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   Verbs& v = of(qp->context);
@@ -181,6 +313,7 @@ int Verbs::post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 
 int Verbs::poll_cq(ibv_cq* cq, int n, ibv_wc* wc) {
   Cq& c = cq_of(cq);
+  if (c.polling) throw std::logic_error("ibv_poll_cq inside start_poll");
   int got = 0;
   while (got < n && !c.entries.empty()) {
     wc[got++] = c.entries.front();

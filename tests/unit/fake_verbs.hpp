@@ -4,7 +4,9 @@
 // partial posts, drain markers, breaks, wake-ups). It plugs in where a real provider does: its
 // ibv_context's ops table serves ibv_post_send / ibv_post_recv / ibv_poll_cq /
 // ibv_req_notify_cq (inline dispatches in verbs.h), and ops() the calls libibverbs makes itself
-// (modify to ERR, CQ events). The rest is a deterministic model of an RC QP: work requests are
+// (modify to ERR, CQ events); and each QP's and CQ's extended interface (ibv_qp_ex's ibv_wr_*,
+// ibv_cq_ex's start/end poll), which a data path given them by use_extended() calls through their
+// own function pointers. The rest is a deterministic model of an RC QP: work requests are
 // taken in order and complete in order when the test says so; unsignaled successes leave no
 // completion; a QP in ERR flushes everything it holds and everything posted to it afterwards.
 //
@@ -58,6 +60,14 @@ class Verbs {
   ibv_cq* cq(ibv_comp_channel* channel = nullptr);
   ibv_qp* qp(ibv_cq* send_cq, ibv_cq* recv_cq, std::uint32_t qpn);
   [[nodiscard]] const rdmakit::detail::VerbsOps& ops() const;
+  /// The QP's and the CQ's extended interfaces (ibv_wr_*: WRITE, READ, their SGEs or inline
+  /// data; start/end poll and the fields the data path reads).
+  ibv_qp_ex* qp_ex(ibv_qp* qp);
+  ibv_cq_ex* cq_ex(ibv_cq* cq);
+  /// Requests taken through a QP's extended interface.
+  [[nodiscard]] std::size_t extended_posts() const { return extended_posts_; }
+  /// Completions taken through a CQ's extended interface.
+  [[nodiscard]] std::size_t extended_polls() const { return extended_polls_; }
 
   // --- the NIC --------------------------------------------------------------------------------
   /// Completes the `n` oldest work requests the QP holds, in order, with `status` (a success
@@ -96,12 +106,17 @@ class Verbs {
     Verbs* self;
   };
   struct Cq {
-    ibv_cq cq{};
+    ibv_cq_ex x{};  // its leading fields are an ibv_cq's (ibv_cq_ex_to_cq)
+    ibv_cq& cq = *ibv_cq_ex_to_cq(&x);
     std::deque<ibv_wc> entries;
     bool armed = false;
+    bool polling = false;  // between start_poll and end_poll
   };
   struct Qp {
-    ibv_qp qp{};
+    ibv_qp_ex x{};
+    ibv_qp& qp = x.qp_base;
+    std::vector<Wr> building;  // between wr_start and wr_complete
+    bool in_wr = false;
     std::deque<Wr> sq;
     std::deque<Recv> rq;
     std::vector<Wr> history;
@@ -125,6 +140,25 @@ class Verbs {
   static int poll_cq(ibv_cq* cq, int n, ibv_wc* wc);
   static int req_notify_cq(ibv_cq* cq, int solicited_only);
   static int to_error(ibv_qp* qp) noexcept;
+  // The extended interfaces.
+  static Qp& qp_of(ibv_qp_ex* x) { return qp_of(&x->qp_base); }
+  void take(Qp& q, const Wr& w);
+  static void wr_start(ibv_qp_ex* x);
+  static void wr_rdma_write(ibv_qp_ex* x, std::uint32_t rkey, std::uint64_t addr);
+  static void wr_rdma_read(ibv_qp_ex* x, std::uint32_t rkey, std::uint64_t addr);
+  static void wr_set_sge(ibv_qp_ex* x, std::uint32_t lkey, std::uint64_t addr, std::uint32_t length);
+  static void wr_set_sge_list(ibv_qp_ex* x, std::size_t n, const ibv_sge* sges);
+  static void wr_set_inline_data(ibv_qp_ex* x, void* addr, std::size_t length);
+  static int wr_complete(ibv_qp_ex* x);
+  static void wr_abort(ibv_qp_ex* x);
+  static int start_poll(ibv_cq_ex* x, ibv_poll_cq_attr* attr);
+  static int next_poll(ibv_cq_ex* x);
+  static void end_poll(ibv_cq_ex* x);
+  static enum ibv_wc_opcode read_opcode(ibv_cq_ex* x);
+  static std::uint32_t read_vendor_err(ibv_cq_ex* x);
+  static std::uint32_t read_byte_len(ibv_cq_ex* x);
+  static std::uint32_t read_qp_num(ibv_cq_ex* x);
+  static unsigned int read_wc_flags(ibv_cq_ex* x);
   static int get_cq_event(ibv_comp_channel* ch, ibv_cq** cq, void** ctx) noexcept;
   static void ack_cq_events(ibv_cq* cq, unsigned n) noexcept;
 
@@ -135,6 +169,8 @@ class Verbs {
   int fail_post_at_ = -1;
   int fail_after_calls_ = 0;
   int events_ = 0;
+  std::size_t extended_posts_ = 0;
+  std::size_t extended_polls_ = 0;
   // Whether this call is the one that fails; counts the calls before it.
   bool failing_call();
 };
