@@ -239,7 +239,7 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
     ibv_cq_init_attr_ex ca{};
     ca.cqe = send_cqe;
     ca.channel = channel.get();
-    ca.wc_flags = IBV_WC_STANDARD_FLAGS;
+    ca.wc_flags = 0;  // wr_id, status and vendor_err are all the extended poll reads
     send_cqx = ibv_create_cq_ex(dev->ctx(), &ca);
     if (send_cqx != nullptr) send_cq.reset(ibv_cq_ex_to_cq(send_cqx));
     if (!send_cq) send_cq.reset(ibv_create_cq(dev->ctx(), static_cast<int>(send_cqe), nullptr, channel.get(), 0));

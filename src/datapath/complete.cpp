@@ -105,12 +105,13 @@ void DataPath::use_extended(std::span<ibv_qp_ex* const> qps, bool inline_data, i
            x->wr_rdma_read != nullptr && x->wr_set_sge != nullptr && x->wr_set_sge_list != nullptr &&
            x->wr_set_inline_data != nullptr;
   };
-  ext_ = qps.size() == lane_count_ && std::all_of(qps.begin(), qps.end(), usable);
+  ext_ = !qps.empty() && qps.size() == lane_count_ && std::all_of(qps.begin(), qps.end(), usable);
   ext_inline_ = ext_ && inline_data;
   for (std::uint32_t k = 0; k < lane_count_; ++k) lanes_[k].qpx = ext_ ? qps[k] : nullptr;
-  if (send_cqx_ != nullptr && (send_cqx_->start_poll == nullptr || send_cqx_->end_poll == nullptr ||
-                               send_cqx_->read_vendor_err == nullptr || send_cqx_->read_qp_num == nullptr ||
-                               send_cqx_->read_opcode == nullptr)) {
+  // (Requests prepared before, if any, were laid out for the lanes as they were.)
+  for (Prepared& p : prepared_) p.ext = ext_kind::kNone;
+  if (send_cqx_ != nullptr &&
+      (send_cqx_->start_poll == nullptr || send_cqx_->end_poll == nullptr || send_cqx_->read_vendor_err == nullptr)) {
     send_cqx_ = nullptr;
   }
 }
@@ -178,8 +179,6 @@ std::size_t DataPath::poll_one_extended() noexcept {
   wc_.wr_id = id;
   wc_.status = status;
   wc_.vendor_err = status != IBV_WC_SUCCESS ? ibv_wc_read_vendor_err(x) : 0;
-  wc_.qp_num = ibv_wc_read_qp_num(x);
-  wc_.opcode = ibv_wc_read_opcode(x);
   ibv_end_poll(x);
   return poll_one_taken();
 }

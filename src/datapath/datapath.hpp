@@ -299,7 +299,7 @@ class DataPath {
   // poll_one through the send CQ's extended interface (use_extended), and what follows a work
   // completion taken into wc_ either way.
   [[gnu::noinline]] std::size_t poll_one_extended() noexcept;
-  std::size_t poll_one_taken() noexcept;
+  inline std::size_t poll_one_taken() noexcept;
   // Whether the send CQ may hold a completion for this data path: with one QP, only while its
   // queue has something in flight (a latency loop then skips the provider's call). The first
   // queue is read before the QP count: fewer jumps when busy.

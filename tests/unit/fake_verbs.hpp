@@ -106,13 +106,21 @@ class Verbs {
     Verbs* self;
   };
   struct Cq {
-    ibv_cq_ex x{};  // its leading fields are an ibv_cq's (ibv_cq_ex_to_cq)
-    ibv_cq& cq = *ibv_cq_ex_to_cq(&x);
+    Cq() : x{} {}
+    Cq(const Cq&) = delete;
+    Cq& operator=(const Cq&) = delete;
+    union {  // an ibv_cq_ex's leading fields are an ibv_cq's (ibv_cq_ex_to_cq), as in rdma-core
+      ibv_cq cq;
+      ibv_cq_ex x;
+    };
     std::deque<ibv_wc> entries;
     bool armed = false;
     bool polling = false;  // between start_poll and end_poll
   };
   struct Qp {
+    Qp() = default;
+    Qp(const Qp&) = delete;
+    Qp& operator=(const Qp&) = delete;
     ibv_qp_ex x{};
     ibv_qp& qp = x.qp_base;
     std::vector<Wr> building;  // between wr_start and wr_complete
