@@ -258,7 +258,6 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
   // READ is posted by ibv_wr_* (DataPath::use_extended: the provider parses no classic work
   // request); everything else, and everything on a provider without it, by ibv_post_send.
   bool extended = true;  // every QP so far was (ibv_qp_to_qp_ex is for those alone)
-  bool try_extended = true;
   for (std::uint32_t k = 0; k < cfg.qps; ++k) {
     ibv_qp_init_attr qattr{};
     qattr.send_cq = scq;
@@ -273,7 +272,7 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
     qattr.cap.max_recv_sge = 1;
     qattr.cap.max_inline_data = cfg.max_inline;
     detail::QpPtr qp;
-    if (try_extended) {
+    if (extended) {
       ibv_qp_init_attr_ex ex{};
       ex.send_cq = qattr.send_cq;
       ex.recv_cq = qattr.recv_cq;
@@ -296,7 +295,7 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
     if (!qp) {
       // A provider without it, or refusing those flags: the classic call, and the classic post
       // on every lane (ibv_post_send takes any QP).
-      extended = try_extended = false;
+      extended = false;
       qp.reset(ibv_create_qp(dev->pd.get(), &qattr));
     }
     if (!qp) {

@@ -45,9 +45,7 @@ void DataPath::init(const DataPathLimits& limits, std::span<ibv_qp* const> qps, 
     v.num_sge = 1;
   }
   send_cq_ = send_cq;
-  send_cqx_ = nullptr;  // (use_extended() after, for QPs and CQs made for it)
-  ext_ = ext_inline_ = false;
-  for (Prepared& p : prepared_) p.ext = ext_kind::kNone;
+  drop_extended();  // (use_extended() after, for QPs and CQs made for it)
   recv_cq_ = recv_cq;
   channel_ = channel;
   if (qps.size() > kMaxLanes) throw Error("data path", EINVAL, fmt::format("{} QPs: at most {}", qps.size(), kMaxLanes));
@@ -96,7 +94,16 @@ void DataPath::route_through(CqRouter& send, CqRouter& recv) {
   recv_router_ = &recv;
 }
 
+void DataPath::drop_extended() noexcept {
+  for (Lane& l : lanes_) l.qpx = nullptr;
+  send_cqx_ = nullptr;
+  ext_inline_ = false;
+  // (Requests prepared before, if any, were laid out for the lanes as they were.)
+  for (Prepared& p : prepared_) p.ext = ext_kind::kNone;
+}
+
 void DataPath::use_extended(std::span<ibv_qp_ex* const> qps, bool inline_data, ibv_cq_ex* send_cq) noexcept {
+  drop_extended();
   send_cqx_ = send_cq != nullptr && ibv_cq_ex_to_cq(send_cq) == send_cq_ ? send_cq : nullptr;
   // Every lane's, each with the calls the data path makes (a provider that takes the flags and
   // leaves a builder out would be called through null), or none.
@@ -105,11 +112,10 @@ void DataPath::use_extended(std::span<ibv_qp_ex* const> qps, bool inline_data, i
            x->wr_rdma_read != nullptr && x->wr_set_sge != nullptr && x->wr_set_sge_list != nullptr &&
            x->wr_set_inline_data != nullptr;
   };
-  ext_ = !qps.empty() && qps.size() == lane_count_ && std::all_of(qps.begin(), qps.end(), usable);
-  ext_inline_ = ext_ && inline_data;
-  for (std::uint32_t k = 0; k < lane_count_; ++k) lanes_[k].qpx = ext_ ? qps[k] : nullptr;
-  // (Requests prepared before, if any, were laid out for the lanes as they were.)
-  for (Prepared& p : prepared_) p.ext = ext_kind::kNone;
+  if (!qps.empty() && qps.size() == lane_count_ && std::all_of(qps.begin(), qps.end(), usable)) {
+    for (std::uint32_t k = 0; k < lane_count_; ++k) lanes_[k].qpx = qps[k];
+    ext_inline_ = inline_data;
+  }
   if (send_cqx_ != nullptr &&
       (send_cqx_->start_poll == nullptr || send_cqx_->end_poll == nullptr || send_cqx_->read_vendor_err == nullptr)) {
     send_cqx_ = nullptr;

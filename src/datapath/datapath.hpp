@@ -300,6 +300,11 @@ class DataPath {
   // completion taken into wc_ either way.
   [[gnu::noinline]] std::size_t poll_one_extended() noexcept;
   inline std::size_t poll_one_taken() noexcept;
+  // Whether the lanes post WRITEs and READs through ibv_wr_* (use_extended(): all or none).
+  [[nodiscard]] bool extended() const noexcept { return lane_count_ > 0 && lanes_[0].qpx != nullptr; }
+  // The extended interfaces forgotten: the lanes', the send CQ's, and the prepared requests'
+  // layouts for them (init(), forget_qps(), use_extended() before it decides).
+  void drop_extended() noexcept;
   // Whether the send CQ may hold a completion for this data path: with one QP, only while its
   // queue has something in flight (a latency loop then skips the provider's call). The first
   // queue is read before the QP count: fewer jumps when busy.
@@ -465,8 +470,7 @@ class DataPath {
   Mode mode_ = Mode::idle;
   bool markers_pending_ = false;  // checked once per poll: a drain marker waits for room
   bool atomics_ = false;
-  bool ext_ = false;         // use_extended(): the lanes post WRITEs and READs through ibv_wr_*
-  bool ext_inline_ = false;  // ... and their inline data with it
+  bool ext_inline_ = false;  // use_extended(): the lanes take inline data through ibv_wr_* too
   std::vector<RemoteRegion> remote_;
   const RemoteRegion* settle_target_ = nullptr;  // in remote_; null when none can take a marker
   ibv_wr_opcode settle_opcode_ = IBV_WR_RDMA_WRITE;

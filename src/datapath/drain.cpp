@@ -137,15 +137,12 @@ void DataPath::forget_qps() noexcept {
   }
   for (Lane& l : lanes()) {
     l.qp = nullptr;
-    l.qpx = nullptr;
     l.sq.clear();
     l.needs_marker = false;
   }
   rq_.clear();
   markers_pending_ = false;
-  ext_ = ext_inline_ = false;  // (the send CQ is its owner's; nothing is polled through it now)
-  send_cqx_ = nullptr;
-  for (Prepared& p : prepared_) p.ext = ext_kind::kNone;
+  drop_extended();  // (the send CQ is its owner's; nothing is polled through it now)
   set_mode(Mode::closed);
 }
 

@@ -270,7 +270,7 @@ PostResult DataPath::prepare(const WorkRequest& w, PreparedRequest& out) {
   // set); inline data there only from one SGE (a list of inline pieces stays classic).
   const bool inline_data = (p.flags & IBV_SEND_INLINE) != 0;
   p.ext = ext_kind::kNone;
-  if (ext_ && (w.opcode == Opcode::write || w.opcode == Opcode::read) && p.wr.num_sge > 0 &&
+  if (extended() && (w.opcode == Opcode::write || w.opcode == Opcode::read) && p.wr.num_sge > 0 &&
       (!inline_data || !ext_inline_ || p.wr.num_sge == 1)) {
     const bool write = w.opcode == Opcode::write;
     p.ext = inline_data && ext_inline_ ? ext_kind::kWriteInline

@@ -56,15 +56,21 @@ FrameOp Crossing::op(Request& r, bool write) noexcept {
   return cfg_.ring ? (write ? FrameOp::write_ring : FrameOp::read_ring) : (write ? FrameOp::write_cma : FrameOp::read_cma);
 }
 
-const SharedRange* Crossing::shared_at(std::uint64_t addr, std::uint64_t len) noexcept {
-  if (const std::uint64_t g = dev_.shares_changed(); g != shares_seen_) {
-    try {
-      shares_ = dev_.shares();
-      shares_seen_ = g;
-    } catch (...) {
-      return nullptr;  // (a mutex that failed): this request goes the other way
-    }
+bool Crossing::look_again() noexcept {
+  // The count first, then the ranges: a change between the two is seen again at the next look.
+  const std::uint64_t g = dev_.shares_changed();
+  if (g == shares_seen_) return true;
+  try {
+    shares_ = dev_.shares();
+    shares_seen_ = g;
+  } catch (...) {
+    return false;
   }
+  return true;
+}
+
+const SharedRange* Crossing::shared_at(std::uint64_t addr, std::uint64_t len) noexcept {
+  if (!look_again()) return nullptr;  // (a mutex that failed): this request goes the other way
   const SharedRange* r = range_at(addr);
   if (r == nullptr || r->length > kMaxShare || addr - r->base > r->length || len > r->length - (addr - r->base)) {
     return nullptr;
@@ -74,11 +80,16 @@ const SharedRange* Crossing::shared_at(std::uint64_t addr, std::uint64_t len) no
   return given_.size() < cfg_.max_given || given_.contains(r->id) ? r : nullptr;
 }
 
-const SharedRange* Crossing::range_at(std::uint64_t addr) const noexcept {
+const std::shared_ptr<const SharedRange>* Crossing::entry_at(std::uint64_t addr) const noexcept {
   if (!shares_) return nullptr;
   const auto& v = *shares_;
   auto it = std::upper_bound(v.begin(), v.end(), addr, [](std::uint64_t a, const auto& e) { return a < e->base; });
-  return it == v.begin() ? nullptr : (--it)->get();
+  return it == v.begin() ? nullptr : &*--it;
+}
+
+const SharedRange* Crossing::range_at(std::uint64_t addr) const noexcept {
+  const auto* e = entry_at(addr);
+  return e != nullptr ? e->get() : nullptr;
 }
 
 bool Crossing::give(Stream& s, std::uint64_t id, std::uint64_t addr) noexcept {
@@ -87,23 +98,11 @@ bool Crossing::give(Stream& s, std::uint64_t id, std::uint64_t addr) noexcept {
   if (!s.room_for_control(2)) return false;  // the SHARE and the request after it
   // The device's ranges as they are now: the list op() looked at may have been dropped since
   // (another range went while this link had given none: shares_changed()).
-  if (!shares_ || dev_.shares_changed() != shares_seen_) {
-    try {
-      const std::uint64_t g = dev_.shares_changed();
-      shares_ = dev_.shares();
-      shares_seen_ = g;
-    } catch (...) {
-      return false;  // (a mutex that failed): tried again at the next issue
-    }
-  }
+  if (!look_again()) return false;  // (a mutex that failed): tried again at the next issue
   // The range is found where the request's memory is (ranges do not overlap): the one of `id`
   // if the device still shares it.
   std::shared_ptr<const SharedRange> range;
-  if (shares_) {
-    const auto& v = *shares_;
-    auto it = std::upper_bound(v.begin(), v.end(), addr, [](std::uint64_t a, const auto& e) { return a < e->base; });
-    if (it != v.begin() && (*--it)->id == id) range = *it;
-  }
+  if (const auto* e = entry_at(addr); e != nullptr && (*e)->id == id) range = *e;
   // Unshared under a request of it (the application unregistered memory a transfer still
   // used): its frame names a range the peer never had, and is refused.
   if (!range) return true;
@@ -142,11 +141,8 @@ bool Crossing::shares_changed(Stream* s) noexcept {
     shares_seen_ = ~std::uint64_t{0};
     return false;
   }
+  if (!look_again()) return false;  // the peer keeps its mappings until the next change, or the link's end
   try {
-    // The count first, then the ranges: a change between the two is seen again (shared_at).
-    const std::uint64_t g = dev_.shares_changed();
-    shares_ = dev_.shares();
-    shares_seen_ = g;
     for (const auto& [id, range] : given_) {
       const SharedRange* now = range_at(range->base);
       const bool still = now != nullptr && now->id == id;

@@ -98,8 +98,12 @@ class Crossing final : public soft::Crossing {
  private:
   /// The range the device shares that holds [addr, +len) (null: none, or not this link's way).
   const soft::SharedRange* shared_at(std::uint64_t addr, std::uint64_t len) noexcept;
-  /// The range of the last snapshot whose base is at or below `addr` (null: none).
+  /// Reads the device's ranges again if they changed since last read. False: they could not be
+  /// read (the snapshot stays as it was).
+  bool look_again() noexcept;
+  /// The range of the last snapshot whose base is at or below `addr` (null: none), and its entry.
   const soft::SharedRange* range_at(std::uint64_t addr) const noexcept;
+  const std::shared_ptr<const soft::SharedRange>* entry_at(std::uint64_t addr) const noexcept;
   /// Queues on `s` the SHARE of range `id` (the one at `addr`) if the peer does not have it yet,
   /// and the UNSHAREs owed; false when `s` has no room for them now.
   bool give(soft::Stream& s, std::uint64_t id, std::uint64_t addr) noexcept;
