@@ -12,16 +12,26 @@
 //   rdmakit_engine_loop engine ROUNDS BATCH HOST:PORT   (against `rdmakit serve --name t --expose kv:1M`)
 //   rdmakit_engine_loop plan ROUNDS BATCH HOST:PORT     (the same transfers as a plan, Engine::prepare)
 //   rdmakit_engine_loop lists ROUNDS BATCH HOST:PORT    (the same, by index into descriptor lists)
+//   rdmakit_engine_loop wait|wait-read ROUNDS 1 HOST:PORT
+//     the latency path instead (issue 34): one worker thread (the default), each transfer
+//     submitted and waited for with Batch::wait(), no pause: the submitting thread posts, looks
+//     at the CQ and (if it must) polls in wait(), so the counted thread runs the whole round
+//     trip. On rxe an 8-byte WRITE or READ mostly completes inside its post. With
+//     RDMAKIT_LOOP_TIMES set, timed instead (p50/p99 of submit() and of the round trip, who
+//     posted and polled, each thread's context switches): the in-process view of engine-bench.
 // With RDMAKIT_LOOP_SCRAPE_MS=N, another thread reads Engine::metrics() every N ms meanwhile, as a
 // Prometheus scraper would (callgrind counts the loop's thread only: what a scrape costs the
 // data path, not what it costs itself).
 #include <infiniband/verbs.h>
+#include <dirent.h>
 #include <time.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -89,6 +99,16 @@ extern "C" __attribute__((noinline)) unsigned long rdmakit_engine_engine_loop(rd
   return engine_rounds(e, [&] { return e->submit(*t); }, rounds);
 }
 
+extern "C" __attribute__((noinline)) unsigned long rdmakit_engine_wait_loop(rdmakit::Engine* e,
+                                                                            const std::vector<rdmakit::Transfer>* t,
+                                                                            unsigned long rounds) {
+  for (unsigned long r = 0; r < rounds; ++r) {
+    rdmakit::Batch b = e->submit(*t);
+    if (!b.wait(std::chrono::seconds{10}) || b.failed() != 0) std::abort();
+  }
+  return 0;
+}
+
 extern "C" __attribute__((noinline)) unsigned long rdmakit_engine_lists_loop(rdmakit::Engine* e,
                                                                              const rdmakit::DescriptorList* local,
                                                                              const rdmakit::DescriptorList* remote,
@@ -104,11 +124,68 @@ extern "C" __attribute__((noinline)) unsigned long rdmakit_engine_plan_loop(rdma
   return engine_rounds(e, [&] { return e->submit(*plan); }, rounds);
 }
 
+namespace {
+
+// The latency path timed instead of counted (RDMAKIT_LOOP_TIMES): p50/p99 of submit() alone
+// and of submit + wait, the engine's counters of who posted and who polled, and each thread's
+// context switches (how often the engine's worker thread woke meanwhile).
+int timed_rounds(rdmakit::Engine& e, const std::vector<rdmakit::Transfer>& t, const std::string& mode,
+                 unsigned long rounds) {
+  std::vector<double> sub, all;
+  for (unsigned long r = 0; r < rounds; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    rdmakit::Batch b = e.submit(t);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!b.wait(std::chrono::seconds{10}) || b.failed() != 0) return 1;
+    const auto t2 = std::chrono::steady_clock::now();
+    if (r < rounds / 10) continue;  // warm-up
+    sub.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    all.push_back(std::chrono::duration<double, std::micro>(t2 - t0).count());
+  }
+  if (DIR* d = ::opendir("/proc/self/task")) {
+    while (const dirent* de = ::readdir(d)) {
+      if (de->d_name[0] == '.') continue;
+      const std::string dir = std::string("/proc/self/task/") + de->d_name;
+      char name[64] = "";
+      if (std::FILE* f = std::fopen((dir + "/comm").c_str(), "r")) {
+        if (std::fgets(name, sizeof name, f) == nullptr) name[0] = 0;
+        std::fclose(f);
+      }
+      name[std::strcspn(name, "\n")] = 0;
+      unsigned long vol = 0, invol = 0;
+      if (std::FILE* f = std::fopen((dir + "/status").c_str(), "r")) {
+        char line[256];
+        while (std::fgets(line, sizeof line, f) != nullptr) {
+          (void)std::sscanf(line, "voluntary_ctxt_switches: %lu", &vol);
+          (void)std::sscanf(line, "nonvoluntary_ctxt_switches: %lu", &invol);
+        }
+        std::fclose(f);
+      }
+      std::printf("  thread %s: %lu voluntary, %lu involuntary context switches\n", name, vol, invol);
+    }
+    ::closedir(d);
+  }
+  std::sort(sub.begin(), sub.end());
+  std::sort(all.begin(), all.end());
+  const rdmakit::EngineCounters c = e.counters();
+  std::printf("%s: submit p50 %.1f p99 %.1f, round trip p50 %.1f p99 %.1f us; of %llu batches %llu posted by their "
+              "submitter, %llu waits spun\n",
+              mode.c_str(), sub[sub.size() / 2], sub[sub.size() * 99 / 100], all[all.size() / 2],
+              all[all.size() * 99 / 100], static_cast<unsigned long long>(c.batches),
+              static_cast<unsigned long long>(c.submits_inline), static_cast<unsigned long long>(c.waits_spun));
+  return 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace std::chrono_literals;
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (argc < 4 || (mode != "raw" && mode != "engine" && mode != "plan" && mode != "lists") || (mode != "raw" && argc != 5)) {
-    std::fprintf(stderr, "usage: %s raw ROUNDS BATCH | engine|plan|lists ROUNDS BATCH HOST:PORT\n", argv[0]);
+  const bool wait = mode == "wait" || mode == "wait-read";
+  if (argc < 4 || (mode != "raw" && mode != "engine" && mode != "plan" && mode != "lists" && !wait) ||
+      (mode != "raw" && argc != 5)) {
+    std::fprintf(stderr, "usage: %s raw ROUNDS BATCH | engine|plan|lists|wait|wait-read ROUNDS BATCH HOST:PORT\n",
+                 argv[0]);
     return 2;
   }
   const unsigned long rounds = std::strtoul(argv[2], nullptr, 10);
@@ -142,7 +219,7 @@ int main(int argc, char** argv) {
     rdmakit::EngineConfig cfg;
     cfg.name = "loop";
     cfg.listen = "";
-    cfg.workers = 0;
+    cfg.workers = wait ? 1 : 0;
     cfg.link.send_depth = 256;
     rdmakit::Engine e(cfg);
     e.add_peer("t", argv[4]);
@@ -159,6 +236,7 @@ int main(int argc, char** argv) {
       t[k].length = 8;
       t[k].remote = e.segment("t", "kv");
       t[k].remote_offset = 8 * (k % 512);
+      if (mode == "wait-read") t[k].op = rdmakit::TransferOp::read;
     }
     // One round outside the count (not through the counted function): the first one allocates
     // what later rounds reuse.
@@ -176,6 +254,13 @@ int main(int argc, char** argv) {
     rdmakit::Batch warm = mode == "plan"    ? e.submit(plan)
                           : mode == "lists" ? e.submit(rdmakit::TransferOp::write, local, indices, remote, indices)
                                             : e.submit(t);
+    if (wait) {
+      if (!warm.wait(10s)) return 1;
+      if (std::getenv("RDMAKIT_LOOP_TIMES") != nullptr) return timed_rounds(e, t, mode, rounds);
+      (void)rdmakit_engine_wait_loop(&e, &t, rounds);
+      std::printf("%s: %lu rounds of %u\n", mode.c_str(), rounds, batch);
+      return 0;
+    }
     while (!warm.done()) (void)e.progress(std::chrono::milliseconds{1});
     std::atomic<bool> stop{false};
     unsigned long scrapes = 0;

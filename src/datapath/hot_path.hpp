@@ -3,6 +3,8 @@
 // The data path's hot path: posting one request, a prepared one or a chain, and taking
 // completions; inline, so a public post_* or poll is one function from the caller's call to the
 // provider's. Included by datapath.hpp (which declares everything here); not on its own.
+#include <bit>
+
 #include "datapath/datapath.hpp"
 
 namespace rdmakit::detail {
@@ -343,8 +345,7 @@ inline std::uint32_t DataPath::begin_chain(Lane& lane, std::uint32_t signal_ever
   if (mode_ != Mode::ready) [[unlikely]] return 0;
   // At least once every forced_signal_interval_ (see post_chain), counting the lane's
   // unsignaled run before the chain.
-  std::uint32_t every = 1;
-  while (every * 2 <= std::min(signal_every, forced_signal_interval_)) every *= 2;
+  const std::uint32_t every = std::bit_floor(std::max(1u, std::min(signal_every, forced_signal_interval_)));
   chain_mask_ = every - 1;
   chain_phase_ = lane.unsignaled_run + 1;
   if (lane.unsignaled_run + every > forced_signal_interval_) chain_mask_ = 0;  // every one: rare

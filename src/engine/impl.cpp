@@ -296,9 +296,10 @@ bool Engine::Impl::start(BatchState& b, SubmitOptions&& options) {
     throw Error("submit", EMSGSIZE,
                 fmt::format("a request id of {} bytes; at most {}", options.request_id.size(), Engine::max_request_id));
   }
-  b.notify = std::move(options.notify);
-  b.request_id = std::move(options.request_id);
-  b.on_done = std::move(options.on_done);
+  // Most batches carry none of these: nothing to move (the latency path counts each step).
+  if (!options.notify.empty()) b.notify = std::move(options.notify);
+  if (!options.request_id.empty()) b.request_id = std::move(options.request_id);
+  if (options.on_done) b.on_done = std::move(options.on_done);
   if (cfg.telemetry) b.submitted = detail::Clock::now();
   if (!b.note_only) {
     count.batches.fetch_add(1, std::memory_order_relaxed);
@@ -311,6 +312,8 @@ bool Engine::Impl::start(BatchState& b, SubmitOptions&& options) {
       } else if (b.local_index != nullptr) {  // one operation, the local descriptors' lengths
         const LocalDescriptor* l = b.local_list->local.data();
         submitted.add_batch(b.size, [&](std::size_t i) { return detail::OpLength{b.list_op, l[b.local_index[i]].length}; });
+      } else if (b.size == 1) {  // the latency path's batch: three additions, nothing on the stack
+        submitted.add_same(1, b.x[0].t_->op, b.x[0].t_->length);
       } else {
         submitted.add_batch(b.size, [&](std::size_t i) { return detail::OpLength{b.x[i].t_->op, b.x[i].t_->length}; });
       }

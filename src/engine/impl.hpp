@@ -552,7 +552,8 @@ class Worker {
   /// A completion that is news of its own (a failure, a part, a bind): out of the common path.
   [[gnu::noinline]] void on_news(Link& l, const Completion& c, std::uint64_t seq, bool part) noexcept;
   /// Polls every CQ and walks the links whose transfers completed; returns the completions.
-  int poll_cqs(bool fresh_clock = false) noexcept;
+  /// `soft`: the software transports' CQs too (each poll of one is a pass over its sockets).
+  int poll_cqs(bool fresh_clock = false, bool soft = true) noexcept;
   /// Whether a soft CQ's streams had work within kSoftLinger (or wait_spin, if less: 0 never):
   /// the loop polls on rather than sleep.
   [[nodiscard]] bool soft_lingers(Deadline now) const noexcept;
@@ -785,6 +786,10 @@ class Worker {
   /// After another thread polled: the software transports' CQs readable again if completions
   /// wait in them.
   void keep_soft_readable() noexcept;
+  /// Another thread runs the worker while its thread sleeps (try_submit, after its post;
+  /// try_drive): one poll of the CQs (`soft`: the software transports' too), what completed
+  /// ended, the backlog it made room for posted.
+  void poll_while_asleep(bool fresh_clock, bool soft);
   struct Driving;
   /// How long its thread sleeps unarmed at most (what a submit no waiter polls for waits).
   [[nodiscard]] std::chrono::milliseconds unarmed_nap() const noexcept;

@@ -160,11 +160,18 @@ bool Worker::try_submit(const std::shared_ptr<BatchState>& b) {
   {
     Driving driving(*this, me);
     e_.count.submits_inline.fetch_add(1, std::memory_order_relaxed);
-    now_ = Clock::now();
+    // The batch's submit time where telemetry took it a moment ago (one clock read less).
+    now_ = e_.cfg.telemetry ? b->submitted : Clock::now();
     try {
       take_mail();  // what this thread (or another) posted before goes first
       submit(b, kWholeBatch);
       flush_queued_links();
+      // One look at the devices' CQs: what completed meanwhile (on rxe the whole round trip of
+      // a WRITE or READ runs inside its post) ends before submit() returns, so that wait()
+      // finds its batch done without a spin, and others' completions end no later. Not the
+      // software transports' (their answers need the peer's process, and each look at one is
+      // system calls). now_ was read as this call began: fresh enough for the links' clocks.
+      poll_while_asleep(/*fresh_clock=*/false, /*soft=*/false);
     } catch (const std::exception& ex) {
       log_failure(ex);
     }
@@ -208,18 +215,21 @@ bool Worker::try_drive() noexcept {
         // Out of memory in a command's handling: the worker's thread meets the rest.
       }
     }
-    if (expecting() != 0) {
-      if (poll_cqs(/*fresh_clock=*/true) > 0) {
-        flush_queued_links();
-        if (!retiring_.empty()) check_retiring();
-      }
-      keep_soft_readable();
-    }
+    poll_while_asleep(/*fresh_clock=*/true, /*soft=*/true);
     busy_seen_.store(expecting(), std::memory_order_relaxed);
   }
   lock.unlock();
   serve_arm_requests();
   return true;
+}
+
+void Worker::poll_while_asleep(bool fresh_clock, bool soft) {
+  if (expecting() == 0) return;
+  if (poll_cqs(fresh_clock, soft) > 0) {
+    flush_queued_links();
+    if (!retiring_.empty()) check_retiring();
+  }
+  if (soft) keep_soft_readable();
 }
 
 void Worker::arm() noexcept {
@@ -490,10 +500,10 @@ bool Worker::soft_lingers(Deadline now) const noexcept {
   return false;
 }
 
-int Worker::poll_cqs(bool fresh_clock) noexcept {
+int Worker::poll_cqs(bool fresh_clock, bool soft) noexcept {
   int got = 0;
   for (auto& q : cqs_) {
-    if (q) got += q->router.poll([this](DataPath& dp, const Completion& c) { on_completion(dp, c); });
+    if (q && (soft || !q->soft)) got += q->router.poll([this](DataPath& dp, const Completion& c) { on_completion(dp, c); });
   }
   // Another thread running the worker: its loop's clock may be a nap old (what the walk stamps
   // on each link), read here only when there is something to stamp.
