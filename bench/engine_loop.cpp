@@ -18,7 +18,8 @@
 //     at the CQ and (if it must) polls in wait(), so the counted thread runs the whole round
 //     trip. On rxe an 8-byte WRITE or READ mostly completes inside its post. With
 //     RDMAKIT_LOOP_TIMES set, timed instead (p50/p99 of submit() and of the round trip, who
-//     posted and polled, each thread's context switches): the in-process view of engine-bench.
+//     posted and polled, each thread's context switches): the in-process view of engine-bench;
+//     RDMAKIT_LOOP_PAUSE_US=N pauses N us between transfers (sparse traffic).
 // With RDMAKIT_LOOP_SCRAPE_MS=N, another thread reads Engine::metrics() every N ms meanwhile, as a
 // Prometheus scraper would (callgrind counts the loop's thread only: what a scrape costs the
 // data path, not what it costs itself).
@@ -132,7 +133,10 @@ namespace {
 int timed_rounds(rdmakit::Engine& e, const std::vector<rdmakit::Transfer>& t, const std::string& mode,
                  unsigned long rounds) {
   std::vector<double> sub, all;
+  // RDMAKIT_LOOP_PAUSE_US: a pause between transfers (sparse traffic: a lease renewal, a flag).
+  const long pause_us = std::getenv("RDMAKIT_LOOP_PAUSE_US") != nullptr ? std::atol(std::getenv("RDMAKIT_LOOP_PAUSE_US")) : 0;
   for (unsigned long r = 0; r < rounds; ++r) {
+    if (pause_us > 0) std::this_thread::sleep_for(std::chrono::microseconds{pause_us});
     const auto t0 = std::chrono::steady_clock::now();
     rdmakit::Batch b = e.submit(t);
     const auto t1 = std::chrono::steady_clock::now();
@@ -256,7 +260,7 @@ int main(int argc, char** argv) {
                                             : e.submit(t);
     if (wait) {
       if (!warm.wait(10s)) return 1;
-      if (std::getenv("RDMAKIT_LOOP_TIMES") != nullptr) return timed_rounds(e, t, mode, rounds);
+      if (std::getenv("RDMAKIT_LOOP_TIMES") != nullptr) return rounds < 10 ? 2 : timed_rounds(e, t, mode, rounds);
       (void)rdmakit_engine_wait_loop(&e, &t, rounds);
       std::printf("%s: %lu rounds of %u\n", mode.c_str(), rounds, batch);
       return 0;

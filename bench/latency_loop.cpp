@@ -6,6 +6,7 @@
 // trips after a tenth as warm-up, in microseconds, as one JSON line.
 //
 //   rdmakit_latency_loop write|read ROUND_TRIPS     (inside the lab)
+// RDMAKIT_LOOP_PAUSE_US=N pauses N us between round trips (sparse traffic).
 #include <infiniband/verbs.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "connection/impl.hpp"
@@ -51,7 +53,10 @@ int main(int argc, char** argv) {
   ibv_cq* cq = m.send_cq.get();
   std::vector<double> us;
   us.reserve(static_cast<std::size_t>(n));
+  // RDMAKIT_LOOP_PAUSE_US: a pause between round trips (sparse traffic), as engine_loop's.
+  const long pause_us = std::getenv("RDMAKIT_LOOP_PAUSE_US") != nullptr ? std::atol(std::getenv("RDMAKIT_LOOP_PAUSE_US")) : 0;
   for (long i = 0; i < n + n / 10; ++i) {
+    if (pause_us > 0) std::this_thread::sleep_for(std::chrono::microseconds{pause_us});
     ibv_send_wr* bad = nullptr;
     const auto t0 = std::chrono::steady_clock::now();
     if (ibv_post_send(qp, &wr, &bad) != 0) {

@@ -769,7 +769,7 @@ class Worker {
   // without arming its CQs for them (seq_cst, both: one of the two sides sees the other).
   std::atomic<std::uint32_t> drivers_{0};
   std::atomic<bool> unarmed_{false};
-  std::atomic<bool> driven_{false};  // a waiter polled it since its thread last slept
+  std::atomic<bool> driven_{false};  // a waiter polled it (or a submitter's look ended its batch) since its thread last slept
   std::atomic<bool> arm_wanted_{false};  // request_arm() not served yet
   std::uint64_t binds_out_ = 0;  // window binds posted and not completed (not in in_flight_)
   // in_flight_ (and binds_out_) as last seen by a thread that ran the worker: leave_drive()
@@ -777,7 +777,7 @@ class Worker {
   std::atomic<std::uint64_t> busy_seen_{0};
   /// What this worker expects completions for: transfers and window binds in flight.
   [[nodiscard]] std::uint64_t expecting() const noexcept { return in_flight_ + binds_out_; }
-  std::atomic<std::thread::id> spinner_{};  // the last waiter whose batch ended as it polled
+  std::atomic<std::thread::id> spinner_{};  // the last waiter (or submitter) whose batch ended as it polled
   /// Arms every CQ for the next completion; arm_and_look() then polls once (under run_mu_).
   void arm() noexcept;
   void arm_and_look() noexcept;

@@ -175,6 +175,16 @@ bool Worker::try_submit(const std::shared_ptr<BatchState>& b) {
     } catch (const std::exception& ex) {
       log_failure(ex);
     }
+    if (b->callback_ran.load(std::memory_order_acquire)) {
+      // Ended here, as a waiter's spin would have ended it: this thread polls for its batches
+      // (the worker's thread, next asleep, leaves the CQs unarmed, and this thread's next
+      // submit needs no arming: as enter_drive and leave_drive(true)), and the wait it spared
+      // counts as one that took nothing (spin_for's average is of every wait, not only of
+      // those that still had to poll or sleep).
+      driven_.store(true, std::memory_order_relaxed);
+      spinner_.store(me, std::memory_order_relaxed);
+      e_.waited(std::chrono::nanoseconds{0});
+    }
     // Asleep unarmed (waiters have been polling it), the worker sees this batch's completion
     // only if someone polls for it: a thread that has just polled for its own (a loop of one
     // transfer at a time) will again, and a waiter polling now will; a batch anyone else
@@ -215,7 +225,11 @@ bool Worker::try_drive() noexcept {
         // Out of memory in a command's handling: the worker's thread meets the rest.
       }
     }
-    poll_while_asleep(/*fresh_clock=*/true, /*soft=*/true);
+    try {
+      poll_while_asleep(/*fresh_clock=*/true, /*soft=*/true);
+    } catch (const std::exception& ex) {
+      log_failure(ex);  // out of memory flushing a backlog: the worker's thread meets the rest
+    }
     busy_seen_.store(expecting(), std::memory_order_relaxed);
   }
   lock.unlock();
@@ -291,6 +305,9 @@ void Worker::request_arm() noexcept {
 void Worker::serve_arm_requests() noexcept {
   // Whoever holds the lock when a request comes serves it after letting go (here, again): the
   // worker's thread as it next sleeps, a submitter or a waiter right after.
+  // A thread already running the worker (a callback that waits, inside submit() or wait()) must
+  // not try its lock again (undefined for std::mutex): it serves the request as it lets go.
+  if (driver_.load(std::memory_order_relaxed) == std::this_thread::get_id()) return;
   while (arm_wanted_.load(std::memory_order_seq_cst) && unarmed_.load(std::memory_order_seq_cst)) {
     std::unique_lock lock(run_mu_, std::try_to_lock);
     if (!lock.owns_lock()) return;  // its holder looks after it lets go
