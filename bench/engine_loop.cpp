@@ -173,10 +173,11 @@ int timed_rounds(rdmakit::Engine& e, const std::vector<rdmakit::Transfer>& t, co
   std::sort(all.begin(), all.end());
   const rdmakit::EngineCounters c = e.counters();
   std::printf("%s: submit p50 %.1f p99 %.1f, round trip p50 %.1f p99 %.1f us; of %llu batches %llu posted by their "
-              "submitter, %llu waits spun\n",
+              "submitter, %llu of them ended inside submit(), %llu waits spun\n",
               mode.c_str(), sub[sub.size() / 2], sub[sub.size() * 99 / 100], all[all.size() / 2],
               all[all.size() * 99 / 100], static_cast<unsigned long long>(c.batches),
-              static_cast<unsigned long long>(c.submits_inline), static_cast<unsigned long long>(c.waits_spun));
+              static_cast<unsigned long long>(c.submits_inline), static_cast<unsigned long long>(c.submits_ended),
+              static_cast<unsigned long long>(c.waits_spun));
   return 0;
 }
 

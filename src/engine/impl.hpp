@@ -955,7 +955,7 @@ struct Engine::Impl {
     std::atomic<std::uint64_t> qps{0}, links{0}, connects{0}, reconnects{0}, accepts{0}, evictions{0},
         restarts{0}, batches{0}, transfers{0}, transfers_failed{0}, bytes{0}, notifications_sent{0},
         notifications_received{0}, notifications_refused{0}, notifications_dropped{0}, notifications_lost{0}, windows_bound{0}, window_bind_ns{0}, rail_links{0}, rail_failures{0},
-        slices{0}, reposted{0}, plan_posted{0}, plan_builds{0}, lists_posted{0}, lists_builds{0}, submits_inline{0}, waits_spun{0}, leases_granted{0},
+        slices{0}, reposted{0}, plan_posted{0}, plan_builds{0}, lists_posted{0}, lists_builds{0}, submits_inline{0}, waits_spun{0}, submits_ended{0}, leases_granted{0},
         leases_ended{0}, lease_renewals{0};
   } count;
   // For metrics(): transfers that ended other than ok, by status; batches' submit-to-end times

@@ -162,10 +162,12 @@ bool Worker::try_submit(const std::shared_ptr<BatchState>& b) {
     e_.count.submits_inline.fetch_add(1, std::memory_order_relaxed);
     // The batch's submit time where telemetry took it a moment ago (one clock read less).
     now_ = e_.cfg.telemetry ? b->submitted : Clock::now();
+    bool open = false;  // the batch was still in flight when the look began
     try {
       take_mail();  // what this thread (or another) posted before goes first
       submit(b, kWholeBatch);
       flush_queued_links();
+      open = !b->callback_ran.load(std::memory_order_acquire);  // (a batch refused at once is not the look's)
       // One look at the devices' CQs: what completed meanwhile (on rxe the whole round trip of
       // a WRITE or READ runs inside its post) ends before submit() returns, so that wait()
       // finds its batch done without a spin, and others' completions end no later. Not the
@@ -175,7 +177,7 @@ bool Worker::try_submit(const std::shared_ptr<BatchState>& b) {
     } catch (const std::exception& ex) {
       log_failure(ex);
     }
-    if (b->callback_ran.load(std::memory_order_acquire)) {
+    if (open && b->callback_ran.load(std::memory_order_acquire)) {
       // Ended here, as a waiter's spin would have ended it: this thread polls for its batches
       // (the worker's thread, next asleep, leaves the CQs unarmed, and this thread's next
       // submit needs no arming: as enter_drive and leave_drive(true)), and the wait it spared
@@ -184,6 +186,7 @@ bool Worker::try_submit(const std::shared_ptr<BatchState>& b) {
       driven_.store(true, std::memory_order_relaxed);
       spinner_.store(me, std::memory_order_relaxed);
       e_.waited(std::chrono::nanoseconds{0});
+      e_.count.submits_ended.fetch_add(1, std::memory_order_relaxed);
     }
     // Asleep unarmed (waiters have been polling it), the worker sees this batch's completion
     // only if someone polls for it: a thread that has just polled for its own (a loop of one
