@@ -39,6 +39,7 @@
 
 #include "connection/impl.hpp"
 #include "engine/batch.hpp"
+#include "engine/impl.hpp"
 #include "loopback.hpp"
 #include "rdmakit/connection.hpp"
 #include "rdmakit/engine.hpp"
@@ -176,7 +177,7 @@ int timed_rounds(rdmakit::Engine& e, const std::vector<rdmakit::Transfer>& t, co
               "submitter, %llu of them ended inside submit(), %llu waits spun\n",
               mode.c_str(), sub[sub.size() / 2], sub[sub.size() * 99 / 100], all[all.size() / 2],
               all[all.size() * 99 / 100], static_cast<unsigned long long>(c.batches),
-              static_cast<unsigned long long>(c.submits_inline), static_cast<unsigned long long>(c.submits_ended),
+              static_cast<unsigned long long>(c.submits_inline), static_cast<unsigned long long>(rdmakit::Engine::Impl::of(e).count.submits_ended.load()),
               static_cast<unsigned long long>(c.waits_spun));
   return 0;
 }

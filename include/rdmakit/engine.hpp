@@ -495,10 +495,6 @@ struct EngineCounters {
   std::uint64_t submits_inline = 0;
   /// Batch::wait() calls that saw their batch end while they polled (no sleep, no wake-up).
   std::uint64_t waits_spun = 0;
-  /// Batches started on the submitting thread that ended before their submit() returned: its
-  /// look at the worker's completion queues after the post found them done (on rxe a small
-  /// WRITE or READ completes inside its post), so their wait() returns at once.
-  std::uint64_t submits_ended = 0;
   std::uint64_t leases_granted = 0;  ///< by this engine (grant)
   std::uint64_t leases_ended = 0;    ///< of those, ended (whatever the cause)
   std::uint64_t lease_renewals = 0;  ///< renewals this engine granted its holders

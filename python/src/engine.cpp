@@ -378,7 +378,6 @@ py::dict to_dict(const EngineCounters& c) {
   d["shm_mapped_bytes"] = c.shm_mapped_bytes;
   d["submits_inline"] = c.submits_inline;
   d["waits_spun"] = c.waits_spun;
-  d["submits_ended"] = c.submits_ended;
   return d;
 }
 

@@ -120,7 +120,6 @@ EngineCounters Engine::counters() const noexcept {
   o.shm_mapped_bytes = impl_->shm_device().mapped_bytes();
   o.submits_inline = c.submits_inline.load();
   o.waits_spun = c.waits_spun.load();
-  o.submits_ended = c.submits_ended.load();
   o.leases_granted = c.leases_granted.load();
   o.leases_ended = c.leases_ended.load();
   o.lease_renewals = c.lease_renewals.load();

@@ -790,6 +790,10 @@ class Worker {
   /// try_drive): one poll of the CQs (`soft`: the software transports' too), what completed
   /// ended, the backlog it made room for posted.
   void poll_while_asleep(bool fresh_clock, bool soft);
+  /// From a thread running the worker in its thread's stead: wakes that thread for what only
+  /// its loop does on time (a link broken, a rail to probe: sleep() naps again while others
+  /// hold the lock).
+  void nudge() noexcept;
   struct Driving;
   /// How long its thread sleeps unarmed at most (what a submit no waiter polls for waits).
   [[nodiscard]] std::chrono::milliseconds unarmed_nap() const noexcept;

@@ -220,7 +220,7 @@ std::string render_metrics(const MetricsSnapshot& s, const MetricsOptions& optio
   t.single("rdmakit_submits_inline_total", "counter", "Batches started on the submitting thread.", c.submits_inline);
   t.single("rdmakit_waits_spun_total", "counter", "Batch waits that saw their batch end while polling.", c.waits_spun);
   t.single("rdmakit_submits_ended_total", "counter", "Batches that ended inside their submit (the submitter's look).",
-           c.submits_ended);
+           s.submits_ended);
 
   // Links.
   t.single("rdmakit_peers", "gauge", "Peers added.", c.peers);

@@ -130,6 +130,9 @@ struct Refusals {
 struct MetricsSnapshot {
   std::string engine;
   EngineCounters counters;
+  /// Batches that ended inside their submit() (the submitter's look after its post). Not in
+  /// EngineCounters, whose layout is the 0.1 ABI.
+  std::uint64_t submits_ended = 0;
   std::vector<PeerInfo> peers;
   struct Path {
     std::string name;       // device ("mlx5_0") or transport ("tcp", "shm")

@@ -14,6 +14,7 @@ std::string Engine::metrics(const MetricsOptions& options) const {
   detail::MetricsSnapshot s;
   s.engine = impl_->name;
   s.counters = counters();
+  s.submits_ended = impl_->count.submits_ended.load(std::memory_order_relaxed);
   s.peers = peers();
   s.listening = port() != 0;
   s.telemetry = impl_->cfg.telemetry;

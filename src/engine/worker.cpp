@@ -178,15 +178,15 @@ bool Worker::try_submit(const std::shared_ptr<BatchState>& b) {
       log_failure(ex);
     }
     if (open && b->callback_ran.load(std::memory_order_acquire)) {
+      e_.count.submits_ended.fetch_add(1, std::memory_order_relaxed);
       // Ended here, as a waiter's spin would have ended it: this thread polls for its batches
       // (the worker's thread, next asleep, leaves the CQs unarmed, and this thread's next
-      // submit needs no arming: as enter_drive and leave_drive(true)), and the wait it spared
-      // counts as one that took nothing (spin_for's average is of every wait, not only of
-      // those that still had to poll or sleep).
-      driven_.store(true, std::memory_order_relaxed);
-      spinner_.store(me, std::memory_order_relaxed);
-      e_.waited(std::chrono::nanoseconds{0});
-      e_.count.submits_ended.fetch_add(1, std::memory_order_relaxed);
+      // submit needs no arming: as enter_drive and leave_drive(true)). Not with wait_spin 0
+      // (CPU before latency: the worker's thread sleeps armed, waits never poll).
+      if (e_.cfg.wait_spin.count() > 0) {
+        driven_.store(true, std::memory_order_relaxed);
+        spinner_.store(me, std::memory_order_relaxed);
+      }
     }
     // Asleep unarmed (waiters have been polling it), the worker sees this batch's completion
     // only if someone polls for it: a thread that has just polled for its own (a loop of one
@@ -342,6 +342,12 @@ void Worker::take_back() noexcept {
   }
   wants_.store(false, std::memory_order_relaxed);
   driver_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+}
+
+void Worker::nudge() noexcept {
+  if (!threaded_ || std::this_thread::get_id() == thread_.get_id()) return;
+  const std::uint64_t one = 1;
+  (void)!::write(wake_.get(), &one, sizeof one);
 }
 
 void Worker::log_failure(const std::exception& ex) noexcept {
@@ -627,11 +633,16 @@ void Worker::sleep(Deadline until) noexcept {
     // again, up to the loop's own deadline, rather than make it step aside. Each time it does,
     // its next transfers go through this thread until the loop sleeps again (on the 2-CPU VM,
     // 1% of transfers one at a time, and their p99).
+    // Never past the links' next activity report (report_active; this thread's own clock, not
+    // touched by the threads that run the worker meanwhile), whose period may be shorter than
+    // the loop's deadline. A link those threads break, or a rail probe they add, wakes this
+    // thread (nudge()).
+    const Deadline renap_until = std::min(loop_until, next_report_);
     bool held = false;
     while (n == 0 && until < loop_until && !(held = run_mu_.try_lock())) {
       const Deadline t = Clock::now();
-      if (t >= loop_until) break;
-      const Deadline next = std::min(loop_until, t + unarmed_nap());
+      if (t >= renap_until) break;
+      const Deadline next = std::min(renap_until, t + unarmed_nap());
       n = ::epoll_wait(epoll_.get(), events, 64,
                        static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(next - t).count() + 1));
     }

@@ -418,6 +418,7 @@ void Worker::break_link(Link& l, const std::string& why) {
   if (l.state == Link::State::closing) return;
   l.state = Link::State::closing;
   l.broke_at = Clock::now();
+  nudge();  // its reaping and the deferred transfers' ends are the worker's thread's
   abandon_chain(l, fmt::format("peer '{}': {}", l.initiated ? l.peer->name : l.peer_name, why));
   l.impl.dp.break_connection(why, BreakCause::peer);
   const std::string reason = fmt::format("peer '{}': {}", l.initiated ? l.peer->name : l.peer_name, why);

@@ -247,6 +247,7 @@ void Worker::rail_down(Peer& p, RailState& r, const std::string& why, bool went_
     r.backoff = r.backoff.count() == 0 ? e_.cfg.rails.probe_first : std::min(2 * r.backoff, e_.cfg.rails.probe_max);
     r.probe_at = Clock::now() + r.backoff;
     probes_.emplace_back(&p, &r);
+    nudge();
   }
   std::lock_guard lock(p.m);
   p.cv.notify_all();  // Engine::connect() waits for the rails too

@@ -183,8 +183,7 @@ nlohmann::json counters_json(const EngineCounters& c) {
           {"lists_builds", c.lists_builds},
           {"shm_mapped_bytes", c.shm_mapped_bytes},
           {"submits_inline", c.submits_inline},
-          {"waits_spun", c.waits_spun},
-          {"submits_ended", c.submits_ended}};
+          {"waits_spun", c.waits_spun}};
 }
 
 // Each peer's link: its transport, and why that one.
