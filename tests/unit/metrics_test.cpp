@@ -115,7 +115,8 @@ TEST(MetricsText, NamesAndLabelSetsAreStable) {
         "rdmakit_peer_bytes_total", "rdmakit_peer_linked", "rdmakit_peer_rail_bytes_total",
         "rdmakit_peer_rail_up", "rdmakit_peer_rail_failures_total", "rdmakit_notifications_sent_total",
         "rdmakit_windows_bound_total", "rdmakit_leases_granted_total", "rdmakit_leases_active",
-        "rdmakit_registered_bytes", "rdmakit_metadata_up", "rdmakit_metadata_errors_total"}) {
+        "rdmakit_registered_bytes", "rdmakit_metadata_up", "rdmakit_metadata_errors_total",
+        "rdmakit_submits_inline_total", "rdmakit_waits_spun_total", "rdmakit_submits_ended_total"}) {
     EXPECT_NE(text.find(std::string("# TYPE ") + family + " "), std::string::npos) << family;
   }
   EXPECT_NE(text.find(",path=\"rxe0\",transport=\"rdma\"} 10\n"), std::string::npos);
