@@ -312,8 +312,6 @@ bool Engine::Impl::start(BatchState& b, SubmitOptions&& options) {
       } else if (b.local_index != nullptr) {  // one operation, the local descriptors' lengths
         const LocalDescriptor* l = b.local_list->local.data();
         submitted.add_batch(b.size, [&](std::size_t i) { return detail::OpLength{b.list_op, l[b.local_index[i]].length}; });
-      } else if (b.size == 1) {  // the latency path's batch: three additions, nothing on the stack
-        submitted.add_same(1, b.x[0].t_->op, b.x[0].t_->length);
       } else {
         submitted.add_batch(b.size, [&](std::size_t i) { return detail::OpLength{b.x[i].t_->op, b.x[i].t_->length}; });
       }

@@ -794,11 +794,14 @@ class Worker {
   /// its loop does on time (a link broken, a rail to probe: sleep() naps again while others
   /// hold the lock).
   void nudge() noexcept;
+  /// Writes the worker's eventfd: its thread, asleep in epoll, wakes.
+  void wake_thread() noexcept;
   struct Driving;
   /// How long its thread sleeps unarmed at most (what a submit no waiter polls for waits).
   [[nodiscard]] std::chrono::milliseconds unarmed_nap() const noexcept;
   /// The worker's thread, woken from epoll_wait, takes run_mu_ back (take_back()).
-  void take_back() noexcept;
+  /// `locked`: run_mu_ is this thread's already (taken with try_lock: no step-aside to ask).
+  void take_back(bool locked = false) noexcept;
   std::mutex mu_;
   std::vector<Command> inbox_;
   std::vector<Command> mail_;  // the worker's: the inbox as taken, handled one by one

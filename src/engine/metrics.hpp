@@ -70,6 +70,10 @@ struct SubmitFigures {
   /// comparisons, its bucket and sums are taken once per run.
   template <class At>
   void add_batch(std::size_t n, At transfer_at) noexcept {
+    if (n == 1) {  // the latency path's batch: its three additions, no arrays on the stack
+      const OpLength t = transfer_at(0);
+      return add_same(1, t.op, t.length);
+    }
     std::array<std::uint64_t, 2 * kOps> ops{};
     std::array<std::uint32_t, kSizeBuckets + 1> sizes{};
     std::uint64_t sizes_seen = 0;  // bit b: bucket b has some

@@ -130,8 +130,7 @@ void Worker::post(Command c) {
   // A loop that is running looks at has_mail_ before it sleeps (after setting asleep_): only
   // one that may be asleep is woken, which saves the busy path a write and its wake-up a read.
   if (!asleep_.load(std::memory_order_seq_cst)) return;
-  const std::uint64_t one = 1;
-  (void)!::write(wake_.get(), &one, sizeof one);
+  wake_thread();
 }
 
 namespace {
@@ -205,10 +204,7 @@ bool Worker::try_submit(const std::shared_ptr<BatchState>& b) {
   }
   lock.unlock();
   serve_arm_requests();
-  if (wake) {
-    const std::uint64_t one = 1;
-    (void)!::write(wake_.get(), &one, sizeof one);
-  }
+  if (wake) wake_thread();
   return true;
 }
 
@@ -326,28 +322,33 @@ void Worker::serve_arm_requests() noexcept {
   }
 }
 
-void Worker::take_back() noexcept {
+void Worker::take_back(bool locked) noexcept {
   // Awake: mail posted from here on is seen by the loop (seq_cst with post()'s look).
   asleep_.store(false, std::memory_order_seq_cst);
-  // Others hold the lock only for a post or a poll, and take it no more once they see wants_:
-  // a short spin gets it without a futex round trip (a waiter that keeps taking and releasing
-  // it would otherwise wake this thread at each release, and be slowed by each wake-up).
-  wants_.store(true, std::memory_order_seq_cst);
-  for (std::uint32_t i = 0; !run_mu_.try_lock(); ++i) {
-    if (i == kTakeBackSpins) {
-      run_mu_.lock();  // one that runs long (a callback, a big batch): wait for it asleep
-      break;
+  if (!locked) {
+    // Others hold the lock only for a post or a poll, and take it no more once they see wants_:
+    // a short spin gets it without a futex round trip (a waiter that keeps taking and releasing
+    // it would otherwise wake this thread at each release, and be slowed by each wake-up).
+    wants_.store(true, std::memory_order_seq_cst);
+    for (std::uint32_t i = 0; !run_mu_.try_lock(); ++i) {
+      if (i == kTakeBackSpins) {
+        run_mu_.lock();  // one that runs long (a callback, a big batch): wait for it asleep
+        break;
+      }
+      cpu_relax();
     }
-    cpu_relax();
+    wants_.store(false, std::memory_order_relaxed);
   }
-  wants_.store(false, std::memory_order_relaxed);
   driver_.store(std::this_thread::get_id(), std::memory_order_relaxed);
 }
 
-void Worker::nudge() noexcept {
-  if (!threaded_ || std::this_thread::get_id() == thread_.get_id()) return;
+void Worker::wake_thread() noexcept {
   const std::uint64_t one = 1;
   (void)!::write(wake_.get(), &one, sizeof one);
+}
+
+void Worker::nudge() noexcept {
+  if (threaded_ && std::this_thread::get_id() != thread_.get_id()) wake_thread();
 }
 
 void Worker::log_failure(const std::exception& ex) noexcept {
@@ -404,8 +405,7 @@ std::optional<Attachment> Worker::attach(std::uint32_t device) {
 
 void Worker::stop() noexcept {
   if (stop_.exchange(true)) return;
-  const std::uint64_t one = 1;
-  (void)!::write(wake_.get(), &one, sizeof one);
+  wake_thread();
   if (thread_.joinable()) thread_.join();
   // The thread has gone; the engine's gate is closed (no waiter polls) and no submit may race
   // with the destructor. Held, so that a callback that submits queues (driver_).
@@ -590,6 +590,14 @@ void Worker::tell_active(Link& l, Deadline now) noexcept {
 
 // Waits on the worker's descriptors until `until` (not at all when it has passed): CQ events
 // (armed first), the wake-up, links' control channels, device events.
+namespace {
+// epoll_wait's timeout for a sleep from `now` to `until` (rounded up, at most 1 s).
+int epoll_ms(Deadline now, Deadline until) noexcept {
+  return static_cast<int>(
+      std::min<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count() + 1, 1000));
+}
+}  // namespace
+
 void Worker::sleep(Deadline until) noexcept {
   const Deadline now = Clock::now();
   const Deadline loop_until = until;  // what the loop asked for (its timers)
@@ -617,8 +625,7 @@ void Worker::sleep(Deadline until) noexcept {
       asleep_.store(false, std::memory_order_relaxed);
       return;
     }
-    ms = static_cast<int>(std::min<long long>(
-        std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count() + 1, 1000));
+    ms = epoll_ms(now, until);
   }
   epoll_event events[64];
   int n = 0;
@@ -643,15 +650,9 @@ void Worker::sleep(Deadline until) noexcept {
       const Deadline t = Clock::now();
       if (t >= renap_until) break;
       const Deadline next = std::min(renap_until, t + unarmed_nap());
-      n = ::epoll_wait(epoll_.get(), events, 64,
-                       static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(next - t).count() + 1));
+      n = ::epoll_wait(epoll_.get(), events, 64, epoll_ms(t, next));
     }
-    if (held) {  // free: taken as take_back() would (awake first: mail from here on is seen)
-      asleep_.store(false, std::memory_order_seq_cst);
-      driver_.store(std::this_thread::get_id(), std::memory_order_relaxed);
-    } else {
-      take_back();
-    }
+    take_back(/*locked=*/held);  // a free lock, taken: no step-aside asked
   } else {
     n = ::epoll_wait(epoll_.get(), events, 64, 0);
   }
