@@ -19,12 +19,24 @@
 //     trip. On rxe an 8-byte WRITE or READ mostly completes inside its post. With
 //     RDMAKIT_LOOP_TIMES set, timed instead (p50/p99 of submit() and of the round trip, who
 //     posted and polled, each thread's context switches): the in-process view of engine-bench;
-//     RDMAKIT_LOOP_PAUSE_US=N pauses N us between transfers (sparse traffic).
+//     RDMAKIT_LOOP_PAUSE_US=N pauses N us between transfers (sparse traffic);
+//     RDMAKIT_LOOP_ANCHOR=N times the raw verbs anchor (bench/loopback.hpp: a loopback
+//     connection's QP, ibv_post_send + ibv_poll_cq) in this process too, in turns of N round
+//     trips with the engine's N: on the lab's emulator one process's round trip differs from
+//     another's running the same code by up to 50% (its layout in memory), so the two are
+//     compared inside one process as well as across processes (bench/compare-latency).
+//   rdmakit_engine_loop link|link-read ROUNDS 1 HOST:PORT
+//     raw verbs on the engine's own link, timed as bench/latency_loop.cpp times its loop: one
+//     8-byte WRITE or READ posted with ibv_post_send on the link's QP (the engine's buffer, the
+//     peer's window of the segment) and polled off the worker's CQ, the engine's workers off
+//     (workers = 0, nothing else polls): what the engine's QP, CQ, memory and window cost
+//     against a connection's, apart from what the engine's own steps cost.
 // With RDMAKIT_LOOP_SCRAPE_MS=N, another thread reads Engine::metrics() every N ms meanwhile, as a
 // Prometheus scraper would (callgrind counts the loop's thread only: what a scrape costs the
 // data path, not what it costs itself).
 #include <infiniband/verbs.h>
 #include <dirent.h>
+#include <sys/resource.h>
 #include <time.h>
 
 #include <algorithm>
@@ -33,6 +45,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -128,6 +141,12 @@ extern "C" __attribute__((noinline)) unsigned long rdmakit_engine_plan_loop(rdma
 
 namespace {
 
+long involuntary_switches() {
+  rusage u{};
+  (void)::getrusage(RUSAGE_THREAD, &u);
+  return u.ru_nivcsw;
+}
+
 // The latency path timed instead of counted (RDMAKIT_LOOP_TIMES): p50/p99 of submit() alone
 // and of submit + wait, the engine's counters of who posted and who polled, and each thread's
 // context switches (how often the engine's worker thread woke meanwhile).
@@ -136,7 +155,32 @@ int timed_rounds(rdmakit::Engine& e, const std::vector<rdmakit::Transfer>& t, co
   std::vector<double> sub, all;
   // RDMAKIT_LOOP_PAUSE_US: a pause between transfers (sparse traffic: a lease renewal, a flag).
   const long pause_us = std::getenv("RDMAKIT_LOOP_PAUSE_US") != nullptr ? std::atol(std::getenv("RDMAKIT_LOOP_PAUSE_US")) : 0;
+  // RDMAKIT_LOOP_ANCHOR=N: the raw verbs anchor in this process too, in turns of N round trips
+  // with the engine's N (see the top).
+  const long turn = std::getenv("RDMAKIT_LOOP_ANCHOR") != nullptr ? std::atol(std::getenv("RDMAKIT_LOOP_ANCHOR")) : 0;
+  std::optional<bench::RawRoundTrip> anchor;
+  if (turn > 0) anchor.emplace(mode == "wait-read");
+  std::vector<double> raw;
+  // This thread's involuntary context switches in the raw turns and in the engine's, warm-up
+  // included (another task took its CPU mid round trip: on rxe, the kernel's softirq thread
+  // doing the protocol).
+  long raw_preempted = 0, engine_preempted = 0, turn_began = 0;
   for (unsigned long r = 0; r < rounds; ++r) {
+    if (anchor && r % static_cast<unsigned long>(turn) == 0) {
+      const long before = involuntary_switches();
+      if (r != 0) engine_preempted += before - turn_began;  // the engine's turn that just ended
+      for (long k = 0; k < turn; ++k) {
+        if (pause_us > 0) std::this_thread::sleep_for(std::chrono::microseconds{pause_us});
+        const auto t0 = std::chrono::steady_clock::now();
+        if (const char* failed = anchor->once(); failed != nullptr) {
+          std::fprintf(stderr, "raw verbs: %s\n", failed);
+          return 1;
+        }
+        if (r >= rounds / 10) raw.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      }
+      turn_began = involuntary_switches();
+      raw_preempted += turn_began - before;
+    }
     if (pause_us > 0) std::this_thread::sleep_for(std::chrono::microseconds{pause_us});
     const auto t0 = std::chrono::steady_clock::now();
     rdmakit::Batch b = e.submit(t);
@@ -147,6 +191,7 @@ int timed_rounds(rdmakit::Engine& e, const std::vector<rdmakit::Transfer>& t, co
     sub.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
     all.push_back(std::chrono::duration<double, std::micro>(t2 - t0).count());
   }
+  if (anchor) engine_preempted += involuntary_switches() - turn_began;  // the last turn's
   if (DIR* d = ::opendir("/proc/self/task")) {
     while (const dirent* de = ::readdir(d)) {
       if (de->d_name[0] == '.') continue;
@@ -179,6 +224,64 @@ int timed_rounds(rdmakit::Engine& e, const std::vector<rdmakit::Transfer>& t, co
               all[all.size() * 99 / 100], static_cast<unsigned long long>(c.batches),
               static_cast<unsigned long long>(c.submits_inline), static_cast<unsigned long long>(rdmakit::Engine::Impl::of(e).count.submits_ended.load()),
               static_cast<unsigned long long>(c.waits_spun));
+  if (!raw.empty()) {
+    std::sort(raw.begin(), raw.end());
+    const double r50 = raw[raw.size() / 2], r99 = raw[raw.size() * 99 / 100];
+    std::printf("%s: raw verbs in turns with it, this process: round trip p50 %.1f p99 %.1f us; engine/raw p50 %.2fx "
+                "p99 %.2fx; this thread preempted %ld times in the raw turns, %ld in the engine's\n",
+                mode.c_str(), r50, r99, all[all.size() / 2] / r50, all[all.size() * 99 / 100] / r99, raw_preempted,
+                engine_preempted);
+  }
+  return 0;
+}
+
+// Mode link|link-read: raw verbs on the engine's link (see the top).
+int link_rounds(rdmakit::Engine& e, const rdmakit::Transfer& t, bool read, unsigned long rounds) {
+  auto& impl = rdmakit::Engine::Impl::of(e);
+  rdmakit::detail::Peer* p = impl.peer(t.remote);
+  const rdmakit::detail::BufferRec* buf = impl.buffer(t.local);
+  if (rounds == 0 || p == nullptr || p->link == nullptr || buf == nullptr || t.remote.slot >= p->link->by_slot.size() ||
+      !p->link->by_slot[t.remote.slot]) {
+    std::fprintf(stderr, "link: no rounds, or no link with the segment's window\n");
+    return 1;
+  }
+  rdmakit::detail::Link& l = *p->link;
+  const rdmakit::LocalSlice& s = buf->slices[l.device];
+  const rdmakit::RemoteRegion& r = *l.by_slot[t.remote.slot];
+  ibv_qp* qp = l.impl.dp.lane(0).qp;
+  ibv_sge sge{reinterpret_cast<std::uint64_t>(s.addr()), 8, s.lkey()};
+  ibv_send_wr wr{};
+  wr.wr_id = 1;  // not a wr_id of the data path's: nothing but this loop polls the CQ meanwhile
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.opcode = read ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
+  wr.send_flags = IBV_SEND_SIGNALED | (!read && l.impl.dp.limits().max_inline >= 8 ? static_cast<unsigned>(IBV_SEND_INLINE) : 0u);
+  wr.wr.rdma.remote_addr = r.addr;
+  wr.wr.rdma.rkey = r.rkey;
+  std::vector<double> us;
+  for (unsigned long i = 0; i < rounds + rounds / 10; ++i) {
+    ibv_send_wr* bad = nullptr;
+    const auto t0 = std::chrono::steady_clock::now();
+    if (ibv_post_send(qp, &wr, &bad) != 0) {
+      std::fprintf(stderr, "link: ibv_post_send refused the request\n");
+      return 1;
+    }
+    ibv_wc wc{};
+    int got = 0;
+    while ((got = ibv_poll_cq(qp->send_cq, 1, &wc)) == 0) {
+    }
+    if (got < 0 || wc.status != IBV_WC_SUCCESS || wc.wr_id != 1) {
+      std::fprintf(stderr, "link: %s\n",
+                   got < 0         ? "ibv_poll_cq failed"
+                   : wc.wr_id != 1 ? "another request's completion"
+                                   : ibv_wc_status_str(wc.status));
+      return 1;
+    }
+    if (i >= rounds / 10) us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(us.begin(), us.end());
+  std::printf("%s: raw verbs on the engine's link: round trip p50 %.1f p99 %.1f us\n", read ? "link-read" : "link",
+              us[us.size() / 2], us[us.size() * 99 / 100]);
   return 0;
 }
 
@@ -188,9 +291,10 @@ int main(int argc, char** argv) {
   using namespace std::chrono_literals;
   const std::string mode = argc > 1 ? argv[1] : "";
   const bool wait = mode == "wait" || mode == "wait-read";
-  if (argc < 4 || (mode != "raw" && mode != "engine" && mode != "plan" && mode != "lists" && !wait) ||
+  const bool link = mode == "link" || mode == "link-read";
+  if (argc < 4 || (mode != "raw" && mode != "engine" && mode != "plan" && mode != "lists" && !wait && !link) ||
       (mode != "raw" && argc != 5)) {
-    std::fprintf(stderr, "usage: %s raw ROUNDS BATCH | engine|plan|lists|wait|wait-read ROUNDS BATCH HOST:PORT\n",
+    std::fprintf(stderr, "usage: %s raw ROUNDS BATCH | engine|plan|lists|wait|wait-read|link|link-read ROUNDS BATCH HOST:PORT\n",
                  argv[0]);
     return 2;
   }
@@ -242,7 +346,7 @@ int main(int argc, char** argv) {
       t[k].length = 8;
       t[k].remote = e.segment("t", "kv");
       t[k].remote_offset = 8 * (k % 512);
-      if (mode == "wait-read") t[k].op = rdmakit::TransferOp::read;
+      if (mode == "wait-read" || mode == "link-read") t[k].op = rdmakit::TransferOp::read;
     }
     // One round outside the count (not through the counted function): the first one allocates
     // what later rounds reuse.
@@ -268,6 +372,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     while (!warm.done()) (void)e.progress(std::chrono::milliseconds{1});
+    if (link) return link_rounds(e, t[0], mode == "link-read", rounds);
     std::atomic<bool> stop{false};
     unsigned long scrapes = 0;
     std::thread scraper;
