@@ -357,7 +357,8 @@ void Connection::Impl::open(const detail::Channel& control_channel) {
   dp.init({cfg.send_depth, cfg.recv_depth, info.max_sge, info.max_inline, p.max_msg_size, cfg.stripe_min},
           raw, scq, rcq, channel.get(), detail::real_verbs());
   // rxe (vendor id 0xffffff) completes a WRITE whose data came by ibv_wr_set_inline_data with a
-  // local QP operation error (rdma-core 44): there such requests go by their SGE.
+  // local QP operation error (rdma-core 44): there a single WRITE small enough to be inline goes
+  // by the classic call, inline (post_one_on), and a prepared one by its SGE.
   std::vector<ibv_qp_ex*> qpxs;
   if (extended) {
     for (ibv_qp* q : raw) qpxs.push_back(ibv_qp_to_qp_ex(q));

@@ -261,9 +261,14 @@ template <Opcode Op>
   if (lane.sq.free() == 0) [[unlikely]] return post_code(PostStatus::queue_full);
   const std::uint64_t total = local.length();
   if constexpr (Op == Opcode::write || Op == Opcode::read) {
-    if (ibv_qp_ex* x = lane.qpx; x != nullptr && total != 0) [[likely]] {
-      // Through the extended interface (use_extended): no work request to fill.
-      const bool inline_data = dp::may_inline<Op>(total, limits_.max_inline) && ext_inline_;
+    // Through the extended interface (use_extended): no work request to fill. Not data that
+    // could go inline where that interface cannot take it inline (rxe): the classic call below
+    // sends it inline, and rxe's kernel side moves inline data about 1 us sooner than data it
+    // must fetch through the region (bench/latency_loop.cpp, RDMAKIT_LOOP_SGE), more than the
+    // classic call's extra instructions cost.
+    const bool may_inline = dp::may_inline<Op>(total, limits_.max_inline);
+    if (ibv_qp_ex* x = lane.qpx; x != nullptr && total != 0 && (ext_inline_ || !may_inline)) [[likely]] {
+      const bool inline_data = may_inline && ext_inline_;
       const std::uint64_t id = lane.wr_id(lane.sq.next_seq());
       lane.sq.push({wr_id, Op, WrRing::user, false});
       lane.unsignaled_run = 0;

@@ -527,6 +527,7 @@ class Worker {
     std::uint64_t laddr = 0;  // the buffer's address as registered on the link's device
     std::uint32_t lkey = 0;
     bool writable = false;
+    bool lone = false;  // the batch is this one transfer (a WRITE or READ of it goes by post_lone)
   };
   /// Transfer x into the chain of the route `r` holds when it is the same, else admit().
   void route(Xfer& x, Route& r);
@@ -542,6 +543,17 @@ class Worker {
   static bool too_long(const Link& l, const Transfer& t) noexcept { return t.length > l.impl.dp.limits().max_msg_size; }
   /// A transfer the data path splits (longer than max_msg_sz), posted alone.
   void post_alone(Link& l, Xfer& x);
+  /// Whether a transfer alone in its batch may go on `l` by post_lone() now.
+  [[nodiscard]] bool lone_room(const Link& l) const noexcept;
+  /// A WRITE or READ alone in its batch, checked by admit(): posted by itself, signaled. False
+  /// when the data path's checks refused it (nothing posted: it goes the chain's way).
+  bool post_lone(Link& l, Xfer& x, const LocalSlice& buffer, const RemoteRegion& seg);
+  /// Requests `l`'s ring may take before a slot not walked yet (Link::ended) would be
+  /// overwritten.
+  static std::uint64_t unwalked_room(const Link& l) noexcept {
+    const WrRing& ring = l.impl.dp.lane(0).sq;
+    return ring.storage() - (ring.next_seq() - l.ended);
+  }
   /// Ends the transfers whose slots of `l`'s ring lie in [l.ended, upto): ok, or with `s`.
   void walk(Link& l, std::uint64_t upto, TransferStatus s, const std::string& why) noexcept;
   void end(Xfer& x, TransferStatus s, std::string reason) noexcept;
