@@ -548,6 +548,9 @@ class Worker {
   /// A WRITE or READ alone in its batch, checked by admit(): posted by itself, signaled. False
   /// when the data path's checks refused it (nothing posted: it goes the chain's way).
   bool post_lone(Link& l, Xfer& x, const LocalSlice& buffer, const RemoteRegion& seg);
+  /// post_alone's and post_lone's request: x's READ or WRITE of `buffer` (its link's slice) to
+  /// `to` by the data path's one-request post, counted in flight when posted.
+  PostResult post_single(Link& l, Xfer& x, const LocalSlice& buffer, const RemoteRegion& to);
   /// Requests `l`'s ring may take before a slot not walked yet (Link::ended) would be
   /// overwritten.
   static std::uint64_t unwalked_room(const Link& l) noexcept {

@@ -189,18 +189,8 @@ bool Worker::post_lone(Link& l, Xfer& x, const LocalSlice& buffer, const RemoteR
   // One request through the data path's one-request post (the extended verbs where the device
   // has them): no chain to open, stage and post. Its ring slot is a chain's of one (the
   // caller's request, its wr_id the entry), so its completion is walked as any chain's.
-  DataPath& dp = l.impl.dp;
-  const Transfer& t = *x.t_;
-  const LocalSlice src = buffer.subslice(t.local_offset, t.length);
-  const auto id = reinterpret_cast<std::uint64_t>(&x);
-  const PostResult r = t.op == TransferOp::read ? dp.post_one<Opcode::read>(src, seg, t.remote_offset, 0, 0, 0, id)
-                                                : dp.post_one<Opcode::write>(src, seg, t.remote_offset, 0, 0, 0, id);
-  if (r.ok()) [[likely]] {
-    ++l.in_flight;
-    ++in_flight_;
-    l.bytes_out += t.length;
-    return true;
-  }
+  const PostResult r = post_single(l, x, buffer, seg);
+  if (r.ok()) [[likely]] return true;
   // Refused by post_one's checks (nothing was posted): the chain path decides, as for any
   // transfer (its checks are the segment's own).
   if (r.status != PostStatus::failed) return false;
@@ -209,6 +199,23 @@ bool Worker::post_lone(Link& l, Xfer& x, const LocalSlice& buffer, const RemoteR
   end(x, TransferStatus::failed, why);
   break_link(l, why);
   return true;
+}
+
+PostResult Worker::post_single(Link& l, Xfer& x, const LocalSlice& buffer, const RemoteRegion& to) {
+  DataPath& dp = l.impl.dp;
+  const Transfer& t = x.transfer();
+  const LocalSlice src = buffer.subslice(t.local_offset, t.length);
+  const auto id = reinterpret_cast<std::uint64_t>(&x);
+  const PostResult r = t.op == TransferOp::read ? dp.post_one<Opcode::read>(src, to, t.remote_offset, 0, 0, 0, id)
+                       : t.op == TransferOp::write
+                           ? dp.post_one<Opcode::write>(src, to, t.remote_offset, 0, 0, 0, id)
+                           : PostResult{PostStatus::bad_length, 0, 0};
+  if (r.ok()) [[likely]] {
+    ++l.in_flight;
+    ++in_flight_;
+    l.bytes_out += t.length;
+  }
+  return r;
 }
 
 void Worker::start_transfer(Peer& p, Xfer& x) {
@@ -379,24 +386,12 @@ void Worker::refused(Link& l, Xfer& x, PostStatus st) {
 }
 
 void Worker::post_alone(Link& l, Xfer& x) {
-  DataPath& dp = l.impl.dp;
   const Transfer& t = x.transfer();
   const RemoteRegion* to = remote_of(l, x);
   if (to == nullptr) return;  // ended, with why
   if (buffer_of(x).slices[l.device].length() == 0) return unreachable(l, x);
-  const LocalSlice s = buffer_of(x).slices[l.device].subslice(t.local_offset, t.length);
-  const auto id = reinterpret_cast<std::uint64_t>(&x);
-  PostResult r = t.op == TransferOp::read ? dp.post_one<Opcode::read>(s, *to, t.remote_offset, 0, 0, 0, id)
-                 : t.op == TransferOp::write
-                     ? dp.post_one<Opcode::write>(s, *to, t.remote_offset, 0, 0, 0, id)
-                     : PostResult{PostStatus::bad_length, 0, 0};
-  if (r.ok()) {
-    l.alone.push_back(&x);
-    ++l.in_flight;
-    ++in_flight_;
-    l.bytes_out += t.length;
-    return;
-  }
+  const PostResult r = post_single(l, x, buffer_of(x).slices[l.device], *to);
+  if (r.ok()) return l.alone.push_back(&x);
   if (r.status == PostStatus::queue_full) {
     l.backlog_bytes += t.length;
     return l.backlog.push_front(&x);
