@@ -246,35 +246,15 @@ int link_rounds(rdmakit::Engine& e, const rdmakit::Transfer& t, bool read, unsig
     return 1;
   }
   rdmakit::detail::Link& l = *p->link;
-  const rdmakit::LocalSlice& s = buf->slices[l.device];
-  const rdmakit::RemoteRegion& r = *l.by_slot[t.remote.slot];
+  // wr_id 1 is none of the data path's: nothing but this loop polls the CQ meanwhile.
   ibv_qp* qp = l.impl.dp.lane(0).qp;
-  ibv_sge sge{reinterpret_cast<std::uint64_t>(s.addr()), 8, s.lkey()};
-  ibv_send_wr wr{};
-  wr.wr_id = 1;  // not a wr_id of the data path's: nothing but this loop polls the CQ meanwhile
-  wr.sg_list = &sge;
-  wr.num_sge = 1;
-  wr.opcode = read ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
-  wr.send_flags = IBV_SEND_SIGNALED | (!read && l.impl.dp.limits().max_inline >= 8 ? static_cast<unsigned>(IBV_SEND_INLINE) : 0u);
-  wr.wr.rdma.remote_addr = r.addr;
-  wr.wr.rdma.rkey = r.rkey;
+  bench::RawRequest request(qp, qp->send_cq, buf->slices[l.device].subslice(0, 8), *l.by_slot[t.remote.slot], read,
+                            l.impl.dp.limits().max_inline >= 8);
   std::vector<double> us;
   for (unsigned long i = 0; i < rounds + rounds / 10; ++i) {
-    ibv_send_wr* bad = nullptr;
     const auto t0 = std::chrono::steady_clock::now();
-    if (ibv_post_send(qp, &wr, &bad) != 0) {
-      std::fprintf(stderr, "link: ibv_post_send refused the request\n");
-      return 1;
-    }
-    ibv_wc wc{};
-    int got = 0;
-    while ((got = ibv_poll_cq(qp->send_cq, 1, &wc)) == 0) {
-    }
-    if (got < 0 || wc.status != IBV_WC_SUCCESS || wc.wr_id != 1) {
-      std::fprintf(stderr, "link: %s\n",
-                   got < 0         ? "ibv_poll_cq failed"
-                   : wc.wr_id != 1 ? "another request's completion"
-                                   : ibv_wc_status_str(wc.status));
+    if (const char* failed = request.once(); failed != nullptr) {
+      std::fprintf(stderr, "link: %s\n", failed);
       return 1;
     }
     if (i >= rounds / 10) us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
