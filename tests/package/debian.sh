@@ -7,14 +7,15 @@
 # a pkg-config consumer build and run rdmakit::version(), python3 imports rdmakit, and
 # `rdmakit hello` runs between two lab VMs whose root is that one, with the packaged
 # rdmakit-lab. Root only (mmdebstrap's root mode, chroot).
-# Usage: debian.sh BUILD_DIR SOURCE_DIR SCRATCH_DIR VERSION [root|lab]
-#   root  the packages built, installed into the root and used there, which stays in SCRATCH_DIR
-#         (no VM: CTest runs it beside a lab suite)
-#   lab   the two lab VMs running the root that `root` left; then the root is removed
-#   (neither: both in turn)
+# Usage: debian.sh BUILD_DIR SOURCE_DIR SCRATCH_DIR VERSION [root|lab|clean]
+#   root   the packages built, installed into the root and used there; the root stays in
+#          SCRATCH_DIR (no VM: CTest runs it beside a one-VM lab suite)
+#   lab    the two lab VMs running the root that `root` left
+#   clean  the root (580 MB) removed (CTest's fixture cleanup, whatever ran before)
+#   (none: all three in turn)
 set -euo pipefail
 build=$1 src=$2 scratch=$3 version=$4 part=${5:-all}
-case "$part" in root|lab|all) ;; *) echo "debian.sh: unknown part '$part' (root, lab)" >&2; exit 2 ;; esac
+case "$part" in root|lab|clean|all) ;; *) echo "debian.sh: unknown part '$part' (root, lab, clean)" >&2; exit 2 ;; esac
 if [[ $(id -u) -ne 0 ]]; then echo "SKIP: needs root (mmdebstrap, chroot)"; exit 77; fi
 t0=$SECONDS
 step() { printf -- '-- %s (%d s)\n' "$1" $((SECONDS - t0)); }
@@ -84,7 +85,6 @@ use_in_lab() {
   cd "$scratch/lab"
   /usr/bin/python3 "$root/usr/bin/rdmakit-lab" run --vms 2 --root "$root" --timeout 120 -- \
     sh ./hello.sh two_vms /usr/bin/rdmakit
-  remove_root  # 580 MB
 }
 
 case "$part" in
@@ -92,5 +92,6 @@ case "$part" in
   lab)
     [[ -x $root/usr/bin/rdmakit ]] || { echo "FAIL: no root with the packages at $root (debian.sh ... root makes it)"; exit 1; }
     use_in_lab; step "done: the packaged rdmakit between two lab VMs" ;;
-  all) make_root; use_in_lab; step "done: packages built, installed into a clean root, and used" ;;
+  clean) remove_root ;;
+  all) make_root; use_in_lab; remove_root; step "done: packages built, installed into a clean root, and used" ;;
 esac

@@ -442,3 +442,4 @@ TEST(EngineTransports, ForgedAndGarbageStreamsAreRefusedAndTheLinksServed) {
   EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
   EXPECT_EQ(a.counters().reconnects, 0u);
 }
+#undef HOST_ONLY  // (the binary compiles in unity batches: not into the next file)
