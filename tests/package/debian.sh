@@ -9,7 +9,7 @@
 # rdmakit-lab. Root only (mmdebstrap's root mode, chroot).
 # Usage: debian.sh BUILD_DIR SOURCE_DIR SCRATCH_DIR VERSION [root|lab|clean]
 #   root   the packages built, installed into the root and used there; the root stays in
-#          SCRATCH_DIR (no VM: CTest runs it beside a one-VM lab suite)
+#          SCRATCH_DIR (no VM: CTest runs it beside the other tests without one)
 #   lab    the two lab VMs running the root that `root` left
 #   clean  the root (580 MB) removed (CTest's fixture cleanup, whatever ran before)
 #   (none: all three in turn)
