@@ -7,7 +7,7 @@
 #   prometheus.sh PATH_TO_rdmakit
 set -u
 R=$1
-[ "$RDMAKIT_LAB_INDEX" = 0 ] || exit 0  # one VM does it all; the suite's other VM idles
+[ "$RDMAKIT_LAB_INDEX" = 0 ] || exit 0  # one VM does it all (others, were there any, idle)
 dir=$(mktemp -d)
 pids=
 cleanup() {
