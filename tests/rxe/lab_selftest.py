@@ -117,6 +117,49 @@ def case_exit_status():
         fail(f"the lab did not report the guest's status: {err[-300:]}")
 
 
+def case_cpus_refused():
+    # --cpus: a list that is not one is refused before anything boots.
+    for bad in ("x", "3-1", "0,", "\u00b2", "1000000"):
+        rc, _, err, _ = run_lab(["--cpus", bad, "--", "true"], timeout=30)
+        if rc != 125 or f"--cpus {bad}" not in err:
+            fail(f"--cpus {bad!r} gave status {rc}: {err[-200:]}")
+
+
+def case_cpus():
+    # A VM held to one CPU runs there (its qemu's affinity, read while it runs), with one vCPU by
+    # default; "all" takes back every CPU for a caller held to fewer (scripts/test's ctest).
+    # Every CPU there is (CI's ctest runs held to some; this case runs alone).
+    os.sched_setaffinity(0, range(os.sysconf("SC_NPROCESSORS_CONF")))
+    cpus = sorted(os.sched_getaffinity(0))
+    before = lab_qemus()
+    p = subprocess.Popen([LAB, "run", "--cpus", str(cpus[-1]), "--", "sh", "-c", "nproc; sleep 4"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = set()
+    deadline = time.monotonic() + 120
+    while p.poll() is None and time.monotonic() < deadline:
+        for pid in lab_qemus() - before:
+            try:
+                seen.add(frozenset(os.sched_getaffinity(pid)))
+            except OSError:
+                pass
+        time.sleep(0.5)
+    out = p.communicate(timeout=60)[0]
+    sys.stdout.write(out)
+    if p.returncode != 0:
+        fail(f"the held run exited {p.returncode}")
+    if seen != {frozenset({cpus[-1]})}:
+        fail(f"qemu ran on {[sorted(s) for s in seen]}, not on CPU {cpus[-1]} alone")
+    if not re.search(r"^1$", out, re.M):
+        fail("a VM held to one CPU did not get one vCPU by default")
+    if len(cpus) > 1:
+        held = subprocess.run(["taskset", "-c", str(cpus[0]), LAB, "run", "--cpus", "all", "--", "nproc"],
+                              capture_output=True, text=True, timeout=120)
+        sys.stdout.write(held.stdout + held.stderr)
+        if held.returncode != 0 or not re.search(rf"^{len(cpus)}$", held.stdout, re.M):
+            fail(f"--cpus all under a caller held to CPU {cpus[0]} did not give {len(cpus)} vCPUs")
+    expect_no_qemu_left(before)
+
+
 def case_timeout():
     before = lab_qemus()
     t0 = time.monotonic()
