@@ -18,6 +18,12 @@
 set(RDMAKIT_LAB ${CMAKE_CURRENT_LIST_DIR}/../lab/rdmakit-lab)
 set(RDMAKIT_LAB_CPU "" CACHE STRING
     "Host CPU the lab's one-VM suites are held to (one vCPU), the tests without a VM beside them on the other CPUs; empty: every lab suite runs alone")
+# Where it is set, ctest runs held off that CPU: the command prefix under which a host test that
+# needs threads on every core at once takes them back (the test must run alone: RUN_SERIAL).
+set(RDMAKIT_ALL_CPUS)
+if(NOT RDMAKIT_LAB_CPU STREQUAL "")
+  set(RDMAKIT_ALL_CPUS sh ${PROJECT_SOURCE_DIR}/tests/all_cpus.sh)
+endif()
 
 function(rdmakit_add_rxe_test)
   cmake_parse_arguments(ARG "ALONE" "NAME;VMS;NICS;TIMEOUT" "COMMAND" ${ARGN})
