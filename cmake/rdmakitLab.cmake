@@ -8,22 +8,41 @@
 # timing checks (a p99 against a baseline, a stall bound) see any host work that shares them.
 # (Tried: tests without a VM beside a one-VM suite, all on the same cores. The suites ran 20-45%
 # longer, the background builds starved, a guest's p99 check and a host test's rate check failed.)
-# With RDMAKIT_LAB_CPU set, a one-VM suite runs instead on that host CPU alone, at one vCPU, and
-# the tests without a VM may run beside it, provided they run on the other CPUs: scripts/test holds
-# ctest off that CPU (taskset) and lets the lab's other runs use every CPU (RDMAKIT_LAB_CPUS=all).
-# One-VM suites take one lab at a time (RESOURCE_LOCK) and start first (COST); suites of several
-# VMs, and those marked ALONE (whose point is two threads on two vCPUs at once), still run alone
-# on every CPU. Measured: a one-VM suite at one vCPU on a core of its own ran 0-25% longer than at
-# two vCPUs shared (rxe.library 280 s against 273-312; rxe.tools 192 s against 151).
+# With RDMAKIT_TEST_CPUS on, each test instead takes a host CPU of its own from ctest
+# (RESOURCE_GROUPS "cpus:1"; ctest runs with a resource spec file that lists the CPUs, as
+# scripts/test does) and is held there by tests/on_cpu.sh: a one-VM suite runs its VM on it at one
+# vCPU, a test without a VM runs on it. So two one-VM suites, or a suite and the tests without a
+# VM, run side by side on two CPUs without sharing either. One-VM suites start first (COST).
+# Suites of several VMs, those marked ALONE (whose point is two threads on two vCPUs at once), and
+# host tests that need threads on two cores at once still run alone on every CPU (RUN_SERIAL).
+# Measured: a one-VM suite at one vCPU on a core of its own ran 0-25% longer than at two vCPUs
+# shared (rxe.library 280 s against 273-312; rxe.tools 192 s against 151).
 set(RDMAKIT_LAB ${CMAKE_CURRENT_LIST_DIR}/../lab/rdmakit-lab)
-set(RDMAKIT_LAB_CPU "" CACHE STRING
-    "Host CPU the lab's one-VM suites are held to (one vCPU), the tests without a VM beside them on the other CPUs; empty: every lab suite runs alone")
-# Where it is set, ctest runs held off that CPU: the command prefix under which a host test that
-# needs threads on every core at once takes them back (the test must run alone: RUN_SERIAL).
-set(RDMAKIT_ALL_CPUS)
-if(NOT RDMAKIT_LAB_CPU STREQUAL "")
-  set(RDMAKIT_ALL_CPUS sh ${PROJECT_SOURCE_DIR}/tests/all_cpus.sh)
+option(RDMAKIT_TEST_CPUS
+       "Each test takes a host CPU of its own from ctest (run ctest with a resource spec file listing the CPUs: scripts/test); one-VM lab suites at one vCPU on it" OFF)
+# The prefix of a test's command that holds it to its CPU, and of one whose peer processes listen
+# on fixed ports (a network namespace of its own: root only; elsewhere such tests share a
+# RESOURCE_LOCK, RDMAKIT_FIXED_PORTS, and run one at a time).
+set(RDMAKIT_ON_CPU)
+set(RDMAKIT_ON_CPU_OWN_NETWORK)
+set(RDMAKIT_FIXED_PORTS RESOURCE_LOCK host_ports)
+if(RDMAKIT_TEST_CPUS)
+  set(RDMAKIT_ON_CPU sh ${PROJECT_SOURCE_DIR}/tests/on_cpu.sh)
+  set(RDMAKIT_ON_CPU_OWN_NETWORK ${RDMAKIT_ON_CPU})
+  execute_process(COMMAND id -u OUTPUT_VARIABLE uid OUTPUT_STRIP_TRAILING_WHITESPACE)
+  if(uid STREQUAL "0")
+    list(APPEND RDMAKIT_ON_CPU_OWN_NETWORK --own-network)
+    set(RDMAKIT_FIXED_PORTS)
+  endif()
 endif()
+
+# rdmakit_on_cpu(TEST...): with RDMAKIT_TEST_CPUS, the tests (whose commands start with
+# ${RDMAKIT_ON_CPU}) take one CPU each from ctest.
+function(rdmakit_on_cpu)
+  if(RDMAKIT_TEST_CPUS)
+    set_tests_properties(${ARGN} PROPERTIES RESOURCE_GROUPS "cpus:1")
+  endif()
+endfunction()
 
 function(rdmakit_add_rxe_test)
   cmake_parse_arguments(ARG "ALONE" "NAME;VMS;NICS;TIMEOUT" "COMMAND" ${ARGN})
@@ -43,17 +62,17 @@ function(rdmakit_add_rxe_test)
   # own; the binaries come through the read-only, page-cached --share of the build tree.
   set(work ${CMAKE_CURRENT_BINARY_DIR}/lab-work/${ARG_NAME})
   file(MAKE_DIRECTORY ${work})
-  set(cpus "")
+  set(on_cpu)
   set(alone RUN_SERIAL TRUE)
-  if(NOT RDMAKIT_LAB_CPU STREQUAL "" AND ARG_VMS EQUAL 1 AND NOT ARG_ALONE)
-    set(cpus --cpus ${RDMAKIT_LAB_CPU})
-    set(alone RESOURCE_LOCK rdmakit_lab COST 100000)
+  if(RDMAKIT_TEST_CPUS AND ARG_VMS EQUAL 1 AND NOT ARG_ALONE)
+    set(on_cpu ${RDMAKIT_ON_CPU})
+    set(alone RESOURCE_GROUPS "cpus:1" COST 100000)
   endif()
   add_test(NAME rxe.${ARG_NAME}
            # The guest's stdout is a terminal (virtio console): keep GoogleTest's output plain.
            # The source and build trees may live below /tmp, which the guest replaces with its own.
-           COMMAND env GTEST_COLOR=no ${RDMAKIT_LAB} run --vms ${ARG_VMS} --nics ${ARG_NICS} --timeout ${ARG_TIMEOUT}
-                   ${cpus} --share ${PROJECT_SOURCE_DIR} --share ${PROJECT_BINARY_DIR} -- ${ARG_COMMAND}
+           COMMAND ${on_cpu} env GTEST_COLOR=no ${RDMAKIT_LAB} run --vms ${ARG_VMS} --nics ${ARG_NICS} --timeout ${ARG_TIMEOUT}
+                   --share ${PROJECT_SOURCE_DIR} --share ${PROJECT_BINARY_DIR} -- ${ARG_COMMAND}
            WORKING_DIRECTORY ${work})
   set_tests_properties(rxe.${ARG_NAME} PROPERTIES
     LABELS rxe TIMEOUT ${backstop} ${alone})

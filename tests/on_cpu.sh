@@ -1,0 +1,27 @@
+#!/bin/sh
+# Runs COMMAND held to the host CPU that ctest gave the test: a test registered with
+# RESOURCE_GROUPS "cpus:1" (cmake/rdmakitLab.cmake, RDMAKIT_TEST_CPUS) and run by a ctest given a
+# resource spec file that lists the host's CPUs (scripts/test). A lab run under it holds its VM
+# there, at one vCPU (RDMAKIT_LAB_CPUS). Where ctest allotted nothing (run without the spec
+# file) the command runs unheld.
+#   on_cpu.sh [--own-network] COMMAND [ARGS...]
+# --own-network: in a network namespace of its own with only loopback (root: unshare), so that
+# the fixed ports its peer processes listen on clash with no other test's.
+own_network=false
+if [ "${1:-}" = --own-network ]; then
+  own_network=true
+  shift
+fi
+# CTEST_RESOURCE_GROUP_0_CPUS is "id:N,slots:1".
+cpu=
+case "${CTEST_RESOURCE_GROUP_0_CPUS:-}" in
+  id:*) cpu=${CTEST_RESOURCE_GROUP_0_CPUS#id:}; cpu=${cpu%%,*} ;;
+esac
+if [ -n "$cpu" ]; then
+  export RDMAKIT_LAB_CPUS="$cpu"
+  set -- taskset -c "$cpu" "$@"
+fi
+if $own_network; then
+  exec unshare --net sh -c 'ip link set lo up || { echo "on_cpu.sh: no loopback in a new network namespace" >&2; exit 1; }; exec "$@"' on_cpu "$@"
+fi
+exec "$@"
