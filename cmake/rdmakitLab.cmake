@@ -21,16 +21,18 @@ set(RDMAKIT_LAB ${CMAKE_CURRENT_LIST_DIR}/../lab/rdmakit-lab)
 option(RDMAKIT_TEST_CPUS
        "Each test takes a host CPU of its own from ctest (run ctest with a resource spec file listing the CPUs: scripts/test); one-VM lab suites at one vCPU on it" OFF)
 # The prefix of a test's command that holds it to its CPU, and of one whose peer processes listen
-# on fixed ports (a network namespace of its own: root only; elsewhere such tests share a
-# RESOURCE_LOCK, RDMAKIT_FIXED_PORTS, and run one at a time).
+# on fixed ports (a network namespace of its own where this configure could make one: root with
+# CAP_SYS_ADMIN; elsewhere such tests share a RESOURCE_LOCK, RDMAKIT_FIXED_PORTS, and run one at
+# a time). A tree configured so runs its tests as the user who configured it.
 set(RDMAKIT_ON_CPU)
 set(RDMAKIT_ON_CPU_OWN_NETWORK)
 set(RDMAKIT_FIXED_PORTS RESOURCE_LOCK host_ports)
 if(RDMAKIT_TEST_CPUS)
   set(RDMAKIT_ON_CPU sh ${PROJECT_SOURCE_DIR}/tests/on_cpu.sh)
   set(RDMAKIT_ON_CPU_OWN_NETWORK ${RDMAKIT_ON_CPU})
-  execute_process(COMMAND id -u OUTPUT_VARIABLE uid OUTPUT_STRIP_TRAILING_WHITESPACE)
-  if(uid STREQUAL "0")
+  execute_process(COMMAND unshare --net sh -c "ip link set lo up" RESULT_VARIABLE own_network
+                  OUTPUT_QUIET ERROR_QUIET)
+  if(own_network EQUAL 0)
     list(APPEND RDMAKIT_ON_CPU_OWN_NETWORK --own-network)
     set(RDMAKIT_FIXED_PORTS)
   endif()

@@ -3,23 +3,29 @@
 # RESOURCE_GROUPS "cpus:1" (cmake/rdmakitLab.cmake, RDMAKIT_TEST_CPUS) and run by a ctest given a
 # resource spec file that lists the host's CPUs (scripts/test). A lab run under it holds its VM
 # there, at one vCPU (RDMAKIT_LAB_CPUS). Where ctest allotted nothing (run without the spec
-# file) the command runs unheld.
+# file) the command runs unheld, and says so: lab suites may then share cores with other tests.
 #   on_cpu.sh [--own-network] COMMAND [ARGS...]
-# --own-network: in a network namespace of its own with only loopback (root: unshare), so that
+# --own-network: in a network namespace of its own with only loopback (unshare: root), so that
 # the fixed ports its peer processes listen on clash with no other test's.
 own_network=false
 if [ "${1:-}" = --own-network ]; then
   own_network=true
   shift
 fi
-# CTEST_RESOURCE_GROUP_0_CPUS is "id:N,slots:1".
+# ctest's allocation: "id:N,slots:1".
+group=${CTEST_RESOURCE_GROUP_0_CPUS-}
 cpu=
-case "${CTEST_RESOURCE_GROUP_0_CPUS:-}" in
-  id:*) cpu=${CTEST_RESOURCE_GROUP_0_CPUS#id:}; cpu=${cpu%%,*} ;;
-esac
-if [ -n "$cpu" ]; then
+if [ -n "$group" ]; then
+  case "$group" in
+    id:*,slots:*) cpu=${group#id:}; cpu=${cpu%%,*} ;;
+  esac
+  case "$cpu" in
+    '' | *[!0-9]*) echo "on_cpu.sh: ctest's CPU allocation is not id:N,slots:M: '$group'" >&2; exit 1 ;;
+  esac
   export RDMAKIT_LAB_CPUS="$cpu"
   set -- taskset -c "$cpu" "$@"
+else
+  echo "on_cpu.sh: ctest allotted no CPU (run it with --resource-spec-file: docs/development.md); running unheld" >&2
 fi
 if $own_network; then
   exec unshare --net sh -c 'ip link set lo up || { echo "on_cpu.sh: no loopback in a new network namespace" >&2; exit 1; }; exec "$@"' on_cpu "$@"

@@ -127,8 +127,8 @@ def case_cpus_refused():
 
 def case_cpus():
     # A VM held to one CPU runs there (its qemu's affinity, read while it runs), with one vCPU by
-    # default; "all" takes back every CPU for a caller held to fewer (scripts/test's ctest).
-    # Every CPU there is (CI's ctest runs held to some; this case runs alone).
+    # default; "all" takes back every CPU for a caller held to fewer.
+    # Every CPU there is (whoever runs this case may have held it to some; it runs alone).
     os.sched_setaffinity(0, range(os.sysconf("SC_NPROCESSORS_CONF")))
     cpus = sorted(os.sched_getaffinity(0))
     before = lab_qemus()

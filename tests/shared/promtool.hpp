@@ -8,13 +8,15 @@
 #include <string>
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 namespace rdmakit::testing_support {
 
-/// Runs `promtool <command> <file>` on `content` written to a temporary file named `name`:
-/// empty when it passes, else what promtool said (a missing promtool fails too).
+/// Runs `promtool <command> <file>` on `content` written to a temporary file named `name` (and
+/// this process's id: test processes run side by side): empty when it passes, else what
+/// promtool said (a missing promtool fails too).
 inline std::string promtool(const std::string& command, const std::string& content, const std::string& name) {
-  const std::string path = ::testing::TempDir() + name;
+  const std::string path = ::testing::TempDir() + std::to_string(::getpid()) + "." + name;
   std::ofstream(path) << content;
   const std::string redirect = command == "check metrics" ? " < " : " ";
   FILE* p = ::popen(("promtool " + command + redirect + path + " 2>&1; echo rc=$?").c_str(), "r");
