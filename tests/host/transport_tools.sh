@@ -10,7 +10,7 @@ dir=$(mktemp -d)
 serve_pid=
 trap '[ -z "$serve_pid" ] || kill $serve_pid 2>/dev/null; rm -rf "$dir"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
-port=$((20000 + $$ % 20000))
+port=$((20000 + $$ % 12000))  # (below the kernel's ephemeral ports, 32768 on)
 
 mport=$((port + 2))
 bport=$((port + 3))

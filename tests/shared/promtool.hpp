@@ -25,6 +25,7 @@ inline std::string promtool(const std::string& command, const std::string& conte
   char line[512];
   while (std::fgets(line, sizeof line, p) != nullptr) out += line;
   ::pclose(p);
+  std::remove(path.c_str());
   return out.find("rc=0") != std::string::npos ? std::string{} : out;
 }
 
