@@ -258,11 +258,21 @@ TEST(Rails, ARailDownMidStreamFailsOverAndComesBack) {
       }
     });
   }
-  std::this_thread::sleep_for(1s);
+  // The stream is under way (a round done) before eth1 goes, and the rail stays down for 1.5 s and
+  // until another round is done over rxe0 alone (within 15 s): not fixed sleeps, since a round
+  // (4 MiB written and read back per thread) took about a second under TSan at one vCPU, and a
+  // CI run once saw none in the first second nor in the 1.9 s the rail was down.
+  const auto wait_for = [&](auto done, std::chrono::seconds limit) {
+    for (const auto until = Clock::now() + limit; !done() && bad.load() == 0 && Clock::now() < until;) {
+      std::this_thread::sleep_for(20ms);
+    }
+  };
+  wait_for([&] { return batches.load() > 0; }, 30s);
   const int before = batches.load();
   ASSERT_EQ(std::system("ip link set eth1 down"), 0);
+  const auto went = Clock::now();
   const auto down = until_rail(p.a, "b", "rxe1", "down", 10s);
-  std::this_thread::sleep_for(1500ms);  // the stream runs on rxe0 alone meanwhile
+  wait_for([&] { return batches.load() > before && Clock::now() - went >= 1500ms; }, 15s);
   const int during = batches.load();
   link_up_again();
   const std::uint64_t bytes_before = rail_on(peer_of(p.a, "b"), "rxe1") ? rail_on(peer_of(p.a, "b"), "rxe1")->bytes : 0;
