@@ -41,11 +41,27 @@ if(RDMAKIT_TEST_CPUS)
   endif()
 endif()
 
-# rdmakit_on_cpu(TEST...): with RDMAKIT_TEST_CPUS, the tests (whose commands start with
-# ${RDMAKIT_ON_CPU}) take one CPU each from ctest.
-function(rdmakit_on_cpu)
+# rdmakit_add_test_on_cpu(NAME name [OWN_NETWORK] COMMAND cmd args... [WORKING_DIRECTORY dir]):
+# add_test, with the test held to a CPU of its own where each test takes one (RDMAKIT_TEST_CPUS):
+# its command through tests/on_cpu.sh and its RESOURCE_GROUPS "cpus:1", which go together
+# (scripts/test refuses a tree where a test has one without the other). OWN_NETWORK: a test whose
+# peer processes listen on fixed ports, in a network namespace of its own where there can be one;
+# the caller adds ${RDMAKIT_FIXED_PORTS} to its properties for where there cannot. The other
+# properties are the caller's (set_tests_properties: a list-valued one, ENVIRONMENT, would not
+# pass through this function unsplit).
+function(rdmakit_add_test_on_cpu)
+  cmake_parse_arguments(ARG "OWN_NETWORK" "NAME;WORKING_DIRECTORY" "COMMAND" ${ARGN})
+  set(prefix ${RDMAKIT_ON_CPU})
+  if(ARG_OWN_NETWORK)
+    set(prefix ${RDMAKIT_ON_CPU_OWN_NETWORK})
+  endif()
+  set(dir)
+  if(ARG_WORKING_DIRECTORY)
+    set(dir WORKING_DIRECTORY ${ARG_WORKING_DIRECTORY})
+  endif()
+  add_test(NAME ${ARG_NAME} COMMAND ${prefix} ${ARG_COMMAND} ${dir})
   if(RDMAKIT_TEST_CPUS)
-    set_tests_properties(${ARGN} PROPERTIES RESOURCE_GROUPS "cpus:1")
+    set_tests_properties(${ARG_NAME} PROPERTIES RESOURCE_GROUPS "cpus:1")
   endif()
 endfunction()
 
