@@ -45,12 +45,16 @@ endif()
 # add_test, with the test held to a CPU of its own where each test takes one (RDMAKIT_TEST_CPUS):
 # its command through tests/on_cpu.sh and its RESOURCE_GROUPS "cpus:1", which go together
 # (scripts/test refuses a tree where a test has one without the other). OWN_NETWORK: a test whose
-# peer processes listen on fixed ports, in a network namespace of its own where there can be one;
-# the caller adds ${RDMAKIT_FIXED_PORTS} to its properties for where there cannot. The other
-# properties are the caller's (set_tests_properties: a list-valued one, ENVIRONMENT, would not
-# pass through this function unsplit).
+# peer processes listen on fixed ports, in a network namespace of its own where there can be one,
+# else holding RDMAKIT_FIXED_PORTS (one such test at a time). The other properties are the
+# caller's (set_tests_properties: a list-valued one, ENVIRONMENT, would not pass through this
+# function unsplit).
 function(rdmakit_add_test_on_cpu)
   cmake_parse_arguments(ARG "OWN_NETWORK" "NAME;WORKING_DIRECTORY" "COMMAND" ${ARGN})
+  if(NOT ARG_NAME OR NOT ARG_COMMAND OR ARG_UNPARSED_ARGUMENTS OR ARG_KEYWORDS_MISSING_VALUES)
+    message(FATAL_ERROR "rdmakit_add_test_on_cpu(${ARGN}): takes NAME name [OWN_NETWORK] COMMAND cmd args... "
+                        "[WORKING_DIRECTORY dir] (unexpected: ${ARG_UNPARSED_ARGUMENTS}${ARG_KEYWORDS_MISSING_VALUES})")
+  endif()
   set(prefix ${RDMAKIT_ON_CPU})
   if(ARG_OWN_NETWORK)
     set(prefix ${RDMAKIT_ON_CPU_OWN_NETWORK})
@@ -62,6 +66,9 @@ function(rdmakit_add_test_on_cpu)
   add_test(NAME ${ARG_NAME} COMMAND ${prefix} ${ARG_COMMAND} ${dir})
   if(RDMAKIT_TEST_CPUS)
     set_tests_properties(${ARG_NAME} PROPERTIES RESOURCE_GROUPS "cpus:1")
+  endif()
+  if(ARG_OWN_NETWORK AND RDMAKIT_FIXED_PORTS)
+    set_tests_properties(${ARG_NAME} PROPERTIES ${RDMAKIT_FIXED_PORTS})
   endif()
 endfunction()
 
