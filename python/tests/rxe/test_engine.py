@@ -12,7 +12,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 import rdmakit
 
@@ -137,7 +136,9 @@ def test_numpy_write_then_read_back(pair):
     assert c["bytes"] == 512 << 10 and c["transfers"] == 2 and c["transfers_failed"] == 0
 
 
+@pytest.mark.torch
 def test_torch_tensors_and_their_views(pair):
+    import torch
     target, pool, init, seg = pair
     blocks = torch.arange(64 * 1024, dtype=torch.int32).reshape(64, 1024)  # 64 blocks of 4 KiB
     init.register(blocks)
@@ -215,7 +216,9 @@ def test_a_hundred_batches_awaited_together_and_notifications_by_async_for(pair)
     assert np.array_equal(pool[:100 * 4096], src)
 
 
+@pytest.mark.torch
 def test_the_source_deleted_in_flight_still_arrives_intact(pair):
+    import torch
     target, pool, init, seg = pair
     src = torch.from_numpy(random_bytes(POOL, 3))
     expected = src.numpy().copy()
