@@ -45,6 +45,26 @@ void check_batch(const Batch& b) {
                     std::move(f));
 }
 
+// What a batch not done in time has done so far, for the timeout's message: how many of its
+// transfers ended (failed among them), and through which paths those that ended ok went, so that
+// a stall says whether it is the last few transfers on one rail or the whole batch.
+std::string progress(const Batch& b) {
+  // (The paths first: transfers still ending meanwhile count among the ended, not the other way.)
+  const BatchTelemetry t = b.telemetry();
+  std::size_t ended = 0, failed = 0;
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    const TransferStatus st = b.result(i).status;
+    ended += st != TransferStatus::pending ? 1 : 0;
+    failed += st != TransferStatus::pending && st != TransferStatus::ok ? 1 : 0;
+  }
+  std::string paths;
+  for (const PathTelemetry& p : t.paths) {
+    paths += fmt::format("{}{} {}", paths.empty() ? "" : ", ", p.device, p.transfers);
+  }
+  return fmt::format("{} of them ended ({} failed{}), {} had not", ended, failed,
+                     paths.empty() ? "" : fmt::format("; ok by path: {}", paths), b.size() - ended);
+}
+
 }  // namespace
 
 void bind_batch(py::module_& m) {
@@ -100,8 +120,8 @@ void bind_batch(py::module_& m) {
             }
             if (!ended) {
               throw KindedError(ErrorKind::timeout, "Batch.wait", ETIMEDOUT,
-                                fmt::format("the batch of {} transfers was not done within {} s",
-                                            b.batch.size(), timeout),
+                                fmt::format("the batch of {} transfers was not done within {} s: {}",
+                                            b.batch.size(), timeout, progress(b.batch)),
                                 "a transfer to an unreachable peer ends within the link's "
                                 "handshake and retry deadlines; give it longer");
             }

@@ -2,6 +2,7 @@
 """Two Python processes on a host without RDMA, as a newcomer tries it first: one serves a numpy
 pool over tcp (or shm), the other writes into it and reads it back (issue 33, the README's
 "Without RDMA")."""
+import re
 import subprocess
 import sys
 import textwrap
@@ -118,3 +119,28 @@ def test_workers_are_pinned_to_the_cpus_given():
         e.close()
     with pytest.raises(rdmakit.Error, match="worker_cpus with workers = 0"):
         rdmakit.Engine(name="none", listen="", transports=["tcp"], workers=0, worker_cpus=[cpus[0]])
+
+
+def test_a_batch_not_done_in_time_says_how_far_it_got():
+    # Two engines in this process over tcp: a batch of 4096 writes cannot end within a
+    # millisecond; the TimeoutError says how many of them ended and how many had not.
+    target = rdmakit.Engine(name="kv", listen="127.0.0.1:0", transports=["tcp"])
+    pool = np.zeros(16 << 20, dtype=np.uint8)
+    target.expose("pool", target.register(pool), "rw")
+    e = rdmakit.Engine(name="client", listen="", transports=["tcp"])
+    try:
+        seg, src, dst = linked_buffers(e, "kv", f"127.0.0.1:{target.port}", 16 << 20)
+        e.submit([rdmakit.write(src[:4096], seg)]).wait(10.0)   # the link is up
+        batch = e.submit([rdmakit.write(src[k << 12:(k + 1) << 12], seg, remote_offset=k << 12)
+                          for k in range(4096)])
+        with pytest.raises(rdmakit.TimeoutError) as raised:
+            batch.wait(0.001)
+        m = re.search(r"the batch of 4096 transfers was not done within 0\.001 s: (\d+) of them ended "
+                      r"\(0 failed(; ok by path: tcp \d+)?\), (\d+) had not", str(raised.value))
+        assert m is not None, str(raised.value)
+        assert int(m.group(1)) + int(m.group(3)) == 4096 and int(m.group(3)) > 0, str(raised.value)
+        batch.wait(30.0)
+        assert np.array_equal(pool, src)
+    finally:
+        e.close()
+        target.close()
