@@ -47,9 +47,10 @@ void check_batch(const Batch& b) {
 
 // What a batch not done in time has done so far, for the timeout's message: how many of its
 // transfers ended (failed among them), and through which paths those that ended ok went, so that
-// a stall says whether it is the last few transfers on one rail or the whole batch.
+// a stall says whether it is the last few transfers on one rail or the whole batch. A transfer
+// sliced over rails counts on each path its slices took (BatchTelemetry::paths), so the paths may
+// add up to more than the ended.
 std::string progress(const Batch& b) {
-  // (The paths first: transfers still ending meanwhile count among the ended, not the other way.)
   const BatchTelemetry t = b.telemetry();
   std::size_t ended = 0, failed = 0;
   for (std::size_t i = 0; i < b.size(); ++i) {
@@ -62,7 +63,7 @@ std::string progress(const Batch& b) {
     paths += fmt::format("{}{} {}", paths.empty() ? "" : ", ", p.device, p.transfers);
   }
   return fmt::format("{} of them ended ({} failed{}), {} had not", ended, failed,
-                     paths.empty() ? "" : fmt::format("; ok by path: {}", paths), b.size() - ended);
+                     paths.empty() ? "" : fmt::format("; ended ok on path: {}", paths), b.size() - ended);
 }
 
 }  // namespace
@@ -114,14 +115,16 @@ void bind_batch(py::module_& m) {
           "wait",
           [](const PyBatch& b, double timeout, bool check) {
             bool ended;
+            std::string so_far;
             {
               py::gil_scoped_release nogil;
               ended = b.batch.wait(to_ms(timeout, "wait"));
+              if (!ended) so_far = progress(b.batch);  // (a walk of the whole batch: no GIL)
             }
             if (!ended) {
               throw KindedError(ErrorKind::timeout, "Batch.wait", ETIMEDOUT,
                                 fmt::format("the batch of {} transfers was not done within {} s: {}",
-                                            b.batch.size(), timeout, progress(b.batch)),
+                                            b.batch.size(), timeout, so_far),
                                 "a transfer to an unreachable peer ends within the link's "
                                 "handshake and retry deadlines; give it longer");
             }
