@@ -51,9 +51,12 @@ endif()
 # function unsplit).
 function(rdmakit_add_test_on_cpu)
   cmake_parse_arguments(ARG "OWN_NETWORK" "NAME;WORKING_DIRECTORY" "COMMAND" ${ARGN})
-  if(NOT ARG_NAME OR NOT ARG_COMMAND OR ARG_UNPARSED_ARGUMENTS OR ARG_KEYWORDS_MISSING_VALUES)
+  # (A keyword misspelled after COMMAND is one of the command's arguments: nothing can tell.)
+  list(LENGTH ARG_COMMAND command_words)
+  if(NOT ARG_NAME OR command_words EQUAL 0 OR ARG_UNPARSED_ARGUMENTS OR ARG_KEYWORDS_MISSING_VALUES)
     message(FATAL_ERROR "rdmakit_add_test_on_cpu(${ARGN}): takes NAME name [OWN_NETWORK] COMMAND cmd args... "
-                        "[WORKING_DIRECTORY dir] (unexpected: ${ARG_UNPARSED_ARGUMENTS}${ARG_KEYWORDS_MISSING_VALUES})")
+                        "[WORKING_DIRECTORY dir] (not taken: '${ARG_UNPARSED_ARGUMENTS}'; without a value: "
+                        "'${ARG_KEYWORDS_MISSING_VALUES}')")
   endif()
   set(prefix ${RDMAKIT_ON_CPU})
   if(ARG_OWN_NETWORK)

@@ -5,5 +5,5 @@
 
 def pytest_configure(config):
     # tests/rxe/CMakeLists.txt runs these on one lab VM and the rest on the other: importing torch
-    # takes about 25 s of a TCG guest's CPU, as much as all the other tests there together.
+    # takes 23 s of a TCG guest's CPU, as much as all the other tests there together.
     config.addinivalue_line("markers", "torch: imports torch")
