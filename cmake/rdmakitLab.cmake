@@ -93,18 +93,17 @@ function(rdmakit_add_rxe_test)
   # own; the binaries come through the read-only, page-cached --share of the build tree.
   set(work ${CMAKE_CURRENT_BINARY_DIR}/lab-work/${ARG_NAME})
   file(MAKE_DIRECTORY ${work})
-  set(on_cpu)
-  set(alone RUN_SERIAL TRUE)
+  # The guest's stdout is a terminal (virtio console): keep GoogleTest's output plain. The source
+  # and build trees may live below /tmp, which the guest replaces with its own.
+  set(command env GTEST_COLOR=no ${RDMAKIT_LAB} run --vms ${ARG_VMS} --nics ${ARG_NICS} --timeout ${ARG_TIMEOUT}
+              --share ${PROJECT_SOURCE_DIR} --share ${PROJECT_BINARY_DIR} -- ${ARG_COMMAND})
   if(RDMAKIT_TEST_CPUS AND ARG_VMS EQUAL 1 AND NOT ARG_ALONE)
-    set(on_cpu ${RDMAKIT_ON_CPU})
-    set(alone RESOURCE_GROUPS "cpus:1" COST 100000)
+    rdmakit_add_test_on_cpu(NAME rxe.${ARG_NAME} COMMAND ${command} WORKING_DIRECTORY ${work})
+    set(alone COST 100000)
+  else()
+    add_test(NAME rxe.${ARG_NAME} COMMAND ${command} WORKING_DIRECTORY ${work})
+    set(alone RUN_SERIAL TRUE)
   endif()
-  add_test(NAME rxe.${ARG_NAME}
-           # The guest's stdout is a terminal (virtio console): keep GoogleTest's output plain.
-           # The source and build trees may live below /tmp, which the guest replaces with its own.
-           COMMAND ${on_cpu} env GTEST_COLOR=no ${RDMAKIT_LAB} run --vms ${ARG_VMS} --nics ${ARG_NICS} --timeout ${ARG_TIMEOUT}
-                   --share ${PROJECT_SOURCE_DIR} --share ${PROJECT_BINARY_DIR} -- ${ARG_COMMAND}
-           WORKING_DIRECTORY ${work})
   set_tests_properties(rxe.${ARG_NAME} PROPERTIES
     LABELS rxe TIMEOUT ${backstop} ${alone})
 endfunction()
