@@ -109,12 +109,41 @@ def case_two_nics_two_vms():
 
 def case_exit_status():
     # With two VMs, the failing one's status is the lab's (and reported), the other still finishes.
-    rc, _, err, _ = run_lab(["--vms", "2", "--", "sh", "-c",
-                             'echo about to end; exit $((RDMAKIT_LAB_INDEX * 3))'])
+    # In the same boot: each guest kernel was given the host's TSC rate (not left to calibrate it).
+    rc, out, err, _ = run_lab(["--vms", "2", "--", "sh", "-c",
+                               'echo about to end; cat /proc/cmdline; exit $((RDMAKIT_LAB_INDEX * 3))'])
     if rc != 3:
         fail(f"VM 1 exiting 3 gave lab status {rc}")
     if "VM 1: command exited with status 3" not in err:
         fail(f"the lab did not report the guest's status: {err[-300:]}")
+    given = re.findall(r"^\[(\d)\] .*\btsc_early_khz=(\d+)\b", out, re.M)
+    if sorted(i for i, _ in given) != ["0", "1"] or not all(100_000 <= int(k) <= 10_000_000 for _, k in given):
+        fail(f"the guests' kernels were not given the host's TSC rate: {given} in {out[-400:]}")
+    if "clock ran" in err:
+        fail(f"a clock fault reported with the host's TSC rate given: {err[-400:]}")
+
+
+def case_clock():
+    # A guest given half the TSC's real rate (the kernel's refinement corrects 1% at most) counts
+    # two seconds for each of the host's: the lab says so, and how fast, naming the VM.
+    rc, out, _, _ = run_lab(["--", "sh", "-c", "grep -o 'tsc_early_khz=[0-9]*' /proc/cmdline"])
+    if rc != 0 or not re.search(r"tsc_early_khz=(\d+)", out):
+        fail(f"no TSC rate given to the guest: status {rc}, {out[-300:]}")
+    real = int(re.search(r"tsc_early_khz=(\d+)", out).group(1))
+    env = dict(os.environ, RDMAKIT_LAB_TSC_KHZ=str(real // 2))
+    t0 = time.monotonic()
+    p = subprocess.run([LAB, "run", "--", "sh", "-c", "sleep 8"], capture_output=True, text=True,
+                       timeout=300, env=env)
+    print(p.stdout + p.stderr + f"-- lab exited {p.returncode} after {time.monotonic() - t0:.1f} s", flush=True)
+    m = re.search(r"VM 0's clock ran ([0-9.]+)x as fast as the host's", p.stderr)
+    if p.returncode != 0 or not m:
+        fail(f"a guest clock at twice the host's rate was not reported (status {p.returncode})")
+    if not 1.6 <= float(m.group(1)) <= 2.4:
+        fail(f"the guest's clock reported at {m.group(1)}x the host's, not about 2x")
+    p = subprocess.run([LAB, "run", "--", "true"], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, RDMAKIT_LAB_TSC_KHZ="12x"))
+    if p.returncode != 125 or "RDMAKIT_LAB_TSC_KHZ=12x" not in p.stderr:
+        fail(f"a malformed RDMAKIT_LAB_TSC_KHZ gave status {p.returncode}: {p.stderr[-200:]}")
 
 
 def case_cpus_refused():
