@@ -361,6 +361,13 @@ class Batch {
   /// Every failed transfer's index, status and reason, one line each, and every notification
   /// not sent; empty when all succeeded.
   [[nodiscard]] std::string describe_failures() const;
+  /// How far it got, in one line, for a wait() that timed out: how many of its transfers ended
+  /// (how many of those failed), the paths (rails, transports) those that ended ok took, and
+  /// which have not ended, e.g. "16379 of 16384 ended (0 failed; ended ok on path: rxe0 8190,
+  /// rxe1 8189), 5 had not: transfers 16379-16383". A stall of the last few transfers on one
+  /// rail then reads differently from a batch that never started. A transfer sliced over rails
+  /// counts on each path its slices took, so the paths may add up to more than the ended.
+  [[nodiscard]] std::string describe_progress() const;
   /// Its timings and size so far (BatchTelemetry).
   [[nodiscard]] BatchTelemetry telemetry() const;
   /// Ends every transfer of it not yet posted (waiting for a link to connect, or queued behind

@@ -45,27 +45,6 @@ void check_batch(const Batch& b) {
                     std::move(f));
 }
 
-// What a batch not done in time has done so far, for the timeout's message: how many of its
-// transfers ended (failed among them), and through which paths those that ended ok went, so that
-// a stall says whether it is the last few transfers on one rail or the whole batch. A transfer
-// sliced over rails counts on each path its slices took (BatchTelemetry::paths), so the paths may
-// add up to more than the ended.
-std::string progress(const Batch& b) {
-  const BatchTelemetry t = b.telemetry();
-  std::size_t ended = 0, failed = 0;
-  for (std::size_t i = 0; i < b.size(); ++i) {
-    const TransferStatus st = b.result(i).status;
-    ended += st != TransferStatus::pending ? 1 : 0;
-    failed += st != TransferStatus::pending && st != TransferStatus::ok ? 1 : 0;
-  }
-  std::string paths;
-  for (const PathTelemetry& p : t.paths) {
-    paths += fmt::format("{}{} {}", paths.empty() ? "" : ", ", p.device, p.transfers);
-  }
-  return fmt::format("{} of them ended ({} failed{}), {} had not", ended, failed,
-                     paths.empty() ? "" : fmt::format("; ended ok on path: {}", paths), b.size() - ended);
-}
-
 }  // namespace
 
 void bind_batch(py::module_& m) {
@@ -119,7 +98,7 @@ void bind_batch(py::module_& m) {
             {
               py::gil_scoped_release nogil;
               ended = b.batch.wait(to_ms(timeout, "wait"));
-              if (!ended) so_far = progress(b.batch);  // (a walk of the whole batch: no GIL)
+              if (!ended) so_far = b.batch.describe_progress();  // (a walk of the whole batch: no GIL)
             }
             if (!ended) {
               throw KindedError(ErrorKind::timeout, "Batch.wait", ETIMEDOUT,
@@ -203,6 +182,14 @@ void bind_batch(py::module_& m) {
              return out;
            })
       .def("describe_failures", [](const PyBatch& b) { return b.batch.describe_failures(); })
+      .def(
+          "describe_progress",
+          [](const PyBatch& b) {
+            py::gil_scoped_release nogil;  // a walk of the whole batch
+            return b.batch.describe_progress();
+          },
+          "How far it got, in one line: how many transfers ended (failed among them), the paths "
+          "those that ended ok took, and which had not ended (what wait()'s TimeoutError says).")
       .def_property_readonly("_engine", [](const PyBatch& b) -> py::object {
         return b.owner ? b.owner : py::cast(b.engine);
       })

@@ -293,6 +293,42 @@ std::string Batch::describe_failures() const {
   return out;
 }
 
+std::string Batch::describe_progress() const {
+  if (state_ && state_->note_only) {  // its entry is the notification
+    const TransferStatus st = state_->x[0].status(std::memory_order_acquire);
+    return st == TransferStatus::pending ? "its notification had not been sent"
+                                         : fmt::format("its notification ended: {}", to_string(st));
+  }
+  const std::size_t n = size();
+  std::size_t ended = 0, failed = 0;
+  // The transfers not ended, as runs of indices: the first few, then how many more runs.
+  constexpr std::size_t kRunsShown = 4;
+  std::string open;
+  std::size_t runs = 0;
+  for (std::size_t i = 0; i < n;) {
+    if (state_->x[i].status(std::memory_order_acquire) != TransferStatus::pending) {
+      ++ended;
+      failed += state_->x[i].status(std::memory_order_relaxed) != TransferStatus::ok ? 1u : 0u;
+      ++i;
+      continue;
+    }
+    std::size_t last = i;
+    while (last + 1 < n && state_->x[last + 1].status(std::memory_order_acquire) == TransferStatus::pending) ++last;
+    if (runs++ < kRunsShown) {
+      open += fmt::format("{}{}", open.empty() ? "" : ", ", last == i ? fmt::format("{}", i) : fmt::format("{}-{}", i, last));
+    }
+    i = last + 1;
+  }
+  if (runs > kRunsShown) open += fmt::format(" and {} more runs", runs - kRunsShown);
+  std::string paths;
+  for (const PathTelemetry& p : telemetry().paths) {
+    paths += fmt::format("{}{} {}", paths.empty() ? "" : ", ", p.device, p.transfers);
+  }
+  return fmt::format("{} of {} ended ({} failed{}), {} had not{}", ended, n, failed,
+                     paths.empty() ? "" : fmt::format("; ended ok on path: {}", paths), n - ended,
+                     open.empty() ? "" : fmt::format(": transfer{} {}", runs == 1 && open.find('-') == std::string::npos ? "" : "s", open));
+}
+
 BatchTelemetry Batch::telemetry() const {
   BatchTelemetry t;
   if (!state_) return t;

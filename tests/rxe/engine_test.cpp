@@ -508,12 +508,16 @@ TEST(Engine, WithoutWorkersTheCallerDrivesProgress) {
   Batch bt = a.submit(t);
   std::this_thread::sleep_for(50ms);
   EXPECT_FALSE(bt.done()) << "something progressed without the caller";
+  // How far it got, as a wait() that timed out would want it said: nowhere yet, then all of it.
+  EXPECT_EQ(bt.describe_progress(), "0 of 16 ended (0 failed), 16 had not: transfers 0-15");
   std::size_t ended = 0;
   const auto until = std::chrono::steady_clock::now() + 10s;
   while (!bt.done() && std::chrono::steady_clock::now() < until) ended += a.progress(1ms);
   ASSERT_TRUE(bt.done());
   EXPECT_EQ(ended, 16u);
   EXPECT_EQ(bt.failed(), 0u) << bt.describe_failures();
+  const std::string path = bt.telemetry().paths.empty() ? "?" : bt.telemetry().paths[0].device;
+  EXPECT_EQ(bt.describe_progress(), "16 of 16 ended (0 failed; ended ok on path: " + path + " 16), 0 had not");
   EXPECT_TRUE(same(b.buf.addr, src.addr, src.length));
   EXPECT_THROW((void)b.engine.progress(), rdmakit::Error);  // it has workers
 }
