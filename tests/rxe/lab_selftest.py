@@ -109,16 +109,25 @@ def case_two_nics_two_vms():
 
 def case_exit_status():
     # With two VMs, the failing one's status is the lab's (and reported), the other still finishes.
-    # In the same boot: each guest kernel was given the host's TSC rate (not left to calibrate it).
+    # In the same boot: each guest kernel was given the host's TSC rate and took it (its
+    # "Detected" line is that rate to the kHz), not left to calibrate it.
     rc, out, err, _ = run_lab(["--vms", "2", "--", "sh", "-c",
-                               'echo about to end; cat /proc/cmdline; exit $((RDMAKIT_LAB_INDEX * 3))'])
+                               'echo about to end; cat /proc/cmdline; dmesg | grep "tsc: Detected"; '
+                               'exit $((RDMAKIT_LAB_INDEX * 3))'])
     if rc != 3:
         fail(f"VM 1 exiting 3 gave lab status {rc}")
     if "VM 1: command exited with status 3" not in err:
         fail(f"the lab did not report the guest's status: {err[-300:]}")
-    given = re.findall(r"^\[(\d)\] .*\btsc_early_khz=(\d+)\b", out, re.M)
-    if sorted(i for i, _ in given) != ["0", "1"] or not all(100_000 <= int(k) <= 10_000_000 for _, k in given):
-        fail(f"the guests' kernels were not given the host's TSC rate: {given} in {out[-400:]}")
+    if "TSC rate could not be measured" in err:
+        print("(this host's TSC rate cannot be measured: the guests calibrate it, as the lab said)")
+    else:
+        for vm in ("0", "1"):
+            given = re.findall(rf"^\[{vm}\] .*\btsc_early_khz=(\d+)\b", out, re.M)
+            if len(given) != 1:
+                fail(f"VM {vm}'s kernel was not given the host's TSC rate: {out[-400:]}")
+            mhz = f"{int(given[0]) // 1000}.{int(given[0]) % 1000:03d} MHz"
+            if not re.search(rf"^\[{vm}\] .*tsc: Detected {re.escape(mhz)}", out, re.M):
+                fail(f"VM {vm}'s kernel did not take the TSC rate it was given ({mhz}): {out[-600:]}")
     if "clock ran" in err:
         fail(f"a clock fault reported with the host's TSC rate given: {err[-400:]}")
 
@@ -126,13 +135,16 @@ def case_exit_status():
 def case_clock():
     # A guest given half the TSC's real rate (the kernel's refinement corrects 1% at most) counts
     # two seconds for each of the host's: the lab says so, and how fast, naming the VM.
-    rc, out, _, _ = run_lab(["--", "sh", "-c", "grep -o 'tsc_early_khz=[0-9]*' /proc/cmdline"])
+    rc, out, err, _ = run_lab(["--", "sh", "-c", "grep -o 'tsc_early_khz=[0-9]*' /proc/cmdline"])
+    if "TSC rate could not be measured" in err:
+        print("(this host's TSC rate cannot be measured: nothing to halve)")
+        return
     if rc != 0 or not re.search(r"tsc_early_khz=(\d+)", out):
         fail(f"no TSC rate given to the guest: status {rc}, {out[-300:]}")
     real = int(re.search(r"tsc_early_khz=(\d+)", out).group(1))
     env = dict(os.environ, RDMAKIT_LAB_TSC_KHZ=str(real // 2))
     t0 = time.monotonic()
-    p = subprocess.run([LAB, "run", "--", "sh", "-c", "sleep 8"], capture_output=True, text=True,
+    p = subprocess.run([LAB, "run", "--", "sh", "-c", "sleep 10"], capture_output=True, text=True,
                        timeout=300, env=env)
     print(p.stdout + p.stderr + f"-- lab exited {p.returncode} after {time.monotonic() - t0:.1f} s", flush=True)
     m = re.search(r"VM 0's clock ran ([0-9.]+)x as fast as the host's", p.stderr)
