@@ -319,7 +319,7 @@ std::string Batch::describe_progress() const {
     }
     i = last + 1;
   }
-  if (runs > kRunsShown) open += fmt::format(" and {} more runs", runs - kRunsShown);
+  if (runs > kRunsShown) open += fmt::format(" and {} more run{}", runs - kRunsShown, runs - kRunsShown == 1 ? "" : "s");
   std::string paths;
   for (const PathTelemetry& p : telemetry().paths) {
     paths += fmt::format("{}{} {}", paths.empty() ? "" : ", ", p.device, p.transfers);

@@ -561,37 +561,52 @@ TEST(EngineEdges, AStoppedPeerDoesNotStallTheOthers) {
     ASSERT_TRUE(b.wait(20s));
     ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
   }
+  using Clock = std::chrono::steady_clock;
   struct Lat {
     std::mutex m;
     std::vector<double> ms;  // the four peers never stopped
     std::atomic<int> failed{0};
-    std::atomic<bool> busy[kPeers] = {};  // a batch of theirs not done yet
+    bool busy[kPeers] = {};                    // under m: a batch of theirs not done yet
+    std::vector<Clock::time_point> late[kPeers];  // under m: their ticks that found it so
   };
   // Every 20 ms, a batch to each peer: a 4 KiB write and a notification. p0's come whether or
-  // not its last is done (what fills its link's outbox once it stops); the four others' only
-  // when their last is, so a VM too slow for 250 batches a second measures its service time
-  // instead of a queue that grows with the run's length (CI once: p99 1168 ms over 1.5 s,
-  // 4528 ms over 5 s, a ratio of the lengths, with nothing stalled).
+  // not its last is done (what fills its link's outbox once it stops). The four others' come
+  // only once their last is done, so a VM too slow for 250 batches a second measures its
+  // service time, not a queue that grows with the run's length (CI once: p99 1168 ms over
+  // 1.5 s, 4528 ms over 5 s, a ratio of the lengths, with nothing stalled); a tick that finds
+  // their last not done counts as a batch that waited from that tick until it was, so a stall
+  // weighs as it did when every tick submitted (about 50 samples per peer per second stalled).
   const auto run = [&](std::chrono::milliseconds length) {
     auto lat = std::make_shared<Lat>();
     std::vector<Batch> batches;
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto t0 = Clock::now();
     for (auto next = t0; next - t0 < length; next += 20ms) {
       std::this_thread::sleep_until(next);
       for (int i = 0; i < kPeers; ++i) {
         rdmakit::SubmitOptions o;
         o.notify = {'n'};
-        const auto start = std::chrono::steady_clock::now();
+        const auto start = Clock::now();
         if (i != 0) {
-          if (lat->busy[i].exchange(true)) continue;
+          {
+            std::lock_guard lock(lat->m);
+            if (lat->busy[i]) {
+              lat->late[i].push_back(next);
+              continue;
+            }
+            lat->busy[i] = true;
+          }
+          // (Not under m: the batch may end inside submit(), its callback on this thread.)
           o.on_done = [lat, start, i](const Batch& b) {
             if (b.failed() != 0) lat->failed.fetch_add(1);
-            const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-            {
-              std::lock_guard lock(lat->m);
-              lat->ms.push_back(ms);
-            }
-            lat->busy[i].store(false);
+            const auto now = Clock::now();
+            const auto ms = [now](Clock::time_point from) {
+              return std::chrono::duration<double, std::milli>(now - from).count();
+            };
+            std::lock_guard lock(lat->m);
+            lat->ms.push_back(ms(start));
+            for (const auto tick : lat->late[i]) lat->ms.push_back(ms(tick));
+            lat->late[i].clear();
+            lat->busy[i] = false;
           };
         }
         batches.push_back(a.submit(std::vector<Transfer>{xfer(TransferOp::write, src, 0, 4096, segs[static_cast<std::size_t>(i)], 0)}, std::move(o)));

@@ -140,13 +140,16 @@ def test_a_batch_not_done_in_time_says_how_far_it_got():
             batch.wait(0.2)
         m = re.search(r"the batch of 256 transfers was not done within 0\.2 s: (\d+) of 256 ended "
                       r"\(0 failed(; ended ok on path: tcp \d+)?\), (\d+) had not: transfers? "
-                      r"(\d+(?:-\d+)?(?:, \d+(?:-\d+)?)*)( and \d+ more runs)?", str(raised.value))
+                      r"(\d+(?:-\d+)?(?:, \d+(?:-\d+)?)*)( and \d+ more runs?)?", str(raised.value))
         assert m is not None, str(raised.value)
         assert int(m.group(1)) + int(m.group(3)) == 256 and int(m.group(3)) > 0, str(raised.value)
         # Which: the runs of indices not ended (the first four), as many as said when that is all.
         runs = [r.split("-") for r in m.group(4).split(", ")]
         shown = sum(int(r[-1]) - int(r[0]) + 1 for r in runs)
         assert shown == int(m.group(3)) if m.group(5) is None else shown < int(m.group(3)), str(raised.value)
+        # The same words from the batch itself, while the target is still stopped.
+        assert re.fullmatch(r"\d+ of 256 ended \(0 failed(; ended ok on path: tcp \d+)?\), \d+ had not: transfers? .+",
+                            batch.describe_progress()), batch.describe_progress()
         target.send_signal(signal.SIGCONT)
         batch.wait(30.0)                                           # and then it ends, every write
     finally:
