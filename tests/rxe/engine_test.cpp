@@ -518,6 +518,14 @@ TEST(Engine, WithoutWorkersTheCallerDrivesProgress) {
   EXPECT_EQ(bt.failed(), 0u) << bt.describe_failures();
   const std::string path = bt.telemetry().paths.empty() ? "?" : bt.telemetry().paths[0].device;
   EXPECT_EQ(bt.describe_progress(), "16 of 16 ended (0 failed; ended ok on path: " + path + " 16), 0 had not");
+  // A notification on its own says whether it went.
+  const std::uint8_t hello[] = {'h', 'i'};
+  Batch note = a.notify("b", hello);
+  EXPECT_EQ(note.describe_progress(), "its notification had not been sent");
+  for (const auto by = std::chrono::steady_clock::now() + 10s; !note.done() && std::chrono::steady_clock::now() < by;) {
+    (void)a.progress(1ms);
+  }
+  EXPECT_EQ(note.describe_progress(), "its notification ended: ok");
   EXPECT_TRUE(same(b.buf.addr, src.addr, src.length));
   EXPECT_THROW((void)b.engine.progress(), rdmakit::Error);  // it has workers
 }
