@@ -442,7 +442,7 @@ TEST(Cm, TheEngineLinksThroughTheCm) {
   rdmakit::SubmitOptions o;
   o.notify = {'d', 'o', 'n', 'e'};
   rdmakit::Batch w = a.submit(writes, o);
-  ASSERT_TRUE(w.wait(10s));
+  ASSERT_TRUE(lab::waited(w, 10s));
   EXPECT_EQ(w.failed(), 0u) << w.describe_failures();
   std::optional<rdmakit::Notification> n;
   for (int i = 0; i < 100 && !n; ++i) {
@@ -458,7 +458,7 @@ TEST(Cm, TheEngineLinksThroughTheCm) {
   EXPECT_EQ(std::memcmp(kv.addr, src.addr, src.length), 0);
   const rdmakit::Transfer one = lab::xfer(rdmakit::TransferOp::read, dst, 0, 1 << 20, seg, 0);
   rdmakit::Batch r = a.submit({&one, 1});
-  ASSERT_TRUE(r.wait(10s));
+  ASSERT_TRUE(lab::waited(r, 10s));
   EXPECT_EQ(r.failed(), 0u) << r.describe_failures();
   EXPECT_EQ(std::memcmp(dst.addr, src.addr, src.length), 0);
   EXPECT_EQ(a.counters().connects, 1u);
@@ -490,7 +490,7 @@ TEST(Cm, TheEnginesQpBudgetCountsTheControlQps) {
   for (const char* peer : {"b", "c", "b"}) {
     const rdmakit::Transfer t = lab::xfer(rdmakit::TransferOp::write, buf, 0, 4096, a.segment(peer, "kv"), 0);
     rdmakit::Batch x = a.submit({&t, 1});
-    ASSERT_TRUE(x.wait(10s)) << peer;
+    ASSERT_TRUE(lab::waited(x, 10s)) << peer;
     EXPECT_EQ(x.failed(), 0u) << x.describe_failures();
     EXPECT_LE(a.counters().qps, 3u);
   }

@@ -153,11 +153,11 @@ TEST(EngineCompat, ALinkThroughAPreviousVersionRefusalFallsBackAndMovesData) {
   lab::fill(src.addr, 64 * 1024, 0x31);
   const Transfer w{TransferOp::write, src, 0, 64 * 1024, init.segment("target", "kv"), 0};
   rdmakit::Batch b = init.submit({&w, 1});
-  ASSERT_TRUE(b.wait(30s));
+  ASSERT_TRUE(lab::waited(b, 30s));
   ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
   const Transfer r{TransferOp::read, back, 0, 64 * 1024, init.segment("target", "kv"), 0};
   rdmakit::Batch rb = init.submit({&r, 1});
-  ASSERT_TRUE(rb.wait(30s));
+  ASSERT_TRUE(lab::waited(rb, 30s));
   ASSERT_EQ(rb.failed(), 0u) << rb.describe_failures();
   EXPECT_TRUE(lab::same(seg.addr, src.addr, 64 * 1024));
   EXPECT_TRUE(lab::same(back.addr, src.addr, 64 * 1024));
@@ -192,7 +192,7 @@ void keyed_through(bool every) {
   std::memset(src.addr, 0x7e, 4096);
   const Transfer w{TransferOp::write, src, 0, 4096, init.segment("target", "kv"), 0};
   rdmakit::Batch b = init.submit({&w, 1});
-  ASSERT_TRUE(b.wait(30s));
+  ASSERT_TRUE(lab::waited(b, 30s));
   const auto result = b.result(0);
   const auto* m = static_cast<const std::uint8_t*>(seg.addr);
   if (!every) {

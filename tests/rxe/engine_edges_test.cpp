@@ -121,7 +121,7 @@ TEST(EngineEdges, WithdrawWhileABindIsInFlightKeepsTheTargetServing) {
   }
   const auto ukv = a.segment("u", "kv");
   Batch ur = a.submit(std::vector<Transfer>{xfer(TransferOp::read, into, 0, u.buf.length, ukv, 0)});
-  ASSERT_TRUE(ur.wait(10s));
+  ASSERT_TRUE(lab::waited(ur, 10s));
   EXPECT_EQ(ur.failed(), 0u) << ur.describe_failures();
   Batch r = a.submit(std::vector<Transfer>{xfer(TransferOp::read, into, 0, t.buf.length, kv, 0)});
   ASSERT_TRUE(drive([&r] { return r.done(); }));
@@ -173,7 +173,7 @@ TEST(EngineEdges, AThousandSegmentsAreServedToThreePeers) {
     // one not announced yet ends no_segment, and is tried again until every one is there.
     for (;;) {
       Batch w = clients[c]->submit(writes);
-      ASSERT_TRUE(w.wait(30s));
+      ASSERT_TRUE(lab::waited(w, 30s));
       if (w.failed() == 0) break;
       ASSERT_LT(std::chrono::steady_clock::now(), deadline) << w.describe_failures().substr(0, 2000);
       std::this_thread::sleep_for(100ms);
@@ -185,7 +185,7 @@ TEST(EngineEdges, AThousandSegmentsAreServedToThreePeers) {
       reads.push_back(xfer(TransferOp::read, back[c], std::uint64_t{i} * kBytes, kBytes, clients[c]->segment("t", name(i)), 0));
     }
     Batch r = clients[c]->submit(reads);
-    ASSERT_TRUE(r.wait(30s));
+    ASSERT_TRUE(lab::waited(r, 30s));
     ASSERT_EQ(r.failed(), 0u) << r.describe_failures().substr(0, 2000);
     for (std::uint32_t i = 0; i < kSegments; ++i) {
       const auto off = std::size_t{i} * kBytes;
@@ -210,7 +210,7 @@ TEST(EngineEdges, HandlesOfAnotherEngineOrForgedEndInvalid) {
   ASSERT_EQ(b1.id, b2.id);
   const auto refused = [&](const Transfer& x, const char* why) {
     Batch b = a1.submit(std::vector<Transfer>{x});
-    ASSERT_TRUE(b.wait(10s)) << "a batch with a foreign or forged handle never ended";
+    ASSERT_TRUE(lab::waited(b, 10s)) << "a batch with a foreign or forged handle never ended";
     EXPECT_EQ(b.result(0).status, TransferStatus::invalid) << b.result(0).reason;
     EXPECT_NE(b.result(0).reason.find(why), std::string::npos) << b.result(0).reason;
   };
@@ -222,7 +222,7 @@ TEST(EngineEdges, HandlesOfAnotherEngineOrForgedEndInvalid) {
   EXPECT_THROW((void)a1.prepare(std::vector<Transfer>{xfer(TransferOp::write, b1, 0, 64, s2, 0)}), rdmakit::Error);
   // And the engine serves what is its own all along.
   Batch ok = a1.submit(std::vector<Transfer>{xfer(TransferOp::write, b1, 0, 64, s1, 0)});
-  ASSERT_TRUE(ok.wait(10s));
+  ASSERT_TRUE(lab::waited(ok, 10s));
   EXPECT_EQ(ok.failed(), 0u) << ok.describe_failures();
 }
 
@@ -273,10 +273,10 @@ TEST(EngineEdges, IdsAreReusedForAsLongAsTheEngineRuns) {
   // The last handle is refused, though its id is some other buffer's now.
   const Buffer fresh = a.register_memory(mem.data(), mem.size());
   Batch stale = a.submit(std::vector<Transfer>{xfer(TransferOp::write, last, 0, 64, seg, 0)});
-  ASSERT_TRUE(stale.wait(10s));
+  ASSERT_TRUE(lab::waited(stale, 10s));
   EXPECT_EQ(stale.result(0).status, TransferStatus::invalid);
   Batch good = a.submit(std::vector<Transfer>{xfer(TransferOp::write, fresh, 0, 64, seg, 0)});
-  ASSERT_TRUE(good.wait(10s));
+  ASSERT_TRUE(lab::waited(good, 10s));
   EXPECT_EQ(good.failed(), 0u) << good.describe_failures();
   const long mid = memory_kib();
 
@@ -299,7 +299,7 @@ TEST(EngineEdges, IdsAreReusedForAsLongAsTheEngineRuns) {
   // A removed peer's handle is refused even with its id reused.
   a.add_peer("p", "127.0.0.1:1");
   Batch removed = a.submit(std::vector<Transfer>{xfer(TransferOp::write, fresh, 0, 64, gone, 0)});
-  ASSERT_TRUE(removed.wait(10s));
+  ASSERT_TRUE(lab::waited(removed, 10s));
   EXPECT_EQ(removed.result(0).status, TransferStatus::invalid) << removed.result(0).reason;
   EXPECT_EQ(a.counters().peers, 2u);
   std::printf("%u register/unregister cycles: memory %ld -> %ld KiB; %u add/remove-peer cycles: -> %ld KiB\n", n, before,
@@ -324,7 +324,7 @@ TEST(EngineEdges, NotificationsAreBoundedAndTheSenderIsTold) {
     rdmakit::SubmitOptions o;
     o.notify = {tag};
     Batch b = a.submit(std::vector<Transfer>{xfer(TransferOp::write, src, 0, 64, kv, 64u * tag)}, std::move(o));
-    EXPECT_TRUE(b.wait(10s));
+    EXPECT_TRUE(lab::waited(b, 10s));
     EXPECT_EQ(b.failed(), 0u) << b.describe_failures();  // the writes themselves went
     return b;
   };
@@ -445,7 +445,7 @@ TEST(EngineEdges, DeadPeersDoNotDelayALivePeersConnect) {
   const auto took = std::chrono::steady_clock::now() - t0;
   EXPECT_LT(took, 3s) << "a live peer's connect waited behind dead ones";
   for (Batch& b : waiting) {
-    ASSERT_TRUE(b.wait(30s));
+    ASSERT_TRUE(lab::waited(b, 30s));
     EXPECT_EQ(b.result(0).status, TransferStatus::connect_failed) << b.result(0).reason;
   }
 }
@@ -492,7 +492,7 @@ TEST(EngineEdges, DestroyingAnEngineEndsItsHandshakesAtOnce) {
   const auto took = std::chrono::steady_clock::now() - t0;
   EXPECT_LT(took, 5s) << "the destructor waited for handshakes in progress";
   for (Batch& b : waiting) {
-    ASSERT_TRUE(b.wait(1s));
+    ASSERT_TRUE(lab::waited(b, 1s));
     EXPECT_EQ(b.result(0).status, TransferStatus::connect_failed) << b.result(0).reason;
     // Ended by the stop, not by its deadline or by the workers going.
     EXPECT_NE(b.result(0).reason.find("shutting down"), std::string::npos) << b.result(0).reason;
@@ -558,7 +558,7 @@ TEST(EngineEdges, AStoppedPeerDoesNotStallTheOthers) {
     first.push_back(a.submit(std::vector<Transfer>{xfer(TransferOp::write, src, 0, 4096, segs.back(), 0)}));
   }
   for (Batch& b : first) {
-    ASSERT_TRUE(b.wait(20s));
+    ASSERT_TRUE(lab::waited(b, 20s));
     ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
   }
   using Clock = std::chrono::steady_clock;
@@ -612,7 +612,7 @@ TEST(EngineEdges, AStoppedPeerDoesNotStallTheOthers) {
         batches.push_back(a.submit(std::vector<Transfer>{xfer(TransferOp::write, src, 0, 4096, segs[static_cast<std::size_t>(i)], 0)}, std::move(o)));
       }
     }
-    for (Batch& b : batches) EXPECT_TRUE(b.wait(30s));
+    for (Batch& b : batches) EXPECT_TRUE(lab::waited(b, 30s));
     std::lock_guard lock(lat->m);
     EXPECT_EQ(lat->failed.load(), 0);
     std::vector<double>& v = lat->ms;
@@ -652,7 +652,7 @@ TEST(EngineEdges, AStoppedPeerDoesNotStallTheOthers) {
   EXPECT_TRUE(broken()) << "the stopped peer's link never went";
   // Continued, the peer is linked again and carries transfers.
   Batch b = a.submit(std::vector<Transfer>{xfer(TransferOp::write, src, 0, 4096, segs[0], 0)});
-  ASSERT_TRUE(b.wait(20s));
+  ASSERT_TRUE(lab::waited(b, 20s));
   EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
   EXPECT_GE(a.counters().reconnects, 1u);
 }

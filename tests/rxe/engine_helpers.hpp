@@ -31,6 +31,13 @@ namespace lab {
     if (lab::soft_transport()) GTEST_SKIP() << "RDMA's own: " << (why);        \
   } while (0)
 
+/// A batch's wait() as an assertion: on a timeout it says how far the batch got
+/// (Batch::describe_progress), where ASSERT_TRUE(b.wait(t)) says only that it was false.
+inline ::testing::AssertionResult waited(const rdmakit::Batch& b, std::chrono::milliseconds t) {
+  if (b.wait(t)) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "the batch was not done within " << t.count() << " ms: " << b.describe_progress();
+}
+
 /// An engine `name` listening on loopback (over rdma_cm the VM's own address: here()), quiet.
 inline rdmakit::EngineConfig config(const std::string& name) {
   rdmakit::EngineConfig c;

@@ -61,13 +61,13 @@ TEST(Engine, WritesAndReadsEveryByte) {
   std::vector<Transfer> writes;
   for (std::uint64_t k = 0; k < 16; ++k) writes.push_back(xfer(TransferOp::write, src, k * 65536, 65536, seg, k * 65536));
   Batch w = a.submit(writes);
-  ASSERT_TRUE(w.wait(10s));
+  ASSERT_TRUE(lab::waited(w, 10s));
   EXPECT_EQ(w.failed(), 0u) << w.describe_failures();
   EXPECT_TRUE(same(b.buf.addr, src.addr, src.length));
   std::vector<Transfer> reads;
   for (std::uint64_t k = 0; k < 64; ++k) reads.push_back(xfer(TransferOp::read, dst, k * 16384, 16384, seg, k * 16384));
   Batch r = a.submit(reads);
-  ASSERT_TRUE(r.wait(10s));
+  ASSERT_TRUE(lab::waited(r, 10s));
   EXPECT_EQ(r.failed(), 0u) << r.describe_failures();
   EXPECT_TRUE(same(dst.addr, src.addr, src.length));
   // A worker never sleeps with work queued: 20 small batches one after another take far less
@@ -76,7 +76,7 @@ TEST(Engine, WritesAndReadsEveryByte) {
   for (int i = 0; i < 20; ++i) {
     const Transfer one = xfer(TransferOp::write, src, 0, 64, seg, 0);
     Batch x = a.submit({&one, 1});
-    ASSERT_TRUE(x.wait(5s));
+    ASSERT_TRUE(lab::waited(x, 5s));
   }
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
   const auto c = a.counters();
@@ -107,7 +107,7 @@ TEST(Engine, MemoryIsRegisteredOncePerDeviceWhateverThePeers) {
     t.push_back(xfer(TransferOp::read, y, 0, 4096, a.segment(name, "kv"), 0));
   }
   Batch b = a.submit(t);
-  ASSERT_TRUE(b.wait(10s));
+  ASSERT_TRUE(lab::waited(b, 10s));
   EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
   const auto during = lab::rdma_resources();
   EXPECT_EQ(during.at("mr"), before.at("mr") + 2 * devices) << "three peers, two buffers, " << devices << " device(s)";
@@ -321,7 +321,7 @@ TEST(Engine, ANotificationArrivesAfterItsWrites) {
     EXPECT_EQ(n->peer, "a");
     EXPECT_EQ(n->message, o.notify);
     EXPECT_TRUE(same(b.buf.addr, src.addr, src.length)) << "round " << round << ": notified before the data was there";
-    ASSERT_TRUE(bt.wait(5s));
+    ASSERT_TRUE(lab::waited(bt, 5s));
     EXPECT_EQ(bt.failed(), 0u);
   }
   EXPECT_EQ(a.counters().notifications_sent, 5u);
@@ -339,7 +339,7 @@ TEST(Engine, AtomicsFromManyThreadsEndExact) {
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
       Batch bt = a.submit(lab::fetch_adds(olds, static_cast<std::uint64_t>(t) * 64, 64, seg));
-      EXPECT_TRUE(bt.wait(10s));
+      EXPECT_TRUE(lab::waited(bt, 10s));
       EXPECT_EQ(bt.failed(), 0u) << bt.describe_failures();
     });
   }
@@ -364,7 +364,7 @@ TEST(Engine, FailuresSayWhy) {
       xfer(TransferOp::write, src, 0, 64, a.segment("b", "kv"), 0),        // fine
   };
   Batch bt = a.submit(t);
-  ASSERT_TRUE(bt.wait(15s));
+  ASSERT_TRUE(lab::waited(bt, 15s));
   EXPECT_EQ(bt.result(0).status, TransferStatus::no_segment);
   EXPECT_NE(bt.result(0).reason.find("no segment 'nope'"), std::string::npos) << bt.result(0).reason;
   EXPECT_NE(bt.result(0).reason.find("it has: kv"), std::string::npos) << bt.result(0).reason;
@@ -379,7 +379,7 @@ TEST(Engine, FailuresSayWhy) {
   // The link survived the refusals: the next batch goes through.
   const Transfer ok = xfer(TransferOp::write, src, 0, 64, a.segment("b", "kv"), 0);
   Batch again = a.submit({&ok, 1});
-  ASSERT_TRUE(again.wait(5s));
+  ASSERT_TRUE(lab::waited(again, 5s));
   EXPECT_EQ(again.failed(), 0u) << again.describe_failures();
 }
 
@@ -406,7 +406,7 @@ TEST(Engine, TheQpBudgetHoldsWithMorePeersThanQps) {
     for (int i = 0; i < 8; ++i) {
       const Transfer t = xfer(TransferOp::write, src, 0, 4096, a.segment("t" + std::to_string(i), "kv"), 0);
       Batch bt = a.submit({&t, 1});
-      ASSERT_TRUE(bt.wait(20s));
+      ASSERT_TRUE(lab::waited(bt, 20s));
       EXPECT_EQ(bt.failed(), 0u) << bt.describe_failures();
     }
   }
@@ -443,7 +443,7 @@ TEST(Engine, UnregisterWaitsForTransfersInFlightThenReleasesTheRegions) {
   }
   const Transfer late = xfer(TransferOp::write, src, 0, 64, a.segment("b", "kv"), 0);
   Batch lb = a.submit({&late, 1});
-  ASSERT_TRUE(lb.wait(5s));
+  ASSERT_TRUE(lab::waited(lb, 5s));
   EXPECT_EQ(lb.result(0).status, TransferStatus::invalid);
   EXPECT_NE(lb.result(0).reason.find("unregistered"), std::string::npos) << lb.result(0).reason;
   EXPECT_THROW(a.unregister_memory(src), rdmakit::Error);
@@ -485,7 +485,7 @@ TEST(Engine, ABatchEndsWithItsCallbackAndTheDescriptor) {
   Batch bt = a.submit(t, std::move(o));
   pollfd pfd{a.fd(), POLLIN, 0};
   ASSERT_EQ(::poll(&pfd, 1, 10000), 1) << "the descriptor never became readable";
-  ASSERT_TRUE(bt.wait(5s));
+  ASSERT_TRUE(lab::waited(bt, 5s));
   EXPECT_EQ(calls.load(), 1);
   EXPECT_TRUE(done_inside.load());
   EXPECT_TRUE(other_thread.load());
@@ -575,7 +575,7 @@ TEST(Engine, TwoHundredPeers) {
       }
       const Transfer t = xfer(TransferOp::write, src, static_cast<std::uint64_t>(i) * 64, 64, a.segment(name, "kv"), 0);
       Batch b = a.submit({&t, 1});
-      ASSERT_TRUE(b.wait(20s));
+      ASSERT_TRUE(lab::waited(b, 20s));
       ASSERT_EQ(b.failed(), 0u) << b.describe_failures();
       most = std::max(most, a.counters().qps);
     }
@@ -611,7 +611,7 @@ Transfer write_to(Engine& a, const std::string& peer, std::uint8_t seed) {
 
 void write_ok(Engine& a, const Transfer& w) {
   Batch b = a.submit({&w, 1});
-  ASSERT_TRUE(b.wait(10s));
+  ASSERT_TRUE(lab::waited(b, 10s));
   EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
 }
 
@@ -689,7 +689,7 @@ TEST(Engine, AnotherEngineAtThePeersAddressIsRefused) {
   }
   for (int i = 0; i < 5; ++i) {
     Batch b = a.submit({&w, 1});
-    ASSERT_TRUE(b.wait(15s));
+    ASSERT_TRUE(lab::waited(b, 15s));
     const auto r = b.result(0);
     ASSERT_EQ(r.status, TransferStatus::connect_failed) << "try " << i << ": " << r.reason;
     EXPECT_NE(r.reason.find("engine 'kv-3' answered"), std::string::npos) << r.reason;
@@ -714,7 +714,7 @@ TEST(Engine, ASecondIdentIsRefusedAndTheNamedEnginesLinksStay) {
   const Transfer w = xfer(TransferOp::write, src, 0, 64, victim.segment("t", "kv"), 0);
   const auto write = [&] {
     Batch b = victim.submit({&w, 1});
-    ASSERT_TRUE(b.wait(10s));
+    ASSERT_TRUE(lab::waited(b, 10s));
     EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
   };
   write();
@@ -825,12 +825,12 @@ TEST(Engine, ListedDevicesAreUsedNotEveryDevice) {
     // through rxe1 behind the configuration's back.
     const Transfer w1 = xfer(TransferOp::write, src, 0, 8192, a.segment("t1", "kv"), 0);
     Batch b1 = a.submit({&w1, 1});
-    ASSERT_TRUE(b1.wait(10s));
+    ASSERT_TRUE(lab::waited(b1, 10s));
     EXPECT_EQ(b1.failed(), 0u) << b1.describe_failures();
     EXPECT_TRUE(same(n.targets[1]->buf.addr, src.addr, 8192));
     const Transfer w0 = xfer(TransferOp::write, src, 0, 8192, a.segment("t0", "kv"), 0);
     Batch b0 = a.submit({&w0, 1});
-    ASSERT_TRUE(b0.wait(20s));
+    ASSERT_TRUE(lab::waited(b0, 20s));
     EXPECT_EQ(b0.result(0).status, TransferStatus::connect_failed) << b0.describe_failures();
     EXPECT_NE(b0.result(0).reason.find("goes through rxe0"), std::string::npos) << b0.result(0).reason;
     EXPECT_NE(b0.result(0).reason.find("which is not one of the engine's devices (rxe1)"), std::string::npos)

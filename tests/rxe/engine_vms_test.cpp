@@ -43,6 +43,12 @@ std::uint8_t pattern(std::size_t writer, std::size_t target, std::uint64_t offse
   return static_cast<std::uint8_t>((offset * 2654435761u >> 7) ^ (writer * 37 + target * 101 + 1));
 }
 
+// Why a batch that was waited for is not all ok: its failures, or how far it got when it was not
+// done in time (its failures then say nothing: CI once printed "writes to vm0: " and no more).
+std::string outcome(const Batch& b) {
+  return b.done() ? b.describe_failures() : "not done in time: " + b.describe_progress();
+}
+
 std::vector<std::string> lab_ips() {
   std::vector<std::string> ips;
   std::istringstream in(std::getenv("RDMAKIT_LAB_IPS") != nullptr ? std::getenv("RDMAKIT_LAB_IPS") : "");
@@ -120,14 +126,14 @@ static void all_to_all(const std::string& store) {
         }
         Batch wb = e.submit(writes);
         if (!wb.wait(60s) || wb.failed() != 0) {
-          why[static_cast<std::size_t>(t)] = "writes to " + peer + ": " + wb.describe_failures();
+          why[static_cast<std::size_t>(t)] = "writes to " + peer + ": " + outcome(wb);
           ++bad;
           return;
         }
         Batch rb = e.submit(reads);
         if (!rb.wait(60s) || rb.failed() != 0 ||
             std::memcmp(back[static_cast<std::size_t>(t)].addr, s, kBlocks * kBlock) != 0) {
-          why[static_cast<std::size_t>(t)] = "reading back from " + peer + ": " + rb.describe_failures();
+          why[static_cast<std::size_t>(t)] = "reading back from " + peer + ": " + outcome(rb);
           ++bad;
           return;
         }

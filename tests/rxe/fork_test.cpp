@@ -102,12 +102,12 @@ TEST(EngineFork, ChildrenForkedMidTransferChangeNothingInTheParent) {
       reads.push_back(xfer(TransferOp::read, dst, k * kBlock, kBlock, seg, k * kBlock));
     }
     Batch w = a.submit(writes);
-    ASSERT_TRUE(w.wait(10s));
+    ASSERT_TRUE(lab::waited(w, 10s));
     ASSERT_EQ(w.failed(), 0u) << w.describe_failures();
     ASSERT_TRUE(same(b.buf.addr, src.addr, kLen)) << "round " << rounds << ": the target got other bytes than sent";
     std::memset(dst.addr, 0, kLen);
     Batch r = a.submit(reads);
-    ASSERT_TRUE(r.wait(10s));
+    ASSERT_TRUE(lab::waited(r, 10s));
     ASSERT_EQ(r.failed(), 0u) << r.describe_failures();
     ASSERT_TRUE(same(dst.addr, src.addr, kLen)) << "round " << rounds << ": the bytes read did not reach the parent";
     ++rounds;

@@ -55,7 +55,7 @@ EngineConfig keyed(const std::string& name, const Identity& id = {}) {
 rdmakit::TransferResult write_once(Engine& e, const std::string& peer, const Buffer& src, std::uint64_t offset = 0) {
   const Transfer w = xfer(TransferOp::write, src, 0, 64, e.segment(peer, "kv"), offset);
   Batch b = e.submit({&w, 1});
-  EXPECT_TRUE(b.wait(20s));
+  EXPECT_TRUE(lab::waited(b, 20s));
   return b.result(0);
 }
 
@@ -319,7 +319,7 @@ TEST(EngineAccess, ARevokedClientIsCutOffAndRefusedUntilAllowed) {
   const auto read_once = [&] {
     const Transfer r = xfer(TransferOp::read, dst, 0, 4096, seg, 0);
     Batch b = c.submit({&r, 1});
-    EXPECT_TRUE(b.wait(20s));
+    EXPECT_TRUE(lab::waited(b, 20s));
     return b.result(0);
   };
   ASSERT_EQ(read_once().status, TransferStatus::ok);
@@ -332,7 +332,7 @@ TEST(EngineAccess, ARevokedClientIsCutOffAndRefusedUntilAllowed) {
   Batch inflight = c.submit(many);
   std::this_thread::sleep_for(5ms);
   t.engine.revoke("c");
-  ASSERT_TRUE(inflight.wait(30s));
+  ASSERT_TRUE(lab::waited(inflight, 30s));
   std::printf("%zu of %zu reads in flight failed at the revocation\n", inflight.failed(), many.size());
   EXPECT_GT(inflight.failed(), 0u) << "the revoked client's reads went on";
   for (int i = 0; i < 20; ++i) {
@@ -365,7 +365,7 @@ TEST(EngineAccess, OnlyAllowedPeersLinkAndASegmentForOnePeerIsNotTheOthers) {
     const Buffer src = e.allocate_memory(4096);
     const Transfer w = xfer(TransferOp::write, src, 0, 64, e.segment("t", segment), 0);
     Batch bt = e.submit({&w, 1});
-    EXPECT_TRUE(bt.wait(20s));
+    EXPECT_TRUE(lab::waited(bt, 20s));
     return bt.result(0);
   };
   EXPECT_EQ(write(a, "kv").status, TransferStatus::ok);

@@ -180,7 +180,7 @@ TEST(EngineLatency, ConcurrentSubmittersWaitersThatPollOrSleepAndCallbacksThatSu
     std::lock_guard lock(mu);
     kept.swap(chain);
   }
-  for (const Batch& c : kept) EXPECT_TRUE(c.wait(10s));
+  for (const Batch& c : kept) EXPECT_TRUE(lab::waited(c, 10s));
   EXPECT_EQ(kept.size(), 100u);
   const auto n = a.counters();
   std::printf("%u threads x 300 transfers and a chain of 100: %llu started on the submitting thread, %llu waits "

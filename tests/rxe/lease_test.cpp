@@ -131,7 +131,7 @@ TEST(Leases, AReadWorksInItsRangesAndAccessOnly) {
   EXPECT_EQ(r.status, TransferStatus::no_segment) << r.reason;
   EXPECT_EQ(read_block(a, dst, 3, 2 * kBlock).status, TransferStatus::no_segment);
   Batch w = a.submit(std::vector{xfer(TransferOp::write, dst, 0, kBlock, a.segment("b", "kv"), 0)});
-  ASSERT_TRUE(w.wait(10s));
+  ASSERT_TRUE(lab::waited(w, 10s));
   EXPECT_EQ(w.result(0).status, TransferStatus::no_segment) << w.result(0).reason;  // refused here, before the wire
   EXPECT_FALSE(b.engine.next_lease_end().has_value());
 }

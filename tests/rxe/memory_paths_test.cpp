@@ -62,7 +62,7 @@ std::unique_ptr<Vgem> vgem_or_skip() {
 
 void run(Engine& e, const std::vector<Transfer>& t) {
   Batch b = e.submit(t);
-  ASSERT_TRUE(b.wait(10s));
+  ASSERT_TRUE(lab::waited(b, 10s));
   EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
 }
 

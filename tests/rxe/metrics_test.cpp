@@ -57,7 +57,7 @@ TEST(Metrics, WhatMovedShowsUnderItsPeerAndPathAndPassesPromtool) {
   t.push_back(xfer(TransferOp::read, src, 0, 4096, seg, 0));
   t.push_back(xfer(TransferOp::write, src, 0, 64, a.segment("b", "missing"), 0));  // no_segment
   auto x = a.submit(t);
-  ASSERT_TRUE(x.wait(10s));
+  ASSERT_TRUE(lab::waited(x, 10s));
   const std::uint64_t moved = 8 * 65536 + 4096;
   // The per-peer and per-path figures are added as the worker's walk of that poll ends, just
   // after the batch's end (the engine-wide bytes before it): a scrape may be one poll behind.
@@ -175,7 +175,7 @@ TEST(Metrics, AThousandPeersGiveBoundedSeries) {
     a.add_peer(t->engine.info().name, at(t->engine));
     const auto seg = a.segment(t->engine.info().name, "kv");
     auto b = a.submit(std::vector{xfer(TransferOp::write, src, 0, 4096 * k, seg, 0)});
-    ASSERT_TRUE(b.wait(10s));
+    ASSERT_TRUE(lab::waited(b, 10s));
     ASSERT_EQ(b.result(0).status, rdmakit::TransferStatus::ok) << b.result(0).reason;
     k *= 2;
   }

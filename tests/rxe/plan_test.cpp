@@ -40,7 +40,7 @@ using rdmakit::TransferStatus;
 // Waits for a batch (driving progress() when the engine has no workers).
 void settle(Engine& e, const Batch& b, bool workers = true) {
   if (workers) {
-    ASSERT_TRUE(b.wait(20s));
+    ASSERT_TRUE(lab::waited(b, 20s));
     return;
   }
   const auto until = std::chrono::steady_clock::now() + 20s;
@@ -52,7 +52,7 @@ void settle(Engine& e, const Batch& b, bool workers = true) {
 Batch until_ok(Engine& a, const TransferPlan& plan) {
   for (int i = 0;; ++i) {
     Batch b = a.submit(plan);
-    EXPECT_TRUE(b.wait(20s));
+    EXPECT_TRUE(lab::waited(b, 20s));
     if (b.failed() == 0 || i == 100) return b;
     std::this_thread::sleep_for(100ms);
   }
@@ -148,8 +148,8 @@ TEST(EnginePlan, LongerThanTheQueueGoesInPartsAndTwoBatchesOfItRunAtOnce) {
   const TransferPlan plan = a.prepare(t);
   Batch one = a.submit(plan);
   Batch two = a.submit(plan);
-  ASSERT_TRUE(one.wait(30s));
-  ASSERT_TRUE(two.wait(30s));
+  ASSERT_TRUE(lab::waited(one, 30s));
+  ASSERT_TRUE(lab::waited(two, 30s));
   EXPECT_EQ(one.failed(), 0u) << one.describe_failures();
   EXPECT_EQ(two.failed(), 0u) << two.describe_failures();
   EXPECT_TRUE(same(b.buf.addr, src.addr, 700 * 256));
@@ -168,7 +168,7 @@ TEST(EnginePlan, LongerThanTheQueueGoesInPartsAndTwoBatchesOfItRunAtOnce) {
   std::vector<Batch> batches;
   for (const TransferPlan& p : adds) batches.push_back(a.submit(p));
   for (Batch& bt : batches) {
-    ASSERT_TRUE(bt.wait(20s));
+    ASSERT_TRUE(lab::waited(bt, 20s));
     EXPECT_EQ(bt.failed(), 0u) << bt.describe_failures();
   }
   EXPECT_TRUE(lab::fetch_adds_exact(b.buf.addr, olds, 256));
@@ -206,7 +206,7 @@ TEST(EnginePlan, PrepareRefusesWhatCouldNeverMove) {
   // A misaligned atomic is the peer's segment's to judge: it ends invalid at submit.
   const Transfer odd = xfer(TransferOp::fetch_add, src, 0, 8, seg, 3);
   Batch bt = a.submit(a.prepare({&odd, 1}));
-  ASSERT_TRUE(bt.wait(10s));
+  ASSERT_TRUE(lab::waited(bt, 10s));
   EXPECT_EQ(bt.result(0).status, TransferStatus::invalid) << bt.result(0).reason;
   // An empty plan is a batch done at once.
   Batch none = a.submit(a.prepare({}));
@@ -226,7 +226,7 @@ TEST(EnginePlan, FollowsTheSegmentAndTheBuffer) {
   const TransferPlan& plan = w.plan;
   const auto seg = w.seg;
   Batch first = a.submit(plan);
-  ASSERT_TRUE(first.wait(10s));
+  ASSERT_TRUE(lab::waited(first, 10s));
   ASSERT_EQ(first.failed(), 0u) << first.describe_failures();
   EXPECT_TRUE(same(b.buf.addr, src.addr, src.length));
 
@@ -236,7 +236,7 @@ TEST(EnginePlan, FollowsTheSegmentAndTheBuffer) {
   std::optional<Batch> gone;
   for (int i = 0; i < 100 && !gone; ++i) {
     Batch x = a.submit(plan);
-    ASSERT_TRUE(x.wait(10s));
+    ASSERT_TRUE(lab::waited(x, 10s));
     EXPECT_NE(x.result(10).status, TransferStatus::ok) << "a write went after the segment was withdrawn";
     if (x.result(10).status == TransferStatus::no_segment) gone = std::move(x);
     else std::this_thread::sleep_for(50ms);
@@ -259,12 +259,12 @@ TEST(EnginePlan, FollowsTheSegmentAndTheBuffer) {
   // A read is not what the new segment allows: refused, not posted.
   const Transfer rd = xfer(TransferOp::read, src, 0, 64, seg, 0);
   Batch no_read = a.submit(a.prepare({&rd, 1}));
-  ASSERT_TRUE(no_read.wait(10s));
+  ASSERT_TRUE(lab::waited(no_read, 10s));
   EXPECT_EQ(no_read.result(0).status, TransferStatus::no_segment) << no_read.result(0).reason;
 
   a.unregister_memory(src);
   Batch late = a.submit(plan);
-  ASSERT_TRUE(late.wait(10s));
+  ASSERT_TRUE(lab::waited(late, 10s));
   EXPECT_EQ(late.failed(), t.size());
   EXPECT_EQ(late.result(0).status, TransferStatus::invalid);
   EXPECT_NE(late.result(0).reason.find("unregistered"), std::string::npos) << late.result(0).reason;
@@ -284,7 +284,7 @@ TEST(EnginePlan, ReachesThePeersNextProcess) {
   const std::vector<Transfer>& t = w.t;
   const TransferPlan& plan = w.plan;
   Batch first = a.submit(plan);
-  ASSERT_TRUE(first.wait(10s));
+  ASSERT_TRUE(lab::waited(first, 10s));
   ASSERT_EQ(first.failed(), 0u) << first.describe_failures();
   const std::uint64_t builds = a.counters().plan_builds;
   EXPECT_EQ(builds, 1u);
@@ -297,7 +297,7 @@ TEST(EnginePlan, ReachesThePeersNextProcess) {
   EXPECT_EQ(a.counters().links, 0u);
   const auto t0 = std::chrono::steady_clock::now();
   Batch lost = a.submit(plan);
-  ASSERT_TRUE(lost.wait(30s));
+  ASSERT_TRUE(lab::waited(lost, 30s));
   EXPECT_EQ(lost.failed(), t.size());
   EXPECT_EQ(lost.result(31).status, TransferStatus::connect_failed) << lost.result(31).reason;
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
@@ -315,7 +315,7 @@ TEST(EnginePlan, ReachesThePeersNextProcess) {
   fill(src.addr, src.length, 3);
   const std::uint64_t posted = a.counters().plan_posted;
   Batch more = a.submit(plan);
-  ASSERT_TRUE(more.wait(10s));
+  ASSERT_TRUE(lab::waited(more, 10s));
   EXPECT_EQ(more.failed(), 0u) << more.describe_failures();
   EXPECT_TRUE(same(again.buf.addr, src.addr, src.length));
   EXPECT_EQ(a.counters().plan_posted, posted + t.size());

@@ -143,12 +143,12 @@ TEST(Rails, BothNicsCarryALargeWriteAndRead) {
   const auto seg = p.a.segment("b", "kv");
   const Transfer w = xfer(TransferOp::write, src, 0, size, seg, 0);
   Batch wb = p.a.submit({&w, 1});
-  ASSERT_TRUE(wb.wait(60s));
+  ASSERT_TRUE(lab::waited(wb, 60s));
   ASSERT_EQ(wb.failed(), 0u) << wb.describe_failures();
   EXPECT_EQ(std::memcmp(p.seg.addr, src.addr, size), 0);
   const Transfer r = xfer(TransferOp::read, back, 0, size, seg, 0);
   Batch rb = p.a.submit({&r, 1});
-  ASSERT_TRUE(rb.wait(60s));
+  ASSERT_TRUE(lab::waited(rb, 60s));
   ASSERT_EQ(rb.failed(), 0u) << rb.describe_failures();
   EXPECT_EQ(std::memcmp(back.addr, src.addr, size), 0);
   const PeerInfo info = peer_of(p.a, "b");
@@ -202,7 +202,7 @@ TEST(Rails, ANicThePeerHasNoPortForIsNotUsed) {
   fill(src, 5);
   const Transfer w = xfer(TransferOp::write, src, 0, 4 * kMiB, p.a.segment("b", "kv"), 0);
   Batch wb = p.a.submit({&w, 1});
-  ASSERT_TRUE(wb.wait(30s));
+  ASSERT_TRUE(lab::waited(wb, 30s));
   ASSERT_EQ(wb.failed(), 0u) << wb.describe_failures();
   EXPECT_EQ(std::memcmp(p.seg.addr, src.addr, 4 * kMiB), 0);
   const PeerInfo info = peer_of(p.a, "b");
@@ -416,10 +416,10 @@ TEST(Rails, AcrossTwoVmsBothRailsCarryALargeTransfer) {
   const Transfer r = xfer(TransferOp::read, back, 0, size, seg, 0);
   const auto t0 = Clock::now();
   Batch wb = e.submit({&w, 1});
-  ASSERT_TRUE(wb.wait(120s));
+  ASSERT_TRUE(lab::waited(wb, 120s));
   ASSERT_EQ(wb.failed(), 0u) << wb.describe_failures();
   Batch rb = e.submit({&r, 1});
-  ASSERT_TRUE(rb.wait(120s));
+  ASSERT_TRUE(lab::waited(rb, 120s));
   ASSERT_EQ(rb.failed(), 0u) << rb.describe_failures();
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   EXPECT_EQ(std::memcmp(back.addr, buf.addr, size), 0);
@@ -435,7 +435,7 @@ TEST(Rails, AcrossTwoVmsBothRailsCarryALargeTransfer) {
   rdmakit::SubmitOptions o;
   o.notify = {'o', 'k'};
   Batch lb = e.submit({&last, 1}, o);
-  ASSERT_TRUE(lb.wait(30s));
+  ASSERT_TRUE(lab::waited(lb, 30s));
   ASSERT_EQ(lb.failed(), 0u) << lb.describe_failures();
   std::printf("across VMs: 128 MiB in %.2f s (%.0f MB/s), rxe0 %.1f%%, rxe1 %.1f%%%s\n", secs, 128 * 1.048576 / secs,
               100.0 * static_cast<double>(r0->bytes) / total, 100.0 * static_cast<double>(r1->bytes) / total,
@@ -486,7 +486,7 @@ TEST(Rails, ARestartedPeerThatNoLongerOffersARailLosesIt) {
   bool wrote = false;
   for (int i = 0; i < 100 && !wrote; ++i) {  // its first transfers may meet the old link's end
     Batch wb = a.submit({&w, 1});
-    ASSERT_TRUE(wb.wait(20s));
+    ASSERT_TRUE(lab::waited(wb, 20s));
     wrote = wb.failed() == 0;
     if (!wrote) std::this_thread::sleep_for(100ms);
   }
@@ -543,7 +543,7 @@ TEST(Rails, ARailEndpointTakenByAnotherEngineIsRefused) {
   fill(src, 5);
   const Transfer w = xfer(TransferOp::write, src, 0, 4096, a.segment("b", "kv"), 0);
   Batch wb = a.submit({&w, 1});
-  ASSERT_TRUE(wb.wait(20s));
+  ASSERT_TRUE(lab::waited(wb, 20s));
   ASSERT_EQ(wb.failed(), 1u);
   EXPECT_EQ(wb.result(0).status, rdmakit::TransferStatus::connect_failed) << wb.result(0).reason;
   EXPECT_NE(wb.result(0).reason.find("where its key " + b_id.public_key()), std::string::npos) << wb.result(0).reason;

@@ -89,7 +89,7 @@ TEST(Serving, AReadsNotificationComesAfterItsReads) {
     EXPECT_EQ(n->peer, "a");
     EXPECT_EQ(n->message, o.notify);
     EXPECT_EQ(n->request_id, o.request_id);
-    ASSERT_TRUE(r.wait(10s));
+    ASSERT_TRUE(lab::waited(r, 10s));
     ASSERT_EQ(r.failed(), 0u) << r.describe_failures();
     ASSERT_TRUE(same(dst.addr, before.data(), before.size())) << "round " << round << ": the notification overtook a read";
   }
@@ -113,7 +113,7 @@ TEST(Serving, EachPeerIsNotifiedOnceItsTransfersEnded) {
   o.notify = bytes("both");
   o.request_id = "r1";
   Batch x = a.submit(t, o);
-  ASSERT_TRUE(x.wait(10s));
+  ASSERT_TRUE(lab::waited(x, 10s));
   EXPECT_EQ(x.failed(), 0u) << x.describe_failures();
   for (Target* to : {&b, &c}) {
     const auto n = next_note(to->engine, 10s);
@@ -127,7 +127,7 @@ TEST(Serving, EachPeerIsNotifiedOnceItsTransfersEnded) {
   std::vector<Transfer> u{xfer(TransferOp::write, buf, 0, 64, a.segment("b", "kv"), 0),
                           xfer(TransferOp::read, buf, 0, 64, a.segment("c", "nope"), 0)};
   Batch y = a.submit(u, o);
-  ASSERT_TRUE(y.wait(10s));
+  ASSERT_TRUE(lab::waited(y, 10s));
   EXPECT_EQ(y.failed(), 1u);
   EXPECT_TRUE(next_note(b.engine, 10s).has_value());
   EXPECT_FALSE(next_note(c.engine, 300ms).has_value()) << "notified although its read failed";
@@ -143,7 +143,7 @@ TEST(Serving, ANotificationOnItsOwn) {
   bool called = false;
   tagged.on_done = [&](const Batch& done) { called = done.done(); };
   Batch n = a.notify("b", bytes("free 3,4"), tagged);  // no link yet: it connects
-  ASSERT_TRUE(n.wait(10s));
+  ASSERT_TRUE(lab::waited(n, 10s));
   ASSERT_EQ(n.size(), 1u);
   EXPECT_EQ(n.result(0).status, TransferStatus::ok) << n.describe_failures();
   EXPECT_EQ(n.telemetry().transfers, 0u);
@@ -185,7 +185,7 @@ TEST(Serving, ANotificationOnItsOwn) {
   Engine d(cc);
   d.add_peer("s", "127.0.0.1:" + std::to_string(silent.port));
   Batch f = d.notify("s", bytes("hello?"));
-  ASSERT_TRUE(f.wait(10s));
+  ASSERT_TRUE(lab::waited(f, 10s));
   EXPECT_EQ(f.result(0).status, TransferStatus::connect_failed);
   EXPECT_EQ(f.notifications_failed(), 1u);
   EXPECT_NE(f.describe_failures().find("notification: connect_failed"), std::string::npos) << f.describe_failures();
@@ -200,11 +200,11 @@ TEST(Serving, ANotificationToAFullQueueFails) {
   a.add_peer("b", at(b.engine));
   for (int i = 0; i < 2; ++i) {
     Batch n = a.notify("b", bytes("x"));
-    ASSERT_TRUE(n.wait(10s));
+    ASSERT_TRUE(lab::waited(n, 10s));
     EXPECT_EQ(n.result(0).status, TransferStatus::ok) << n.describe_failures();
   }
   Batch full = a.notify("b", bytes("x"));
-  ASSERT_TRUE(full.wait(10s));
+  ASSERT_TRUE(lab::waited(full, 10s));
   EXPECT_EQ(full.result(0).status, TransferStatus::failed);
   EXPECT_EQ(full.notifications_failed(), 1u);
   EXPECT_NE(full.describe_failures().find("is full"), std::string::npos) << full.describe_failures();
@@ -226,7 +226,7 @@ TEST(Serving, TelemetrySaysWhenAndHowMuch) {
   o.on_done = [&](const Batch& done) { in_callback = done.telemetry(); };
   const auto before = std::chrono::steady_clock::now();
   Batch x = a.submit(t, o);
-  ASSERT_TRUE(x.wait(10s));
+  ASSERT_TRUE(lab::waited(x, 10s));
   const auto after = std::chrono::steady_clock::now();
   const rdmakit::BatchTelemetry m = x.telemetry();
   EXPECT_EQ(m.request_id, "cmpl-42");
@@ -260,7 +260,7 @@ TEST(Serving, TelemetrySaysWhenAndHowMuch) {
   const Buffer s2 = e.allocate_memory(4096);
   const Transfer one = xfer(TransferOp::read, s2, 0, 4096, e.segment("b", "kv"), 0);
   Batch y = e.submit({&one, 1});
-  ASSERT_TRUE(y.wait(10s));
+  ASSERT_TRUE(lab::waited(y, 10s));
   const rdmakit::BatchTelemetry q = y.telemetry();
   EXPECT_EQ(q.bytes, 4096u);
   ASSERT_EQ(q.paths.size(), 1u);  // counted as transfers end, whatever the clock reads do
@@ -312,7 +312,7 @@ TEST(Serving, CancelLeavesWhatIsOnTheWire) {
       std::memset(b.buf.addr, 0, b.buf.length);
       Batch x = submit();
       x.cancel();
-      ASSERT_TRUE(x.wait(10s));
+      ASSERT_TRUE(lab::waited(x, 10s));
       for (std::size_t i = 0; i < t.size(); ++i) {
         const auto st = x.result(i).status;
         ASSERT_TRUE(st == TransferStatus::ok || st == TransferStatus::cancelled) << i << ": " << x.describe_failures();
@@ -401,7 +401,7 @@ TEST(Serving, DescriptorListsMoveSelectionsByIndex) {
     fill(v.addr, v.length, static_cast<std::uint8_t>(round + 50));
     const auto [wl, wr] = selection(round == 0 ? kDescs : 2500);  // all of them once
     Batch w = a.submit(TransferOp::write, local, wl, remote, wr);
-    ASSERT_TRUE(w.wait(30s));
+    ASSERT_TRUE(lab::waited(w, 30s));
     ASSERT_EQ(w.failed(), 0u) << w.describe_failures();
     for (std::size_t p = 0; p < wl.size(); ++p) {
       ASSERT_TRUE(same(at_remote(b, wr[p]), at_local(wl[p]), kBlock)) << "write, position " << p;
@@ -415,7 +415,7 @@ TEST(Serving, DescriptorListsMoveSelectionsByIndex) {
     rdmakit::SubmitOptions o;
     o.request_id = "r" + std::to_string(round);
     Batch r = a.submit(TransferOp::read, local, rl, remote, rr, o);
-    ASSERT_TRUE(r.wait(30s));
+    ASSERT_TRUE(lab::waited(r, 30s));
     ASSERT_EQ(r.failed(), 0u) << r.describe_failures();
     for (std::size_t p = 0; p < rl.size(); ++p) {
       ASSERT_TRUE(same(at_local(rl[p]), want[p].data(), kBlock)) << "read, position " << p;
@@ -448,7 +448,7 @@ TEST(Serving, DescriptorListsMoveSelectionsByIndex) {
   const rdmakit::DescriptorList odd =
       a.prepare_remote(std::vector<rdmakit::RemoteDescriptor>{{seg, 0, kBlock}, {seg, kBlock, kBlock + 1}, {seg, 4 * kBlock, kBlock}});
   Batch mixed = a.submit(TransferOp::read, local, std::vector<std::uint32_t>{2, 3, 4}, odd, std::vector<std::uint32_t>{0, 1, 2});
-  ASSERT_TRUE(mixed.wait(10s));
+  ASSERT_TRUE(lab::waited(mixed, 10s));
   EXPECT_EQ(mixed.result(0).status, TransferStatus::ok) << mixed.describe_failures();
   EXPECT_EQ(mixed.result(1).status, TransferStatus::invalid);
   EXPECT_NE(mixed.result(1).reason.find("position 1: local descriptor 3 is 128 bytes, remote descriptor 1 is 129"),
@@ -465,7 +465,7 @@ TEST(Serving, DescriptorListsMoveSelectionsByIndex) {
   // A range past the segment's end ends no_segment in the batch (the segment is the peer's).
   const rdmakit::DescriptorList past = a.prepare_remote(std::vector<rdmakit::RemoteDescriptor>{{seg, b.buf.length - 64, kBlock}});
   Batch beyond = a.submit(TransferOp::read, local, std::vector<std::uint32_t>{0}, past, std::vector<std::uint32_t>{0});
-  ASSERT_TRUE(beyond.wait(10s));
+  ASSERT_TRUE(lab::waited(beyond, 10s));
   EXPECT_EQ(beyond.result(0).status, TransferStatus::no_segment) << beyond.result(0).reason;
   // The peer's next process, at the same address: the same lists reach it once it is up.
   owner.reset();
@@ -479,7 +479,7 @@ TEST(Serving, DescriptorListsMoveSelectionsByIndex) {
   const auto [al, ar] = selection(1000);
   for (int i = 0;; ++i) {  // until the new process's link and segment are up
     Batch r = a.submit(TransferOp::read, local, al, remote, ar);
-    ASSERT_TRUE(r.wait(20s));
+    ASSERT_TRUE(lab::waited(r, 20s));
     if (r.failed() == 0) break;
     const TransferStatus st = r.result(0).status;
     ASSERT_TRUE(st == TransferStatus::connect_failed || st == TransferStatus::no_segment || st == TransferStatus::peer_lost)
@@ -494,7 +494,7 @@ TEST(Serving, DescriptorListsMoveSelectionsByIndex) {
   // buffer unregistered, a peer removed; lists of another engine are refused.
   a.unregister_memory(v);
   Batch stale = a.submit(TransferOp::write, local, std::vector<std::uint32_t>{0, 1}, remote, std::vector<std::uint32_t>{0, 1});
-  ASSERT_TRUE(stale.wait(10s));
+  ASSERT_TRUE(lab::waited(stale, 10s));
   EXPECT_EQ(stale.result(0).status, TransferStatus::ok) << stale.describe_failures();  // k's
   EXPECT_EQ(stale.result(1).status, TransferStatus::invalid);                          // v's
   Engine other(config("o"));
@@ -504,7 +504,7 @@ TEST(Serving, DescriptorListsMoveSelectionsByIndex) {
             std::string::npos);
   a.remove_peer("b");
   Batch removed = a.submit(TransferOp::read, local, std::vector<std::uint32_t>{0}, remote, std::vector<std::uint32_t>{0});
-  ASSERT_TRUE(removed.wait(10s));
+  ASSERT_TRUE(lab::waited(removed, 10s));
   EXPECT_EQ(removed.result(0).status, TransferStatus::invalid) << removed.describe_failures();
 }
 
@@ -538,7 +538,7 @@ TEST(Serving, DescriptorListsMixWhatTheyCanPostWithTheLongWay) {
   }
   const auto before = a.counters();
   Batch w = a.submit(TransferOp::write, local, li, remote, ri);
-  ASSERT_TRUE(w.wait(10s));
+  ASSERT_TRUE(lab::waited(w, 10s));
   EXPECT_EQ(w.failed(), 1u) << w.describe_failures();
   EXPECT_EQ(w.result(20).status, TransferStatus::no_segment) << w.result(20).reason;
   for (std::uint32_t k = 0; k < 40; ++k) {
@@ -573,7 +573,7 @@ TEST(Serving, DescriptorListsMixWhatTheyCanPostWithTheLongWay) {
   rdmakit::SubmitOptions written;
   written.notify = {'v', 'w'};
   Batch vw = a.submit(TransferOp::write, vlocal, all, vremote, all, written);
-  ASSERT_TRUE(vw.wait(10s));
+  ASSERT_TRUE(lab::waited(vw, 10s));
   ASSERT_EQ(vw.failed(), 0u) << vw.describe_failures();
   std::uint64_t total = 0;
   for (std::uint32_t i = 0; i < 100; ++i) {
@@ -592,7 +592,7 @@ TEST(Serving, DescriptorListsMixWhatTheyCanPostWithTheLongWay) {
     std::vector<std::uint32_t> idx;
     for (std::uint32_t i = part; i < std::min(part + 16, 100u); ++i) idx.push_back(i);
     Batch vr_read = a.submit(TransferOp::read, vback, idx, vremote, idx);
-    ASSERT_TRUE(vr_read.wait(10s));
+    ASSERT_TRUE(lab::waited(vr_read, 10s));
     ASSERT_EQ(vr_read.failed(), 0u) << vr_read.describe_failures();
     for (const std::uint32_t i : idx) {
       ASSERT_TRUE(same(static_cast<std::uint8_t*>(buf.addr) + back[i].offset, static_cast<std::uint8_t*>(b.buf.addr) + vr[i].offset, back[i].length)) << i;
@@ -612,7 +612,7 @@ TEST(Serving, DescriptorListsMixWhatTheyCanPostWithTheLongWay) {
   o.notify = {'d', 'o', 'n', 'e'};
   const auto mid = a.counters();
   Batch r = a.submit(TransferOp::read, local, pl, two, pr, o);
-  ASSERT_TRUE(r.wait(10s));
+  ASSERT_TRUE(lab::waited(r, 10s));
   ASSERT_EQ(r.failed(), 0u) << r.describe_failures();
   EXPECT_EQ(a.counters().lists_posted, mid.lists_posted);
   for (std::uint32_t k = 0; k < 16; ++k) {
@@ -633,7 +633,7 @@ TEST(Serving, DescriptorListsMixWhatTheyCanPostWithTheLongWay) {
       a.prepare_remote(std::vector<rdmakit::RemoteDescriptor>{{sc, 0, big}, {sc, c.buf.length - big, big}});
   const auto whole = a.counters();
   Batch lw = a.submit(TransferOp::write, bl, std::vector<std::uint32_t>{1, 0}, br, std::vector<std::uint32_t>{0, 1});
-  ASSERT_TRUE(lw.wait(10s));
+  ASSERT_TRUE(lab::waited(lw, 10s));
   ASSERT_EQ(lw.failed(), 0u) << lw.describe_failures();
   EXPECT_TRUE(same(c.buf.addr, static_cast<std::uint8_t*>(large.addr) + big, big));
   EXPECT_TRUE(same(static_cast<std::uint8_t*>(c.buf.addr) + c.buf.length - big, large.addr, big));

@@ -59,11 +59,11 @@ rdmakit::PeerInfo peer_info(const Engine& e, const std::string& name) {
 void write_and_read_back(Engine& a, const Buffer& src, const Buffer& dst, std::uint64_t len) {
   const Transfer w = xfer(TransferOp::write, src, 0, len, a.segment("t", "kv"), 0);
   Batch b = a.submit({&w, 1});
-  ASSERT_TRUE(b.wait(10s));
+  ASSERT_TRUE(lab::waited(b, 10s));
   EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
   const Transfer r = xfer(TransferOp::read, dst, 0, len, a.segment("t", "kv"), 0);
   Batch rb = a.submit({&r, 1});
-  ASSERT_TRUE(rb.wait(10s));
+  ASSERT_TRUE(lab::waited(rb, 10s));
   EXPECT_EQ(rb.failed(), 0u) << rb.describe_failures();
 }
 
@@ -87,7 +87,7 @@ TEST(EngineTransports, TheInitiatorsFirstChoiceThatBothOfferIsTaken) {
     fill(src.addr, src.length, 3);
     const Transfer w = xfer(TransferOp::write, src, 0, 4096, a.segment("t", "kv"), 0);
     Batch b = a.submit({&w, 1});
-    EXPECT_TRUE(b.wait(10s));
+    EXPECT_TRUE(lab::waited(b, 10s));
     EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
     EXPECT_TRUE(same(t.buf.addr, src.addr, 4096));
     return peer_info(a, "t");
@@ -127,7 +127,7 @@ TEST(EngineTransports, InOneVmShmIsTakenUnlessUnlisted) {
     fill(src.addr, src.length, want[0] == 's' ? 5 : 6);
     const Transfer w = xfer(TransferOp::write, src, 0, 1 << 16, a.segment("t", "kv"), 0);
     Batch b = a.submit({&w, 1});
-    ASSERT_TRUE(b.wait(10s));
+    ASSERT_TRUE(lab::waited(b, 10s));
     EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
     EXPECT_TRUE(same(t.buf.addr, src.addr, 1 << 16));
     const rdmakit::PeerInfo p = peer_info(a, "t");
@@ -244,7 +244,7 @@ TEST(EngineTransports, AllocatedMemoryIsCopiedOnceThroughTheTargetsMapping) {
     const Buffer mine = a.register_memory(own.data(), own.size());
     const Transfer w2 = xfer(TransferOp::write, mine, 0, 1 << 20, a.segment("t", "kv"), 1 << 20);
     Batch b2 = a.submit({&w2, 1});
-    ASSERT_TRUE(b2.wait(10s));
+    ASSERT_TRUE(lab::waited(b2, 10s));
     EXPECT_EQ(b2.failed(), 0u) << b2.describe_failures();
     EXPECT_TRUE(same(static_cast<std::uint8_t*>(t.buf.addr) + (1 << 20), own.data(), 1 << 20));
     EXPECT_EQ(a.counters().shm_mapped_bytes, 8u << 20);
@@ -270,7 +270,7 @@ TEST(EngineTransports, AllocatedMemoryIsCopiedOnceThroughTheTargetsMapping) {
   fill(src.addr, src.length, 33);
   const Transfer w = xfer(TransferOp::write, src, 0, 1 << 20, a.segment("t", "kv"), 0);
   Batch b = a.submit({&w, 1});
-  ASSERT_TRUE(b.wait(10s));
+  ASSERT_TRUE(lab::waited(b, 10s));
   EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
   EXPECT_TRUE(same(t.buf.addr, src.addr, 1 << 20));
   EXPECT_EQ(a.counters().shm_mapped_bytes, 0u);
@@ -287,7 +287,7 @@ TEST(EngineTransports, NoTransportInCommonFailsSayingWhat) {
   const Buffer src = a.allocate_memory(64);
   const Transfer w = xfer(TransferOp::write, src, 0, 64, a.segment("t", "kv"), 0);
   Batch b = a.submit({&w, 1});
-  ASSERT_TRUE(b.wait(20s));
+  ASSERT_TRUE(lab::waited(b, 20s));
   EXPECT_EQ(b.result(0).status, TransferStatus::connect_failed);
   EXPECT_NE(b.result(0).reason.find("no transport both engines offer"), std::string::npos) << b.result(0).reason;
   EXPECT_NE(b.result(0).reason.find("tcp not: this engine does not offer it"), std::string::npos) << b.result(0).reason;
@@ -338,7 +338,7 @@ TEST(EngineTransports, MemoryTheCpuCannotReachIsRefusedNotTouched) {
     const Transfer w[] = {xfer(TransferOp::write, mine, 0, 64, a.segment("t", "kv"), 0),
                           xfer(TransferOp::write, ok, 0, 64, a.segment("t", "far"), 0)};
     Batch b = a.submit(w);
-    ASSERT_TRUE(b.wait(10s));
+    ASSERT_TRUE(lab::waited(b, 10s));
     EXPECT_EQ(b.result(0).status, TransferStatus::invalid) << b.result(0).reason;
     EXPECT_NE(b.result(0).reason.find("CPU cannot reach"), std::string::npos) << b.result(0).reason;
     EXPECT_EQ(b.result(1).status, TransferStatus::no_segment) << b.result(1).reason;
@@ -365,7 +365,7 @@ TEST(EngineTransports, APeerKilledMidBatchEndsItAndTheOthersGoOn) {
   std::this_thread::sleep_for(50ms);
   const auto t0 = std::chrono::steady_clock::now();
   peer.kill();
-  ASSERT_TRUE(b.wait(10s)) << "a batch to a killed peer never ended";
+  ASSERT_TRUE(lab::waited(b, 10s)) << "a batch to a killed peer never ended";
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
   EXPECT_GT(b.failed(), 0u);
   for (std::uint32_t i = 0; i < t.size(); ++i) {
@@ -379,7 +379,7 @@ TEST(EngineTransports, APeerKilledMidBatchEndsItAndTheOthersGoOn) {
   }
   const Transfer w = xfer(TransferOp::write, src, 0, 4096, a.segment("o", "kv"), 0);
   Batch ok = a.submit({&w, 1});
-  ASSERT_TRUE(ok.wait(10s));
+  ASSERT_TRUE(lab::waited(ok, 10s));
   EXPECT_EQ(ok.failed(), 0u) << ok.describe_failures();
 }
 
@@ -442,7 +442,7 @@ TEST(EngineTransports, ForgedAndGarbageStreamsAreRefusedAndTheLinksServed) {
   const Buffer src = a.allocate_memory(4096);
   const Transfer w = xfer(TransferOp::write, src, 0, 4096, a.segment("t", "kv"), 0);
   Batch b = a.submit({&w, 1});
-  ASSERT_TRUE(b.wait(10s));
+  ASSERT_TRUE(lab::waited(b, 10s));
   EXPECT_EQ(b.failed(), 0u) << b.describe_failures();
   EXPECT_EQ(a.counters().reconnects, 0u);
 }
