@@ -306,9 +306,9 @@ std::string Batch::describe_progress() const {
   std::string open;
   std::size_t runs = 0;
   for (std::size_t i = 0; i < n;) {
-    if (state_->x[i].status(std::memory_order_acquire) != TransferStatus::pending) {
+    if (const TransferStatus st = state_->x[i].status(std::memory_order_acquire); st != TransferStatus::pending) {
       ++ended;
-      failed += state_->x[i].status(std::memory_order_relaxed) != TransferStatus::ok ? 1u : 0u;
+      failed += st != TransferStatus::ok ? 1u : 0u;
       ++i;
       continue;
     }
@@ -326,7 +326,7 @@ std::string Batch::describe_progress() const {
   }
   return fmt::format("{} of {} ended ({} failed{}), {} had not{}", ended, n, failed,
                      paths.empty() ? "" : fmt::format("; ended ok on path: {}", paths), n - ended,
-                     open.empty() ? "" : fmt::format(": transfer{} {}", runs == 1 && open.find('-') == std::string::npos ? "" : "s", open));
+                     open.empty() ? "" : fmt::format(": transfer{} {}", n - ended == 1 ? "" : "s", open));
 }
 
 BatchTelemetry Batch::telemetry() const {

@@ -40,10 +40,10 @@ def lab_qemus():
     return pids
 
 
-def run_lab(args, timeout=300):
+def run_lab(args, timeout=300, env=None):
     """Runs the lab, echoing its output; returns (rc, stdout, stderr, seconds)."""
     t0 = time.monotonic()
-    p = subprocess.run([LAB, "run", *args], capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run([LAB, "run", *args], capture_output=True, text=True, timeout=timeout, env=env)
     dt = time.monotonic() - t0
     sys.stdout.write(p.stdout)
     sys.stdout.write(p.stderr)
@@ -142,20 +142,15 @@ def case_clock():
     if rc != 0 or not re.search(r"tsc_early_khz=(\d+)", out):
         fail(f"no TSC rate given to the guest: status {rc}, {out[-300:]}")
     real = int(re.search(r"tsc_early_khz=(\d+)", out).group(1))
-    env = dict(os.environ, RDMAKIT_LAB_TSC_KHZ=str(real // 2))
-    t0 = time.monotonic()
-    p = subprocess.run([LAB, "run", "--", "sh", "-c", "sleep 10"], capture_output=True, text=True,
-                       timeout=300, env=env)
-    print(p.stdout + p.stderr + f"-- lab exited {p.returncode} after {time.monotonic() - t0:.1f} s", flush=True)
-    m = re.search(r"VM 0's clock ran ([0-9.]+)x as fast as the host's", p.stderr)
-    if p.returncode != 0 or not m:
-        fail(f"a guest clock at twice the host's rate was not reported (status {p.returncode})")
+    rc, _, err, _ = run_lab(["--", "sh", "-c", "sleep 10"], env=dict(os.environ, RDMAKIT_LAB_TSC_KHZ=str(real // 2)))
+    m = re.search(r"VM 0's clock ran ([0-9.]+)x as fast as the host's", err)
+    if rc != 0 or not m:
+        fail(f"a guest clock at twice the host's rate was not reported (status {rc})")
     if not 1.6 <= float(m.group(1)) <= 2.4:
         fail(f"the guest's clock reported at {m.group(1)}x the host's, not about 2x")
-    p = subprocess.run([LAB, "run", "--", "true"], capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, RDMAKIT_LAB_TSC_KHZ="12x"))
-    if p.returncode != 125 or "RDMAKIT_LAB_TSC_KHZ=12x" not in p.stderr:
-        fail(f"a malformed RDMAKIT_LAB_TSC_KHZ gave status {p.returncode}: {p.stderr[-200:]}")
+    rc, _, err, _ = run_lab(["--", "true"], timeout=60, env=dict(os.environ, RDMAKIT_LAB_TSC_KHZ="12x"))
+    if rc != 125 or "RDMAKIT_LAB_TSC_KHZ=12x" not in err:
+        fail(f"a malformed RDMAKIT_LAB_TSC_KHZ gave status {rc}: {err[-200:]}")
 
 
 def case_cpus_refused():
