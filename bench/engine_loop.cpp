@@ -30,7 +30,10 @@
 //     8-byte WRITE or READ posted with ibv_post_send on the link's QP (the engine's buffer, the
 //     peer's window of the segment) and polled off the worker's CQ, the engine's workers off
 //     (workers = 0, nothing else polls): what the engine's QP, CQ, memory and window cost
-//     against a connection's, apart from what the engine's own steps cost.
+//     against a connection's, apart from what the engine's own steps cost. With
+//     RDMAKIT_LOOP_ANCHOR=N, in turns of N with the raw verbs anchor, as the wait modes.
+// RDMAKIT_LOOP_NO_TELEMETRY set (any value): the engine without EngineConfig::telemetry (two
+// clock reads per batch of one, of three, and the latency histogram), to measure what they cost.
 // With RDMAKIT_LOOP_SCRAPE_MS=N, another thread reads Engine::metrics() every N ms meanwhile, as a
 // Prometheus scraper would (callgrind counts the loop's thread only: what a scrape costs the
 // data path, not what it costs itself).
@@ -250,8 +253,23 @@ int link_rounds(rdmakit::Engine& e, const rdmakit::Transfer& t, bool read, unsig
   ibv_qp* qp = l.impl.dp.lane(0).qp;
   bench::RawRequest request(qp, qp->send_cq, buf->slices[l.device].subslice(0, 8), *l.by_slot[t.remote.slot], read,
                             l.impl.dp.limits().max_inline >= 8);
-  std::vector<double> us;
+  // RDMAKIT_LOOP_ANCHOR=N: in turns of N with the raw verbs anchor (a loopback connection's QP),
+  // as timed_rounds does: what the link's QP, window and memory cost, inside one process.
+  const long turn = std::getenv("RDMAKIT_LOOP_ANCHOR") != nullptr ? std::atol(std::getenv("RDMAKIT_LOOP_ANCHOR")) : 0;
+  std::optional<bench::RawRoundTrip> anchor;
+  if (turn > 0) anchor.emplace(read);
+  std::vector<double> us, raw;
   for (unsigned long i = 0; i < rounds + rounds / 10; ++i) {
+    if (anchor && i % static_cast<unsigned long>(turn) == 0) {
+      for (long k = 0; k < turn; ++k) {
+        const auto t0 = std::chrono::steady_clock::now();
+        if (const char* failed = anchor->once(); failed != nullptr) {
+          std::fprintf(stderr, "raw verbs: %s\n", failed);
+          return 1;
+        }
+        if (i >= rounds / 10) raw.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      }
+    }
     const auto t0 = std::chrono::steady_clock::now();
     if (const char* failed = request.once(); failed != nullptr) {
       std::fprintf(stderr, "link: %s\n", failed);
@@ -262,6 +280,12 @@ int link_rounds(rdmakit::Engine& e, const rdmakit::Transfer& t, bool read, unsig
   std::sort(us.begin(), us.end());
   std::printf("%s: raw verbs on the engine's link: round trip p50 %.1f p99 %.1f us\n", read ? "link-read" : "link",
               us[us.size() / 2], us[us.size() * 99 / 100]);
+  if (!raw.empty()) {
+    std::sort(raw.begin(), raw.end());
+    std::printf("%s: raw verbs on a connection in turns with it: p50 %.1f p99 %.1f us; link/connection p50 %.2fx\n",
+                read ? "link-read" : "link", raw[raw.size() / 2], raw[raw.size() * 99 / 100],
+                us[us.size() / 2] / raw[raw.size() / 2]);
+  }
   return 0;
 }
 
@@ -311,6 +335,7 @@ int main(int argc, char** argv) {
     cfg.listen = "";
     cfg.workers = wait ? 1 : 0;
     cfg.link.send_depth = 256;
+    if (std::getenv("RDMAKIT_LOOP_NO_TELEMETRY") != nullptr) cfg.telemetry = false;
     rdmakit::Engine e(cfg);
     e.add_peer("t", argv[4]);
     std::string why;
