@@ -34,7 +34,7 @@ class CqRouter {
   /// from its poll(): its requests' completions, failed or not (never the library's own). It
   /// must not detach or destroy data paths. Returns how many work completions were taken.
   template <typename OnNews>
-  int poll(OnNews&& on_news) noexcept {
+  [[gnu::always_inline]] int poll(OnNews&& on_news) noexcept {
     ibv_wc wc[kPollBatch];
     const int got = ibv_poll_cq(cq_, kPollBatch, wc);
     for (int i = 0; i < got; ++i) {

@@ -29,58 +29,16 @@ using detail::BatchState;
 using detail::Peer;
 using detail::Worker;
 
-void detail::BatchState::allocate_entries(bool lists) {
-  // One allocation: the entries, then the copies of the transfers they point at, then (a batch
-  // of descriptor lists) the indices.
-  static_assert(alignof(Transfer) <= alignof(Xfer));
-  // A batch of one (a flag, a lease, a small block: what waits for the wire's latency) keeps
-  // them in the state itself.
-  static_assert(sizeof(Xfer) % alignof(Transfer) == 0 && sizeof(Transfer) % alignof(std::uint32_t) == 0);
-  const std::size_t n = std::max<std::size_t>(size, 1);
-  x_inline = n == 1;
-  const std::size_t indices = lists && !x_inline ? 2 * n * sizeof(std::uint32_t) : 0;
-  x = x_inline ? reinterpret_cast<Xfer*>(one_)
-               : static_cast<Xfer*>(::operator new(n * (sizeof(Xfer) + sizeof(Transfer)) + indices));
-  owned = reinterpret_cast<Transfer*>(x + n);
-  if (lists) {
-    auto* at = x_inline ? one_index_ : reinterpret_cast<std::uint32_t*>(owned + n);
-    local_index = at;
-    remote_index = at + n;
-  }
-}
-
-detail::BatchState::BatchState(Engine::Impl* e, std::span<const Transfer> t)
-    : size(static_cast<std::uint32_t>(t.size())), engine(e) {
-  allocate_entries();
-  // One loop (not a memcpy, whose `rep movsb` callgrind would count byte by byte).
-  for (std::uint32_t i = 0; i < size; ++i) {
-    new (x + i) Xfer(*new (owned + i) Transfer(t[i]), this, i);
-    atomics |= t[i].op >= TransferOp::fetch_add;
-  }
-  remaining.store(size, std::memory_order_relaxed);
-  gate = e->gate;
-}
-
 detail::BatchState::BatchState(Engine::Impl* e, std::uint32_t n, bool lists) : size(n), engine(e) {
   allocate_entries(lists);  // the caller constructs each entry and its transfer (once, not twice)
   remaining.store(size, std::memory_order_relaxed);
   gate = e->gate;
 }
 
-void detail::BatchState::set_home(std::uint32_t w, std::size_t workers) {
-  home = w;
-  if (w == kSeveralWorkers) more = std::make_unique<WorkerShare[]>(workers);
-}
-
 void detail::DriveGate::close() noexcept {
   users_.fetch_or(kClosed, std::memory_order_acq_rel);
   // Whoever is inside sees it closing within one turn of its spin, and leaves.
   while ((users_.load(std::memory_order_acquire) & ~kClosed) != 0) std::this_thread::yield();
-}
-
-detail::BatchState::~BatchState() {
-  static_assert(std::is_trivially_destructible_v<Xfer> && std::is_trivially_destructible_v<Transfer>);
-  if (!x_inline) ::operator delete(x);
 }
 
 void detail::BatchState::finish(Xfer& t, TransferStatus s, std::string reason) noexcept {
@@ -112,47 +70,21 @@ void detail::BatchState::notification_failed(std::string why) noexcept {
   engine->count.notifications_refused.fetch_add(1, std::memory_order_relaxed);
 }
 
-void detail::BatchState::finished_ok(std::uint32_t n) noexcept {
-  if (remaining.fetch_sub(n, std::memory_order_acq_rel) == n) last_ended();
-}
-
-void detail::BatchState::stamp_posted() noexcept {
-  const std::int64_t now = Clock::now().time_since_epoch().count();
-  std::int64_t was = posted_ns.load(std::memory_order_relaxed);
-  while (was < now && !posted_ns.compare_exchange_weak(was, now, std::memory_order_relaxed)) {
+void detail::BatchState::run_callback() noexcept {
+  try {
+    on_done(Batch(shared_from_this()));
+  } catch (...) {
+    // A callback that throws must not take the worker down.
   }
 }
 
-void detail::BatchState::last_ended() noexcept {
-  if (engine->cfg.telemetry) {
-    const std::int64_t now = Clock::now().time_since_epoch().count();
-    ended_ns.store(now, std::memory_order_release);
-    if (!note_only) {
-      engine->batch_latency.observe(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                        Deadline{Clock::duration{now}} - submitted).count());
-    }
+void detail::BatchState::wake_sleepers() noexcept {
+  std::condition_variable* c = nullptr;
+  {
+    std::lock_guard lock(mu);
+    if (cv) c = &*cv;  // made by the sleeper, under mu, before it counted itself
   }
-  // The callback first, so that wait() returning (and the descriptor) also means it has run.
-  if (on_done) {
-    try {
-      on_done(Batch(shared_from_this()));
-    } catch (...) {
-      // A callback that throws must not take the worker down.
-    }
-  }
-  ended();
-  engine->signal();
-}
-
-void detail::BatchState::ended() noexcept {
-  callback_ran.store(true, std::memory_order_seq_cst);
-  // A waiter counts itself asleep before it checks callback_ran (both seq_cst): it saw the
-  // batch end, or it is counted here. Taking the lock it holds until it sleeps then means the
-  // notify cannot fall between its check and its sleep.
-  if (sleepers.load(std::memory_order_seq_cst) != 0) {
-    { std::lock_guard lock(mu); }
-    cv.notify_all();
-  }
+  if (c != nullptr) c->notify_all();
 }
 
 bool detail::BatchState::spin(Deadline start, Deadline until) noexcept {
@@ -211,7 +143,6 @@ void detail::BatchState::slept(std::chrono::nanoseconds took) noexcept {
   gate->leave();
 }
 
-Batch::Batch(std::shared_ptr<detail::BatchState> state) noexcept : state_(std::move(state)) {}
 Batch::Batch(Batch&&) noexcept = default;
 Batch& Batch::operator=(Batch&&) noexcept = default;
 Batch::~Batch() = default;
@@ -234,8 +165,9 @@ bool Batch::wait(std::chrono::milliseconds timeout) const {
   // within it): the wire's latency, and no thread's wake-up on top.
   if (b.spin(start, until)) return true;
   std::unique_lock lock(b.mu);
+  if (!b.cv) b.cv.emplace();
   b.sleepers.fetch_add(1, std::memory_order_seq_cst);
-  const bool done = b.cv.wait_until(lock, until, [&] { return b.callback_ran.load(std::memory_order_seq_cst); });
+  const bool done = b.cv->wait_until(lock, until, [&] { return b.callback_ran.load(std::memory_order_seq_cst); });
   b.sleepers.fetch_sub(1, std::memory_order_relaxed);
   lock.unlock();
   if (done) b.slept(detail::Clock::now() - start);

@@ -10,12 +10,14 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <map>
 #include <optional>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -285,7 +287,10 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   /// before the batch is launched. A batch dropped part way (the caller threw) frees them
   /// unread: both are trivially destructible.
   BatchState(Engine::Impl* e, std::uint32_t n, bool lists = false);
-  ~BatchState();
+  ~BatchState() {
+    static_assert(std::is_trivially_destructible_v<Xfer> && std::is_trivially_destructible_v<Transfer>);
+    if (!x_inline) ::operator delete(x);
+  }
   BatchState(const BatchState&) = delete;
   BatchState& operator=(const BatchState&) = delete;
   std::uint32_t size = 0;
@@ -299,13 +304,22 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   std::atomic<bool> sliced{false};  // a transfer of it was cut into slices (Worker::slice)
   bool atomics = false;  // it has atomic transfers (Worker::walk counts their bytes apart)
   mutable std::mutex mu;  // reasons, and a wait() that sleeps
-  mutable std::condition_variable cv;
+  /// Made (under mu) by the first wait() that sleeps: most batches end before anyone sleeps on
+  /// them, and a condition variable's construction and destruction are calls into the C++ and C
+  /// libraries on the latency path.
+  mutable std::optional<std::condition_variable> cv;
   /// The batch ended and its callback (if any) returned: what wait() waits for. Stored once
   /// (ended()); a waiter that sleeps counts itself in `sleepers` first, so that the common end
   /// (nobody asleep) takes no lock and makes no call to wake anyone.
   std::atomic<bool> callback_ran{false};
   std::atomic<std::uint32_t> sleepers{0};
-  void ended() noexcept;
+  void ended() noexcept {
+    callback_ran.store(true, std::memory_order_seq_cst);
+    // A waiter counts itself asleep before it checks callback_ran (both seq_cst): it saw the
+    // batch end, or it is counted here. Taking the lock it holds until it sleeps then means the
+    // notify cannot fall between its check and its sleep.
+    if (sleepers.load(std::memory_order_seq_cst) != 0) wake_sleepers();
+  }
   /// Batch::wait's spin (from `start`, until `until` at the latest): polls for the batch's end
   /// on the calling thread, running its worker's completions here while that worker's thread
   /// is not (Worker::try_drive); true once ended. Through the engine's gate: false at once
@@ -335,7 +349,12 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   std::atomic<std::int64_t> posted_ns{0};
   std::atomic<std::int64_t> ended_ns{0};
   /// Records that a worker has posted its share of the batch (the latest one counts).
-  void stamp_posted() noexcept;
+  void stamp_posted() noexcept {
+    const std::int64_t now = Clock::now().time_since_epoch().count();
+    std::int64_t was = posted_ns.load(std::memory_order_relaxed);
+    while (was < now && !posted_ns.compare_exchange_weak(was, now, std::memory_order_relaxed)) {
+    }
+  }
   std::function<void(const Batch&)> on_done;
   Engine::Impl* engine = nullptr;
   std::shared_ptr<PlanState> plan;  // a batch of a plan: posted from its requests
@@ -365,7 +384,10 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   /// The worker all its transfers went to, or kSeveralWorkers (set before any is sent).
   std::uint32_t home = 0;
   /// Sends the batch to worker `w` alone, or (kSeveralWorkers) to several: their shares.
-  void set_home(std::uint32_t w, std::size_t workers);
+  void set_home(std::uint32_t w, std::size_t workers) {
+    home = w;
+    if (w == kSeveralWorkers) more = std::make_unique<WorkerShare[]>(workers);
+  }
   /// Worker `w`'s share (the worker's alone): no lookup, and no allocation for a batch on one
   /// worker.
   WorkerShare& share(std::uint32_t w) noexcept { return w == home ? share0 : more[w]; }
@@ -375,15 +397,67 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   /// Records a transfer's end with its reason (a failure, or any end when the batch notifies).
   void finish(Xfer& t, TransferStatus s, std::string reason) noexcept;
   /// `n` transfers ended ok (their status stored already): one count for all of them.
-  void finished_ok(std::uint32_t n) noexcept;
+  void finished_ok(std::uint32_t n) noexcept {
+    if (remaining.fetch_sub(n, std::memory_order_acq_rel) == n) last_ended();
+  }
 
  private:
   /// x and owned for `size` entries (in one_ for a batch of one), unconstructed; and room for
   /// two arrays of `size` indices when `lists` (one_index_ for a batch of one).
-  void allocate_entries(bool lists = false);
+  void allocate_entries(bool lists = false) {
+    // One allocation: the entries, then the copies of the transfers they point at, then (a batch
+    // of descriptor lists) the indices.
+    static_assert(alignof(Transfer) <= alignof(Xfer));
+    // A batch of one (a flag, a lease, a small block: what waits for the wire's latency) keeps
+    // them in the state itself.
+    static_assert(sizeof(Xfer) % alignof(Transfer) == 0 && sizeof(Transfer) % alignof(std::uint32_t) == 0);
+    const std::size_t n = std::max<std::size_t>(size, 1);
+    x_inline = n == 1;
+    const std::size_t indices = lists && !x_inline ? 2 * n * sizeof(std::uint32_t) : 0;
+    x = x_inline ? reinterpret_cast<Xfer*>(one_)
+                 : static_cast<Xfer*>(::operator new(n * (sizeof(Xfer) + sizeof(Transfer)) + indices));
+    owned = reinterpret_cast<Transfer*>(x + n);
+    if (lists) {
+      auto* at = x_inline ? one_index_ : reinterpret_cast<std::uint32_t*>(owned + n);
+      local_index = at;
+      remote_index = at + n;
+    }
+  }
   std::uint32_t one_index_[2] = {0, 0};
+  /// The batch's end (its last transfer ended): telemetry, the callback, the waiters, the
+  /// engine's descriptor. Inline (impl.hpp), as finished_ok(): the latency path's end.
   void last_ended() noexcept;
+  /// on_done, run by last_ended (out of line: most batches have none).
+  void run_callback() noexcept;
+  /// ended()'s wake-up of the waiters asleep on the batch (out of the common path).
+  void wake_sleepers() noexcept;
 };
+
+/// A batch's state, allocated by malloc and freed by free directly: std::make_shared's
+/// operator new and sized operator delete are three more calls per batch into the C++ library,
+/// which on the lab's emulator cost more than the round trip can spare (docs/performance.md).
+template <class T>
+struct MallocAllocator {
+  static_assert(alignof(T) <= alignof(std::max_align_t));
+  using value_type = T;
+  MallocAllocator() noexcept = default;
+  template <class U>
+  MallocAllocator(const MallocAllocator<U>&) noexcept {}  // NOLINT: rebinding, as std::allocator
+  T* allocate(std::size_t n) {
+    if (n > std::size_t(-1) / sizeof(T)) throw std::bad_array_new_length();
+    if (void* p = std::malloc(n * sizeof(T))) return static_cast<T*>(p);
+    throw std::bad_alloc();
+  }
+  void deallocate(T* p, std::size_t) noexcept { std::free(p); }
+  template <class U>
+  bool operator==(const MallocAllocator<U>&) const noexcept {
+    return true;
+  }
+};
+template <class... Args>
+std::shared_ptr<BatchState> make_batch(Args&&... args) {
+  return std::allocate_shared<BatchState>(MallocAllocator<BatchState>{}, std::forward<Args>(args)...);
+}
 
 inline const Transfer& Xfer::transfer() noexcept {
   if (t_ != nullptr) [[likely]] return *t_;

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The engine's public calls (include/rdmakit/engine.hpp); its internals are in impl.cpp, its
-// batches in batch.cpp.
+// The engine's public calls (include/rdmakit/engine.hpp); its internals are in impl.cpp, the
+// way of a batch to its workers in submit.cpp, its batches in batch.cpp.
 #include <sys/eventfd.h>
 #include <sys/random.h>
 #include <unistd.h>
@@ -295,13 +295,6 @@ std::shared_ptr<detail::Handled> Engine::Impl::cancel(const std::shared_ptr<deta
                  });
 }
 
-void Engine::Impl::send_to(std::uint32_t home, std::shared_ptr<detail::BatchState> b) {
-  if (workers[home]->try_submit(b)) return;
-  detail::Command c(detail::Command::Kind::submit);
-  c.batch = std::move(b);
-  workers[home]->post(std::move(c));
-}
-
 Batch Engine::notify(const std::string& peer, std::span<const std::uint8_t> message, SubmitOptions options) {
   if (!options.notify.empty()) {
     throw Error("notify", EINVAL, "options.notify is set: the message is notify()'s argument");
@@ -310,7 +303,7 @@ Batch Engine::notify(const std::string& peer, std::span<const std::uint8_t> mess
   // Its one entry carries the peer: a transfer that moves nothing, never posted.
   Transfer t;
   t.remote = {p->id, 0, p->generation};
-  auto state = std::make_shared<BatchState>(impl_.get(), std::span<const Transfer>(&t, 1));
+  auto state = detail::make_batch(impl_.get(), std::span<const Transfer>(&t, 1));
   state->note_only = true;
   options.notify.assign(message.begin(), message.end());
   Batch batch(state);
@@ -498,49 +491,6 @@ bool Engine::connect(const std::string& peer, std::chrono::milliseconds timeout,
     *why = settled() ? p->last_error : fmt::format("no link to '{}' within {} ms", peer, timeout.count());
   }
   return false;
-}
-
-Batch Engine::submit(std::span<const Transfer> transfers, SubmitOptions options) {
-  return impl_->launch(std::make_shared<BatchState>(impl_.get(), transfers), std::move(options));
-}
-
-Batch Engine::Impl::launch(std::shared_ptr<BatchState> state, SubmitOptions&& options) {
-  Batch batch(state);
-  if (!start(*state, std::move(options))) return batch;
-  // The workers check each transfer (and end a bad one at once); here they are only sent to
-  // their peers' workers: with one worker, without looking at them.
-  const std::size_t n = workers.size();
-  // An unknown peer goes to worker 0, which says so; the worker checks the handle (this is
-  // only where to send it, read without touching a peer record that may be going).
-  auto worker_of = [&](std::uint32_t i) {
-    const std::uint32_t id = state->remote_at(i).peer;
-    const std::uint32_t w = id != 0 && id <= kMaxPeers ? peer_worker[id - 1].load(std::memory_order_relaxed) : 0;
-    return w < n ? w : 0;
-  };
-  std::uint32_t home = 0;
-  if (n > 1) {
-    home = worker_of(0);
-    // Descriptor lists on one peer: every position is that peer's.
-    const bool one_peer = state->remote_list != nullptr && state->remote_list->peer != 0;
-    for (std::uint32_t i = 1; i < state->size && home != detail::kSeveralWorkers && !one_peer; ++i) {
-      if (worker_of(i) != home) home = detail::kSeveralWorkers;
-    }
-  }
-  state->set_home(home, n);
-  if (home != detail::kSeveralWorkers) {
-    send_to(home, std::move(state));
-    return batch;
-  }
-  std::vector<std::vector<std::uint32_t>> per_worker(n);
-  for (std::uint32_t i = 0; i < state->size; ++i) per_worker[worker_of(i)].push_back(i);
-  for (std::size_t w = 0; w < n; ++w) {
-    if (per_worker[w].empty()) continue;
-    detail::Command c(detail::Command::Kind::submit);
-    c.batch = state;
-    c.indexes = std::move(per_worker[w]);
-    workers[w]->post(std::move(c));
-  }
-  return batch;
 }
 
 std::optional<Notification> Engine::next_notification() {

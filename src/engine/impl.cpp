@@ -281,64 +281,9 @@ void Engine::Impl::shut_down() noexcept {
   workers.clear();
 }
 
-void Engine::Impl::signal() noexcept {
-  if (fd_taken.fetch_add(0, std::memory_order_acq_rel) == 0) return;  // an RMW: see Engine::fd()
+void Engine::Impl::signal_fd() noexcept {
   const std::uint64_t one = 1;
   (void)!::write(event_fd.get(), &one, sizeof one);
-}
-
-bool Engine::Impl::start(BatchState& b, SubmitOptions&& options) {
-  if (options.notify.size() > Engine::max_notification) {
-    throw Error("submit", EMSGSIZE,
-                fmt::format("a notification of {} bytes; at most {}", options.notify.size(), Engine::max_notification));
-  }
-  if (options.request_id.size() > Engine::max_request_id) {
-    throw Error("submit", EMSGSIZE,
-                fmt::format("a request id of {} bytes; at most {}", options.request_id.size(), Engine::max_request_id));
-  }
-  // Most batches carry none of these: nothing to move (the latency path counts each step).
-  if (!options.notify.empty()) b.notify = std::move(options.notify);
-  if (!options.request_id.empty()) b.request_id = std::move(options.request_id);
-  if (options.on_done) b.on_done = std::move(options.on_done);
-  if (cfg.telemetry) b.submitted = detail::Clock::now();
-  if (!b.note_only) {
-    count.batches.fetch_add(1, std::memory_order_relaxed);
-    count.transfers.fetch_add(b.size, std::memory_order_relaxed);
-    if (b.plan) {
-      submitted.add_tally(b.plan->tally);  // counted once, at prepare()
-    } else {
-      if (b.local_index != nullptr && b.local_list->uniform != 0) {  // descriptor lists of blocks alike
-        submitted.add_same(b.size, b.list_op, b.local_list->uniform);
-      } else if (b.local_index != nullptr) {  // one operation, the local descriptors' lengths
-        const LocalDescriptor* l = b.local_list->local.data();
-        submitted.add_batch(b.size, [&](std::size_t i) { return detail::OpLength{b.list_op, l[b.local_index[i]].length}; });
-      } else {
-        submitted.add_batch(b.size, [&](std::size_t i) { return detail::OpLength{b.x[i].t_->op, b.x[i].t_->length}; });
-      }
-    }
-  }
-  if (b.size != 0) return true;
-  // Done at once, like any batch.
-  if (cfg.telemetry) b.ended_ns.store(b.submitted.time_since_epoch().count(), std::memory_order_release);
-  if (b.on_done) {
-    try {
-      b.on_done(Batch(b.shared_from_this()));
-    } catch (...) {
-    }
-  }
-  b.ended();
-  signal();
-  return false;
-}
-
-detail::BufferRec* Engine::Impl::buffer(std::uint32_t id) const noexcept {
-  if (id == 0 || id > kMaxBuffers) return nullptr;
-  return buffer_table[id - 1].load(std::memory_order_acquire);
-}
-
-detail::Peer* Engine::Impl::peer(std::uint32_t id) const noexcept {
-  if (id == 0 || id > kMaxPeers) return nullptr;
-  return peer_table[id - 1].load(std::memory_order_acquire);
 }
 
 std::uint32_t Engine::Impl::device_index(const std::string& device) const {

@@ -444,8 +444,13 @@ class Worker {
 
  private:
   void handle(Command& c);
-  /// Handles what was posted (the inbox), in order.
-  void take_mail();
+  /// Handles what was posted (the inbox), in order. The look inline: on the latency path
+  /// (try_submit) there is seldom any, and on the lab's emulator every call costs tens of
+  /// nanoseconds (docs/performance.md), as for the other guards below.
+  void take_mail() {
+    if (has_mail_.load(std::memory_order_seq_cst)) take_mail_now();
+  }
+  void take_mail_now();
   /// A command's or a submit's failure, logged (it never takes the worker down).
   void log_failure(const std::exception& ex) noexcept;
   void submit(const std::shared_ptr<BatchState>& b, const std::vector<std::uint32_t>& indexes);
@@ -453,9 +458,25 @@ class Worker {
   /// first post there), or the long way (route()) when anything they were built for changed.
   void submit_plan(const std::shared_ptr<BatchState>& b);
   /// Lists batch b as live on this worker (once) with `n` more of its transfers.
-  WorkerShare& list(const std::shared_ptr<BatchState>& b, std::uint32_t n);
+  WorkerShare& list(const std::shared_ptr<BatchState>& b, std::uint32_t n) {
+    WorkerShare& s = b->share(index_);
+    if (!s.keep) {
+      s.keep = b;
+      s.pos = static_cast<std::uint32_t>(live_.size());
+      live_.push_back(b.get());
+    }
+    s.left += n;
+    return s;
+  }
   /// Takes b off the list (its last transfer here ended); returns it, to outlive what follows.
-  std::shared_ptr<BatchState> unlist(BatchState& b) noexcept;
+  std::shared_ptr<BatchState> unlist(BatchState& b) noexcept {
+    WorkerShare& s = b.share(index_);
+    BatchState* moved = live_.back();
+    live_[s.pos] = moved;
+    moved->share(index_).pos = s.pos;
+    live_.pop_back();
+    return std::move(s.keep);
+  }
   /// Posts what it can of `run` (its transfers in this batch from `x`) as built for the link
   /// pick() gives; returns how many went (or failed): the rest take the long way.
   std::uint32_t post_run(PlanState::Run& run, Xfer* x);
@@ -504,11 +525,18 @@ class Worker {
   bool open_chain(Link& l);
   /// Posts the chain built on `l` (if any).
   void post_chain(Link& l);
-  void post_open_chains();
+  void post_open_chains() {
+    if (!open_chains_.empty()) post_open_chains_now();
+  }
+  void post_open_chains_now();
   /// Ends the transfers of a chain built and not posted (the link broke meanwhile).
   void abandon_chain(Link& l, const std::string& why) noexcept;
   void queue_flush(Link& l);
-  void flush_queued_links();
+  void flush_queued_links() {
+    if (!to_flush_.empty()) return flush_queued_links_now();
+    post_open_chains();
+  }
+  void flush_queued_links_now();
   /// Posts the link's backlog as chains of unsignaled requests (one doorbell each), as far as
   /// its send queue has room.
   void flush(Link& l);
@@ -536,6 +564,8 @@ class Worker {
   [[nodiscard]] const BufferRec& buffer_of(Xfer& x) const noexcept;
   /// The long way for transfer x: checks it, chains it or queues it, and sets `r` for the next.
   [[gnu::noinline]] void admit(Xfer& x, Route& r);
+  /// admit()'s body, inline where a batch of one takes it (Worker::submit).
+  void admit_here(Xfer& x, Route& r);
   [[gnu::noinline]] void refused(Link& l, Xfer& x, PostStatus st);
   /// x's buffer is memory the CPU cannot reach, and `l` is a tcp or shm link: it ends invalid.
   [[gnu::noinline, gnu::cold]] void unreachable(Link& l, Xfer& x);
@@ -563,7 +593,20 @@ class Worker {
   /// Ends every transfer waiting for `p`'s link with `s` and `why`.
   void fail_waiting(Peer& p, TransferStatus s, const std::string& why) noexcept;
   void bound(Link& l, Window& w, const Completion& c) noexcept;
-  void on_completion(DataPath& dp, const Completion& c) noexcept;
+  void on_completion(DataPath& dp, const Completion& c) noexcept {
+    Link& l = *static_cast<Link*>(dp.context);
+    const WrRing& ring = dp.lane(0).sq;
+    const std::uint64_t seq = ring.head() - 1;  // the request this completion retired
+    const bool part = ring.at(seq).kind == WrRing::part;
+    if (c.ok() && !part && (c.wr_id & 1) == 0) [[likely]] {
+      // It and every transfer posted before it on the link completed: walked when the poll is
+      // done (poll_cqs), once for all the link's completions in it.
+      if (l.walk_to == 0) to_walk_.push_back(&l);
+      l.walk_to = seq + 1;
+      return;
+    }
+    on_news(l, c, seq, part);
+  }
   /// A completion that is news of its own (a failure, a part, a bind): out of the common path.
   [[gnu::noinline]] void on_news(Link& l, const Completion& c, std::uint64_t seq, bool part) noexcept;
   /// Polls every CQ and walks the links whose transfers completed; returns the completions.
@@ -581,7 +624,13 @@ class Worker {
   /// The ready link of `p` (its first or a further rail) with the fewest bytes outstanding;
   /// with `instead_of`, another of the same peer process (epoch). Null: none ready.
   /// Rails on devices that `buf` ranks first are taken while one is ready (null: any).
-  Link* pick(Peer& p, const BufferRec* buf, const Link* instead_of = nullptr) noexcept;
+  Link* pick(Peer& p, const BufferRec* buf, const Link* instead_of = nullptr) noexcept {
+    if (p.rails.size() == 1) [[likely]] {  // one rail: nothing to choose (the common case, kept short)
+      return ready(p.link) && p.link != instead_of ? p.link : nullptr;
+    }
+    return pick_rail(p, buf, instead_of);
+  }
+  Link* pick_rail(Peer& p, const BufferRec* buf, const Link* instead_of) noexcept;
   /// Whether transfer x to `p` is cut into slices over its rails.
   bool slices_for(const Peer& p, Xfer& x) const noexcept;
   /// Whether transfers to `p` of slice_threshold bytes or more are cut into slices now (two of
@@ -797,7 +846,10 @@ class Worker {
   void arm() noexcept;
   void arm_and_look() noexcept;
   /// Serves arm_wanted_ if run_mu_ is free (after its holder let go: try_submit, try_drive).
-  void serve_arm_requests() noexcept;
+  void serve_arm_requests() noexcept {
+    if (arm_wanted_.load(std::memory_order_seq_cst)) serve_arm_requests_now();
+  }
+  void serve_arm_requests_now() noexcept;
   /// After another thread polled: the software transports' CQs readable again if completions
   /// wait in them.
   void keep_soft_readable() noexcept;
@@ -1058,14 +1110,30 @@ struct Engine::Impl {
   /// Stops every thread (the metadata plane's, the listener's, the connectors, the workers);
   /// the destructor, and a constructor that fails once they run.
   void shut_down() noexcept;
-  void signal() noexcept;
+  /// Makes the engine's descriptor (Engine::fd) readable, if anyone took it: a batch ended, a
+  /// notification came, a lease ended.
+  void signal() noexcept {
+    if (fd_taken.fetch_add(0, std::memory_order_acq_rel) == 0) return;  // an RMW: see Engine::fd()
+    signal_fd();
+  }
+  void signal_fd() noexcept;
   /// What every submit does before its transfers go to the workers: the options into `b`, the
   /// counters; an empty batch ends here (false: nothing to send).
   bool start(detail::BatchState& b, SubmitOptions&& options);
+  /// start() and launch() as submit.cpp runs them, inline (defined and used there only).
+  bool start_here(detail::BatchState& b, SubmitOptions&& options);
+  Batch launch_here(std::shared_ptr<detail::BatchState> state, SubmitOptions&& options);
   /// Sends b to worker `home` (all its transfers are that worker's): started on this thread
   /// when that worker's thread sleeps, else handed to it.
-  void send_to(std::uint32_t home, std::shared_ptr<detail::BatchState> b);
-  /// Starts a batch of transfers (its entries filled in) with `options`: submit(span)'s way.
+  void send_to(std::uint32_t home, std::shared_ptr<detail::BatchState> b) {
+    if (workers[home]->try_submit(b)) return;
+    hand_to(home, std::move(b));
+  }
+  /// send_to's way when try_submit did not start b on this thread (the worker's thread runs
+  /// it, or no thread does, a callback submits, stop() began): through the worker's inbox.
+  void hand_to(std::uint32_t home, std::shared_ptr<detail::BatchState> b);
+  /// Starts a batch of transfers (its entries filled in) with `options`: a batch of descriptor
+  /// lists' way (submit(span) runs the same, launch_here, in submit.cpp).
   Batch launch(std::shared_ptr<detail::BatchState> state, SubmitOptions&& options);
   /// Posts `make(i)` to each worker i that `to(i)` selects, and waits (at most 5 s) until each
   /// has handled it; not on a thread that runs a worker (a callback) nor without worker threads,
@@ -1079,8 +1147,14 @@ struct Engine::Impl {
   /// returns what to wait on (null: do not wait).
   std::shared_ptr<detail::Handled> cancel(const std::shared_ptr<detail::BatchState>& b);
   /// A BufferRec or Peer by id (0 or unknown: null). Lock-free.
-  [[nodiscard]] detail::BufferRec* buffer(std::uint32_t id) const noexcept;
-  [[nodiscard]] detail::Peer* peer(std::uint32_t id) const noexcept;
+  [[nodiscard]] detail::BufferRec* buffer(std::uint32_t id) const noexcept {
+    if (id == 0 || id > kMaxBuffers) return nullptr;
+    return buffer_table[id - 1].load(std::memory_order_acquire);
+  }
+  [[nodiscard]] detail::Peer* peer(std::uint32_t id) const noexcept {
+    if (id == 0 || id > kMaxPeers) return nullptr;
+    return peer_table[id - 1].load(std::memory_order_acquire);
+  }
   /// The same, for a handle: null unless its generation is the record's (a handle of a buffer
   /// unregistered, of a peer removed, or of another engine).
   [[nodiscard]] detail::BufferRec* buffer(const Buffer& h) const noexcept {
@@ -1150,6 +1224,42 @@ struct Engine::Impl {
 
 inline const detail::BufferRec& detail::Worker::buffer_of(Xfer& x) const noexcept {
   return *e_.buffer(x.transfer().local.id);  // admitted: its generation was checked
+}
+
+inline void detail::BatchState::last_ended() noexcept {
+  if (engine->cfg.telemetry) {
+    const std::int64_t now = Clock::now().time_since_epoch().count();
+    ended_ns.store(now, std::memory_order_release);
+    if (!note_only) {
+      engine->batch_latency.observe(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        Deadline{Clock::duration{now}} - submitted).count());
+    }
+  }
+  // The callback first, so that wait() returning (and the descriptor) also means it has run.
+  if (on_done) run_callback();
+  ended();
+  engine->signal();
+}
+
+// Inline: a batch of one is made on the latency path (Engine::submit).
+[[gnu::always_inline]] inline detail::BatchState::BatchState(Engine::Impl* e, std::span<const Transfer> t)
+    : size(static_cast<std::uint32_t>(t.size())), engine(e) {
+  allocate_entries();
+  // One loop (not a memcpy, whose `rep movsb` callgrind would count byte by byte).
+  for (std::uint32_t i = 0; i < size; ++i) {
+    new (x + i) Xfer(*new (owned + i) Transfer(t[i]), this, i);
+    atomics |= t[i].op >= TransferOp::fetch_add;
+  }
+  remaining.store(size, std::memory_order_relaxed);
+  gate = e->gate;
+}
+
+inline bool detail::Worker::slices_for(const Peer& p, Xfer& x) const noexcept {
+  const std::uint64_t threshold = e_.cfg.rails.slice_threshold;
+  if (threshold == 0 || x.transfer().length < threshold || x.group != nullptr || x.transfer().op > TransferOp::write) {
+    return false;
+  }
+  return slicing(p);
 }
 
 }  // namespace rdmakit

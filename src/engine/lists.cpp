@@ -220,7 +220,7 @@ Batch Engine::submit(TransferOp op, const DescriptorList& local, std::span<const
   check_count(local_indices.size(), "submit");
   const std::size_t nl = local.state_->local.size(), nr = remote.state_->remotes.size();
   const auto n = static_cast<std::uint32_t>(local_indices.size());
-  auto state = std::make_shared<detail::BatchState>(impl_.get(), n, true);
+  auto state = detail::make_batch(impl_.get(), n, true);
   // The batch's own copy of the indices (the caller's spans are theirs once submit returns),
   // checked as they are copied; the pairs' lengths are compared as each request is built.
   const bool in_range = nl != 0 && nr != 0 &&

@@ -1,9 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// The exposition text of a MetricsSnapshot (metrics.hpp), and the histogram the batches feed.
+// The exposition text of a MetricsSnapshot (metrics.hpp), and the submit tallies' counts.
 #include "engine/metrics.hpp"
 
 #include <algorithm>
-#include <bit>
 #include <numeric>
 #include <span>
 
@@ -12,15 +11,6 @@
 #include "rdmakit/version.hpp"
 
 namespace rdmakit::detail {
-
-void LatencyHistogram::observe(std::int64_t ns) noexcept {
-  // Rounded up: bucket i holds (2^(i-1), 2^i] microseconds (its le is inclusive), 0 and 1 us
-  // go to bucket 0.
-  const std::uint64_t us = ns <= 0 ? 0 : (static_cast<std::uint64_t>(ns) + 999) / 1000;
-  const std::size_t i = us <= 1 ? 0 : static_cast<std::size_t>(std::bit_width(us - 1));
-  counts[std::min(i, kBuckets)].fetch_add(1, std::memory_order_relaxed);
-  sum_ns.fetch_add(ns <= 0 ? 0 : static_cast<std::uint64_t>(ns), std::memory_order_relaxed);
-}
 
 SubmitTally SubmitTally::of(std::span<const Transfer> t) {
   SubmitFigures f;  // counted as a batch of them would be, once

@@ -25,7 +25,14 @@ struct LatencyHistogram {
   std::array<std::atomic<std::uint64_t>, kBuckets + 1> counts{};  // the last: above every bound
   // Two relaxed increments per batch that ends (with telemetry).
   std::atomic<std::uint64_t> sum_ns{0};
-  void observe(std::int64_t ns) noexcept;
+  void observe(std::int64_t ns) noexcept {
+    // Rounded up: bucket i holds (2^(i-1), 2^i] microseconds (its le is inclusive), 0 and 1 us
+    // go to bucket 0.
+    const std::uint64_t us = ns <= 0 ? 0 : (static_cast<std::uint64_t>(ns) + 999) / 1000;
+    const std::size_t i = us <= 1 ? 0 : static_cast<std::size_t>(std::bit_width(us - 1));
+    counts[std::min(i, kBuckets)].fetch_add(1, std::memory_order_relaxed);
+    sum_ns.fetch_add(ns <= 0 ? 0 : static_cast<std::uint64_t>(ns), std::memory_order_relaxed);
+  }
 };
 
 /// What batches asked for, by operation, and their transfers' sizes in log2 buckets of bytes
@@ -69,11 +76,15 @@ struct SubmitFigures {
   /// operation and length (a batch is mostly one run): a transfer like the one before costs two
   /// comparisons, its bucket and sums are taken once per run.
   template <class At>
-  void add_batch(std::size_t n, At transfer_at) noexcept {
-    if (n == 1) {  // the latency path's batch: its three additions, no arrays on the stack
+  [[gnu::always_inline]] void add_batch(std::size_t n, At transfer_at) noexcept {
+    if (n == 1) {  // the latency path's batch: its three additions, no arrays on the stack, no call
       const OpLength t = transfer_at(0);
       return add_same(1, t.op, t.length);
     }
+    add_many(n, transfer_at);
+  }
+  template <class At>
+  void add_many(std::size_t n, At transfer_at) noexcept {
     std::array<std::uint64_t, 2 * kOps> ops{};
     std::array<std::uint32_t, kSizeBuckets + 1> sizes{};
     std::uint64_t sizes_seen = 0;  // bit b: bucket b has some

@@ -236,7 +236,7 @@ bool Worker::try_drive() noexcept {
   return true;
 }
 
-void Worker::poll_while_asleep(bool fresh_clock, bool soft) {
+[[gnu::always_inline]] inline void Worker::poll_while_asleep(bool fresh_clock, bool soft) {
   if (expecting() == 0) return;
   if (poll_cqs(fresh_clock, soft) > 0) {
     flush_queued_links();
@@ -301,7 +301,7 @@ void Worker::request_arm() noexcept {
   serve_arm_requests();
 }
 
-void Worker::serve_arm_requests() noexcept {
+void Worker::serve_arm_requests_now() noexcept {
   // Whoever holds the lock when a request comes serves it after letting go (here, again): the
   // worker's thread as it next sleeps, a submitter or a waiter right after.
   // A thread already running the worker (a callback that waits, inside submit() or wait()) must
@@ -359,8 +359,7 @@ void Worker::log_failure(const std::exception& ex) noexcept {
   }
 }
 
-void Worker::take_mail() {
-  if (!has_mail_.load(std::memory_order_seq_cst)) return;
+void Worker::take_mail_now() {
   {
     // Swapped, not moved: both vectors keep their storage, so a post allocates nothing.
     std::lock_guard lock(mu_);

@@ -22,10 +22,7 @@ constexpr std::uint8_t kMaxTries = 3;
 
 }  // namespace
 
-Link* Worker::pick(Peer& p, const BufferRec* buf, const Link* instead_of) noexcept {
-  if (p.rails.size() == 1) [[likely]] {  // one rail: nothing to choose (the common case, kept short)
-    return ready(p.link) && p.link != instead_of ? p.link : nullptr;
-  }
+Link* Worker::pick_rail(Peer& p, const BufferRec* buf, const Link* instead_of) noexcept {
   Link* best = nullptr;
   std::uint64_t least = ~std::uint64_t{0};
   unsigned best_rank = ~0u;
@@ -49,12 +46,6 @@ Link* Worker::pick(Peer& p, const BufferRec* buf, const Link* instead_of) noexce
     consider(rail_link(p, k));
   }
   return best;
-}
-
-bool Worker::slices_for(const Peer& p, Xfer& x) const noexcept {
-  const std::uint64_t threshold = e_.cfg.rails.slice_threshold;
-  if (threshold == 0 || x.transfer().length < threshold || x.group != nullptr || x.transfer().op > TransferOp::write) return false;
-  return slicing(p);
 }
 
 bool Worker::slicing(const Peer& p) const noexcept {

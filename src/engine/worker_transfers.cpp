@@ -92,7 +92,11 @@ void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std:
       if (take_position(x)) route(x, r);
     }
   } else if (all) {
-    route_all(b->x, b->x + n, r);
+    if (n == 1) {
+      admit_here(b->x[0], r);  // a batch of one (the latency path): route() would admit it, by a call
+    } else {
+      route_all(b->x, b->x + n, r);
+    }
   } else {
     for (const std::uint32_t i : indexes) route(b->x[i], r);
   }
@@ -113,31 +117,13 @@ void Worker::submit(const std::shared_ptr<BatchState>& b, const std::vector<std:
   if (!chain(*r.link, x, r.laddr + t.local_offset, r.lkey, r.writable, *r.seg)) r.ok = false;
 }
 
-WorkerShare& Worker::list(const std::shared_ptr<BatchState>& b, std::uint32_t n) {
-  WorkerShare& s = b->share(index_);
-  if (!s.keep) {
-    s.keep = b;
-    s.pos = static_cast<std::uint32_t>(live_.size());
-    live_.push_back(b.get());
-  }
-  s.left += n;
-  return s;
-}
-
-std::shared_ptr<BatchState> Worker::unlist(BatchState& b) noexcept {
-  WorkerShare& s = b.share(index_);
-  BatchState* moved = live_.back();
-  live_[s.pos] = moved;
-  moved->share(index_).pos = s.pos;
-  live_.pop_back();
-  return std::move(s.keep);
-}
-
 void Worker::route_all(Xfer* x, Xfer* last, Route& r) {
   for (; x != last; ++x) route(*x, r);
 }
 
-void Worker::admit(Xfer& x, Route& r) {
+void Worker::admit(Xfer& x, Route& r) { admit_here(x, r); }
+
+[[gnu::always_inline]] inline void Worker::admit_here(Xfer& x, Route& r) {
   r.ok = false;  // whatever happens here may change the link
   const Transfer& t = *x.t_;  // built, as for route()
   // A handle of another engine, or of a buffer or peer that went (its id reused or not), or a
@@ -176,7 +162,7 @@ void Worker::admit(Xfer& x, Route& r) {
        reinterpret_cast<std::uint64_t>(s.addr()), s.lkey(), s.writable()};
 }
 
-bool Worker::lone_room(const Link& l) const noexcept {
+[[gnu::always_inline]] inline bool Worker::lone_room(const Link& l) const noexcept {
   // What open_chain() would find (ready, room in the queue, no slot overwritten before it is
   // walked), on a link of one QP (post_one spreads a request over several) with no chain open
   // (its requests go first).
@@ -185,7 +171,7 @@ bool Worker::lone_room(const Link& l) const noexcept {
   return dp.lane(0).sq.free() != 0 && unwalked_room(l) != 0;
 }
 
-bool Worker::post_lone(Link& l, Xfer& x, const LocalSlice& buffer, const RemoteRegion& seg) {
+[[gnu::always_inline]] inline bool Worker::post_lone(Link& l, Xfer& x, const LocalSlice& buffer, const RemoteRegion& seg) {
   // One request through the data path's one-request post (the extended verbs where the device
   // has them): no chain to open, stage and post. Its ring slot is a chain's of one (the
   // caller's request, its wr_id the entry), so its completion is walked as any chain's.
@@ -201,7 +187,7 @@ bool Worker::post_lone(Link& l, Xfer& x, const LocalSlice& buffer, const RemoteR
   return true;
 }
 
-PostResult Worker::post_single(Link& l, Xfer& x, const LocalSlice& buffer, const RemoteRegion& to) {
+[[gnu::always_inline]] inline PostResult Worker::post_single(Link& l, Xfer& x, const LocalSlice& buffer, const RemoteRegion& to) {
   DataPath& dp = l.impl.dp;
   const Transfer& t = x.transfer();
   const LocalSlice src = buffer.subslice(t.local_offset, t.length);
@@ -244,7 +230,7 @@ void Worker::queue_flush(Link& l) {
   to_flush_.push_back(&l);
 }
 
-void Worker::flush_queued_links() {
+void Worker::flush_queued_links_now() {
   // flush() closes no link, but it may break one (a post refused, a data path found broken),
   // and that link's transfers are re-posted on another rail (lost()), which joins this list while
   // it runs: by index, to its end, so none is dropped with its flush_queued still set.
@@ -301,7 +287,7 @@ void Worker::post_chain(Link& l) {
   break_link(l, why);
 }
 
-void Worker::post_open_chains() {
+void Worker::post_open_chains_now() {
   // post_chain() may break a link, which neither closes it nor opens chains.
   for (std::size_t i = 0; i < open_chains_.size(); ++i) {
     if (open_chains_[i]->chain_open) post_chain(*open_chains_[i]);
@@ -661,21 +647,6 @@ void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
   const bool last = --live.left == 0;
   auto keep = last ? unlist(b) : nullptr;  // the batch outlives finish() below
   b.finish(x, s, std::move(reason));
-}
-
-void Worker::on_completion(DataPath& dp, const Completion& c) noexcept {
-  Link& l = *static_cast<Link*>(dp.context);
-  const WrRing& ring = dp.lane(0).sq;
-  const std::uint64_t seq = ring.head() - 1;  // the request this completion retired
-  const bool part = ring.at(seq).kind == WrRing::part;
-  if (c.ok() && !part && (c.wr_id & 1) == 0) [[likely]] {
-    // It and every transfer posted before it on the link completed: walked when the poll is
-    // done (poll_cqs), once for all the link's completions in it.
-    if (l.walk_to == 0) to_walk_.push_back(&l);
-    l.walk_to = seq + 1;
-    return;
-  }
-  on_news(l, c, seq, part);
 }
 
 // Nothing may leave a completion handler (it runs inside the CQ poll): what throws here (out of
