@@ -310,7 +310,7 @@ Batch Engine::notify(const std::string& peer, std::span<const std::uint8_t> mess
   (void)impl_->start(*state, std::move(options));
   const std::uint32_t home = p->worker->index();
   state->set_home(home, impl_->workers.size());
-  impl_->send_to(home, std::move(state));
+  impl_->send_to(home, state);
   return batch;
 }
 

@@ -1125,9 +1125,8 @@ struct Engine::Impl {
   Batch launch_here(std::shared_ptr<detail::BatchState> state, SubmitOptions&& options);
   /// Sends b to worker `home` (all its transfers are that worker's): started on this thread
   /// when that worker's thread sleeps, else handed to it.
-  void send_to(std::uint32_t home, std::shared_ptr<detail::BatchState> b) {
-    if (workers[home]->try_submit(b)) return;
-    hand_to(home, std::move(b));
+  [[gnu::always_inline]] void send_to(std::uint32_t home, const std::shared_ptr<detail::BatchState>& b) {
+    if (!workers[home]->try_submit(b)) hand_to(home, b);
   }
   /// send_to's way when try_submit did not start b on this thread (the worker's thread runs
   /// it, or no thread does, a callback submits, stop() began): through the worker's inbox.

@@ -131,7 +131,7 @@ Batch Engine::submit(const TransferPlan& plan, SubmitOptions options) {
   }
   state->set_home(on == 1 ? home : detail::kSeveralWorkers, workers);
   if (on == 1) {
-    impl_->send_to(home, std::move(state));
+    impl_->send_to(home, state);
     return batch;
   }
   for (std::size_t w = 0; w < workers; ++w) {

@@ -105,7 +105,7 @@ Batch Engine::Impl::launch(std::shared_ptr<BatchState> state, SubmitOptions&& op
   if (home != detail::kSeveralWorkers) {
     // The caller's handle takes this reference last: on the common path (started here) no
     // copy of it is made, or dropped, on the way.
-    if (!workers[home]->try_submit(state)) hand_to(home, state);
+    send_to(home, state);
     return Batch(std::move(state));
   }
   std::vector<std::vector<std::uint32_t>> per_worker(n);
