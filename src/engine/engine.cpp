@@ -271,7 +271,7 @@ std::shared_ptr<detail::Handled> Engine::Impl::post_to(const std::function<bool(
   for (std::uint32_t i = 0; i < workers.size(); ++i) n += to(i) ? 1u : 0u;
   auto handled = std::make_shared<detail::Handled>(n);
   // A thread that runs a worker (a callback) cannot wait for it: it only posts.
-  const std::thread::id me = std::this_thread::get_id();
+  const detail::ThreadSelf me = detail::thread_self();
   bool can_wait = threads != 0;
   for (std::uint32_t i = 0; i < workers.size(); ++i) {
     can_wait = can_wait && !workers[i]->run_by(me);

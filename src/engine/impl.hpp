@@ -33,6 +33,8 @@
 #include "bootstrap/socket.hpp"
 #include "common/clock.hpp"
 #include "common/fifo.hpp"
+#include "common/inline_mutex.hpp"
+#include "common/thread_self.hpp"
 #include "connection/impl.hpp"
 #include "datapath/router.hpp"
 #include "engine/batch.hpp"
@@ -440,7 +442,7 @@ class Worker {
     return path < figures_count_ ? &figures_[path] : nullptr;
   }
   /// Whether thread `t` runs this worker now (its thread, or a submitter or waiter in it).
-  [[nodiscard]] bool run_by(std::thread::id t) const noexcept { return driver_.load(std::memory_order_relaxed) == t; }
+  [[nodiscard]] bool run_by(ThreadSelf t) const noexcept { return driver_.load(std::memory_order_relaxed) == t; }
 
  private:
   void handle(Command& c);
@@ -820,9 +822,10 @@ class Worker {
   // Whoever holds run_mu_ runs the worker, and everything below that is "the worker thread's
   // own" is under it: its thread (from turn to turn; released while it sleeps in epoll_wait),
   // or a submitter or waiter that found it asleep (try_submit, try_drive). driver_ is the
-  // thread that holds it, so that one already inside (a callback) queues instead.
-  std::mutex run_mu_;
-  std::atomic<std::thread::id> driver_{};
+  // thread that holds it, so that one already inside (a callback) queues instead. An
+  // InlineMutex: a transfer on the latency path takes and lets go of it once, without a call.
+  InlineMutex run_mu_;
+  std::atomic<ThreadSelf> driver_{nullptr};
   // Set while its thread is (about to be) in epoll_wait: only then does post() write wake_
   // (seq_cst with has_mail_: the loop looks at the mail after setting it).
   std::atomic<bool> asleep_{false};
@@ -841,7 +844,7 @@ class Worker {
   std::atomic<std::uint64_t> busy_seen_{0};
   /// What this worker expects completions for: transfers and window binds in flight.
   [[nodiscard]] std::uint64_t expecting() const noexcept { return in_flight_ + binds_out_; }
-  std::atomic<std::thread::id> spinner_{};  // the last waiter (or submitter) whose batch ended as it polled
+  std::atomic<ThreadSelf> spinner_{nullptr};  // the last waiter (or submitter) whose batch ended as it polled
   /// Arms every CQ for the next completion; arm_and_look() then polls once (under run_mu_).
   void arm() noexcept;
   void arm_and_look() noexcept;

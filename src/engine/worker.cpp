@@ -140,8 +140,8 @@ const std::vector<std::uint32_t> kWholeBatch;  // Worker::submit's indexes: ever
 // Another thread runs the worker while this lives (run_mu_ held): driver_ says who (a callback
 // that submits then queues), whatever leaves the scope.
 struct Worker::Driving {
-  Driving(Worker& w, std::thread::id me) noexcept : w_(w) { w_.driver_.store(me, std::memory_order_relaxed); }
-  ~Driving() { w_.driver_.store(std::thread::id{}, std::memory_order_relaxed); }
+  Driving(Worker& w, ThreadSelf me) noexcept : w_(w) { w_.driver_.store(me, std::memory_order_relaxed); }
+  ~Driving() { w_.driver_.store(nullptr, std::memory_order_relaxed); }
   Driving(const Driving&) = delete;
   Driving& operator=(const Driving&) = delete;
 
@@ -150,7 +150,7 @@ struct Worker::Driving {
 };
 
 bool Worker::try_submit(const std::shared_ptr<BatchState>& b) {
-  const std::thread::id me = std::this_thread::get_id();
+  const ThreadSelf me = thread_self();
   if (!threaded_ || driver_.load(std::memory_order_relaxed) == me || wants_.load(std::memory_order_relaxed)) return false;
   std::unique_lock lock(run_mu_, std::try_to_lock);
   if (!lock.owns_lock()) return false;
@@ -209,7 +209,7 @@ bool Worker::try_submit(const std::shared_ptr<BatchState>& b) {
 }
 
 bool Worker::try_drive() noexcept {
-  const std::thread::id me = std::this_thread::get_id();
+  const ThreadSelf me = thread_self();
   if (driver_.load(std::memory_order_relaxed) == me || wants_.load(std::memory_order_relaxed)) return false;
   std::unique_lock lock(run_mu_, std::try_to_lock);
   if (!lock.owns_lock()) return false;
@@ -283,7 +283,7 @@ void Worker::enter_drive() noexcept {
 
 void Worker::leave_drive(bool ended) noexcept {
   // Whose submits need no arming (try_submit): a thread whose own wait just ended by polling.
-  spinner_.store(ended ? std::this_thread::get_id() : std::thread::id{}, std::memory_order_relaxed);
+  spinner_.store(ended ? thread_self() : nullptr, std::memory_order_relaxed);
   // The last to leave, the worker asleep unarmed: what is still in flight must wake it (what a
   // submit posts after this look arms for itself: try_submit publishes busy_seen_ first, then
   // looks at drivers_, seq_cst both).
@@ -304,13 +304,13 @@ void Worker::request_arm() noexcept {
 void Worker::serve_arm_requests_now() noexcept {
   // Whoever holds the lock when a request comes serves it after letting go (here, again): the
   // worker's thread as it next sleeps, a submitter or a waiter right after.
-  // A thread already running the worker (a callback that waits, inside submit() or wait()) must
-  // not try its lock again (undefined for std::mutex): it serves the request as it lets go.
-  if (driver_.load(std::memory_order_relaxed) == std::this_thread::get_id()) return;
+  // A thread already running the worker (a callback that waits, inside submit() or wait()) holds
+  // its lock: it serves the request as it lets go.
+  if (driver_.load(std::memory_order_relaxed) == thread_self()) return;
   while (arm_wanted_.load(std::memory_order_seq_cst) && unarmed_.load(std::memory_order_seq_cst)) {
     std::unique_lock lock(run_mu_, std::try_to_lock);
     if (!lock.owns_lock()) return;  // its holder looks after it lets go
-    Driving driving(*this, std::this_thread::get_id());
+    Driving driving(*this, thread_self());
     if (!unarmed_.load(std::memory_order_relaxed)) break;
     if (expecting() == 0 && drivers_.load(std::memory_order_seq_cst) == 0) {
       // Nothing of it to complete: it arms as it next sleeps (or a submit does).
@@ -339,7 +339,7 @@ void Worker::take_back(bool locked) noexcept {
     }
     wants_.store(false, std::memory_order_relaxed);
   }
-  driver_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  driver_.store(thread_self(), std::memory_order_relaxed);
 }
 
 void Worker::wake_thread() noexcept {
@@ -409,7 +409,7 @@ void Worker::stop() noexcept {
   // The thread has gone; the engine's gate is closed (no waiter polls) and no submit may race
   // with the destructor. Held, so that a callback that submits queues (driver_).
   std::lock_guard run_lock(run_mu_);
-  driver_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  driver_.store(thread_self(), std::memory_order_relaxed);
   // What is queued still ends: commands are handled (transfers to links that are going fail).
   try {
     std::vector<Command> mail;
@@ -470,7 +470,7 @@ void Worker::stop() noexcept {
 std::size_t Worker::run(Deadline until, bool forever) noexcept {
   // Held while it runs, released only while it sleeps (sleep()). Already held by this thread
   // (progress() -> a callback -> connect(), which drives progress itself): run inside it.
-  const std::thread::id me = std::this_thread::get_id();
+  const ThreadSelf me = thread_self();
   const bool nested = driver_.load(std::memory_order_relaxed) == me;
   std::unique_lock lock(run_mu_, std::defer_lock);
   if (!nested) lock.lock();
@@ -509,7 +509,7 @@ std::size_t Worker::run(Deadline until, bool forever) noexcept {
       if (!forever && Clock::now() >= until) break;
     }
   }
-  if (!nested) driver_.store(std::thread::id{}, std::memory_order_relaxed);
+  if (!nested) driver_.store(nullptr, std::memory_order_relaxed);
   return ended_;
 }
 
@@ -631,7 +631,7 @@ void Worker::sleep(Deadline until) noexcept {
   if (ms > 0) {
     // Asleep, the worker is anyone's to run: a submitter posts its batch itself and a waiter
     // polls for its completions (try_submit, try_drive), with the CQs armed for this thread.
-    driver_.store(std::thread::id{}, std::memory_order_relaxed);
+    driver_.store(nullptr, std::memory_order_relaxed);
     run_mu_.unlock();
     n = ::epoll_wait(epoll_.get(), events, 64, ms);
     // The unarmed nap ran out with nothing to tell this thread, while another thread runs the
