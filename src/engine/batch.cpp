@@ -41,12 +41,14 @@ void detail::DriveGate::close() noexcept {
   while ((users_.load(std::memory_order_acquire) & ~kClosed) != 0) std::this_thread::yield();
 }
 
-void detail::BatchState::finish(Xfer& t, TransferStatus s, std::string reason) noexcept {
+void detail::BatchState::finish(Xfer& t, TransferStatus s, std::string reason,
+                                const std::shared_ptr<BatchState>& self) noexcept {
   if (t.status(std::memory_order_relaxed) != TransferStatus::pending) return;  // ended once
   if (s != TransferStatus::ok) {
     try {
       std::lock_guard lock(mu);
-      reasons[t.index] = std::move(reason);
+      if (!reasons) reasons = std::make_unique<std::map<std::uint32_t, std::string>>();
+      (*reasons)[t.index] = std::move(reason);
     } catch (...) {
       // Out of memory for the reason: the status still says what happened.
     }
@@ -57,7 +59,7 @@ void detail::BatchState::finish(Xfer& t, TransferStatus s, std::string reason) n
     }
   }
   t.set_status(s, std::memory_order_release);
-  if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) last_ended();
+  if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) last_ended(self);
 }
 
 void detail::BatchState::notification_failed(std::string why) noexcept {
@@ -70,9 +72,9 @@ void detail::BatchState::notification_failed(std::string why) noexcept {
   engine->count.notifications_refused.fetch_add(1, std::memory_order_relaxed);
 }
 
-void detail::BatchState::run_callback() noexcept {
+void detail::BatchState::run_callback(const std::shared_ptr<BatchState>& self) noexcept {
   try {
-    on_done(Batch(shared_from_this()));
+    on_done(Batch(self));
   } catch (...) {
     // A callback that throws must not take the worker down.
   }
@@ -189,8 +191,9 @@ TransferResult Batch::result(std::size_t i) const {
   const TransferStatus st = state_->x[i].status(std::memory_order_acquire);
   if (st == TransferStatus::pending || st == TransferStatus::ok) return {st, {}};
   std::lock_guard lock(state_->mu);
-  const auto it = state_->reasons.find(static_cast<std::uint32_t>(i));
-  return {st, it != state_->reasons.end() ? it->second : std::string{}};
+  if (!state_->reasons) return {st, {}};
+  const auto it = state_->reasons->find(static_cast<std::uint32_t>(i));
+  return {st, it != state_->reasons->end() ? it->second : std::string{}};
 }
 
 std::string Batch::describe_failures() const {
@@ -298,9 +301,11 @@ BatchTelemetry Batch::telemetry() const {
   }
   {
     std::lock_guard lock(b.mu);
-    for (const auto& [path, v] : b.sliced_paths) {
-      paths[path].first += v.first;
-      paths[path].second += v.second;
+    if (b.sliced_paths) {
+      for (const auto& [path, v] : *b.sliced_paths) {
+        paths[path].first += v.first;
+        paths[path].second += v.second;
+      }
     }
   }
   if (paths.empty()) return t;

@@ -276,7 +276,7 @@ class DriveGate {
 /// BatchState::home of a batch whose transfers are on several workers.
 inline constexpr std::uint32_t kSeveralWorkers = ~0u;
 
-struct BatchState : std::enable_shared_from_this<BatchState> {
+struct BatchState {
   BatchState(Engine::Impl* e, std::span<const Transfer> t);
   /// A batch of `plan` (which it keeps), its entries in `*entries` (the batch's own allocation:
   /// Engine::submit(plan)).
@@ -287,7 +287,8 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   /// before the batch is launched. A batch dropped part way (the caller threw) frees them
   /// unread: both are trivially destructible.
   BatchState(Engine::Impl* e, std::uint32_t n, bool lists = false);
-  ~BatchState() {
+  // Inline: Engine::Impl::batch_of_one destroys its spare state in place once per transfer.
+  [[gnu::always_inline]] ~BatchState() {
     static_assert(std::is_trivially_destructible_v<Xfer> && std::is_trivially_destructible_v<Transfer>);
     if (!x_inline) ::operator delete(x);
   }
@@ -327,11 +328,15 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   bool spin(Deadline start, Deadline until) noexcept;
   /// A wait that slept ended after `took` (the spin's measure of what waits take).
   void slept(std::chrono::nanoseconds took) noexcept;
-  std::map<std::uint32_t, std::string> reasons;  // under mu: why each failed transfer failed
+  // The two maps below are made when first needed: most batches have no failure and no slice,
+  // and an empty std::map's destruction is a call into the library at every batch's end (the
+  // latency path counts calls: docs/performance.md).
+  /// Under mu: why each failed transfer failed (null: none did).
+  std::unique_ptr<std::map<std::uint32_t, std::string>> reasons;
   std::vector<std::string> notify_failures;      // under mu: each notification not sent, why
   /// Under mu: what the slices of its sliced transfers that ended ok moved, per path (device
-  /// index): bytes and transfers (a transfer counts once per path its slices took).
-  std::map<std::uint8_t, std::pair<std::uint64_t, std::uint32_t>> sliced_paths;
+  /// index): bytes and transfers (a transfer counts once per path its slices took; null: none).
+  std::unique_ptr<std::map<std::uint8_t, std::pair<std::uint64_t, std::uint32_t>>> sliced_paths;
   std::atomic<std::uint32_t> notify_failed{0};
   /// A notification to a peer was not sent (before the transfer whose end decided it ends).
   void notification_failed(std::string why) noexcept;
@@ -395,10 +400,13 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   std::unique_ptr<WorkerShare[]> more;  // by worker index, of a batch on several
   std::shared_ptr<DriveGate> gate;  // the engine's
   /// Records a transfer's end with its reason (a failure, or any end when the batch notifies).
-  void finish(Xfer& t, TransferStatus s, std::string reason) noexcept;
-  /// `n` transfers ended ok (their status stored already): one count for all of them.
-  void finished_ok(std::uint32_t n) noexcept {
-    if (remaining.fetch_sub(n, std::memory_order_acq_rel) == n) last_ended();
+  /// `self`: the caller's reference to this batch, which it holds when the transfer is the
+  /// batch's last (the worker's, just taken off its list): what the callback gets.
+  void finish(Xfer& t, TransferStatus s, std::string reason, const std::shared_ptr<BatchState>& self) noexcept;
+  /// `n` transfers ended ok (their status stored already): one count for all of them (`self`
+  /// as for finish()).
+  void finished_ok(std::uint32_t n, const std::shared_ptr<BatchState>& self) noexcept {
+    if (remaining.fetch_sub(n, std::memory_order_acq_rel) == n) last_ended(self);
   }
 
  private:
@@ -426,9 +434,9 @@ struct BatchState : std::enable_shared_from_this<BatchState> {
   std::uint32_t one_index_[2] = {0, 0};
   /// The batch's end (its last transfer ended): telemetry, the callback, the waiters, the
   /// engine's descriptor. Inline (impl.hpp), as finished_ok(): the latency path's end.
-  void last_ended() noexcept;
+  void last_ended(const std::shared_ptr<BatchState>& self) noexcept;
   /// on_done, run by last_ended (out of line: most batches have none).
-  void run_callback() noexcept;
+  void run_callback(const std::shared_ptr<BatchState>& self) noexcept;
   /// ended()'s wake-up of the waiters asleep on the batch (out of the common path).
   void wake_sleepers() noexcept;
 };

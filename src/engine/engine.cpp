@@ -307,7 +307,7 @@ Batch Engine::notify(const std::string& peer, std::span<const std::uint8_t> mess
   state->note_only = true;
   options.notify.assign(message.begin(), message.end());
   Batch batch(state);
-  (void)impl_->start(*state, std::move(options));
+  (void)impl_->start(state, std::move(options));
   const std::uint32_t home = p->worker->index();
   state->set_home(home, impl_->workers.size());
   impl_->send_to(home, state);

@@ -1076,6 +1076,14 @@ struct Engine::Impl {
   // (closed first at shut-down), and a running average of how long waits took, which sizes it.
   std::shared_ptr<detail::DriveGate> gate = std::make_shared<detail::DriveGate>();
   std::atomic<std::int64_t> wait_avg_ns{0};
+  // Engine::submit's batch of one transfer without options, made again in place when nobody
+  // holds the last one any more (batch_of_one): no allocation, and no release through
+  // shared_ptr's control block, per transfer on the latency path. Nothing of the caller's
+  // (a callback, a notification) is ever kept in it. Under spare_mu, which a submitter only
+  // tries: another one busy with it makes a batch of its own.
+  detail::InlineMutex spare_mu;
+  std::shared_ptr<detail::BatchState> spare;
+  [[nodiscard]] std::shared_ptr<detail::BatchState> batch_of_one(const Transfer& t);
   /// How long a wait spins now (0: it sleeps at once).
   [[nodiscard]] std::chrono::nanoseconds spin_for() const noexcept;
   /// A wait ended after `took`: the average moves an eighth of the way.
@@ -1122,9 +1130,9 @@ struct Engine::Impl {
   void signal_fd() noexcept;
   /// What every submit does before its transfers go to the workers: the options into `b`, the
   /// counters; an empty batch ends here (false: nothing to send).
-  bool start(detail::BatchState& b, SubmitOptions&& options);
+  bool start(const std::shared_ptr<detail::BatchState>& b, SubmitOptions&& options);
   /// start() and launch() as submit.cpp runs them, inline (defined and used there only).
-  bool start_here(detail::BatchState& b, SubmitOptions&& options);
+  bool start_here(const std::shared_ptr<detail::BatchState>& b, SubmitOptions&& options);
   Batch launch_here(std::shared_ptr<detail::BatchState> state, SubmitOptions&& options);
   /// Sends b to worker `home` (all its transfers are that worker's): started on this thread
   /// when that worker's thread sleeps, else handed to it.
@@ -1228,7 +1236,7 @@ inline const detail::BufferRec& detail::Worker::buffer_of(Xfer& x) const noexcep
   return *e_.buffer(x.transfer().local.id);  // admitted: its generation was checked
 }
 
-inline void detail::BatchState::last_ended() noexcept {
+inline void detail::BatchState::last_ended(const std::shared_ptr<BatchState>& self) noexcept {
   if (engine->cfg.telemetry) {
     const std::int64_t now = Clock::now().time_since_epoch().count();
     ended_ns.store(now, std::memory_order_release);
@@ -1238,7 +1246,7 @@ inline void detail::BatchState::last_ended() noexcept {
     }
   }
   // The callback first, so that wait() returning (and the descriptor) also means it has run.
-  if (on_done) run_callback();
+  if (on_done) run_callback(self);
   ended();
   engine->signal();
 }

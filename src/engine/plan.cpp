@@ -122,7 +122,7 @@ Batch Engine::submit(const TransferPlan& plan, SubmitOptions options) {
   auto state = std::allocate_shared<BatchState>(EntriesAfter<BatchState>(plan.state_->x.size(), &entries), impl_.get(),
                                                 plan.state_, &entries);
   Batch batch(state);
-  if (!impl_->start(*state, std::move(options))) return batch;
+  if (!impl_->start(state, std::move(options))) return batch;
   const std::size_t workers = impl_->workers.size();
   std::uint32_t home = detail::kSeveralWorkers;
   std::size_t on = 0;  // workers with transfers of it

@@ -5,6 +5,7 @@
 // calls between its steps: on the lab's emulator each call and return costs tens of
 // nanoseconds, more than the steps themselves (docs/performance.md).
 #include <cerrno>
+#include <memory>
 
 #include <fmt/format.h>
 
@@ -29,9 +30,18 @@ namespace {
               fmt::format("a request id of {} bytes; at most {}", options.request_id.size(), Engine::max_request_id));
 }
 
+// A batch state destroyed in place made again, of `one` transfer (Engine::Impl::batch_of_one).
+// Nothing is allocated for one transfer, so nothing throws; were it to, the process ends here
+// (noexcept) rather than keep a destroyed state.
+[[gnu::always_inline]] inline void remake_batch(BatchState* s, Engine::Impl* e, std::span<const Transfer> one) noexcept {
+  ::new (static_cast<void*>(s)) BatchState(e, one);
+}
+
 }  // namespace
 
-[[gnu::always_inline]] inline bool Engine::Impl::start_here(BatchState& b, SubmitOptions&& options) {
+[[gnu::always_inline]] inline bool Engine::Impl::start_here(const std::shared_ptr<BatchState>& state,
+                                                            SubmitOptions&& options) {
+  BatchState& b = *state;
   if (options.notify.size() > Engine::max_notification || options.request_id.size() > Engine::max_request_id) [[unlikely]] {
     refuse(options);
   }
@@ -61,7 +71,7 @@ namespace {
   if (cfg.telemetry) b.ended_ns.store(b.submitted.time_since_epoch().count(), std::memory_order_release);
   if (b.on_done) {
     try {
-      b.on_done(Batch(b.shared_from_this()));
+      b.on_done(Batch(state));
     } catch (...) {
     }
   }
@@ -70,10 +80,34 @@ namespace {
   return false;
 }
 
-bool Engine::Impl::start(BatchState& b, SubmitOptions&& options) { return start_here(b, std::move(options)); }
+bool Engine::Impl::start(const std::shared_ptr<BatchState>& b, SubmitOptions&& options) {
+  return start_here(b, std::move(options));
+}
+
+[[gnu::always_inline]] inline std::shared_ptr<BatchState> Engine::Impl::batch_of_one(const Transfer& t) {
+  const std::span<const Transfer> one(&t, 1);
+  std::unique_lock lock(spare_mu, std::try_to_lock);
+  if (!lock.owns_lock()) return detail::make_batch(this, one);
+  if (spare.use_count() == 1) {
+    // Held by nothing else (no weak reference to a batch is ever made): it ended, its handle is
+    // gone and no worker lists it. The fence pairs with the release of their last references.
+    std::atomic_thread_fence(std::memory_order_acquire);
+    BatchState* const s = spare.get();
+    s->~BatchState();
+    remake_batch(s, this, one);
+  } else {
+    spare = detail::make_batch(this, one);  // the one before lives on with whoever holds it
+  }
+  return spare;
+}
 
 Batch Engine::submit(std::span<const Transfer> transfers, SubmitOptions options) {
-  return impl_->launch_here(detail::make_batch(impl_.get(), transfers), std::move(options));
+  // A batch of one that keeps nothing of the caller's but its transfer reuses the engine's
+  // spare state (Impl::spare): a callback's captures must not outlive the batch's last handle.
+  const bool plain_one =
+      transfers.size() == 1 && !options.on_done && options.notify.empty() && options.request_id.empty();
+  return impl_->launch_here(plain_one ? impl_->batch_of_one(transfers[0]) : detail::make_batch(impl_.get(), transfers),
+                            std::move(options));
 }
 
 Batch Engine::Impl::launch(std::shared_ptr<BatchState> state, SubmitOptions&& options) {
@@ -81,7 +115,7 @@ Batch Engine::Impl::launch(std::shared_ptr<BatchState> state, SubmitOptions&& op
 }
 
 [[gnu::always_inline]] inline Batch Engine::Impl::launch_here(std::shared_ptr<BatchState> state, SubmitOptions&& options) {
-  if (!start_here(*state, std::move(options))) return Batch(std::move(state));
+  if (!start_here(state, std::move(options))) return Batch(std::move(state));
   // The workers check each transfer (and end a bad one at once); here they are only sent to
   // their peers' workers: with one worker, without looking at them.
   const std::size_t n = workers.size();

@@ -111,8 +111,10 @@ void Worker::slice_ended(Xfer& s, TransferStatus st, std::string reason) noexcep
     // and large: a lock per sliced transfer).
     try {
       std::lock_guard lock(parent.batch->mu);
+      auto& sliced = parent.batch->sliced_paths;
+      if (!sliced) sliced = std::make_unique<std::map<std::uint8_t, std::pair<std::uint64_t, std::uint32_t>>>();
       for (const auto& [path, bytes] : g.bytes_by_path) {
-        auto& [b, n] = parent.batch->sliced_paths[path];
+        auto& [b, n] = (*sliced)[path];
         b += bytes;
         ++n;
       }

@@ -451,7 +451,7 @@ void Worker::walk(Link& l, std::uint64_t upto, TransferStatus s, const std::stri
       ended_ += run_ok;
       std::shared_ptr<BatchState> keep;  // the batch outlives finished_ok() below
       if ((live.left -= run_ok) == 0) keep = unlist(*run);
-      run->finished_ok(run_ok);
+      run->finished_ok(run_ok, keep);
     }
     run_ok = 0;
   };
@@ -646,7 +646,7 @@ void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
   ++ended_;
   const bool last = --live.left == 0;
   auto keep = last ? unlist(b) : nullptr;  // the batch outlives finish() below
-  b.finish(x, s, std::move(reason));
+  b.finish(x, s, std::move(reason), keep);
 }
 
 // Nothing may leave a completion handler (it runs inside the CQ poll): what throws here (out of

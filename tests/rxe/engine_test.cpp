@@ -383,6 +383,74 @@ TEST(Engine, FailuresSayWhy) {
   EXPECT_EQ(again.failed(), 0u) << again.describe_failures();
 }
 
+// A batch of one transfer without options reuses the engine's last such batch once nobody holds
+// it (Engine::Impl::batch_of_one): each comes out as new, whatever ended in the one before, a
+// batch still held is never the one reused, and a callback's captures (a batch with options is
+// never reused) go with the batch's last handle.
+TEST(Engine, ABatchOfOneIsNewWhateverEndedBeforeIt) {
+  Target b("b", 4096);
+  Engine a(config("a"));
+  a.add_peer("b", at(b.engine));
+  const auto seg = a.segment("b", "kv");
+  const Buffer src = a.allocate_memory(4096);
+  const Buffer dst = a.allocate_memory(4096);
+  const Transfer bad = xfer(TransferOp::write, src, 0, 64, seg, 4090);  // past the segment
+  const Transfer good = xfer(TransferOp::write, src, 0, 64, seg, 0);
+  for (int round = 0; round < 3; ++round) {
+    {
+      Batch f = a.submit({&bad, 1});
+      ASSERT_TRUE(lab::waited(f, 5s));
+      ASSERT_EQ(f.failed(), 1u);
+      EXPECT_EQ(f.result(0).status, TransferStatus::no_segment);
+    }
+    Batch ok = a.submit({&good, 1});
+    ASSERT_TRUE(lab::waited(ok, 5s));
+    EXPECT_EQ(ok.failed(), 0u) << ok.describe_failures();
+    EXPECT_EQ(ok.result(0).status, TransferStatus::ok);
+    EXPECT_EQ(ok.result(0).reason, "");
+    EXPECT_EQ(ok.describe_failures(), "");
+  }
+  // Held handles keep their own batches: a failed one still says why after others ran.
+  Batch held_bad = a.submit({&bad, 1});
+  ASSERT_TRUE(lab::waited(held_bad, 5s));
+  Batch held_ok = a.submit({&good, 1});
+  ASSERT_TRUE(lab::waited(held_ok, 5s));
+  for (std::uint8_t i = 1; i <= 50; ++i) {
+    // Write a byte, read it back elsewhere: fresh batches each time, both ways.
+    static_cast<std::uint8_t*>(src.addr)[100] = i;
+    const Transfer w = xfer(TransferOp::write, src, 100, 1, seg, 100);
+    Batch bw = a.submit({&w, 1});
+    ASSERT_TRUE(lab::waited(bw, 5s));
+    ASSERT_EQ(bw.failed(), 0u) << bw.describe_failures();
+    const Transfer r = xfer(TransferOp::read, dst, 200, 1, seg, 100);
+    Batch br = a.submit({&r, 1});
+    ASSERT_TRUE(lab::waited(br, 5s));
+    ASSERT_EQ(br.failed(), 0u) << br.describe_failures();
+    ASSERT_EQ(static_cast<const std::uint8_t*>(dst.addr)[200], i);
+  }
+  EXPECT_EQ(held_bad.failed(), 1u);
+  EXPECT_EQ(held_bad.result(0).status, TransferStatus::no_segment);
+  EXPECT_NE(held_bad.result(0).reason, "");
+  EXPECT_EQ(held_ok.failed(), 0u);
+  EXPECT_EQ(held_ok.result(0).status, TransferStatus::ok);
+  // A callback's captures live no longer than the batch.
+  auto token = std::make_shared<int>(7);
+  const std::weak_ptr<int> watch = token;
+  {
+    rdmakit::SubmitOptions o;
+    o.on_done = [token](const Batch&) {};
+    token.reset();
+    Batch cb = a.submit({&good, 1}, std::move(o));
+    ASSERT_TRUE(lab::waited(cb, 5s));
+  }
+  Batch after = a.submit({&good, 1});
+  ASSERT_TRUE(lab::waited(after, 5s));
+  // The worker lets go of its reference as the batch ends, maybe just after the waiter returned.
+  const auto until = std::chrono::steady_clock::now() + 5s;
+  while (!watch.expired() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+  EXPECT_TRUE(watch.expired()) << "a batch with a callback was kept after its last handle went";
+}
+
 // A budget of 4 QPs and 8 peers: idle links are evicted to make room, counted, and every
 // transfer still succeeds (evicted peers reconnect when used again).
 TEST(Engine, TheQpBudgetHoldsWithMorePeersThanQps) {
