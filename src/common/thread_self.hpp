@@ -8,14 +8,15 @@ namespace rdmakit::detail {
 
 /// Which thread this is, for comparisons only: unique among the process's live threads (the
 /// address of its thread control block; a thread started after another ended may get the same,
-/// as std::thread::id's). Null is no thread. Read from the thread pointer register where the
-/// compiler can (x86-64 and Arm: one instruction); std::this_thread::get_id() calls
-/// pthread_self(), and on the lab's emulator a call and its return cost more than that
-/// (docs/performance.md).
+/// as std::thread::id's). Null is no thread. Read from the thread pointer register on x86-64 and
+/// Arm64 (one instruction); std::this_thread::get_id() calls pthread_self(), and on the lab's
+/// emulator a call and its return cost more than that (docs/performance.md). Elsewhere
+/// pthread_self(): __has_builtin says yes to __builtin_thread_pointer on targets where GCC then
+/// refuses to expand it.
 using ThreadSelf = const void*;
 
 inline ThreadSelf thread_self() noexcept {
-#if __has_builtin(__builtin_thread_pointer)
+#if defined(__x86_64__) || defined(__aarch64__)
   return __builtin_thread_pointer();
 #else
   return reinterpret_cast<ThreadSelf>(::pthread_self());

@@ -1246,6 +1246,8 @@ inline void detail::BatchState::last_ended(const std::shared_ptr<BatchState>& se
     }
   }
   // The callback first, so that wait() returning (and the descriptor) also means it has run.
+  // (The worker that ends the last transfer holds the batch: it just took it off its list.)
+  assert(self || !on_done);
   if (on_done) run_callback(self);
   ended();
   engine->signal();
