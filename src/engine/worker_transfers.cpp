@@ -614,7 +614,7 @@ void Worker::cancel(BatchState& b) noexcept {
 void Worker::end(Xfer& x, TransferStatus s, std::string reason) noexcept {
   if (x.group != nullptr) [[unlikely]] return slice_ended(x, s, std::move(reason));
   // Ended once (as finish() would say): a second end must not count down the worker's share, whose
-  // end lets go of the batch (which a batch of one then reuses: Engine::Impl::batch_of_one).
+  // end lets go of the batch while other transfers of it may still be in flight.
   if (x.status(std::memory_order_relaxed) != TransferStatus::pending) [[unlikely]] return;
   BatchState& b = *x.batch;
   WorkerShare& live = b.share(index_);
