@@ -164,11 +164,11 @@ extern "C" __attribute__((noinline)) unsigned long rdmakit_overhead_rawex_loop(
 }
 
 // The rawex loop plus what any data path that keeps track of its requests does at the least,
-// with nothing checked and no call between the caller and the provider: the request's entry in
-// a ring (the caller's wr_id and opcode), its verbs wr_id made of a tag and the entry's sequence
-// number, the room in the queue; on the completion, its entry found from the wr_id and retired,
-// and a completion of the caller's (wr_id, opcode, status, vendor error, length, immediate)
-// filled. What a library's prepared post and one-completion poll cannot go below (the floor
+// with no call between the caller and the provider and no test but the queue's room and the
+// completion's own (tag, sequence, status): the request's entry in a ring (the caller's wr_id and
+// opcode), its verbs wr_id made of a tag and the entry's sequence number; on the completion, its
+// entry found from the wr_id and retired, and a completion of the caller's filled (wr_id and
+// opcode from the ring, the status from the CQ, the rest zero as for a send that succeeded). What a library's prepared post and one-completion poll cannot go below (the floor
 // against which issue 34 asks for 1.15x of rawex).
 namespace {
 struct FloorSlot {
