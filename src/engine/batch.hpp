@@ -278,6 +278,9 @@ inline constexpr std::uint32_t kSeveralWorkers = ~0u;
 
 struct BatchState {
   BatchState(Engine::Impl* e, std::span<const Transfer> t);
+  /// The same with the engine's gate given: moved out of the state this one is made in place
+  /// of (Engine::Impl::batch_of_one), so that its count does not go down and up per transfer.
+  BatchState(Engine::Impl* e, std::span<const Transfer> t, std::shared_ptr<DriveGate> gate);
   /// A batch of `plan` (which it keeps), its entries in `*entries` (the batch's own allocation:
   /// Engine::submit(plan)).
   BatchState(Engine::Impl* e, std::shared_ptr<PlanState> plan, Xfer* const* entries);
@@ -356,6 +359,8 @@ struct BatchState {
   /// Records that a worker has posted its share of the batch (the latest one counts).
   void stamp_posted() noexcept {
     const std::int64_t now = Clock::now().time_since_epoch().count();
+    // A batch on one worker is stamped by that worker's runner alone (under its lock).
+    if (home != kSeveralWorkers) return posted_ns.store(now, std::memory_order_relaxed);
     std::int64_t was = posted_ns.load(std::memory_order_relaxed);
     while (was < now && !posted_ns.compare_exchange_weak(was, now, std::memory_order_relaxed)) {
     }

@@ -1254,8 +1254,9 @@ inline void detail::BatchState::last_ended(const std::shared_ptr<BatchState>& se
 }
 
 // Inline: a batch of one is made on the latency path (Engine::submit).
-[[gnu::always_inline]] inline detail::BatchState::BatchState(Engine::Impl* e, std::span<const Transfer> t)
-    : size(static_cast<std::uint32_t>(t.size())), engine(e) {
+[[gnu::always_inline]] inline detail::BatchState::BatchState(Engine::Impl* e, std::span<const Transfer> t,
+                                                            std::shared_ptr<DriveGate> g)
+    : size(static_cast<std::uint32_t>(t.size())), engine(e), gate(std::move(g)) {
   allocate_entries();
   // One loop (not a memcpy, whose `rep movsb` callgrind would count byte by byte).
   for (std::uint32_t i = 0; i < size; ++i) {
@@ -1263,8 +1264,10 @@ inline void detail::BatchState::last_ended(const std::shared_ptr<BatchState>& se
     atomics |= t[i].op >= TransferOp::fetch_add;
   }
   remaining.store(size, std::memory_order_relaxed);
-  gate = e->gate;
 }
+
+[[gnu::always_inline]] inline detail::BatchState::BatchState(Engine::Impl* e, std::span<const Transfer> t)
+    : BatchState(e, t, e->gate) {}
 
 inline bool detail::Worker::slices_for(const Peer& p, Xfer& x) const noexcept {
   const std::uint64_t threshold = e_.cfg.rails.slice_threshold;

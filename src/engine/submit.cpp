@@ -34,7 +34,9 @@ namespace {
 // Nothing is allocated for one transfer, so nothing throws; were it to, the process ends here
 // (noexcept) rather than keep a destroyed state.
 [[gnu::always_inline]] inline void remake_batch(BatchState* s, Engine::Impl* e, std::span<const Transfer> one) noexcept {
-  ::new (static_cast<void*>(s)) BatchState(e, one);
+  std::shared_ptr<detail::DriveGate> gate = std::move(s->gate);  // the engine's: kept, not counted down and up
+  s->~BatchState();
+  ::new (static_cast<void*>(s)) BatchState(e, one, std::move(gate));
 }
 
 }  // namespace
@@ -104,9 +106,7 @@ bool Engine::Impl::start(const std::shared_ptr<BatchState>& b, SubmitOptions&& o
   // never remake a batch in flight.) The fence pairs with the release of those last references.
   if (spare.use_count() == 1 && spare->remaining.load(std::memory_order_relaxed) == 0) {
     std::atomic_thread_fence(std::memory_order_acquire);
-    BatchState* const s = spare.get();
-    s->~BatchState();
-    remake_batch(s, this, one);
+    remake_batch(spare.get(), this, one);
   } else {
     spare = detail::make_batch(this, one);  // the one before lives on with whoever holds it
   }
