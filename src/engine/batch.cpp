@@ -47,7 +47,7 @@ void detail::BatchState::finish(Xfer& t, TransferStatus s, std::string reason,
   if (s != TransferStatus::ok) {
     try {
       std::lock_guard lock(mu);
-      if (!reasons) reasons = std::make_unique<std::map<std::uint32_t, std::string>>();
+      if (!reasons) reasons = std::make_unique<Reasons>();
       (*reasons)[t.index] = std::move(reason);
     } catch (...) {
       // Out of memory for the reason: the status still says what happened.

@@ -334,12 +334,14 @@ struct BatchState {
   // The two maps below are made when first needed: most batches have no failure and no slice,
   // and an empty std::map's destruction is a call into the library at every batch's end (the
   // latency path counts calls: docs/performance.md).
+  using Reasons = std::map<std::uint32_t, std::string>;
   /// Under mu: why each failed transfer failed (null: none did).
-  std::unique_ptr<std::map<std::uint32_t, std::string>> reasons;
+  std::unique_ptr<Reasons> reasons;
   std::vector<std::string> notify_failures;      // under mu: each notification not sent, why
+  using SlicedPaths = std::map<std::uint8_t, std::pair<std::uint64_t, std::uint32_t>>;
   /// Under mu: what the slices of its sliced transfers that ended ok moved, per path (device
   /// index): bytes and transfers (a transfer counts once per path its slices took; null: none).
-  std::unique_ptr<std::map<std::uint8_t, std::pair<std::uint64_t, std::uint32_t>>> sliced_paths;
+  std::unique_ptr<SlicedPaths> sliced_paths;
   std::atomic<std::uint32_t> notify_failed{0};
   /// A notification to a peer was not sent (before the transfer whose end decided it ends).
   void notification_failed(std::string why) noexcept;

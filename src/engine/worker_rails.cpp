@@ -112,7 +112,7 @@ void Worker::slice_ended(Xfer& s, TransferStatus st, std::string reason) noexcep
     try {
       std::lock_guard lock(parent.batch->mu);
       auto& sliced = parent.batch->sliced_paths;
-      if (!sliced) sliced = std::make_unique<std::map<std::uint8_t, std::pair<std::uint64_t, std::uint32_t>>>();
+      if (!sliced) sliced = std::make_unique<BatchState::SlicedPaths>();
       for (const auto& [path, bytes] : g.bytes_by_path) {
         auto& [b, n] = (*sliced)[path];
         b += bytes;
